@@ -1,0 +1,29 @@
+# Dev environment: torch is pinned to the CPU wheel on disk (a bare `torch` pulls a CUDA build).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_DEV_CONSTRAINT ?= torch==2.13.0
+WORLD_SIZE ?= 4
+
+.PHONY: install test demo lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+install: $(PY)
+	$(PY) -m pip install -q "$(TORCH_DEV_CONSTRAINT)"
+	$(PY) -m pip install -q -e ".[test]" "$(TORCH_DEV_CONSTRAINT)"
+
+test: install
+	$(PY) -m pytest -q -x --durations=15
+
+demo: install
+	$(PY) -m alltoall_ops.demo --world-size $(WORLD_SIZE)
+
+lint: install
+	$(PY) -m pip install -q ruff
+	$(VENV)/bin/ruff check alltoall_ops tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

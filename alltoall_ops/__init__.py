@@ -1,0 +1,9 @@
+"""alltoall_ops: torch.compile-first all-to-all ops for MoE expert parallelism.
+
+Importing the package registers every op under ``torch.ops.alltoall_ops``.
+"""
+
+from .api import DispatchHandle, combine, dispatch, exchange_counts
+from .ops import communication_ops
+
+__all__ = ["DispatchHandle", "combine", "communication_ops", "dispatch", "exchange_counts"]

@@ -1,0 +1,130 @@
+"""Public entry points: ``dispatch``, ``combine``, ``exchange_counts`` and the dispatch handle."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+from . import layout
+from .groups import Group, pick_backend, resolve_group
+from .ops import combine_op, dispatch_op, exchange_counts_op
+from .validation import check_combine_args, check_dispatch_args
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchHandle:
+    """What ``combine`` needs to undo one ``dispatch``: layout tensors and ints only, so it passes
+    through compiled graphs on every supported torch version.
+
+    order: (N,), position: (T, K), send_meta / recv_meta: (W, e + STATUS_COLUMNS), int64.
+    num_rows: R, rows of the routed output (padding included).
+    """
+
+    order: torch.Tensor
+    position: torch.Tensor
+    send_meta: torch.Tensor
+    recv_meta: torch.Tensor
+    num_rows: int
+    expert_alignment: int
+    group_name: str
+
+    @property
+    def num_tokens(self) -> int:
+        return self.position.shape[0]
+
+    @property
+    def top_k(self) -> int:
+        return self.position.shape[1]
+
+
+def dispatch(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    *,
+    num_experts: int,
+    group: Any = None,
+    backend: str = "auto",
+    expert_alignment: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+    """Send each token to the ranks that own its top-k experts.
+
+    Args:
+        x: (T, H) float tokens of this rank; T may be 0.
+        topk_idx: (T, K) integer global expert ids in [0, E); -1 drops the slot.
+        num_experts: E, divisible by the group size W; rank r owns experts [r*e, (r+1)*e).
+        group: ProcessGroup, 1-D DeviceMesh, or None (default group; no group when
+            torch.distributed is not initialised).
+        backend: "auto" | "local" | "collective".
+        expert_alignment: pad each local expert's row group to a multiple of this.
+
+    Returns:
+        routed: (R, H) received rows, grouped by local expert, then source rank, then source
+            token order; padding rows are zero.
+        tokens_per_expert: (e,) int64 rows of ``routed`` per local expert, padding included.
+        handle: a :class:`DispatchHandle` for :func:`combine`.
+
+    Example::
+
+        routed, tokens_per_expert, handle = dispatch(x, topk_idx, num_experts=8)
+        y = combine(experts(routed, tokens_per_expert), handle, topk_weights)
+    """
+    grp = pick_backend(backend, resolve_group(group))
+    check_dispatch_args(x, topk_idx, num_experts, grp.size, expert_alignment)
+    plan = layout.plan_routing(topk_idx, num_experts, grp.size)
+    recv_meta = exchange_counts_op(plan.send_meta, grp.name)
+    routed = dispatch_op(
+        x, None, plan.order, plan.position, plan.send_meta, recv_meta,
+        expert_alignment, grp.name, None,
+    )
+    recv_counts, _ = layout.split_meta(recv_meta)
+    tokens_per_expert = layout.padded_tokens_per_expert(recv_counts, expert_alignment)
+    handle = DispatchHandle(
+        plan.order, plan.position, plan.send_meta, recv_meta, routed.shape[0],
+        expert_alignment, grp.name,
+    )
+    return routed, tokens_per_expert, handle
+
+
+def combine(
+    expert_out: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Bring expert outputs back and reduce each token's top-k slots.
+
+    Args:
+        expert_out: (R, H) rows in the order ``dispatch`` returned them.
+        handle: the :class:`DispatchHandle` of that dispatch.
+        topk_weights: (T, K) float router weights, or None for weight 1.
+
+    Returns:
+        y: (T, H) in expert_out's dtype, y[t] = sum_k w[t, k] * expert_out[row of (t, k)],
+        accumulated in fp32 (fp64 for fp64 inputs) and rounded once; padding rows and -1
+        slots contribute nothing.
+    """
+    check_combine_args(expert_out, handle, topk_weights)
+    y, _ = combine_op(
+        expert_out, topk_weights, handle.order, handle.position, handle.send_meta,
+        handle.recv_meta, handle.expert_alignment, handle.group_name,
+    )
+    return y
+
+
+def exchange_counts(
+    tokens_per_expert_global: torch.Tensor, group: Any = None, backend: str = "auto"
+) -> torch.Tensor:
+    """(E,) counts this rank sends to each global expert -> (W, e) counts it receives:
+    ``out[s, j]`` is what rank s sends to this rank's local expert j."""
+    grp: Group = pick_backend(backend, resolve_group(group))
+    counts = tokens_per_expert_global
+    if counts.ndim != 1 or counts.dtype.is_floating_point or counts.dtype == torch.bool:
+        raise TypeError(
+            f"tokens_per_expert_global: expected a 1-D integer tensor of shape (E,), got "
+            f"{counts.dtype} of shape {tuple(counts.shape)}"
+        )
+    if counts.shape[0] % grp.size != 0:
+        raise ValueError(
+            f"tokens_per_expert_global: E = {counts.shape[0]} is not divisible by the group size "
+            f"{grp.size}"
+        )
+    return exchange_counts_op(counts.to(torch.int64).view(grp.size, -1), grp.name)

@@ -1,0 +1,97 @@
+"""Routing layout maths: pure, traceable tensor functions with no communication.
+
+Shape legend (used across the package):
+    T  local tokens          H  hidden size          K  top-k slots per token
+    E  global experts        W  group size           e = E / W local experts
+    N = T * K routed slots   R  rows received by a rank (padding included)
+
+Layout conventions:
+- *Send order* (on the source rank): valid slots sorted by global expert id, stable in slot
+  index; since rank r owns experts [r*e, (r+1)*e) this is rank-major, then local expert, then
+  token order. Dropped (-1) and out-of-range slots come after all valid ones.
+- *Rank-major* (what the all-to-all delivers): for each source rank, for each local expert, rows.
+- *Expert-major* (what ``dispatch`` returns): for each local expert, for each source rank, rows;
+  each expert's group is zero-padded to a multiple of ``expert_alignment``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+STATUS_COLUMNS = 3
+"""Extra columns of a routing-metadata matrix: (number of bad expert ids, min id, max id)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingPlan:
+    """Per-call routing layout of one rank, built by :func:`plan_routing`.
+
+    order: (N,) int64, slot index (t * K + k) at each send-order position.
+    position: (T, K) int64, send-order position of each slot (the inverse of ``order``);
+        dropped slots have positions >= the number of valid slots.
+    send_meta: (W, e + STATUS_COLUMNS) int64; ``send_meta[r, :e]`` counts the slots this rank
+        sends to each local expert of rank r; the status columns repeat this rank's input check.
+    """
+
+    order: torch.Tensor
+    position: torch.Tensor
+    send_meta: torch.Tensor
+
+
+def plan_routing(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> RoutingPlan:
+    """Sort the (T, K) slots of ``topk_idx`` into send order and count them per expert.
+
+    Out-of-range ids are treated as dropped here and reported in the status columns, so that
+    the metadata exchange can tell every rank about them before any payload moves.
+    """
+    T, K = topk_idx.shape
+    N = T * K
+    e = num_experts // world_size
+    idx = topk_idx.reshape(N).to(torch.int64)
+    valid = (idx >= 0) & (idx < num_experts)
+    bad = (idx < -1) | (idx >= num_experts)
+    bucket = torch.where(valid, idx, num_experts)  # (N,), E = the "goes nowhere" bucket
+    order = torch.argsort(bucket, stable=True)
+    position = torch.empty_like(order).scatter_(
+        0, order, torch.arange(N, device=idx.device)
+    )
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=idx.device)
+    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+    guard = torch.full((1,), -1, dtype=torch.int64, device=idx.device)  # min/max of empty T
+    with_guard = torch.cat([idx, guard])
+    status = torch.stack([bad.sum(), with_guard.min(), with_guard.max()])  # (STATUS_COLUMNS,)
+    send_meta = torch.cat(
+        [counts[:num_experts].view(world_size, e), status.expand(world_size, STATUS_COLUMNS)],
+        dim=1,
+    )
+    return RoutingPlan(order=order, position=position.view(T, K), send_meta=send_meta)
+
+
+def split_meta(meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W, e + STATUS_COLUMNS) metadata -> counts (W, e) and status (W, STATUS_COLUMNS)."""
+    return meta[:, :-STATUS_COLUMNS], meta[:, -STATUS_COLUMNS:]
+
+
+def padded_tokens_per_expert(recv_counts: torch.Tensor, expert_alignment: int) -> torch.Tensor:
+    """(W, e) rows received from each rank per local expert -> (e,) rows per expert, padded."""
+    per_expert = recv_counts.sum(0)
+    return (per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
+
+
+def expert_major_rows(recv_counts: torch.Tensor, expert_alignment: int) -> torch.Tensor:
+    """Destination row in the expert-major output of each rank-major received row.
+
+    recv_counts: (W, e). Returns (sum(recv_counts),) int64, a injection into
+    [0, padded_tokens_per_expert(recv_counts).sum()); rows it misses are padding.
+    """
+    padded = padded_tokens_per_expert(recv_counts, expert_alignment)  # (e,)
+    expert_start = torch.cumsum(padded, 0) - padded  # (e,)
+    earlier_ranks = torch.cumsum(recv_counts, 0) - recv_counts  # (W, e)
+    block_dst = expert_start + earlier_ranks  # (W, e) first expert-major row of block (s, j)
+    flat = recv_counts.reshape(-1)  # rank-major block sizes, (W * e,)
+    block_src = torch.cumsum(flat, 0) - flat
+    total = int(flat.sum())
+    shift = torch.repeat_interleave(block_dst.reshape(-1) - block_src, flat, output_size=total)
+    return shift + torch.arange(total, device=recv_counts.device)

@@ -1,0 +1,286 @@
+"""The library's custom ops: metadata exchange, dispatch and combine, with fakes and autograd.
+
+Every op that communicates is created through :func:`comm_op`, which records it in the one
+registry that the selective-checkpointing policy and the graph summaries read.
+
+Ops take the group as its registered name; ``groups.LOCAL`` ("") selects the local backend (one
+rank, no communication). Tensors of a call's routing layout (see ``layout.py``):
+    order (N,), position (T, K), send_meta / recv_meta (W, e + STATUS_COLUMNS), all int64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import layout
+from .groups import LOCAL, process_group
+
+_COMM_OPS: list = []
+
+
+def comm_op(name: str, **kwargs) -> Callable:
+    """``torch.library.custom_op("alltoall_ops::<name>")`` for an op that communicates."""
+
+    def register(fn: Callable):
+        op = torch.library.custom_op(f"alltoall_ops::{name}", mutates_args=(), **kwargs)(fn)
+        _COMM_OPS.append(op)
+        return op
+
+    return register
+
+
+def communication_ops() -> tuple[torch._ops.OpOverload, ...]:
+    """Every op of this library that communicates (all backends)."""
+    return tuple(op._opoverload for op in _COMM_OPS)
+
+
+# --------------------------------------------------------------------------------------------
+# Host-side helpers (run inside op implementations only)
+
+
+def _exchange_rows(
+    send: torch.Tensor, out: torch.Tensor, out_splits: list[int], in_splits: list[int], group_name: str
+) -> None:
+    """All-to-all of rows: ``send`` split by ``in_splits`` to the ranks, received into ``out``."""
+    if group_name == LOCAL:
+        out.copy_(send)
+        return
+    dist.all_to_all_single(
+        out, send.contiguous(), out_splits, in_splits, group=process_group(group_name)
+    )
+
+
+def _agree_on_error(problem: Optional[str], device: torch.device, group_name: str) -> None:
+    """Raise ``ValueError`` on every rank of the group if any rank found a problem.
+
+    One all-reduce of a flag, so that a rank rejecting its input never leaves peers waiting."""
+    if group_name != LOCAL:
+        flag = torch.tensor([0 if problem is None else 1], device=device)
+        dist.all_reduce(flag, group=process_group(group_name))
+        if problem is None and int(flag) > 0:
+            problem = f"{int(flag)} peer rank(s) rejected their input; see their errors"
+    if problem is not None:
+        raise ValueError(problem)
+
+
+@dataclasses.dataclass(frozen=True)
+class _HostSplits:
+    send_splits: list[int]  # rows sent to each rank
+    recv_splits: list[int]  # rows received from each rank
+    num_valid: int  # valid slots of this rank (= sum(send_splits))
+    num_rows: int  # rows of the expert-major output, padding included
+
+
+def _read_splits(send_meta: torch.Tensor, recv_meta: torch.Tensor, expert_alignment: int) -> _HostSplits:
+    """Host sync: read the split sizes and check every rank's routing status.
+
+    Raises ``ValueError`` (on every rank alike, since all see the same statuses) if any rank's
+    ``topk_idx`` held expert ids outside [-1, E)."""
+    W = send_meta.shape[0]
+    send_counts, _ = layout.split_meta(send_meta)
+    recv_counts, recv_status = layout.split_meta(recv_meta)
+    num_experts = W * send_counts.shape[1]
+    padded = layout.padded_tokens_per_expert(recv_counts, expert_alignment)
+    host = torch.cat(
+        [send_counts.sum(1), recv_counts.sum(1), padded.sum().view(1), recv_status.reshape(-1)]
+    ).tolist()
+    send_splits, recv_splits, (num_rows,), status = host[:W], host[W : 2 * W], host[2 * W : 2 * W + 1], host[2 * W + 1 :]
+    for src in range(W):
+        num_bad, lo, hi = status[src * layout.STATUS_COLUMNS : (src + 1) * layout.STATUS_COLUMNS]
+        if num_bad:
+            raise ValueError(
+                f"topk_idx on rank {src} of the group holds {num_bad} expert id(s) outside "
+                f"[-1, {num_experts}) (min {lo}, max {hi}); expected -1 or a global expert id"
+            )
+    return _HostSplits(send_splits, recv_splits, sum(send_splits), num_rows)
+
+
+def accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """fp64 if any input is fp64, else fp32: the dtype combine accumulates top-k slots in."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def _weighted_slot_sum(
+    returned: torch.Tensor, position: torch.Tensor, weights: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """y[t] = sum_k w[t, k] * returned[position[t, k]], accumulated in fp32 (fp64), rounded once.
+
+    returned: (N, H), rows past the valid ones are zero; position: (T, K); weights: (T, K) | None.
+    Returns (T, H) in returned's dtype. Slots are added in k order: deterministic."""
+    T, K = position.shape
+    acc_dtype = accumulation_dtype(returned.dtype, *(() if weights is None else (weights.dtype,)))
+    acc = torch.zeros(T, returned.shape[1], dtype=acc_dtype, device=returned.device)
+    for k in range(K):
+        rows = returned.index_select(0, position[:, k]).to(acc_dtype)  # (T, H)
+        if weights is not None:
+            rows = rows * weights[:, k : k + 1].to(acc_dtype)
+        acc += rows
+    return acc.to(returned.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# exchange_counts
+
+
+@comm_op("exchange_counts")
+def exchange_counts_op(send: torch.Tensor, group_name: str) -> torch.Tensor:
+    """(W, c) int64, row r sent to rank r -> (W, c), row s received from rank s."""
+    out = torch.empty_like(send)
+    if group_name == LOCAL:
+        out.copy_(send)
+    else:
+        dist.all_to_all_single(out, send.contiguous(), group=process_group(group_name))
+    return out
+
+
+@exchange_counts_op.register_fake
+def _(send, group_name):
+    # NB: every rank sends one equal-sized row to every rank, so the shape is the input's.
+    return torch.empty_like(send)
+
+
+# --------------------------------------------------------------------------------------------
+# dispatch
+
+
+@comm_op("dispatch")
+def dispatch_op(
+    x: torch.Tensor,
+    scale: Optional[torch.Tensor],
+    order: torch.Tensor,
+    position: torch.Tensor,
+    send_meta: torch.Tensor,
+    recv_meta: torch.Tensor,
+    expert_alignment: int,
+    group_name: str,
+    num_rows: Optional[int],
+) -> torch.Tensor:
+    """(T, H) tokens -> (R, H) rows grouped by local expert, then source rank, then token.
+
+    scale: (T, K) | None, multiplies each slot's row (in fp32, rounded once) before sending.
+    num_rows: R when already known (it is in backward), else None. Padding rows are zero."""
+    K = position.shape[1]
+    splits = _read_splits(send_meta, recv_meta, expert_alignment)
+    if num_rows is not None and num_rows != splits.num_rows:
+        raise ValueError(f"dispatch: expected {num_rows} routed rows, the layout gives {splits.num_rows}")
+    sorted_slots = order[: splits.num_valid]
+    send = x.index_select(0, sorted_slots // K)  # (num_valid, H), send order
+    if scale is not None:
+        slot_scale = scale.reshape(-1).index_select(0, sorted_slots)
+        acc_dtype = accumulation_dtype(x.dtype, scale.dtype)
+        send = (send.to(acc_dtype) * slot_scale.to(acc_dtype)[:, None]).to(x.dtype)
+    recv_counts, _ = layout.split_meta(recv_meta)
+    received = x.new_empty(sum(splits.recv_splits), x.shape[1])  # rank-major
+    _exchange_rows(send, received, splits.recv_splits, splits.send_splits, group_name)
+    if splits.num_rows == received.shape[0] and recv_counts.shape[0] == 1:
+        return received  # one rank, no padding: rank-major is expert-major
+    routed = x.new_zeros(splits.num_rows, x.shape[1])
+    routed.index_copy_(0, layout.expert_major_rows(recv_counts, expert_alignment), received)
+    return routed
+
+
+@dispatch_op.register_fake
+def _(x, scale, order, position, send_meta, recv_meta, expert_alignment, group_name, num_rows):
+    # NB: R depends on what the peers send, known only once the metadata is read on the host.
+    if num_rows is None:
+        num_rows = torch.library.get_ctx().new_dynamic_size()
+    return x.new_empty(num_rows, x.shape[1])
+
+
+def _dispatch_setup_context(ctx, inputs, output):
+    _, _, ctx.order, ctx.position, ctx.send_meta, ctx.recv_meta, ctx.alignment, ctx.group_name, _ = inputs
+
+
+def _dispatch_backward(ctx, grad_routed):
+    # The adjoint of dispatch is combine with unit weights.
+    grad_x, _ = combine_op(
+        grad_routed, None, ctx.order, ctx.position, ctx.send_meta, ctx.recv_meta,
+        ctx.alignment, ctx.group_name,
+    )
+    return grad_x, None, None, None, None, None, None, None, None
+
+
+dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# combine
+
+
+@comm_op("combine")
+def combine_op(
+    expert_out: torch.Tensor,
+    weights: Optional[torch.Tensor],
+    order: torch.Tensor,
+    position: torch.Tensor,
+    send_meta: torch.Tensor,
+    recv_meta: torch.Tensor,
+    expert_alignment: int,
+    group_name: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R, H) expert outputs in dispatch order -> y (T, H) and the returned rows (N, H).
+
+    y[t] = sum_k weights[t, k] * expert_out[row of slot (t, k)] (fp32 accumulation).
+    returned: each valid slot's row in send order, zero rows after them; kept for the
+    weights' gradient."""
+    splits = _read_splits(send_meta, recv_meta, expert_alignment)
+    problem = None
+    if expert_out.shape[0] != splits.num_rows:
+        problem = (
+            f"combine: expert_out has {expert_out.shape[0]} rows but its handle's dispatch "
+            f"returned {splits.num_rows}; pass the expert outputs of that same dispatch"
+        )
+    _agree_on_error(problem, expert_out.device, group_name)
+    recv_counts, _ = layout.split_meta(recv_meta)
+    if splits.num_rows == sum(splits.recv_splits) and recv_counts.shape[0] == 1:
+        rank_major = expert_out
+    else:
+        rank_major = expert_out.index_select(0, layout.expert_major_rows(recv_counts, expert_alignment))
+    returned = expert_out.new_zeros(order.shape[0], expert_out.shape[1])
+    _exchange_rows(
+        rank_major, returned[: splits.num_valid], splits.send_splits, splits.recv_splits, group_name
+    )
+    return _weighted_slot_sum(returned, position, weights), returned
+
+
+@combine_op.register_fake
+def _(expert_out, weights, order, position, send_meta, recv_meta, expert_alignment, group_name):
+    # NB: both shapes are static: T from position, N from order.
+    H = expert_out.shape[1]
+    return expert_out.new_empty(position.shape[0], H), expert_out.new_empty(order.shape[0], H)
+
+
+def _combine_setup_context(ctx, inputs, output):
+    _, weights, ctx.order, ctx.position, ctx.send_meta, ctx.recv_meta, ctx.alignment, ctx.group_name = inputs
+    ctx.num_rows = inputs[0].shape[0]
+    returned = output[1] if weights is not None and weights.requires_grad else None
+    ctx.save_for_backward(weights, returned)
+
+
+def _combine_backward(ctx, grad_y, _grad_returned):
+    weights, returned = ctx.saved_tensors
+    grad_expert_out = grad_weights = None
+    if ctx.needs_input_grad[0]:
+        # The adjoint of combine is dispatch with each slot's row scaled by its weight.
+        grad_expert_out = dispatch_op(
+            grad_y, weights, ctx.order, ctx.position, ctx.send_meta, ctx.recv_meta,
+            ctx.alignment, ctx.group_name, ctx.num_rows,
+        )
+    if returned is not None:
+        acc_dtype = accumulation_dtype(returned.dtype, weights.dtype, grad_y.dtype)
+        g = grad_y.to(acc_dtype)
+        grad_weights = torch.stack(
+            [
+                (g * returned.index_select(0, ctx.position[:, k]).to(acc_dtype)).sum(-1)
+                for k in range(ctx.position.shape[1])
+            ],
+            dim=1,
+        ).to(weights.dtype)  # (T, K)
+    return grad_expert_out, grad_weights, None, None, None, None, None, None
+
+
+combine_op.register_autograd(_combine_backward, setup_context=_combine_setup_context)

@@ -1,0 +1,138 @@
+"""Multi-process test harness: W real processes joined in a gloo process group.
+
+Example::
+
+    with DistributedPool(world_size=4) as pool:
+        results = pool.run(check_something, arg)   # check_something(rank, world_size, arg)
+
+Functions must be importable (module-level) since they travel by reference to spawned
+processes. A rank that raises makes ``run`` raise :class:`RankFailures` carrying every failed
+rank's traceback; a rank that does not answer in time makes the pool kill its processes and
+raise too, naming the silent ranks. Nothing hangs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import queue
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+GLOO_TIMEOUT_S = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RankError:
+    """An exception raised on one rank, as it crossed the process boundary."""
+
+    type_name: str
+    message: str
+    traceback: str
+
+
+class RankFailures(RuntimeError):
+    """Some ranks raised or timed out. ``errors``: rank -> RankError; ``silent``: timed-out ranks."""
+
+    def __init__(self, errors: dict[int, RankError], silent: list[int]):
+        self.errors = errors
+        self.silent = silent
+        parts = [f"rank {r} raised {e.type_name}: {e.message}\n{e.traceback}" for r, e in sorted(errors.items())]
+        if silent:
+            parts.append(f"ranks {silent} did not answer in time (killed)")
+        super().__init__("\n".join(parts))
+
+
+def _worker(rank: int, world_size: int, store_port: int, tasks: mp.Queue, results: mp.Queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", store_port, world_size + 1, is_master=False)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=GLOO_TIMEOUT_S),
+    )
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, True, fn(rank, world_size, *args, **kwargs)))
+        except BaseException as exc:  # report everything, including assertion failures
+            err = RankError(type(exc).__name__, str(exc), traceback.format_exc())
+            results.put((rank, False, err))
+    dist.destroy_process_group()
+
+
+class DistributedPool:
+    """``world_size`` spawned processes in one gloo group, reused across ``run`` calls."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self._procs: list = []
+
+    def __enter__(self) -> "DistributedPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        import torch.distributed as dist
+
+        ctx = mp.get_context("spawn")
+        # The parent holds the store so that ports are never guessed.
+        self._store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True, wait_for_workers=False)
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, self.world_size, self._store.port, self._tasks[r], self._results),
+                daemon=True,
+            )
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable, *args: Any, timeout: float = 180.0, **kwargs: Any) -> list[Any]:
+        """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; return results by rank."""
+        if not self._procs:
+            self._start()
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        answers: dict[int, tuple[bool, Any]] = {}
+        try:
+            while len(answers) < self.world_size:
+                rank, ok, value = self._results.get(timeout=timeout)
+                answers[rank] = (ok, value)
+        except queue.Empty:
+            pass
+        silent = [r for r in range(self.world_size) if r not in answers]
+        errors = {r: v for r, (ok, v) in answers.items() if not ok}
+        if silent:
+            self.close()  # a silent rank may be stuck in a collective: start afresh next time
+        if errors or silent:
+            raise RankFailures(errors, silent)
+        return [answers[r][1] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for q, p in zip(self._tasks, self._procs):
+            if p.is_alive():
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._procs = []
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0, **kwargs: Any) -> list[Any]:
+    """One-shot :meth:`DistributedPool.run` on a fresh pool."""
+    with DistributedPool(world_size) as pool:
+        return pool.run(fn, *args, timeout=timeout, **kwargs)

@@ -1,0 +1,74 @@
+"""Argument checks of the public API. Each raises ``TypeError`` / ``ValueError`` naming the
+argument, what was expected and what came, before any communication.
+
+These checks read only shapes, dtypes and Python ints, which SPMD programs share across ranks,
+so every rank raises alike. Checks that need tensor values (expert ids out of range, an
+``expert_out`` of the wrong size for its handle) run inside the ops, where every rank learns
+the verdict through the metadata exchange or one all-reduce."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{t.dtype} tensor of shape {tuple(t.shape)}"
+
+
+def _require_tensor(name: str, value) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+
+
+def _require_float_matrix(name: str, t: torch.Tensor, shape_doc: str) -> None:
+    _require_tensor(name, t)
+    if t.ndim != 2 or not t.dtype.is_floating_point:
+        raise TypeError(f"{name}: expected a 2-D floating-point tensor {shape_doc}, got {_describe(t)}")
+
+
+def _require_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+
+
+def check_dispatch_args(
+    x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, world_size: int, expert_alignment: int
+) -> None:
+    _require_float_matrix("x", x, "(T, H)")
+    _require_tensor("topk_idx", topk_idx)
+    if topk_idx.ndim != 2 or topk_idx.dtype.is_floating_point or topk_idx.dtype.is_complex or topk_idx.dtype == torch.bool:
+        raise TypeError(f"topk_idx: expected a 2-D integer tensor (T, K), got {_describe(topk_idx)}")
+    if topk_idx.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"topk_idx: expected {x.shape[0]} rows (T of x), got {_describe(topk_idx)}"
+        )
+    if topk_idx.shape[1] < 1:
+        raise ValueError(f"topk_idx: expected K >= 1 columns, got {_describe(topk_idx)}")
+    if topk_idx.device != x.device:
+        raise ValueError(f"topk_idx: expected device {x.device} (that of x), got {topk_idx.device}")
+    _require_positive_int("num_experts", num_experts)
+    if num_experts % world_size != 0:
+        raise ValueError(
+            f"num_experts: expected a multiple of the group size {world_size}, got {num_experts}"
+        )
+    _require_positive_int("expert_alignment", expert_alignment)
+
+
+def check_combine_args(expert_out: torch.Tensor, handle, topk_weights: Optional[torch.Tensor]) -> None:
+    _require_float_matrix("expert_out", expert_out, "(R, H)")
+    if not hasattr(handle, "position"):
+        raise TypeError(f"handle: expected the DispatchHandle returned by dispatch, got {type(handle).__name__}")
+    if expert_out.device != handle.position.device:
+        raise ValueError(f"expert_out: expected device {handle.position.device}, got {expert_out.device}")
+    if topk_weights is None:
+        return
+    _require_float_matrix("topk_weights", topk_weights, "(T, K)")
+    if tuple(topk_weights.shape) != tuple(handle.position.shape):
+        raise ValueError(
+            f"topk_weights: expected shape (T, K) = {tuple(handle.position.shape)} of the dispatch, "
+            f"got {_describe(topk_weights)}"
+        )
+    if topk_weights.device != expert_out.device:
+        raise ValueError(f"topk_weights: expected device {expert_out.device}, got {topk_weights.device}")
