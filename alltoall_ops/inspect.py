@@ -1,0 +1,140 @@
+"""See what torch.compile made of a callable: its forward / backward graphs and a compact,
+version-stable summary of the communication ops in them.
+
+Example::
+
+    graphs = alltoall_ops.inspect.compiled_graphs(moe_layer, x, topk_idx, weights)
+    print(graphs.summary())
+    # forward 0:
+    #   alltoall_ops.exchange_counts(group_name='0')
+    #   alltoall_ops.dispatch(scale=None, expert_alignment=1, group_name='0', num_rows=None)
+    #   ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import torch
+import torch.fx
+
+from .ops import communication_ops
+
+
+@dataclasses.dataclass
+class CompiledGraphs:
+    """forward / backward: the graphs handed to the compiler, in compilation order (inductor:
+    after its post-grad passes). ``len(forward) - 1`` is the number of graph breaks."""
+
+    forward: list[torch.fx.GraphModule] = dataclasses.field(default_factory=list)
+    backward: list[torch.fx.GraphModule] = dataclasses.field(default_factory=list)
+
+    @property
+    def graph_breaks(self) -> int:
+        return max(len(self.forward) - 1, 0)
+
+    def comm_ops(self, which: str = "backward") -> list[str]:
+        """Names (``namespace.op``) of the comm ops in the ``forward`` or ``backward`` graphs."""
+        return [_op_name(n.target) for gm in getattr(self, which) for n in _comm_nodes(gm)]
+
+    def summary(self) -> str:
+        """The comm ops of every graph, in order, with their non-tensor arguments."""
+        lines = []
+        for which in ("forward", "backward"):
+            for i, gm in enumerate(getattr(self, which)):
+                lines.append(f"{which} {i}:")
+                lines += [f"  {_describe_call(n)}" for n in _comm_nodes(gm)] or ["  (no comm ops)"]
+        return "\n".join(lines)
+
+
+def _is_comm(target: Any) -> bool:
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return target in communication_ops() or target.namespace == "_c10d_functional"
+
+
+def _comm_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and _is_comm(n.target)]
+
+
+def _op_name(target: torch._ops.OpOverload) -> str:
+    return f"{target.namespace}.{target._schema.name.split('::')[1]}"
+
+
+def _describe_arg(value: Any) -> str:
+    if isinstance(value, torch.fx.Node):
+        meta = value.meta.get("val")
+        return "<tensor>" if isinstance(meta, torch.Tensor) else "<symbolic>"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_describe_arg(v) for v in value) + "]"
+    return repr(value)
+
+
+def _describe_call(node: torch.fx.Node) -> str:
+    schema = node.target._schema
+    bound = dict(zip((a.name for a in schema.arguments), node.args))
+    bound.update(node.kwargs)
+    shown = []
+    for arg in schema.arguments:
+        value = bound.get(arg.name, arg.default_value if arg.has_default_value() else None)
+        if isinstance(arg.type, torch.TensorType):
+            continue  # required tensors: always there, shapes are version-dependent
+        shown.append(f"{arg.name}={_describe_arg(value)}")
+    return f"{_op_name(node.target)}({', '.join(shown)})"
+
+
+def capturing_backend(graphs: CompiledGraphs, backend: str = "aot_eager") -> Callable:
+    """A torch.compile backend that records forward / backward graphs into ``graphs``.
+
+    backend: "aot_eager" (graphs run eagerly) or "inductor" (graphs recorded after inductor's
+    post-grad passes, then compiled by inductor)."""
+
+    def record(into: list, gm: torch.fx.GraphModule) -> None:
+        into.append(gm)
+
+    if backend == "aot_eager":
+        from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+        from torch._dynamo.backends.common import aot_autograd
+
+        def compiler(into):
+            def compile_graph(gm, example_inputs):
+                record(into, gm)
+                return make_boxed_func(gm.forward)
+
+            return compile_graph
+
+        return aot_autograd(
+            fw_compiler=compiler(graphs.forward),
+            bw_compiler=compiler(graphs.backward),
+            partition_fn=min_cut_rematerialization_partition,
+        )
+    if backend == "inductor":
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+        def inner(gm, example_inputs, **kwargs):
+            record(graphs.backward if kwargs.get("is_backward") else graphs.forward, gm)
+            return compile_fx_inner(gm, example_inputs, **kwargs)
+
+        return functools.partial(compile_fx, inner_compile=inner)
+    raise ValueError(f"backend: expected 'aot_eager' or 'inductor', got {backend!r}")
+
+
+def compiled_graphs(
+    fn: Callable,
+    *args: Any,
+    backend: str = "aot_eager",
+    loss: Callable[[Any], torch.Tensor] | None = None,
+    **kwargs: Any,
+) -> CompiledGraphs:
+    """Compile ``fn`` with ``fullgraph=True``, run it on ``args`` and, when its output needs a
+    gradient, run backward on ``loss(output)`` (default: the sum of the output) so the backward
+    graph gets compiled too. Returns the recorded graphs."""
+    graphs = CompiledGraphs()
+    compiled = torch.compile(fn, backend=capturing_backend(graphs, backend), fullgraph=True)
+    out = compiled(*args, **kwargs)
+    value = loss(out) if loss is not None else out.sum()
+    if value.requires_grad:
+        value.backward()
+    return graphs
