@@ -4,6 +4,9 @@ Importing the package registers every op under ``torch.ops.alltoall_ops``.
 """
 
 from .api import DispatchHandle, combine, dispatch, exchange_counts
+from .checkpoint import sac_policy
+from .groups import warmup
 from .ops import communication_ops
 
-__all__ = ["DispatchHandle", "combine", "communication_ops", "dispatch", "exchange_counts"]
+__all__ = ["DispatchHandle", "combine", "communication_ops", "dispatch", "exchange_counts",
+           "sac_policy", "warmup"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 LOCAL = ""
@@ -68,3 +69,40 @@ def pick_backend(backend: str, group: Group) -> Group:
     if backend in ("auto", "local") and group.size == 1:
         return Group(LOCAL, 0, 1)
     return group
+
+
+def _groups_to_warm(mesh_or_groups: Any) -> list[dist.ProcessGroup]:
+    if hasattr(mesh_or_groups, "get_group") and hasattr(mesh_or_groups, "mesh"):  # DeviceMesh
+        mesh = mesh_or_groups
+        return [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    if isinstance(mesh_or_groups, dist.ProcessGroup) or mesh_or_groups is None:
+        mesh_or_groups = [mesh_or_groups]
+    groups = []
+    for item in mesh_or_groups:
+        if hasattr(item, "get_group") and hasattr(item, "mesh"):
+            groups += _groups_to_warm(item)
+        else:
+            groups.append(process_group(resolve_group(item).name))
+    return groups
+
+
+def warmup(mesh_or_groups: Any = None) -> int:
+    """One small all-to-all on each group so that communicator set-up (NCCL's lazy init, gloo
+    pairs) stays out of the first step's latency.
+
+    mesh_or_groups: a DeviceMesh (every dimension's group, e.g. ``["ep", "cp"]``), a
+    ProcessGroup, an iterable of those or of 1-D meshes, or None (the default group).
+    Collective: every member of each group must call it. Returns the number of groups warmed."""
+    groups = _groups_to_warm(mesh_or_groups)
+    for pg in groups:
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if dist.get_backend(pg) == "nccl"
+            else torch.device("cpu")
+        )
+        send = torch.arange(pg.size(), dtype=torch.int64, device=device)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=pg)
+    if groups and any(dist.get_backend(pg) == "nccl" for pg in groups):
+        torch.cuda.synchronize()
+    return len(groups)
