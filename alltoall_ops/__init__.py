@@ -7,6 +7,7 @@ from .api import DispatchHandle, combine, dispatch, exchange_counts
 from .checkpoint import sac_policy
 from .groups import warmup
 from .ops import communication_ops
+from .ulysses import head_to_seq, seq_to_head, ulysses_attention
 
 __all__ = ["DispatchHandle", "combine", "communication_ops", "dispatch", "exchange_counts",
-           "sac_policy", "warmup"]
+           "head_to_seq", "sac_policy", "seq_to_head", "ulysses_attention", "warmup"]
