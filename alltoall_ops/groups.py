@@ -28,6 +28,10 @@ def resolve_group(group: Any) -> Group:
         if not (dist.is_available() and dist.is_initialized()):
             return Group(LOCAL, 0, 1)
         group = dist.group.WORLD
+    # NB: ProcessGroup first: under torch.compile it is an opaque object, and probing it for
+    # DeviceMesh attributes with hasattr is a hard error.
+    if isinstance(group, dist.ProcessGroup):
+        return Group(group.group_name, group.rank(), group.size())
     if hasattr(group, "get_group") and hasattr(group, "mesh"):  # DeviceMesh
         if group.ndim != 1:
             raise ValueError(
