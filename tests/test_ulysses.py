@@ -1,0 +1,391 @@
+"""Ulysses sequence parallelism: seq_to_head / head_to_seq against a gathered reference (exact,
+fp64, forward and gradients), ulysses_attention against full attention, errors, torch.compile.
+
+Every rank builds the same full tensors from one seed and checks its own shard; the ops only
+move elements, so their results and gradients must match bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from expecttest import TestCase
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import alltoall_ops as a2a
+from alltoall_ops.groups import LOCAL
+from alltoall_ops.inspect import compiled_graphs
+
+OPS = torch.ops.alltoall_ops
+
+
+def _full(seed: int, shape, dtype=torch.float64) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=dtype)
+
+
+def _shard(t: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
+    n = t.shape[dim] // world_size
+    return t.narrow(dim, rank * n, n)
+
+
+# --------------------------------------------------------------------------------------------
+# Rank functions (module level: they travel to the spawned ranks by reference)
+
+
+def _check_exchange(rank, world_size, full_shape, seq_dim, head_dim, seed, group=None, transpose=False):
+    """seq_to_head and head_to_seq of shards of one full tensor, forward and gradient, exact.
+
+    full_shape: the gathered (full sequence, all heads) shape. group: None or a ProcessGroup /
+    1-D DeviceMesh; its own rank and size are used to pick shards. transpose: feed a
+    non-contiguous input (same values)."""
+    if group is not None:
+        pg = group.get_group() if hasattr(group, "get_group") else group
+        rank, world_size = pg.rank(), pg.size()
+    full = _full(seed, full_shape)
+    upstream = _full(seed + 1, full_shape)
+
+    def leaf(t):
+        if transpose:  # same values, transposed storage
+            t = t.transpose(0, -1).contiguous().transpose(0, -1)
+        return t.clone().requires_grad_()
+
+    # seq_to_head: this rank's sequence chunk -> full sequence, this rank's heads.
+    x = leaf(_shard(full, seq_dim, rank, world_size))
+    y = a2a.seq_to_head(x, group, seq_dim=seq_dim, head_dim=head_dim)
+    assert torch.equal(y, _shard(full, head_dim, rank, world_size)), "seq_to_head forward"
+    (grad_x,) = torch.autograd.grad(y, x, _shard(upstream, head_dim, rank, world_size))
+    assert torch.equal(grad_x, _shard(upstream, seq_dim, rank, world_size)), "seq_to_head grad"
+
+    # head_to_seq: this rank's heads of the full sequence -> this rank's chunk, all heads.
+    y = leaf(_shard(full, head_dim, rank, world_size))
+    x = a2a.head_to_seq(y, group, seq_dim=seq_dim, head_dim=head_dim)
+    assert torch.equal(x, _shard(full, seq_dim, rank, world_size)), "head_to_seq forward"
+    (grad_y,) = torch.autograd.grad(x, y, _shard(upstream, seq_dim, rank, world_size))
+    assert torch.equal(grad_y, _shard(upstream, head_dim, rank, world_size)), "head_to_seq grad"
+    return tuple(x.shape)
+
+
+def run_exchange_cases(rank, world_size):
+    W = world_size
+    shapes = []
+    # (B, S, Hh, D) default layout, then other layouts, ranks and trailing dims.
+    shapes.append(_check_exchange(rank, W, (2, 3 * W, 2 * W, 5), 1, 2, seed=1))
+    shapes.append(_check_exchange(rank, W, (2, 3 * W, 2 * W, 5), 1, 2, seed=2, transpose=True))
+    shapes.append(_check_exchange(rank, W, (3 * W, 2, W, 4, 3), -3, 0, seed=3))  # heads first
+    shapes.append(_check_exchange(rank, W, (2 * W, W, 6), 0, 1, seed=4))  # (S, Hh, D)
+    shapes.append(_check_exchange(rank, W, (W, 2 * W), 1, 0, seed=5))  # 2-D (Hh, S)
+    # Different trailing dims in one model (MLA: q/k head dim != v head dim).
+    shapes.append(_check_exchange(rank, W, (1, 2 * W, W, 3), 1, 2, seed=6))
+    shapes.append(_check_exchange(rank, W, (1, 2 * W, W, 7), 1, 2, seed=7))
+    return shapes
+
+
+def run_exchange_on_groups(rank, world_size):
+    """Explicit ProcessGroup, and a 1-D slice of a 2-D DeviceMesh (a sub-group whose ranks are
+    not the global ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _check_exchange(rank, world_size, (2, 2 * world_size, world_size, 3), 1, 2, 10, group=dist.group.WORLD)
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "cp"))
+    return _check_exchange(rank, world_size, (2, 3 * world_size, world_size, 3), 1, 2, 11, group=mesh["cp"])
+
+
+def run_round_trip(rank, world_size, shape, seq_dim, head_dim, seed):
+    x = _full(seed + rank, shape)
+    y = a2a.seq_to_head(x, seq_dim=seq_dim, head_dim=head_dim)
+    assert torch.equal(a2a.head_to_seq(y, seq_dim=seq_dim, head_dim=head_dim), x)
+    z = a2a.head_to_seq(x, seq_dim=seq_dim, head_dim=head_dim)
+    assert torch.equal(a2a.seq_to_head(z, seq_dim=seq_dim, head_dim=head_dim), x)
+    # The output is a new tensor, never a view of the input (also at one rank).
+    assert y.data_ptr() != x.data_ptr() and z.data_ptr() != x.data_ptr()
+    return tuple(y.shape), tuple(z.shape)
+
+
+def run_exchange_shape(rank, world_size, full_shape, seq_dim, head_dim, seed):
+    return _check_exchange(rank, world_size, full_shape, seq_dim, head_dim, seed)
+
+
+def _attention_inputs(W, seed, B=2, S_per_rank=3, heads_per_rank=2, Dqk=4, Dv=3):
+    S, H = S_per_rank * W, heads_per_rank * W
+    q, k = _full(seed, (B, S, H, Dqk)), _full(seed + 1, (B, S, H, Dqk))
+    v, upstream = _full(seed + 2, (B, S, H, Dv)), _full(seed + 3, (B, S, H, Dv))
+    return q, k, v, upstream
+
+
+def _full_attention(q, k, v, is_causal, scale):
+    """Attention on the gathered (B, S, H, D) tensors."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=is_causal, scale=scale
+    )
+    return out.transpose(1, 2)
+
+
+def run_attention(rank, world_size, is_causal, scale, seed):
+    W = world_size
+    q, k, v, upstream = _attention_inputs(W, seed)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = _full_attention(*full, is_causal, scale)
+    ref_grads = torch.autograd.grad(ref, full, upstream)
+
+    local = [_shard(t, 1, rank, W).clone().requires_grad_() for t in (q, k, v)]
+    out = a2a.ulysses_attention(*local, is_causal=is_causal, scale=scale)
+    assert out.shape == (2, 3, 2 * W, 3)
+    torch.testing.assert_close(out, _shard(ref, 1, rank, W), rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad(out, local, _shard(upstream, 1, rank, W))
+    for name, g, ref_g in zip("qkv", grads, ref_grads):
+        torch.testing.assert_close(g, _shard(ref_g, 1, rank, W), rtol=1e-12, atol=1e-12, msg=name)
+    # Causality is by global position: rank r's first row sees exactly r * S/W + 1 keys, so the
+    # masked result differs from the unmasked one whenever the masks differ.
+    if is_causal:
+        unmasked = _shard(_full_attention(q, k, v, False, scale), 1, rank, W)
+        assert not torch.allclose(out.detach(), unmasked)
+    return tuple(out.shape)
+
+
+def _errors(fn_args) -> list:
+    """(exception type name, message) of each call, which must all raise."""
+    got = []
+    for fn, args, kwargs in fn_args:
+        try:
+            fn(*args, **kwargs)
+        except (TypeError, ValueError) as exc:
+            got.append((type(exc).__name__, str(exc)))
+        else:
+            got.append(("no error", ""))
+    return got
+
+
+def bad_calls(world_size: int, group_name: str):
+    x = torch.zeros(2, 3, 4, 5)
+    odd_heads = torch.zeros(2, 2, 2 * world_size + 1, 5)
+    odd_seq = torch.zeros(2, 2 * world_size + 1, 2, 5)
+    calls = [
+        (a2a.seq_to_head, (x,), dict(seq_dim=2, head_dim=2)),
+        (a2a.head_to_seq, (x,), dict(seq_dim=1, head_dim=-3)),  # -3 is dim 1
+        (a2a.seq_to_head, (x,), dict(seq_dim=4, head_dim=2)),
+        (a2a.head_to_seq, (x,), dict(seq_dim=1, head_dim=-5)),
+        (a2a.seq_to_head, ([[1.0]],), {}),
+        (a2a.seq_to_head, (torch.zeros(5),), dict(seq_dim=0, head_dim=-1)),
+        (a2a.ulysses_attention, (x[0], x[0], x[0]), {}),
+        (OPS.seq_to_head, (x, group_name, 1, 1), {}),
+    ]
+    if world_size > 1:
+        calls += [
+            (a2a.seq_to_head, (odd_heads,), {}),
+            (a2a.head_to_seq, (odd_seq,), {}),
+            (OPS.seq_to_head, (odd_heads, group_name, 1, 2), {}),
+            (OPS.head_to_seq, (odd_seq, group_name, 1, 2), {}),
+            (a2a.ulysses_attention, (odd_heads, odd_heads, odd_heads), {}),
+        ]
+    return calls
+
+
+EXPECTED_ERRORS = [
+    ("ValueError", "seq_to_head: seq_dim and head_dim: expected two different dims, both are dim 2"),
+    ("ValueError", "head_to_seq: seq_dim and head_dim: expected two different dims, both are dim 1"),
+    ("ValueError", "seq_dim: expected a dim in [-4, 4) for a 4-D tensor, got 4"),
+    ("ValueError", "head_dim: expected a dim in [-4, 4) for a 4-D tensor, got -5"),
+    ("TypeError", "seq_to_head: x: expected a torch.Tensor, got list"),
+    ("ValueError", "seq_to_head: x: expected a tensor with a sequence and a head dim (at least 2-D), got shape (5,)"),
+    ("ValueError", "ulysses_attention: q: expected a 4-D tensor (B, S/W, Hh, D), got shape (3, 4, 5)"),
+    ("ValueError", "seq_to_head: seq_dim and head_dim: expected two different dims, both are dim 1"),
+]
+
+
+def expected_errors(world_size: int) -> list:
+    if world_size == 1:
+        return EXPECTED_ERRORS
+    W, n = world_size, 2 * world_size + 1
+    heads = f"seq_to_head: x: expected heads (dim 2) divisible by the group size {W}, got {n} (shape (2, 2, {n}, 5))"
+    seq = f"head_to_seq: x: expected sequence length (dim 1) divisible by the group size {W}, got {n} (shape (2, {n}, 2, 5))"
+    return EXPECTED_ERRORS + [("ValueError", m) for m in (heads, seq, heads, seq, heads)]
+
+
+def run_bad_inputs(rank, world_size):
+    errors = _errors(bad_calls(world_size, dist.group.WORLD.group_name))
+    # Nothing was sent: the group is still in step and the next exchange is right.
+    _check_exchange(rank, world_size, (1, 2 * world_size, 2 * world_size, 2), 1, 2, seed=20)
+    return errors
+
+
+def _op_pipeline(x, v):
+    """Two round trips through both ops, with compute in between."""
+    y = a2a.seq_to_head(x) * 2.0
+    w = a2a.seq_to_head(v, seq_dim=-3, head_dim=-2)
+    return a2a.head_to_seq(y.sin() + w.sum(-1, keepdim=True))
+
+
+def _attention(q, k, v):
+    return a2a.ulysses_attention(q, k, v, is_causal=True)
+
+
+def _compile_and_compare(fn, inputs, upstream, exact):
+    eager_in = [t.clone().requires_grad_() for t in inputs]
+    eager_out = fn(*eager_in)
+    eager_grads = torch.autograd.grad(eager_out, eager_in, upstream)
+
+    compiled_in = [t.clone().requires_grad_() for t in inputs]
+    box = {}
+
+    def capture(*args):
+        box["out"] = fn(*args)
+        return box["out"]
+
+    graphs = compiled_graphs(capture, *compiled_in, loss=lambda out: (out * upstream).sum())
+    assert graphs.graph_breaks == 0
+    compiled_grads = [t.grad for t in compiled_in]
+    check = torch.equal if exact else (lambda a, b: torch.allclose(a, b, rtol=1e-12, atol=1e-12))
+    assert check(box["out"].detach(), eager_out.detach()), "compiled forward != eager"
+    for g, ref in zip(compiled_grads, eager_grads):
+        assert check(g, ref), "compiled gradient != eager"
+    return graphs.summary()
+
+
+def run_compiled(rank, world_size):
+    W = world_size
+    torch._dynamo.reset()
+    x = _full(30 + rank, (2, 3, 2 * W, 4))
+    v = _full(40 + rank, (2, 3, 2 * W, 5))
+    upstream = _full(50 + rank, (2, 3, 2 * W, 4))
+    ops_summary = _compile_and_compare(_op_pipeline, [x, v], upstream, exact=True)
+    q, k, v, _ = _attention_inputs(W, seed=60 + rank)
+    qkv = [_shard(t, 1, rank, W) for t in (q, k, v)]
+    upstream = _full(70 + rank, (2, 3, 2 * W, 3))
+    attention_summary = _compile_and_compare(_attention, qkv, upstream, exact=False)
+    return ops_summary, attention_summary
+
+
+# --------------------------------------------------------------------------------------------
+# Tests
+
+
+@pytest.mark.parametrize("pool", [1, 2, 4], indirect=True)
+def test_exchange_matches_gathered_reference(pool):
+    W = pool.world_size
+    shapes = pool.run(run_exchange_cases)
+    # head_to_seq of the first case returns this rank's (B, S/W, Hh, D) chunk on every rank.
+    assert [s[0] for s in shapes] == [(2, 3, 2 * W, 5)] * W
+
+
+def test_exchange_on_explicit_group_and_mesh(pool4):
+    # mesh["cp"] has 2 ranks: head_to_seq returns (B, S/2, Hh, D) with S = 12.
+    assert pool4.run(run_exchange_on_groups) == [(2, 6, 4, 3)] * 4
+
+
+@pytest.mark.parametrize("pool", [1, 2, 4], indirect=True)
+def test_round_trip_is_identity(pool):
+    W = pool.world_size
+    shapes = pool.run(run_round_trip, (2, 2 * W, 3 * W, 3), 1, 2, 80)
+    assert shapes == [((2, 2 * W * W, 3, 3), (2, 2, 3 * W * W, 3))] * W
+
+
+@settings(max_examples=6, deadline=None)
+@given(data=st.data())
+def test_exchange_any_shape(pool2, pool4, data):
+    pool = data.draw(st.sampled_from([pool2, pool4]), label="pool")
+    W = pool.world_size
+    ndim = data.draw(st.integers(2, 5), label="ndim")
+    seq_dim, head_dim = data.draw(st.permutations(range(ndim)), label="dims")[:2]
+    shape = [data.draw(st.integers(0, 3), label=f"size{i}") for i in range(ndim)]
+    shape[seq_dim] = W * data.draw(st.integers(0, 3), label="seq per rank")
+    shape[head_dim] = W * data.draw(st.integers(1, 3), label="heads per rank")
+    if data.draw(st.booleans(), label="negative dims"):
+        seq_dim, head_dim = seq_dim - ndim, head_dim - ndim
+    expected = list(shape)
+    expected[seq_dim] //= W
+    assert pool.run(run_exchange_shape, tuple(shape), seq_dim, head_dim, 90) == [tuple(expected)] * W
+
+
+@pytest.mark.parametrize("pool", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("is_causal, scale", [(False, None), (True, None), (True, 0.3)])
+def test_attention_matches_full_attention(pool, is_causal, scale):
+    W = pool.world_size
+    assert pool.run(run_attention, is_causal, scale, 100) == [(2, 3, 2 * W, 3)] * W
+
+
+@pytest.mark.parametrize("pool", [2, 4], indirect=True)
+def test_bad_inputs_raise_on_every_rank(pool):
+    W = pool.world_size
+    assert pool.run(run_bad_inputs) == [expected_errors(W)] * W
+
+
+def test_bad_inputs_raise_without_a_group():
+    assert _errors(bad_calls(1, LOCAL)) == expected_errors(1)
+
+
+def test_exchange_without_a_group():
+    assert not dist.is_initialized()
+    assert _check_exchange(0, 1, (2, 3, 4, 5), 1, 2, seed=110, transpose=True) == (2, 3, 4, 5)
+    run_round_trip(0, 1, (2, 3, 4, 5), -3, -2, 120)
+
+
+@pytest.mark.parametrize("op", [OPS.seq_to_head.default, OPS.head_to_seq.default])
+@pytest.mark.parametrize(
+    "shape, seq_dim, head_dim, transpose",
+    [((2, 3, 4, 5), 1, 2, False), ((2, 3, 4, 5), 1, 2, True), ((4, 3, 2), 1, 0, False)],
+)
+def test_opcheck_local(op, shape, seq_dim, head_dim, transpose):
+    x = _full(130, shape)
+    if transpose:
+        x = x.transpose(0, -1).contiguous().transpose(0, -1)
+    torch.library.opcheck(op, (x.requires_grad_(), LOCAL, seq_dim, head_dim))
+
+
+class TestCompiled(TestCase):
+    """fullgraph compile (aot_eager): no graph breaks, eager results, and the comm ops pinned."""
+
+    @pytest.fixture(autouse=True)
+    def _session_pool(self, pool2):
+        self.pool2 = pool2  # the session's pool: pytest fixtures reach unittest classes this way
+
+    def test_compiled_local(self):
+        ops_summary, attention_summary = run_compiled(0, 1)
+        self.assertExpectedInline(ops_summary, """\
+forward 0:
+  alltoall_ops.seq_to_head(group_name='', seq_dim=1, head_dim=2)
+  alltoall_ops.seq_to_head(group_name='', seq_dim=1, head_dim=2)
+  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2)
+backward 0:
+  alltoall_ops.seq_to_head(group_name='', seq_dim=1, head_dim=2)
+  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2)
+  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2)""")
+        self.assertExpectedInline(attention_summary, """\
+forward 0:
+  alltoall_ops.seq_to_head(group_name='', seq_dim=1, head_dim=2)
+  alltoall_ops.seq_to_head(group_name='', seq_dim=1, head_dim=2)
+  alltoall_ops.seq_to_head(group_name='', seq_dim=1, head_dim=2)
+  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2)
+backward 0:
+  alltoall_ops.seq_to_head(group_name='', seq_dim=1, head_dim=2)
+  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2)
+  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2)
+  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2)""")
+
+    def test_compiled_two_ranks(self):
+        results = self.pool2.run(run_compiled)
+        assert results[0] == results[1]
+        ops_summary, attention_summary = results[0]
+        self.assertExpectedInline(ops_summary, """\
+forward 0:
+  alltoall_ops.seq_to_head(group_name='0', seq_dim=1, head_dim=2)
+  alltoall_ops.seq_to_head(group_name='0', seq_dim=1, head_dim=2)
+  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2)
+backward 0:
+  alltoall_ops.seq_to_head(group_name='0', seq_dim=1, head_dim=2)
+  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2)
+  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2)""")
+        self.assertExpectedInline(attention_summary, """\
+forward 0:
+  alltoall_ops.seq_to_head(group_name='0', seq_dim=1, head_dim=2)
+  alltoall_ops.seq_to_head(group_name='0', seq_dim=1, head_dim=2)
+  alltoall_ops.seq_to_head(group_name='0', seq_dim=1, head_dim=2)
+  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2)
+backward 0:
+  alltoall_ops.seq_to_head(group_name='0', seq_dim=1, head_dim=2)
+  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2)
+  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2)
+  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2)""")
+
