@@ -14,7 +14,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable
 
 import torch
@@ -117,7 +116,13 @@ def capturing_backend(graphs: CompiledGraphs, backend: str = "aot_eager") -> Cal
             record(graphs.backward if kwargs.get("is_backward") else graphs.forward, gm)
             return compile_fx_inner(gm, example_inputs, **kwargs)
 
-        return functools.partial(compile_fx, inner_compile=inner)
+        def compile_recording(gm, example_inputs):
+            # NB: a cache hit of AOTAutograd's cache skips inner_compile, and nothing would be
+            # recorded: compile this graph afresh.
+            with torch._functorch.config.patch(enable_autograd_cache=False):
+                return compile_fx(gm, example_inputs, inner_compile=inner)
+
+        return compile_recording
     raise ValueError(f"backend: expected 'aot_eager' or 'inductor', got {backend!r}")
 
 
