@@ -7,7 +7,8 @@ from .api import DispatchHandle, combine, dispatch, exchange_counts
 from .checkpoint import sac_policy
 from .groups import warmup
 from .ops import communication_ops
+from .symm_mem import SymmBuffers
 from .ulysses import head_to_seq, seq_to_head, ulysses_attention
 
-__all__ = ["DispatchHandle", "combine", "communication_ops", "dispatch", "exchange_counts",
+__all__ = ["DispatchHandle", "SymmBuffers", "combine", "communication_ops", "dispatch", "exchange_counts",
            "head_to_seq", "sac_policy", "seq_to_head", "ulysses_attention", "warmup"]

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import layout
+from . import layout, symm_mem
 from .groups import Group, pick_backend, resolve_group
 from .ops import combine_op, dispatch_op, exchange_counts_op
 from .validation import check_combine_args, check_dispatch_args
@@ -47,6 +47,7 @@ def dispatch(
     group: Any = None,
     backend: str = "auto",
     expert_alignment: int = 1,
+    buffers: Optional[symm_mem.SymmBuffers] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
     """Send each token to the ranks that own its top-k experts.
 
@@ -56,12 +57,16 @@ def dispatch(
         num_experts: E, divisible by the group size W; rank r owns experts [r*e, (r+1)*e).
         group: ProcessGroup, 1-D DeviceMesh, or None (default group; no group when
             torch.distributed is not initialised).
-        backend: "auto" | "local" | "collective".
+        backend: "auto" | "local" | "collective" | "symm_mem" (device-side, no host sync; see
+            :mod:`alltoall_ops.symm_mem`). "auto" picks "symm_mem" when ``buffers`` is given.
         expert_alignment: pad each local expert's row group to a multiple of this.
+        buffers: a :class:`SymmBuffers` for backend "symm_mem" (required under torch.compile;
+            eager calls without it create and cache buffers).
 
     Returns:
         routed: (R, H) received rows, grouped by local expert, then source rank, then source
-            token order; padding rows are zero.
+            token order; padding rows are zero. With "symm_mem", R is the buffers' fixed
+            capacity C and rows past ``tokens_per_expert.sum()`` are zero.
         tokens_per_expert: (e,) int64 rows of ``routed`` per local expert, padding included.
         handle: a :class:`DispatchHandle` for :func:`combine`.
 
@@ -70,6 +75,11 @@ def dispatch(
         routed, tokens_per_expert, handle = dispatch(x, topk_idx, num_experts=8)
         y = combine(experts(routed, tokens_per_expert), handle, topk_weights)
     """
+    if backend == "symm_mem" or (buffers is not None and backend == "auto"):
+        return symm_mem.dispatch(x, topk_idx, num_experts=num_experts, group=group,
+                                 expert_alignment=expert_alignment, buffers=buffers)
+    if buffers is not None:
+        raise ValueError(f"buffers: only backend='symm_mem' uses buffers, got backend={backend!r}")
     grp = pick_backend(backend, resolve_group(group))
     check_dispatch_args(x, topk_idx, num_experts, grp.size, expert_alignment)
     plan = layout.plan_routing(topk_idx, num_experts, grp.size)
@@ -102,6 +112,8 @@ def combine(
         accumulated in fp32 (fp64 for fp64 inputs) and rounded once; padding rows and -1
         slots contribute nothing.
     """
+    if isinstance(handle, symm_mem.SymmDispatchHandle):
+        return symm_mem.combine(expert_out, handle, topk_weights)
     check_combine_args(expert_out, handle, topk_weights)
     y, _ = combine_op(
         expert_out, topk_weights, handle.order, handle.position, handle.send_meta,

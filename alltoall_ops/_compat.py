@@ -1,0 +1,62 @@
+"""Version shims for the torch internals this package leans on (torch 2.11 through nightlies).
+
+Opaque objects (a Python object passed into custom ops, a graph input under torch.compile):
+- torch 2.11 / 2.13: base class ``torch._opaque_base.OpaqueBase``, registered with
+  ``torch._library.opaque_object.register_opaque_type(cls, typ=..., members=..., guard_fn=...)``;
+- newer nightlies: base class ``torch._custom_class_base.CustomClassBase`` and
+  ``register_custom_class``.
+Keyword arguments that a version does not know are left out rather than failing.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Iterable, Optional
+
+try:  # torch 2.11 - 2.13
+    from torch._opaque_base import OpaqueBase
+except ImportError:  # pragma: no cover - nightlies after the rename
+    from torch._custom_class_base import CustomClassBase as OpaqueBase  # type: ignore[no-redef]
+
+
+def _register_function() -> Callable:
+    import torch._library.opaque_object as opaque_object
+
+    for name in ("register_opaque_type", "register_custom_class"):
+        fn = getattr(opaque_object, name, None)
+        if fn is not None:
+            return fn
+    raise ImportError(  # pragma: no cover
+        "alltoall_ops: this torch has no opaque-type registration "
+        "(torch._library.opaque_object.register_opaque_type); torch >= 2.11 is required"
+    )
+
+
+def register_reference_type(
+    cls: type, *, constant_members: Iterable[str] = (), guard_fn: Optional[Callable[[Any], list]] = None
+) -> None:
+    """Register ``cls`` (a subclass of :data:`OpaqueBase`) as an opaque *reference* type.
+
+    constant_members: attributes read at trace time from the real object and baked into the
+        graph as constants (``MemberType.USE_REAL``); everything else is off limits under
+        torch.compile and in fake implementations.
+    guard_fn: values that torch.compile re-checks on every call (recompiles when they change).
+    """
+    from torch._library.opaque_object import MemberType
+
+    register = _register_function()
+    params = inspect.signature(register).parameters
+    kwargs: dict[str, Any] = {"typ": "reference"}
+    members = {name: MemberType.USE_REAL for name in constant_members}
+    if members and "members" in params:
+        kwargs["members"] = members
+    if guard_fn is not None and "guard_fn" in params:
+        kwargs["guard_fn"] = guard_fn
+    register(cls, **kwargs)
+
+
+def is_compiling() -> bool:
+    """True while torch.compile (dynamo) traces the caller."""
+    import torch
+
+    return bool(torch.compiler.is_compiling())

@@ -1,0 +1,52 @@
+"""Launch configuration shared by the kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+
+_INTERPRETED = bool(triton.knobs.runtime.interpret)  # read once: triton.jit reads it at decoration
+
+
+def interpreting() -> bool:
+    """True when this package's kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when
+    they were imported): on CPU tensors, one program after another."""
+    return _INTERPRETED
+
+
+@dataclasses.dataclass(frozen=True)
+class RowBlocks:
+    """Rows per program (``BLOCK_R``), columns per inner step (``BLOCK_H``), warps, grid."""
+
+    BLOCK_R: int
+    BLOCK_H: int
+    num_warps: int
+    grid: tuple[int]
+
+
+def row_blocks(n_rows: int, H: int) -> RowBlocks:
+    """Programs over rows, each looping over H in ``BLOCK_H`` steps.
+
+    The interpreter runs programs one after another in Python, so there few large programs are
+    fastest; on a GPU a few rows per program keep every SM busy."""
+    if interpreting():
+        block_r = triton.next_power_of_2(max(1, min(n_rows, 256)))
+        block_h = triton.next_power_of_2(max(1, min(H, 4096)))
+        num_warps = 1
+    else:
+        block_r = 2
+        block_h = triton.next_power_of_2(max(16, min(H, 2048)))
+        num_warps = 8 if block_h >= 2048 else 4
+    return RowBlocks(block_r, block_h, num_warps, (triton.cdiv(max(n_rows, 0), block_r),))
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
+
+
+def tl_acc_dtype(dtype: torch.dtype):
+    """The Triton dtype of an accumulation dtype (fp32 or fp64)."""
+    return _TL_DTYPES[dtype]

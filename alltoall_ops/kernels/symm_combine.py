@@ -1,0 +1,114 @@
+"""Kernels of the combine reduction over top-k slots and of the routing-weight gradient.
+
+Reference semantics (``ret`` is this rank's buffer of returned rows in send order; a slot whose
+row never left, ``send_dst[p] < 0``, reads a zero row)::
+
+    combine_reduce:  for t: acc = 0 (fp32, or fp64 for fp64 inputs)
+                         for k in range(K): p = position[t, k]
+                             row = ret[p] if send_dst[p] >= 0 else 0
+                             acc += row * weights[t, k]            # no product without weights
+                             returned[p] = row                      # when asked for
+                         y[t] = acc rounded once to y's dtype
+    combine_weight_grad:  grad_w[t, k] = sum_h grad_y[t, h] * returned[position[t, k], h]  (acc dtype)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._config import row_blocks, tl_acc_dtype
+
+
+@triton.jit
+def _combine_reduce_kernel(
+    ret_ptr, position_ptr, send_dst_ptr, weights_ptr, y_ptr, returned_ptr,
+    T, H,
+    K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SAVE_RETURNED: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    i_t = tl.program_id(0)
+    o_t = (i_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BT] tokens
+    m_t = o_t < T
+    for i_h in range(0, tl.cdiv(H, BLOCK_H)):
+        o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        m_h = (o_h < H)[None, :]
+        b_acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=ACC_DTYPE)
+        for k in tl.static_range(K):  # slots in k order: deterministic
+            b_pos = tl.load(position_ptr + o_t * K + k, mask=m_t, other=0)  # [BT]
+            b_dst = tl.load(send_dst_ptr + b_pos, mask=m_t, other=-1)
+            m_row = (m_t & (b_dst >= 0))[:, None] & m_h
+            b_row = tl.load(ret_ptr + b_pos[:, None] * H + o_h[None, :], mask=m_row, other=0)  # [BT, BH]
+            if SAVE_RETURNED:
+                tl.store(returned_ptr + b_pos[:, None] * H + o_h[None, :], b_row, mask=m_t[:, None] & m_h)
+            if HAS_WEIGHTS:
+                b_w = tl.load(weights_ptr + o_t * K + k, mask=m_t, other=0).to(ACC_DTYPE)
+                b_acc += b_row.to(ACC_DTYPE) * b_w[:, None]
+            else:
+                b_acc += b_row.to(ACC_DTYPE)
+        tl.store(y_ptr + o_t[:, None] * H + o_h[None, :], b_acc.to(y_ptr.dtype.element_ty), mask=m_t[:, None] & m_h)
+
+
+def combine_reduce(
+    ret: torch.Tensor,
+    position: torch.Tensor,
+    send_dst: torch.Tensor,
+    weights: Optional[torch.Tensor],
+    y: torch.Tensor,
+    returned: Optional[torch.Tensor],
+    acc_dtype: torch.dtype,
+) -> None:
+    """y (T, H) = weighted sum over k of the returned rows ``ret[position[t, k]]``; ``returned``
+    (N, H), when given, receives every slot's row in send order (zero for unsent slots)."""
+    T, K = position.shape
+    H = y.shape[1]
+    if T == 0 or H == 0:
+        return
+    cfg = row_blocks(T, H)
+    _combine_reduce_kernel[cfg.grid](
+        ret, position, send_dst, weights if weights is not None else y, y,
+        returned if returned is not None else y, T, H,
+        K=K, HAS_WEIGHTS=weights is not None, SAVE_RETURNED=returned is not None,
+        ACC_DTYPE=tl_acc_dtype(acc_dtype), BLOCK_T=cfg.BLOCK_R, BLOCK_H=cfg.BLOCK_H,
+        num_warps=cfg.num_warps,
+    )
+
+
+@triton.jit
+def _combine_weight_grad_kernel(
+    grad_y_ptr, returned_ptr, position_ptr, grad_w_ptr, T, H,
+    K: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    i_t = tl.program_id(0)
+    o_t = (i_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    m_t = o_t < T
+    for k in tl.static_range(K):
+        b_pos = tl.load(position_ptr + o_t * K + k, mask=m_t, other=0)  # [BT]
+        b_acc = tl.zeros([BLOCK_T], dtype=ACC_DTYPE)
+        for i_h in range(0, tl.cdiv(H, BLOCK_H)):
+            o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
+            m = m_t[:, None] & (o_h < H)[None, :]
+            b_g = tl.load(grad_y_ptr + o_t[:, None] * H + o_h[None, :], mask=m, other=0).to(ACC_DTYPE)
+            b_r = tl.load(returned_ptr + b_pos[:, None] * H + o_h[None, :], mask=m, other=0).to(ACC_DTYPE)
+            b_acc += tl.sum(b_g * b_r, axis=1)  # [BT, BH] -> [BT]
+        tl.store(grad_w_ptr + o_t * K + k, b_acc.to(grad_w_ptr.dtype.element_ty), mask=m_t)
+
+
+def combine_weight_grad(
+    grad_y: torch.Tensor, returned: torch.Tensor, position: torch.Tensor, grad_w: torch.Tensor,
+    acc_dtype: torch.dtype,
+) -> None:
+    """grad_w (T, K) = <grad_y[t], returned[position[t, k]]>, accumulated in ``acc_dtype``."""
+    T, K = position.shape
+    H = grad_y.shape[1]
+    if T == 0:
+        return
+    cfg = row_blocks(T, max(H, 1))
+    _combine_weight_grad_kernel[cfg.grid](
+        grad_y, returned, position, grad_w, T, H,
+        K=K, ACC_DTYPE=tl_acc_dtype(acc_dtype), BLOCK_T=cfg.BLOCK_R, BLOCK_H=cfg.BLOCK_H,
+        num_warps=cfg.num_warps,
+    )

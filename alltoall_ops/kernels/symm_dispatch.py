@@ -1,0 +1,148 @@
+"""Kernels that move rows and metadata into peer buffers, and the receiver's copy-out.
+
+Legend: ``W`` ranks, ``E`` experts, ``N = T * K`` send slots, ``C`` receive capacity (rows),
+``H`` hidden. A *destination code* ``dst = peer * stride + row`` names row ``row`` of rank
+``peer``'s buffer; ``-1`` means "send nothing".
+
+Reference semantics (``tables[r]`` is rank r's buffer)::
+
+    put_rows:   for i in range(n): if dst[i] >= 0:
+                    peer, row = divmod(dst[i], stride); s = order[i] if order else i
+                    tables[peer][row] = src[s // K] * (scale.flat[s] if scale else 1)
+                    tags[peer][row] = tag_base + i                      # when tags are given
+    put_meta:   for peer in range(W): meta[peer][rank] = send_row
+    dispatch_copy_out:  out[d] = recv[d] if tags[d] >= 0 else 0; row_src[d] = tags[d]; tags[d] = -1
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._config import row_blocks, tl_acc_dtype
+
+
+@triton.jit
+def _put_rows_kernel(
+    src_ptr, order_ptr, scale_ptr, dst_ptr, rows_table_ptr, tags_table_ptr,
+    n_rows, K, H, dst_stride, tag_base,
+    HAS_ORDER: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_TAGS: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    i_r = tl.program_id(0)
+    o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR] send positions
+    m_r = o_r < n_rows
+    b_dst = tl.load(dst_ptr + o_r, mask=m_r, other=-1)
+    m_r = m_r & (b_dst >= 0)
+    b_peer = tl.where(m_r, b_dst // dst_stride, 0)
+    b_row = tl.where(m_r, b_dst % dst_stride, 0)
+    if HAS_ORDER:
+        b_slot = tl.load(order_ptr + o_r, mask=m_r, other=0)  # [BR] slot t * K + k
+        b_src = b_slot // K  # source-row gather: no permuted copy of src
+    else:
+        b_slot = o_r
+        b_src = o_r
+    if HAS_SCALE:
+        b_scale = tl.load(scale_ptr + b_slot, mask=m_r, other=0).to(ACC_DTYPE)
+    p_peer = tl.load(rows_table_ptr + b_peer, mask=m_r, other=0).to(
+        tl.pointer_type(src_ptr.dtype.element_ty)
+    )  # [BR] base of each row's destination buffer
+    for i_h in range(0, tl.cdiv(H, BLOCK_H)):
+        o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        m = m_r[:, None] & (o_h < H)[None, :]
+        b_x = tl.load(src_ptr + b_src[:, None] * H + o_h[None, :], mask=m, other=0)  # [BR, BH]
+        if HAS_SCALE:  # fp32 (fp64) product, rounded once
+            b_x = (b_x.to(ACC_DTYPE) * b_scale[:, None]).to(src_ptr.dtype.element_ty)
+        tl.store(p_peer[:, None] + b_row[:, None] * H + o_h[None, :], b_x, mask=m)
+    if HAS_TAGS:
+        p_tags = tl.load(tags_table_ptr + b_peer, mask=m_r, other=0).to(tl.pointer_type(tl.int64))
+        tl.store(p_tags + b_row, tag_base + o_r, mask=m_r)
+
+
+def put_rows(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    dst_stride: int,
+    rows_table: torch.Tensor,
+    *,
+    order: Optional[torch.Tensor] = None,
+    top_k: int = 1,
+    scale: Optional[torch.Tensor] = None,
+    tags_table: Optional[torch.Tensor] = None,
+    tag_base: int = 0,
+    acc_dtype: torch.dtype = torch.float32,
+) -> None:
+    """Write rows of ``src`` (rows, H) into peer buffers at the destination codes ``dst`` (n,).
+
+    order: (n,) slot of each position (source row ``order // top_k``, scale ``scale.flat[order]``);
+    None reads source row i for position i. rows_table / tags_table: (W,) int64 base addresses of
+    every rank's row buffer (``src.dtype``) / int64 tag buffer."""
+    n, H = dst.numel(), src.shape[1]
+    if n == 0 or H == 0:
+        return
+    cfg = row_blocks(n, H)
+    _put_rows_kernel[cfg.grid](
+        src, order if order is not None else dst, scale if scale is not None else src,
+        dst, rows_table, tags_table if tags_table is not None else rows_table,
+        n, top_k, H, dst_stride, tag_base,
+        HAS_ORDER=order is not None, HAS_SCALE=scale is not None, HAS_TAGS=tags_table is not None,
+        ACC_DTYPE=tl_acc_dtype(acc_dtype), BLOCK_R=cfg.BLOCK_R, BLOCK_H=cfg.BLOCK_H,
+        num_warps=cfg.num_warps,
+    )
+
+
+@triton.jit
+def _put_meta_kernel(row_ptr, meta_table_ptr, rank, L, BLOCK_L: tl.constexpr):
+    i_peer = tl.program_id(0)
+    p_meta = tl.load(meta_table_ptr + i_peer).to(tl.pointer_type(tl.int64))
+    for i_l in range(0, tl.cdiv(L, BLOCK_L)):
+        o_l = i_l * BLOCK_L + tl.arange(0, BLOCK_L)
+        m_l = o_l < L
+        b_row = tl.load(row_ptr + o_l, mask=m_l, other=0)
+        tl.store(p_meta + rank * L + o_l, b_row, mask=m_l)
+
+
+def put_meta(send_row: torch.Tensor, meta_table: torch.Tensor, rank: int) -> None:
+    """Write the int64 ``send_row`` (L,) into row ``rank`` of every rank's (W, L) metadata buffer."""
+    L = send_row.numel()
+    block_l = triton.next_power_of_2(max(1, min(L, 1024)))
+    _put_meta_kernel[(meta_table.numel(),)](send_row, meta_table, rank, L, BLOCK_L=block_l)
+
+
+@triton.jit
+def _dispatch_copy_out_kernel(
+    recv_ptr, tags_ptr, out_ptr, row_src_ptr, n_rows, H,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    i_r = tl.program_id(0)
+    o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    m_r = o_r < n_rows
+    b_tag = tl.load(tags_ptr + o_r, mask=m_r, other=-1)  # [BR] source code of each row, -1: none
+    m_valid = m_r & (b_tag >= 0)
+    for i_h in range(0, tl.cdiv(H, BLOCK_H)):
+        o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        m_h = (o_h < H)[None, :]
+        b_x = tl.load(recv_ptr + o_r[:, None] * H + o_h[None, :], mask=m_valid[:, None] & m_h, other=0)
+        tl.store(out_ptr + o_r[:, None] * H + o_h[None, :], b_x, mask=m_r[:, None] & m_h)
+    tl.store(row_src_ptr + o_r, b_tag, mask=m_r)
+    # NB: each program owns its rows across all of H, so resetting the tags here cannot race
+    # with another program's read of them.
+    tl.store(tags_ptr + o_r, tl.full([BLOCK_R], -1, tl.int64), mask=m_r)
+
+
+def dispatch_copy_out(
+    recv: torch.Tensor, tags: torch.Tensor, out: torch.Tensor, row_src: torch.Tensor
+) -> None:
+    """Copy the received rows (C, H) out of this rank's buffer into ``out``, zero where no row
+    arrived; ``row_src`` (C,) gets each row's tag; the tags are reset to -1 for the next call."""
+    C, H = recv.shape
+    if C == 0:
+        return
+    cfg = row_blocks(C, max(H, 1))
+    _dispatch_copy_out_kernel[cfg.grid](
+        recv, tags, out, row_src, C, H, BLOCK_R=cfg.BLOCK_R, BLOCK_H=cfg.BLOCK_H,
+        num_warps=cfg.num_warps,
+    )
