@@ -54,15 +54,16 @@ def _exchange_rows(
     )
 
 
-def _agree_on_error(problem: Optional[str], device: torch.device, group_name: str) -> None:
+def _agree_on_error(problem: Optional[str], device: torch.device, group_name: str, what: str) -> None:
     """Raise ``ValueError`` on every rank of the group if any rank found a problem.
 
-    One all-reduce of a flag, so that a rank rejecting its input never leaves peers waiting."""
+    One all-reduce of a flag, so that a rank rejecting its input never leaves peers waiting.
+    ``what`` names the op and argument checked, for the peers' message."""
     if group_name != LOCAL:
         flag = torch.tensor([0 if problem is None else 1], device=device)
         dist.all_reduce(flag, group=process_group(group_name))
         if problem is None and int(flag) > 0:
-            problem = f"{int(flag)} peer rank(s) rejected their input; see their errors"
+            problem = f"{what}: {int(flag)} peer rank(s) rejected their input; see their errors"
     if problem is not None:
         raise ValueError(problem)
 
@@ -234,7 +235,7 @@ def combine_op(
             f"combine: expert_out has {expert_out.shape[0]} rows but its handle's dispatch "
             f"returned {splits.num_rows}; pass the expert outputs of that same dispatch"
         )
-    _agree_on_error(problem, expert_out.device, group_name)
+    _agree_on_error(problem, expert_out.device, group_name, "combine: expert_out")
     recv_counts, _ = layout.split_meta(recv_meta)
     if splits.num_rows == sum(splits.recv_splits) and recv_counts.shape[0] == 1:
         rank_major = expert_out

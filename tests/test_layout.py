@@ -1,0 +1,131 @@
+"""Property tests of the pure routing-layout functions in ``alltoall_ops.layout``."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from alltoall_ops import layout
+
+LAYOUT_EXAMPLES = settings(max_examples=40)  # pure, millisecond-cheap functions
+
+
+@st.composite
+def routings(draw, allow_bad: bool = True):
+    """(topk_idx (T, K), num_experts, world_size); ids mostly valid, some -1, some out of range."""
+    W = draw(st.integers(1, 4))
+    E = W * draw(st.integers(1, 3))
+    T = draw(st.integers(0, 10))
+    K = draw(st.integers(1, 4))
+    lo, hi = (-3, E + 2) if allow_bad else (-1, E - 1)
+    ids = draw(st.lists(st.integers(lo, hi), min_size=T * K, max_size=T * K))
+    dtype = draw(st.sampled_from([torch.int64, torch.int32]))
+    return torch.tensor(ids, dtype=dtype).view(T, K), E, W
+
+
+@st.composite
+def recv_count_matrices(draw):
+    """((W, e) int64 counts, expert_alignment)."""
+    W, e = draw(st.integers(1, 4)), draw(st.integers(1, 3))
+    counts = draw(st.lists(st.integers(0, 6), min_size=W * e, max_size=W * e))
+    return torch.tensor(counts, dtype=torch.int64).view(W, e), draw(st.integers(1, 5))
+
+
+@LAYOUT_EXAMPLES
+@given(routings())
+def test_plan_routing_order_and_position(case):
+    topk_idx, E, W = case
+    T, K = topk_idx.shape
+    N = T * K
+    plan = layout.plan_routing(topk_idx, E, W)
+    ids = topk_idx.reshape(-1).tolist()
+    order, position = plan.order.tolist(), plan.position.reshape(-1).tolist()
+
+    assert plan.order.dtype == plan.position.dtype == torch.int64
+    assert tuple(plan.position.shape) == (T, K)
+    assert sorted(order) == list(range(N))  # a permutation of the slots
+    assert [position[slot] for slot in order] == list(range(N))  # position inverts order
+
+    valid = [n for n in range(N) if 0 <= ids[n] < E]
+    dropped = [n for n in range(N) if not 0 <= ids[n] < E]
+    # Valid slots first, sorted by (expert, slot index); then the rest in slot order.
+    assert order == sorted(valid, key=lambda n: (ids[n], n)) + dropped
+    assert all(position[n] >= len(valid) for n in dropped)
+
+
+@LAYOUT_EXAMPLES
+@given(routings())
+def test_plan_routing_send_meta(case):
+    topk_idx, E, W = case
+    e = E // W
+    plan = layout.plan_routing(topk_idx, E, W)
+    ids = topk_idx.reshape(-1).tolist()
+    counts, status = layout.split_meta(plan.send_meta)
+
+    assert plan.send_meta.dtype == torch.int64
+    assert tuple(plan.send_meta.shape) == (W, e + layout.STATUS_COLUMNS)
+    # counts[r, j]: slots sent to local expert j of rank r, i.e. global expert r * e + j.
+    assert counts.reshape(-1).tolist() == [ids.count(g) for g in range(E)]
+    assert int(counts.sum()) == sum(0 <= i < E for i in ids)
+    # Status: every row repeats (number of bad ids, min id, max id), -1 standing in for none.
+    num_bad = sum(i < -1 or i >= E for i in ids)
+    expected = [num_bad, min(ids + [-1]), max(ids + [-1])]
+    assert status.tolist() == [expected] * W
+
+
+@LAYOUT_EXAMPLES
+@given(routings(allow_bad=False))
+def test_plan_routing_status_clean_for_valid_ids(case):
+    topk_idx, E, W = case
+    _, status = layout.split_meta(layout.plan_routing(topk_idx, E, W).send_meta)
+    assert (status[:, 0] == 0).all()
+    assert (status[:, 1] >= -1).all() and (status[:, 2] < E).all()
+
+
+@LAYOUT_EXAMPLES
+@given(recv_count_matrices())
+def test_padded_tokens_per_expert(case):
+    counts, align = case
+    padded = layout.padded_tokens_per_expert(counts, align)
+    per_expert = counts.sum(0)
+    assert padded.dtype == torch.int64 and tuple(padded.shape) == (counts.shape[1],)
+    assert (padded % align == 0).all()
+    assert (padded >= per_expert).all() and (padded < per_expert + align).all()
+
+
+@LAYOUT_EXAMPLES
+@given(recv_count_matrices())
+def test_expert_major_rows(case):
+    counts, align = case
+    W, e = counts.shape
+    rows = layout.expert_major_rows(counts, align).tolist()
+    padded = layout.padded_tokens_per_expert(counts, align).tolist()
+    total = sum(padded)
+
+    assert len(rows) == int(counts.sum())
+    assert len(set(rows)) == len(rows)  # an injection ...
+    assert all(0 <= r < total for r in rows)  # ... into [0, padded total)
+    # Expert j's group starts at the sum of the earlier padded groups; inside it, rows come by
+    # source rank then arrival order, and whatever follows them up to the group's end is padding.
+    starts = [sum(padded[:j]) for j in range(e)]
+    expected = []
+    for s in range(W):  # received rows are rank-major: source rank, local expert, row
+        for j in range(e):
+            first = starts[j] + int(counts[:s, j].sum())
+            expected += range(first, first + int(counts[s, j]))
+    assert rows == expected
+    padding = set(range(total)) - set(rows)
+    for j in range(e):
+        group_end = starts[j] + padded[j]
+        real_end = starts[j] + int(counts[:, j].sum())
+        assert set(range(real_end, group_end)) <= padding
+        assert padded[j] - (real_end - starts[j]) < align  # never a whole spare block
+
+
+def test_expert_major_rows_example():
+    # 2 source ranks, 2 local experts, alignment 4: expert 0 gets 1 + 2 rows -> 4, expert 1
+    # gets 3 + 0 rows -> 4.  Rank-major arrivals: (s0,e0) (s0,e1)x3 (s1,e0)x2.
+    counts = torch.tensor([[1, 3], [2, 0]])
+    assert layout.padded_tokens_per_expert(counts, 4).tolist() == [4, 4]
+    assert layout.expert_major_rows(counts, 4).tolist() == [0, 4, 5, 6, 1, 2]
