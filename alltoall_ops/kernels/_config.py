@@ -50,3 +50,19 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 def tl_acc_dtype(dtype: torch.dtype):
     """The Triton dtype of an accumulation dtype (fp32 or fp64)."""
     return _TL_DTYPES[dtype]
+
+
+@triton.jit
+def cast_rne(x, DTYPE: tl.constexpr):
+    """``x.to(DTYPE)`` rounding to nearest even on every backend.
+
+    NB: Triton's interpreter converts fp32 to bf16 by truncation (numpy has no bf16), while
+    torch and GPUs round to nearest even; doing the bf16 rounding on the bits makes the
+    interpreter and the GPU agree with torch bit for bit."""
+    if DTYPE == tl.bfloat16:
+        b_bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        b_bits = b_bits + 0x7FFF + ((b_bits >> 16) & 1)  # round half to even at bit 16
+        b_out = (b_bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return tl.where(x == x, b_out, float("nan")).to(tl.bfloat16)  # NaN stays NaN
+    else:
+        return x.to(DTYPE)

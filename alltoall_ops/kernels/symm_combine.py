@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import row_blocks, tl_acc_dtype
+from ._config import cast_rne, row_blocks, tl_acc_dtype
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def _combine_reduce_kernel(
                 b_acc += b_row.to(ACC_DTYPE) * b_w[:, None]
             else:
                 b_acc += b_row.to(ACC_DTYPE)
-        tl.store(y_ptr + o_t[:, None] * H + o_h[None, :], b_acc.to(y_ptr.dtype.element_ty), mask=m_t[:, None] & m_h)
+        tl.store(y_ptr + o_t[:, None] * H + o_h[None, :], cast_rne(b_acc, y_ptr.dtype.element_ty), mask=m_t[:, None] & m_h)
 
 
 def combine_reduce(
@@ -94,7 +94,7 @@ def _combine_weight_grad_kernel(
             b_g = tl.load(grad_y_ptr + o_t[:, None] * H + o_h[None, :], mask=m, other=0).to(ACC_DTYPE)
             b_r = tl.load(returned_ptr + b_pos[:, None] * H + o_h[None, :], mask=m, other=0).to(ACC_DTYPE)
             b_acc += tl.sum(b_g * b_r, axis=1)  # [BT, BH] -> [BT]
-        tl.store(grad_w_ptr + o_t * K + k, b_acc.to(grad_w_ptr.dtype.element_ty), mask=m_t)
+        tl.store(grad_w_ptr + o_t * K + k, cast_rne(b_acc, grad_w_ptr.dtype.element_ty), mask=m_t)
 
 
 def combine_weight_grad(

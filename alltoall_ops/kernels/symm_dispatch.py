@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import row_blocks, tl_acc_dtype
+from ._config import cast_rne, row_blocks, tl_acc_dtype
 
 
 @triton.jit
@@ -55,7 +55,7 @@ def _put_rows_kernel(
         m = m_r[:, None] & (o_h < H)[None, :]
         b_x = tl.load(src_ptr + b_src[:, None] * H + o_h[None, :], mask=m, other=0)  # [BR, BH]
         if HAS_SCALE:  # fp32 (fp64) product, rounded once
-            b_x = (b_x.to(ACC_DTYPE) * b_scale[:, None]).to(src_ptr.dtype.element_ty)
+            b_x = cast_rne(b_x.to(ACC_DTYPE) * b_scale[:, None], src_ptr.dtype.element_ty)
         tl.store(p_peer[:, None] + b_row[:, None] * H + o_h[None, :], b_x, mask=m)
     if HAS_TAGS:
         p_tags = tl.load(tags_table_ptr + b_peer, mask=m_r, other=0).to(tl.pointer_type(tl.int64))
