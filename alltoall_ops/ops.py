@@ -123,6 +123,22 @@ def _weighted_slot_sum(
     return acc.to(returned.dtype)
 
 
+def _slot_dot(
+    returned: torch.Tensor, position: torch.Tensor, v: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """(T, K): out[t, k] = <v[t], returned[position[t, k]]>, in fp32 (fp64) then ``out_dtype``.
+
+    returned: (N, H) rows in send order; position: (T, K); v: (T, H). The gradient of a slot's
+    scale (weight) is this dot product with the rows the slot sent or received."""
+    acc_dtype = accumulation_dtype(returned.dtype, v.dtype, out_dtype)
+    v = v.to(acc_dtype)
+    dots = [
+        (v * returned.index_select(0, position[:, k]).to(acc_dtype)).sum(-1)
+        for k in range(position.shape[1])
+    ]
+    return torch.stack(dots, dim=1).to(out_dtype)
+
+
 # --------------------------------------------------------------------------------------------
 # exchange_counts
 
@@ -193,16 +209,19 @@ def _(x, scale, order, position, send_meta, recv_meta, expert_alignment, group_n
 
 
 def _dispatch_setup_context(ctx, inputs, output):
-    _, _, ctx.order, ctx.position, ctx.send_meta, ctx.recv_meta, ctx.alignment, ctx.group_name, _ = inputs
+    x, scale, ctx.order, ctx.position, ctx.send_meta, ctx.recv_meta, ctx.alignment, ctx.group_name, _ = inputs
+    ctx.save_for_backward(scale, x if scale is not None and scale.requires_grad else None)
 
 
 def _dispatch_backward(ctx, grad_routed):
-    # The adjoint of dispatch is combine with unit weights.
-    grad_x, _ = combine_op(
-        grad_routed, None, ctx.order, ctx.position, ctx.send_meta, ctx.recv_meta,
+    scale, x = ctx.saved_tensors
+    # The adjoint of dispatch is combine, weighted by the same per-slot scale.
+    grad_x, returned = combine_op(
+        grad_routed, scale, ctx.order, ctx.position, ctx.send_meta, ctx.recv_meta,
         ctx.alignment, ctx.group_name,
     )
-    return grad_x, None, None, None, None, None, None, None, None
+    grad_scale = None if x is None else _slot_dot(returned, ctx.position, x, scale.dtype)
+    return grad_x, grad_scale, None, None, None, None, None, None, None
 
 
 dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup_context)
@@ -258,29 +277,28 @@ def _(expert_out, weights, order, position, send_meta, recv_meta, expert_alignme
 def _combine_setup_context(ctx, inputs, output):
     _, weights, ctx.order, ctx.position, ctx.send_meta, ctx.recv_meta, ctx.alignment, ctx.group_name = inputs
     ctx.num_rows = inputs[0].shape[0]
+    ctx.set_materialize_grads(False)  # `returned` gets a gradient only in double backward
     returned = output[1] if weights is not None and weights.requires_grad else None
     ctx.save_for_backward(weights, returned)
 
 
-def _combine_backward(ctx, grad_y, _grad_returned):
+def _combine_backward(ctx, grad_y, grad_returned):
     weights, returned = ctx.saved_tensors
-    grad_expert_out = grad_weights = None
-    if ctx.needs_input_grad[0]:
+    plan = (ctx.send_meta, ctx.recv_meta, ctx.alignment, ctx.group_name, ctx.num_rows)
+    grads_expert_out = []
+    if ctx.needs_input_grad[0] and grad_y is not None:
         # The adjoint of combine is dispatch with each slot's row scaled by its weight.
-        grad_expert_out = dispatch_op(
-            grad_y, weights, ctx.order, ctx.position, ctx.send_meta, ctx.recv_meta,
-            ctx.alignment, ctx.group_name, ctx.num_rows,
+        grads_expert_out.append(dispatch_op(grad_y, weights, ctx.order, ctx.position, *plan))
+    if ctx.needs_input_grad[0] and grad_returned is not None:
+        # `returned` holds rows already in send order: dispatch them as K = 1 "tokens".
+        in_send_order = torch.arange(ctx.order.shape[0], device=ctx.order.device)
+        grads_expert_out.append(
+            dispatch_op(grad_returned, None, in_send_order, in_send_order[:, None], *plan)
         )
-    if returned is not None:
-        acc_dtype = accumulation_dtype(returned.dtype, weights.dtype, grad_y.dtype)
-        g = grad_y.to(acc_dtype)
-        grad_weights = torch.stack(
-            [
-                (g * returned.index_select(0, ctx.position[:, k]).to(acc_dtype)).sum(-1)
-                for k in range(ctx.position.shape[1])
-            ],
-            dim=1,
-        ).to(weights.dtype)  # (T, K)
+    grad_expert_out = sum(grads_expert_out[1:], grads_expert_out[0]) if grads_expert_out else None
+    grad_weights = None
+    if returned is not None and grad_y is not None:
+        grad_weights = _slot_dot(returned, ctx.position, grad_y, weights.dtype)
     return grad_expert_out, grad_weights, None, None, None, None, None, None
 
 

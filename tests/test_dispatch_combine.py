@@ -374,3 +374,25 @@ def test_local_backend_without_process_group(backend, alignment):
     torch.testing.assert_close(expert_out.grad, ref_geo[0], **FP64_TOL)
     counts = torch.tensor([3, 0, 5, 1])
     assert torch.equal(alltoall_ops.exchange_counts(counts, backend=backend), counts.view(1, 4))
+
+
+def test_second_order_gradients_local():
+    """gradgradcheck through dispatch -> experts -> combine: double backward reaches the weights'
+    gradient path (dispatch's scale and combine's returned rows) correctly."""
+    E, T, H, K = 4, 5, 3, 2
+    gen = torch.Generator().manual_seed(11)
+    topk_idx = torch.randint(-1, E, (T, K), generator=gen)
+
+    def layer(x, weights, expert_w):
+        routed, tokens_per_expert, handle = alltoall_ops.dispatch(
+            x, topk_idx, num_experts=E, expert_alignment=2
+        )
+        expert_of_row = torch.repeat_interleave(torch.arange(E), tokens_per_expert, output_size=routed.shape[0])
+        out = torch.tanh(torch.bmm(routed.unsqueeze(1), expert_w[expert_of_row]).squeeze(1))
+        return alltoall_ops.combine(out, handle, weights)
+
+    x = torch.randn(T, H, dtype=torch.float64, generator=gen, requires_grad=True)
+    weights = torch.rand(T, K, dtype=torch.float64, generator=gen, requires_grad=True)
+    expert_w = torch.randn(E, H, H, dtype=torch.float64, generator=gen, requires_grad=True)
+    assert torch.autograd.gradcheck(layer, (x, weights, expert_w))
+    assert torch.autograd.gradgradcheck(layer, (x, weights, expert_w))
