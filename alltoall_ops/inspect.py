@@ -65,7 +65,10 @@ def _op_name(target: torch._ops.OpOverload) -> str:
 def _describe_arg(value: Any) -> str:
     if isinstance(value, torch.fx.Node):
         meta = value.meta.get("val")
-        return "<tensor>" if isinstance(meta, torch.Tensor) else "<symbolic>"
+        if isinstance(meta, torch.Tensor):
+            return "<tensor>"
+        real = getattr(meta, "real_obj", None)  # an opaque object's fake stands in for it
+        return f"<opaque {type(real).__name__}>" if real is not None else "<symbolic>"
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_describe_arg(v) for v in value) + "]"
     return repr(value)
