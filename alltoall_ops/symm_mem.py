@@ -62,26 +62,41 @@ def _round_up(n: int, m: int) -> int:
 # --------------------------------------------------------------------------------------------
 # Kernels (Triton is optional)
 
+if not torch.cuda.is_available():
+    # NB: without CUDA the kernels run in Triton's interpreter. Triton decides at decoration
+    # time, its own library (tl.cdiv, tl.sum) included, so this must be set before anything
+    # imports triton: here, when alltoall_ops is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 _KERNELS = None
 
 
 def kernels():
-    """The Triton kernels, imported on first use. Without CUDA they run in Triton's interpreter:
-    ``TRITON_INTERPRET=1`` is set here unless the environment already sets it."""
+    """The Triton kernels, imported on first use (Triton is an optional dependency)."""
     global _KERNELS
     if _KERNELS is None:
-        if not torch.cuda.is_available():
-            os.environ.setdefault("TRITON_INTERPRET", "1")
         try:
-            import triton  # noqa: F401
+            import triton
         except ImportError as exc:
             raise ImportError(
                 "backend='symm_mem' needs Triton: pip install 'alltoall_ops[triton]'"
             ) from exc
         from . import kernels as module
 
+        if module.interpreting() and not _interpreted(triton.language.cdiv):
+            raise RuntimeError(
+                "backend='symm_mem' runs its kernels in Triton's interpreter here (no CUDA), but triton "
+                "was imported before TRITON_INTERPRET=1 was set; set it in the environment, or import "
+                "alltoall_ops before anything imports triton"
+            )
         _KERNELS = module
     return _KERNELS
+
+
+def _interpreted(fn: Any) -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(fn, InterpretedFunction)
 
 
 def _check_kernels_run_on(device: torch.device) -> None:
@@ -401,6 +416,15 @@ class SymmBuffers(OpaqueBase):
         )  # (4, W)
         segments.setup_barrier()  # every rank's tags are -1 before any peer writes
 
+    # NB: a handle to memory that peers write: a copy would read buffers nobody writes. Graph
+    # modules deep-copy their attributes (seen with AOTAutograd's dynamic-shape path), so copies
+    # are the object itself.
+    def __copy__(self) -> "SymmBuffers":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "SymmBuffers":
+        return self
+
     # Host-side helpers, used inside the ops only.
     def _barrier(self) -> None:
         self._segments.barrier()
@@ -690,6 +714,7 @@ def _(expert_out, weights, order, position, send_dst, row_src, buffers, save_ret
 def _symm_combine_setup_context(ctx, inputs, output):
     _, weights, ctx.order, ctx.position, _, _, ctx.buffers, save_returned = inputs
     ctx.save_for_backward(weights, inputs[4], output[1] if save_returned else None)
+    ctx.mark_non_differentiable(output[1])  # an auxiliary output, kept for the weights' gradient
 
 
 def _symm_combine_backward(ctx, grad_y, _grad_returned):
@@ -698,7 +723,12 @@ def _symm_combine_backward(ctx, grad_y, _grad_returned):
     if ctx.needs_input_grad[0]:
         # The adjoint of combine is dispatch with each slot's row scaled by its weight.
         grad_expert_out, _ = symm_dispatch_op(grad_y, weights, ctx.order, ctx.position, send_dst, ctx.buffers)
-    if returned is not None and ctx.needs_input_grad[1]:
+    if ctx.needs_input_grad[1]:
+        if returned is None:
+            raise RuntimeError(
+                "symm_combine: topk_weights need a gradient, but the op was called with "
+                "save_returned=False; alltoall_ops.combine sets it when the weights require grad"
+            )
         grad_weights = symm_weight_grad_op(grad_y, returned, ctx.position, weights)
     return grad_expert_out, grad_weights, None, None, None, None, None, None
 

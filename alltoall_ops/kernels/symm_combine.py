@@ -26,7 +26,7 @@ from ._config import cast_rne, row_blocks, tl_acc_dtype
 @triton.jit
 def _combine_reduce_kernel(
     ret_ptr, position_ptr, send_dst_ptr, weights_ptr, y_ptr, returned_ptr,
-    T, H,
+    T, H, n_ret,
     K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SAVE_RETURNED: tl.constexpr,
     ACC_DTYPE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
@@ -39,11 +39,12 @@ def _combine_reduce_kernel(
         b_acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=ACC_DTYPE)
         for k in tl.static_range(K):  # slots in k order: deterministic
             b_pos = tl.load(position_ptr + o_t * K + k, mask=m_t, other=0)  # [BT]
-            b_dst = tl.load(send_dst_ptr + b_pos, mask=m_t, other=-1)
-            m_row = (m_t & (b_dst >= 0))[:, None] & m_h
+            m_pos = m_t & (b_pos >= 0) & (b_pos < T * K)  # never out of bounds
+            b_dst = tl.load(send_dst_ptr + b_pos, mask=m_pos, other=-1)
+            m_row = (m_pos & (b_dst >= 0) & (b_pos < n_ret))[:, None] & m_h
             b_row = tl.load(ret_ptr + b_pos[:, None] * H + o_h[None, :], mask=m_row, other=0)  # [BT, BH]
             if SAVE_RETURNED:
-                tl.store(returned_ptr + b_pos[:, None] * H + o_h[None, :], b_row, mask=m_t[:, None] & m_h)
+                tl.store(returned_ptr + b_pos[:, None] * H + o_h[None, :], b_row, mask=m_pos[:, None] & m_h)
             if HAS_WEIGHTS:
                 b_w = tl.load(weights_ptr + o_t * K + k, mask=m_t, other=0).to(ACC_DTYPE)
                 b_acc += b_row.to(ACC_DTYPE) * b_w[:, None]
@@ -70,7 +71,7 @@ def combine_reduce(
     cfg = row_blocks(T, H)
     _combine_reduce_kernel[cfg.grid](
         ret, position, send_dst, weights if weights is not None else y, y,
-        returned if returned is not None else y, T, H,
+        returned if returned is not None else y, T, H, ret.shape[0],
         K=K, HAS_WEIGHTS=weights is not None, SAVE_RETURNED=returned is not None,
         ACC_DTYPE=tl_acc_dtype(acc_dtype), BLOCK_T=cfg.BLOCK_R, BLOCK_H=cfg.BLOCK_H,
         num_warps=cfg.num_warps,
@@ -87,12 +88,13 @@ def _combine_weight_grad_kernel(
     m_t = o_t < T
     for k in tl.static_range(K):
         b_pos = tl.load(position_ptr + o_t * K + k, mask=m_t, other=0)  # [BT]
+        m_pos = m_t & (b_pos >= 0) & (b_pos < T * K)
         b_acc = tl.zeros([BLOCK_T], dtype=ACC_DTYPE)
         for i_h in range(0, tl.cdiv(H, BLOCK_H)):
             o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
             m = m_t[:, None] & (o_h < H)[None, :]
             b_g = tl.load(grad_y_ptr + o_t[:, None] * H + o_h[None, :], mask=m, other=0).to(ACC_DTYPE)
-            b_r = tl.load(returned_ptr + b_pos[:, None] * H + o_h[None, :], mask=m, other=0).to(ACC_DTYPE)
+            b_r = tl.load(returned_ptr + b_pos[:, None] * H + o_h[None, :], mask=m & m_pos[:, None], other=0).to(ACC_DTYPE)
             b_acc += tl.sum(b_g * b_r, axis=1)  # [BT, BH] -> [BT]
         tl.store(grad_w_ptr + o_t * K + k, cast_rne(b_acc, grad_w_ptr.dtype.element_ty), mask=m_t)
 

@@ -28,7 +28,7 @@ from ._config import cast_rne, row_blocks, tl_acc_dtype
 @triton.jit
 def _put_rows_kernel(
     src_ptr, order_ptr, scale_ptr, dst_ptr, rows_table_ptr, tags_table_ptr,
-    n_rows, K, H, dst_stride, tag_base,
+    n_rows, n_src, K, H, dst_stride, world_size, tag_base,
     HAS_ORDER: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_TAGS: tl.constexpr,
     ACC_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
@@ -36,7 +36,7 @@ def _put_rows_kernel(
     o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR] send positions
     m_r = o_r < n_rows
     b_dst = tl.load(dst_ptr + o_r, mask=m_r, other=-1)
-    m_r = m_r & (b_dst >= 0)
+    m_r = m_r & (b_dst >= 0) & (b_dst < world_size * dst_stride)  # never out of bounds
     b_peer = tl.where(m_r, b_dst // dst_stride, 0)
     b_row = tl.where(m_r, b_dst % dst_stride, 0)
     if HAS_ORDER:
@@ -45,6 +45,7 @@ def _put_rows_kernel(
     else:
         b_slot = o_r
         b_src = o_r
+    m_r = m_r & (b_src >= 0) & (b_src < n_src)
     if HAS_SCALE:
         b_scale = tl.load(scale_ptr + b_slot, mask=m_r, other=0).to(ACC_DTYPE)
     p_peer = tl.load(rows_table_ptr + b_peer, mask=m_r, other=0).to(
@@ -87,7 +88,7 @@ def put_rows(
     _put_rows_kernel[cfg.grid](
         src, order if order is not None else dst, scale if scale is not None else src,
         dst, rows_table, tags_table if tags_table is not None else rows_table,
-        n, top_k, H, dst_stride, tag_base,
+        n, src.shape[0], top_k, H, dst_stride, rows_table.numel(), tag_base,
         HAS_ORDER=order is not None, HAS_SCALE=scale is not None, HAS_TAGS=tags_table is not None,
         ACC_DTYPE=tl_acc_dtype(acc_dtype), BLOCK_R=cfg.BLOCK_R, BLOCK_H=cfg.BLOCK_H,
         num_warps=cfg.num_warps,
