@@ -1,0 +1,247 @@
+"""A small expert-parallel mixture-of-experts block, and the dense reference it must match.
+
+Copy and adapt. :class:`MoE` is what runs on each rank of an expert-parallel group;
+:class:`DenseMoE` holds every expert in one process and computes the same function on the
+tokens of all ranks together, in the most direct way (one expert at a time), so that the
+parallel block can be checked against it. :meth:`MoE.from_dense` builds rank r's block from a
+dense one: the router is replicated, experts [r*e, (r+1)*e) are rank r's.
+
+Shape legend (as in ``layout.py``): T local tokens, H hidden, F expert FFN width, E global
+experts, e = E / W local experts, K top-k, R rows routed to this rank (padding included).
+Parameters of the experts are stacked along their first dimension (E in the dense block, e in
+the parallel one) and share names, so ``MoE.w_up`` is a slice of ``DenseMoE.w_up``.
+
+Example (on every rank)::
+
+    dense = DenseMoE(hidden_size=64, ffn_size=128, num_experts=8, top_k=2)   # same seed everywhere
+    moe = MoE.from_dense(dense, group=ep_group)
+    y_TH = torch.compile(moe, fullgraph=True)(x_TH)
+    # Replicated parameters (the router) need their gradients summed over the group, as in
+    # data parallelism; the experts' gradients are complete on their own rank.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .api import combine, dispatch
+from .groups import pick_backend, resolve_group
+from .ops import accumulation_dtype
+
+ACTIVATIONS = ("swiglu", "gelu")
+EXPERT_IMPLS = ("auto", "masked", "grouped_mm")
+
+
+class Router(nn.Module):
+    """Top-k softmax router: Linear H -> E, softmax, top-k, weights renormalised to sum to 1.
+
+    The softmax runs in fp32 (fp64 for fp64 inputs)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, device=None, dtype=None):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k: expected 1 <= top_k <= num_experts = {num_experts}, got {top_k}")
+        self.top_k = top_k
+        self.proj = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x_TH (T, H) -> topk_idx_TK (T, K) int64 global expert ids, topk_weights_TK (T, K) fp32
+        (fp64 for fp64 x), each row summing to 1."""
+        logits_TE = self.proj(x_TH)
+        probs_TE = logits_TE.to(accumulation_dtype(x_TH.dtype)).softmax(dim=-1)
+        topk_weights_TK, topk_idx_TK = probs_TE.topk(self.top_k, dim=-1)
+        topk_weights_TK = topk_weights_TK / topk_weights_TK.sum(dim=-1, keepdim=True)
+        return topk_idx_TK, topk_weights_TK
+
+
+def _activate(up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """SwiGLU (silu(gate) * up) when there is a gate, else GELU(up)."""
+    return F.silu(gate) * up if gate is not None else F.gelu(up)
+
+
+class _ExpertParams(nn.Module):
+    """Stacked parameters of n experts: w_gate (n, H, F) (SwiGLU only), w_up (n, H, F),
+    w_down (n, F, H). Initialised like nn.Linear (uniform, bound 1/sqrt(fan_in))."""
+
+    def __init__(self, num_experts, hidden_size, ffn_size, activation, *, device=None, dtype=None):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+        self.activation = activation
+        self.hidden_size, self.ffn_size = hidden_size, ffn_size
+        kw = {"device": device, "dtype": dtype}
+        n, H, Fd = num_experts, hidden_size, ffn_size
+        self.w_gate = nn.Parameter(torch.empty(n, H, Fd, **kw)) if activation == "swiglu" else None
+        self.w_up = nn.Parameter(torch.empty(n, H, Fd, **kw))
+        self.w_down = nn.Parameter(torch.empty(n, Fd, H, **kw))
+        self.reset_expert_parameters()
+
+    def expert_mlp(self, x_nH: torch.Tensor, j: int) -> torch.Tensor:
+        """Expert j (of this module's stack) on rows x_nH (n, H) -> (n, H)."""
+        gate_nF = x_nH @ self.w_gate[j] if self.w_gate is not None else None
+        return _activate(x_nH @ self.w_up[j], gate_nF) @ self.w_down[j]
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        return [w for w in (self.w_gate, self.w_up, self.w_down) if w is not None]
+
+    @torch.no_grad()
+    def reset_expert_parameters(self) -> None:
+        for w in self.expert_parameters():
+            bound = 1.0 / math.sqrt(w.shape[1])
+            w.uniform_(-bound, bound)
+
+
+class DenseMoE(_ExpertParams):
+    """Single-process reference: the router and ALL E experts.
+
+    forward(x_TH) computes y[t] = sum_k w[t, k] * expert_{idx[t, k]}(x[t]) one expert at a time:
+    gather the tokens routed to it, run its MLP, add the weighted rows back (fp32 accumulation,
+    fp64 for fp64). No communication, no routing layout: an independent check of :class:`MoE`.
+
+    Args:
+        hidden_size: H. ffn_size: F. num_experts: E. top_k: K.
+        activation: "swiglu" (w_gate, w_up, w_down) or "gelu" (w_up, w_down).
+    """
+
+    def __init__(
+        self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int, *,
+        activation: str = "swiglu", device=None, dtype=None,
+    ):
+        super().__init__(num_experts, hidden_size, ffn_size, activation, device=device, dtype=dtype)
+        self.num_experts = num_experts
+        self.router = Router(hidden_size, num_experts, top_k, device=device, dtype=dtype)
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """x_TH (T, H) -> y_TH (T, H), in x's dtype."""
+        topk_idx_TK, topk_weights_TK = self.router(x_TH)
+        acc_dtype = accumulation_dtype(x_TH.dtype)
+        y_TH = torch.zeros(x_TH.shape, dtype=acc_dtype, device=x_TH.device)
+        for j in range(self.num_experts):
+            tok_n, slot_n = (topk_idx_TK == j).nonzero(as_tuple=True)  # tokens routed to j
+            out_nH = self.expert_mlp(x_TH[tok_n], j)
+            weight_n = topk_weights_TK[tok_n, slot_n]
+            y_TH = y_TH.index_add(0, tok_n, out_nH.to(acc_dtype) * weight_n[:, None].to(acc_dtype))
+        return y_TH.to(x_TH.dtype)
+
+
+class MoE(_ExpertParams):
+    """Expert-parallel MoE block of one rank: route, dispatch, run the e local experts, combine.
+
+    Rank r of a group of W holds the router (replicated) and experts [r*e, (r+1)*e), e = E / W.
+
+    Args:
+        hidden_size: H. ffn_size: F. num_experts: E, global, divisible by W. top_k: K.
+        activation: "swiglu" or "gelu".
+        group: ProcessGroup, 1-D DeviceMesh or None (default group; single process when
+            torch.distributed is not initialised), as in :func:`alltoall_ops.dispatch`.
+        backend: "auto" | "local" | "collective", as in :func:`alltoall_ops.dispatch`.
+        expert_alignment: pad each local expert's rows to a multiple of this (e.g. for a
+            grouped GEMM that wants aligned groups); padding rows are zero and ignored.
+        expert_impl: how the local experts run on their rows:
+            "masked": every local expert runs on all R rows and keeps its own (``torch.where``):
+                any dtype and device, plain matmuls, exact; e times the FLOPs of the grouped
+                GEMM, memory R * F: right for few local experts, small blocks and tests.
+            "grouped_mm": ``torch._grouped_mm`` over the expert-grouped rows (bf16 on CUDA
+                sm90+; fp32 / bf16 on CPU in recent torch; H * itemsize and F * itemsize must
+                be multiples of 16 bytes).
+            "auto": "grouped_mm" for bf16 on CUDA sm90+, else "masked".
+    """
+
+    def __init__(
+        self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int, *,
+        activation: str = "swiglu", group: Any = None, backend: str = "auto",
+        expert_alignment: int = 1, expert_impl: str = "auto", device=None, dtype=None,
+    ):
+        grp = pick_backend(backend, resolve_group(group))
+        if num_experts % grp.size != 0:
+            raise ValueError(
+                f"num_experts: expected a multiple of the group size {grp.size}, got {num_experts}"
+            )
+        if expert_impl not in EXPERT_IMPLS:
+            raise ValueError(f"expert_impl: expected one of {EXPERT_IMPLS}, got {expert_impl!r}")
+        e = num_experts // grp.size
+        super().__init__(e, hidden_size, ffn_size, activation, device=device, dtype=dtype)
+        self.num_experts = num_experts
+        self.num_local_experts = e
+        self.rank, self.world_size = grp.rank, grp.size
+        self.group, self.backend = group, backend
+        self.expert_alignment = expert_alignment
+        self.expert_impl = expert_impl
+        self.router = Router(hidden_size, num_experts, top_k, device=device, dtype=dtype)
+
+    @classmethod
+    def from_dense(cls, dense: DenseMoE, **kwargs: Any) -> MoE:
+        """This rank's block holding a copy of ``dense``'s router and of its experts
+        [rank*e, (rank+1)*e). kwargs: group, backend, expert_alignment, expert_impl."""
+        w_up = dense.w_up
+        moe = cls(
+            dense.hidden_size, dense.ffn_size, dense.num_experts, dense.router.top_k,
+            activation=dense.activation, device=w_up.device, dtype=w_up.dtype, **kwargs,
+        )
+        moe.load_dense_parameters(dense)
+        return moe
+
+    @torch.no_grad()
+    def load_dense_parameters(self, dense: DenseMoE) -> None:
+        """Copy the router and this rank's slice of the experts from ``dense``."""
+        self.router.load_state_dict(dense.router.state_dict())
+        local = self.local_expert_slice()
+        for mine, full in zip(self.expert_parameters(), dense.expert_parameters()):
+            mine.copy_(full[local])
+
+    def local_expert_slice(self) -> slice:
+        """Global ids of this rank's experts: [rank*e, (rank+1)*e)."""
+        e = self.num_local_experts
+        return slice(self.rank * e, (self.rank + 1) * e)
+
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """Parameters every rank holds alike (the router): sum their gradients over the group."""
+        return list(self.router.parameters())
+
+    def _use_grouped_mm(self, x: torch.Tensor) -> bool:
+        if self.expert_impl != "auto":
+            return self.expert_impl == "grouped_mm"
+        return (
+            x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        )
+
+    def experts(self, x_RH: torch.Tensor, tokens_per_expert_e: torch.Tensor) -> torch.Tensor:
+        """Run the local experts on routed rows grouped by expert.
+
+        x_RH (R, H); tokens_per_expert_e (e,) int64 rows of each local expert, summing to R.
+        Returns (R, H). Zero rows (padding) stay zero: the experts have no biases."""
+        if self._use_grouped_mm(x_RH):
+            offsets_e = torch.cumsum(tokens_per_expert_e, 0, dtype=torch.int32)
+
+            def matmul(a_RI, w_eIO):  # rows of expert j times w_eIO[j]
+                return torch._grouped_mm(a_RI, w_eIO, offs=offsets_e)
+
+            gate_RF = matmul(x_RH, self.w_gate) if self.w_gate is not None else None
+            return matmul(_activate(matmul(x_RH, self.w_up), gate_RF), self.w_down)
+
+        # "masked": expert_R1[r] is the local expert of row r (R is an unbacked size under
+        # torch.compile, hence output_size); each expert runs on every row and keeps its own.
+        expert_R1 = torch.repeat_interleave(
+            torch.arange(self.num_local_experts, device=x_RH.device), tokens_per_expert_e,
+            output_size=x_RH.shape[0],
+        ).unsqueeze(1)
+        y_RH = torch.zeros_like(x_RH)
+        for j in range(self.num_local_experts):
+            y_RH = torch.where(expert_R1 == j, self.expert_mlp(x_RH, j), y_RH)
+        return y_RH
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """x_TH (T, H) tokens of this rank (T may be 0) -> y_TH (T, H), in x's dtype."""
+        topk_idx_TK, topk_weights_TK = self.router(x_TH)
+        routed_RH, tokens_per_expert_e, handle = dispatch(
+            x_TH, topk_idx_TK, num_experts=self.num_experts, group=self.group,
+            backend=self.backend, expert_alignment=self.expert_alignment,
+        )
+        out_RH = self.experts(routed_RH, tokens_per_expert_e)
+        return combine(out_RH, handle, topk_weights_TK)
