@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_DEV_CONSTRAINT ?= torch==2.13.0
 WORLD_SIZE ?= 4
 
-.PHONY: install test demo lint clean
+.PHONY: install test demo bench lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ test: install
 
 demo: install
 	$(PY) -m alltoall_ops.demo --world-size $(WORLD_SIZE)
+
+bench: install
+	$(PY) -m pip install -q -e ".[bench]" "$(TORCH_DEV_CONSTRAINT)"
+	$(PY) -m alltoall_ops.bench --out results
 
 lint: install
 	$(PY) -m pip install -q ruff
