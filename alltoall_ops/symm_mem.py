@@ -132,9 +132,6 @@ class _Segments:
         """A host-level barrier for set-up, before any op runs."""
         self.barrier()
 
-    def lock(self):
-        return contextlib.nullcontext()
-
 
 class _LocalSegments(_Segments):
     """One rank: plain device memory, nothing to wait for."""
@@ -202,21 +199,17 @@ class _SimulatedSegments(_Segments):
 
     The barrier is a thread barrier: every thread has queued its work before any goes on, and
     one device stream runs queued work in order, so no host-device sync is needed (CUDA graph
-    capture works when every thread queues onto the capturing stream). Kernel launches hold a
-    shared lock (the Triton interpreter is not thread-safe)."""
+    capture works when every thread queues onto the capturing stream)."""
 
-    def __init__(self, local: torch.Tensor, bases: list[int], barrier: threading.Barrier, lock: threading.Lock):
+    def __init__(self, local: torch.Tensor, bases: list[int], barrier: threading.Barrier):
         self.local, self.bases = local, bases
-        self._barrier, self._lock = barrier, lock
+        self._barrier = barrier
 
     def barrier(self) -> None:
         self._barrier.wait()
 
     def setup_barrier(self) -> None:
         pass  # all segments are set up by one thread
-
-    def lock(self):
-        return self._lock
 
     def abort(self) -> None:
         self._barrier.abort()
@@ -380,11 +373,11 @@ class SymmBuffers(OpaqueBase):
         _, nbytes = cfgs[0].region_offsets()
         locals_ = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(world_size)]
         bases = [t.data_ptr() for t in locals_]
-        barrier, lock = threading.Barrier(world_size, timeout=timeout), threading.Lock()
+        barrier = threading.Barrier(world_size, timeout=timeout)
         out = []
         for cfg, local in zip(cfgs, locals_):
             bufs = cls.__new__(cls)
-            bufs._setup(cfg, _SimulatedSegments(local, bases, barrier, lock))
+            bufs._setup(cfg, _SimulatedSegments(local, bases, barrier))
             out.append(bufs)
         return out
 
@@ -428,9 +421,6 @@ class SymmBuffers(OpaqueBase):
     # Host-side helpers, used inside the ops only.
     def _barrier(self) -> None:
         self._segments.barrier()
-
-    def _launch(self):
-        return self._segments.lock()
 
     def _guard_key(self) -> list:
         return [self.rank, *self._cfg.shared, self.group_name]
@@ -597,8 +587,7 @@ def symm_exchange_meta_op(send_row: torch.Tensor, buffers: SymmBuffers, expert_a
     raises on all ranks alike."""
     k = kernels()
     buffers._barrier()
-    with buffers._launch():
-        k.put_meta(send_row.contiguous(), buffers.table[META], buffers.rank)
+    k.put_meta(send_row.contiguous(), buffers.table[META], buffers.rank)
     buffers._barrier()
     meta = buffers.meta.clone()
     _check_meta(meta, buffers, expert_alignment)
@@ -630,17 +619,15 @@ def symm_dispatch_op(
     K = position.shape[1]
     acc = accumulation_dtype(x.dtype, *(() if scale is None else (scale.dtype,)))
     buffers._barrier()
-    with buffers._launch():
-        k.put_rows(
-            x.contiguous(), send_dst, buffers.capacity, buffers.table[RECV],
-            order=order, top_k=K, scale=None if scale is None else scale.contiguous(),
-            tags_table=buffers.table[TAGS], tag_base=buffers.rank * buffers.max_slots, acc_dtype=acc,
-        )
+    k.put_rows(
+        x.contiguous(), send_dst, buffers.capacity, buffers.table[RECV],
+        order=order, top_k=K, scale=None if scale is None else scale.contiguous(),
+        tags_table=buffers.table[TAGS], tag_base=buffers.rank * buffers.max_slots, acc_dtype=acc,
+    )
     buffers._barrier()
     routed = x.new_empty(buffers.capacity, x.shape[1])
     row_src = torch.empty(buffers.capacity, dtype=torch.int64, device=x.device)
-    with buffers._launch():
-        k.dispatch_copy_out(buffers.recv, buffers.tags, routed, row_src)
+    k.dispatch_copy_out(buffers.recv, buffers.tags, routed, row_src)
     return routed, row_src
 
 
@@ -688,18 +675,16 @@ def symm_combine_op(
     k = kernels()
     T, K = position.shape
     buffers._barrier()
-    with buffers._launch():
-        k.put_rows(expert_out.contiguous(), row_src, buffers.max_slots, buffers.table[RET])
+    k.put_rows(expert_out.contiguous(), row_src, buffers.max_slots, buffers.table[RET])
     buffers._barrier()
     H = expert_out.shape[1]
     y = expert_out.new_empty(T, H)
     returned = expert_out.new_empty(T * K if save_returned else 0, H)
     acc = accumulation_dtype(expert_out.dtype, *(() if weights is None else (weights.dtype,)))
-    with buffers._launch():
-        k.combine_reduce(
-            buffers.ret, position, send_dst, None if weights is None else weights.contiguous(), y,
-            returned if save_returned else None, acc,
-        )
+    k.combine_reduce(
+        buffers.ret, position, send_dst, None if weights is None else weights.contiguous(), y,
+        returned if save_returned else None, acc,
+    )
     return y, returned
 
 
@@ -824,8 +809,6 @@ def cached_buffers(x: torch.Tensor, top_k: int, num_experts: int, grp: Group, ex
 
 def _check_buffers_fit(bufs: SymmBuffers, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, group: Any) -> None:
     """Static checks (shapes, dtypes: the same on every rank of an SPMD program)."""
-    if not isinstance(bufs, SymmBuffers):
-        raise TypeError(f"buffers: expected alltoall_ops.SymmBuffers, got {type(bufs).__name__}")
     if group is not None and resolve_group(group).name != bufs.group_name:
         raise ValueError(
             f"group: the buffers were created for group {bufs.group_name!r}, got group "
@@ -849,6 +832,8 @@ def dispatch(
     """``alltoall_ops.dispatch(..., backend="symm_mem")``: routed (C, H), tokens_per_expert (e,),
     handle. The first ``tokens_per_expert.sum()`` rows of routed are the collective backend's
     routed rows; the rest are zero."""
+    if buffers is not None and not isinstance(buffers, SymmBuffers):
+        raise TypeError(f"buffers: expected alltoall_ops.SymmBuffers, got {type(buffers).__name__}")
     if buffers is None:
         grp = resolve_group(group)
         check_dispatch_args(x, topk_idx, num_experts, grp.size, expert_alignment)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import torch
 import triton
@@ -16,6 +17,11 @@ def interpreting() -> bool:
     """True when this package's kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when
     they were imported): on CPU tensors, one program after another."""
     return _INTERPRETED
+
+
+LAUNCH_LOCK = threading.RLock()
+"""Held by every launcher: Triton's interpreter patches ``triton.language`` for the duration of a
+launch, so launches from several threads (simulated ranks) must not overlap."""
 
 
 @dataclasses.dataclass(frozen=True)

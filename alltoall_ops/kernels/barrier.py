@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._config import LAUNCH_LOCK
+
 
 @triton.jit
 def _barrier_kernel(pads_table_ptr, rank, WORLD_SIZE: tl.constexpr):
@@ -37,4 +39,5 @@ def barrier(pads_table: torch.Tensor, rank: int) -> None:
     """Wait on the current stream until every rank of the pads' group reaches this barrier.
 
     pads_table: (W,) int64 device addresses of every rank's signal pad (W int32 flags each)."""
-    _barrier_kernel[(1,)](pads_table, rank, WORLD_SIZE=pads_table.numel(), num_warps=1)
+    with LAUNCH_LOCK:
+        _barrier_kernel[(1,)](pads_table, rank, WORLD_SIZE=pads_table.numel(), num_warps=1)

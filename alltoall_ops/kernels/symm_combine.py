@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import cast_rne, row_blocks, tl_acc_dtype
+from ._config import LAUNCH_LOCK, cast_rne, row_blocks, tl_acc_dtype
 
 
 @triton.jit
@@ -69,13 +69,14 @@ def combine_reduce(
     if T == 0 or H == 0:
         return
     cfg = row_blocks(T, H)
-    _combine_reduce_kernel[cfg.grid](
-        ret, position, send_dst, weights if weights is not None else y, y,
-        returned if returned is not None else y, T, H, ret.shape[0],
-        K=K, HAS_WEIGHTS=weights is not None, SAVE_RETURNED=returned is not None,
-        ACC_DTYPE=tl_acc_dtype(acc_dtype), BLOCK_T=cfg.BLOCK_R, BLOCK_H=cfg.BLOCK_H,
-        num_warps=cfg.num_warps,
-    )
+    with LAUNCH_LOCK:
+        _combine_reduce_kernel[cfg.grid](
+            ret, position, send_dst, weights if weights is not None else y, y,
+            returned if returned is not None else y, T, H, ret.shape[0],
+            K=K, HAS_WEIGHTS=weights is not None, SAVE_RETURNED=returned is not None,
+            ACC_DTYPE=tl_acc_dtype(acc_dtype), BLOCK_T=cfg.BLOCK_R, BLOCK_H=cfg.BLOCK_H,
+            num_warps=cfg.num_warps,
+        )
 
 
 @triton.jit
@@ -109,8 +110,9 @@ def combine_weight_grad(
     if T == 0:
         return
     cfg = row_blocks(T, max(H, 1))
-    _combine_weight_grad_kernel[cfg.grid](
-        grad_y, returned, position, grad_w, T, H,
-        K=K, ACC_DTYPE=tl_acc_dtype(acc_dtype), BLOCK_T=cfg.BLOCK_R, BLOCK_H=cfg.BLOCK_H,
-        num_warps=cfg.num_warps,
-    )
+    with LAUNCH_LOCK:
+        _combine_weight_grad_kernel[cfg.grid](
+            grad_y, returned, position, grad_w, T, H,
+            K=K, ACC_DTYPE=tl_acc_dtype(acc_dtype), BLOCK_T=cfg.BLOCK_R, BLOCK_H=cfg.BLOCK_H,
+            num_warps=cfg.num_warps,
+        )

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import cast_rne, row_blocks, tl_acc_dtype
+from ._config import LAUNCH_LOCK, cast_rne, row_blocks, tl_acc_dtype
 
 
 @triton.jit
@@ -85,14 +85,15 @@ def put_rows(
     if n == 0 or H == 0:
         return
     cfg = row_blocks(n, H)
-    _put_rows_kernel[cfg.grid](
-        src, order if order is not None else dst, scale if scale is not None else src,
-        dst, rows_table, tags_table if tags_table is not None else rows_table,
-        n, src.shape[0], top_k, H, dst_stride, rows_table.numel(), tag_base,
-        HAS_ORDER=order is not None, HAS_SCALE=scale is not None, HAS_TAGS=tags_table is not None,
-        ACC_DTYPE=tl_acc_dtype(acc_dtype), BLOCK_R=cfg.BLOCK_R, BLOCK_H=cfg.BLOCK_H,
-        num_warps=cfg.num_warps,
-    )
+    with LAUNCH_LOCK:
+        _put_rows_kernel[cfg.grid](
+            src, order if order is not None else dst, scale if scale is not None else src,
+            dst, rows_table, tags_table if tags_table is not None else rows_table,
+            n, src.shape[0], top_k, H, dst_stride, rows_table.numel(), tag_base,
+            HAS_ORDER=order is not None, HAS_SCALE=scale is not None, HAS_TAGS=tags_table is not None,
+            ACC_DTYPE=tl_acc_dtype(acc_dtype), BLOCK_R=cfg.BLOCK_R, BLOCK_H=cfg.BLOCK_H,
+            num_warps=cfg.num_warps,
+        )
 
 
 @triton.jit
@@ -110,7 +111,8 @@ def put_meta(send_row: torch.Tensor, meta_table: torch.Tensor, rank: int) -> Non
     """Write the int64 ``send_row`` (L,) into row ``rank`` of every rank's (W, L) metadata buffer."""
     L = send_row.numel()
     block_l = triton.next_power_of_2(max(1, min(L, 1024)))
-    _put_meta_kernel[(meta_table.numel(),)](send_row, meta_table, rank, L, BLOCK_L=block_l)
+    with LAUNCH_LOCK:
+        _put_meta_kernel[(meta_table.numel(),)](send_row, meta_table, rank, L, BLOCK_L=block_l)
 
 
 @triton.jit
@@ -143,7 +145,8 @@ def dispatch_copy_out(
     if C == 0:
         return
     cfg = row_blocks(C, max(H, 1))
-    _dispatch_copy_out_kernel[cfg.grid](
-        recv, tags, out, row_src, C, H, BLOCK_R=cfg.BLOCK_R, BLOCK_H=cfg.BLOCK_H,
-        num_warps=cfg.num_warps,
-    )
+    with LAUNCH_LOCK:
+        _dispatch_copy_out_kernel[cfg.grid](
+            recv, tags, out, row_src, C, H, BLOCK_R=cfg.BLOCK_R, BLOCK_H=cfg.BLOCK_H,
+            num_warps=cfg.num_warps,
+        )

@@ -1,0 +1,526 @@
+"""backend="symm_mem": the CUDA kernels and op code, run on the CPU through Triton's interpreter
+over the shared-memory stand-in for symmetric memory (W = 1, 2, 4 processes) and over simulated
+peers (threads), compared exactly with the collective backend.
+
+Exactness: dispatch only moves rows and combine adds the same fp32 (fp64) terms in the same k
+order as the collective backend, rounded once (bf16 rounded to nearest even, as torch does), so
+routed rows, y and the gradients of x / expert outputs are compared bit for bit. The routing
+weights' gradient is a dot product over H that the kernel sums in another order than torch:
+compared to a few ulps of the accumulation dtype.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from functools import partial
+
+import pytest
+import torch
+from expecttest import TestCase
+from hypothesis import given, strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+import alltoall_ops as a2a
+from alltoall_ops import symm_mem
+from alltoall_ops.inspect import CompiledGraphs, capturing_backend
+
+E, H, K = 8, 6, 2
+SYMM_OPS = ("alltoall_ops::symm_exchange_meta", "alltoall_ops::symm_dispatch", "alltoall_ops::symm_combine")
+
+
+def _inputs(seed: int, rank: int, T: int, dtype: torch.dtype, w_dtype: torch.dtype, num_experts: int = E):
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    topk_idx = torch.randint(-1, num_experts, (T, K), generator=g)
+    weights = torch.rand(T, K, generator=g).to(w_dtype)
+    grad_y = torch.randn(T, H, generator=g).to(dtype)
+    return x, topk_idx, weights, grad_y
+
+
+def _expert(routed: torch.Tensor) -> torch.Tensor:
+    # Row-wise, so a row's output depends on that row only; padding rows become 0.5, which
+    # combine must ignore.
+    return torch.tanh(routed) + 0.5
+
+
+def _step(x, topk_idx, weights, grad_y, *, backend, expert_alignment=1, buffers=None, num_experts=E):
+    """dispatch -> expert -> combine -> backward; returns every output and gradient."""
+    x = x.clone().requires_grad_()
+    weights = weights.clone().requires_grad_()
+    routed, tokens_per_expert, handle = a2a.dispatch(
+        x, topk_idx, num_experts=num_experts, backend=backend, expert_alignment=expert_alignment, buffers=buffers
+    )
+    y = a2a.combine(_expert(routed), handle, weights)
+    grad_x, grad_w = torch.autograd.grad(y, (x, weights), grad_y)
+    return dict(routed=routed.detach(), tokens_per_expert=tokens_per_expert, y=y.detach(),
+                grad_x=grad_x, grad_w=grad_w, handle=handle)
+
+
+def _assert_same_as_collective(symm: dict, coll: dict, capacity: int) -> None:
+    assert torch.equal(symm["tokens_per_expert"], coll["tokens_per_expert"])
+    R = int(coll["tokens_per_expert"].sum())
+    assert symm["routed"].shape[0] == capacity >= R
+    assert torch.equal(symm["routed"][:R], coll["routed"]), "routed rows differ from the collective backend"
+    assert not symm["routed"][R:].any(), "rows past tokens_per_expert.sum() must be zero"
+    assert torch.equal(symm["y"], coll["y"])
+    assert torch.equal(symm["grad_x"], coll["grad_x"])
+    _assert_weight_grad_close(symm["grad_w"], coll["grad_w"])
+
+
+def _assert_weight_grad_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    # A sum of H = 6 products in another order: a few ulps of the accumulation dtype.
+    eps = torch.finfo(torch.float64 if expected.dtype == torch.float64 else torch.float32).eps
+    torch.testing.assert_close(actual, expected, rtol=16 * eps, atol=16 * eps)
+
+
+# --------------------------------------------------------------------------------------------
+# One rank (no process group): hypothesis over shapes, against the local backend
+
+
+@given(
+    T=st.integers(0, 6), k=st.integers(1, 3), num_experts=st.sampled_from([1, 2, 5]),
+    alignment=st.integers(1, 3), bf16=st.booleans(), seed=st.integers(0, 2**16),
+)
+def test_one_rank_matches_local(T, k, num_experts, alignment, bf16, seed):
+    dtype, w_dtype = (torch.bfloat16, torch.float32) if bf16 else (torch.float64, torch.float64)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    topk_idx = torch.randint(-1, num_experts, (T, k), generator=g)
+    weights = torch.rand(T, k, generator=g).to(w_dtype)
+    grad_y = torch.randn(T, H, generator=g).to(dtype)
+    bufs = a2a.SymmBuffers(max(T, 1), H, k, num_experts, dtype=dtype, device="cpu", expert_alignment=alignment)
+    run = partial(_step, x, topk_idx, weights, grad_y, expert_alignment=alignment, num_experts=num_experts)
+    symm = run(backend="symm_mem", buffers=bufs)
+    _assert_same_as_collective(symm, run(backend="local"), bufs.capacity)
+
+
+def test_capacity_rule():
+    bufs = a2a.SymmBuffers(5, H, 3, 4, dtype=torch.float32, device="cpu", expert_alignment=4)
+    assert bufs.capacity == 1 * 5 * 3 + 4 * (4 - 1)  # W * T_max * K + e * (alignment - 1)
+    assert a2a.SymmBuffers(5, H, 3, 4, dtype=torch.float32, device="cpu", capacity=7).capacity == 7
+
+
+# --------------------------------------------------------------------------------------------
+# W = 2, 4 processes: the shared-memory stand-in, against the collective backend
+
+CASES = (  # (seed, dtype, weights dtype, expert_alignment, T of rank r)
+    (1, torch.float64, torch.float64, 1, lambda r: 5 + r),
+    (2, torch.float64, torch.float64, 3, lambda r: 0 if r == 1 else 4),  # a rank with no tokens
+    (3, torch.bfloat16, torch.float32, 2, lambda r: 6),
+)
+
+
+def run_against_collective(rank: int, world_size: int) -> list[int]:
+    bufs = {
+        dtype: a2a.SymmBuffers(8, H, K, E, dtype=dtype, device="cpu", expert_alignment=3)
+        for dtype in (torch.float64, torch.bfloat16)
+    }
+    capacities = []
+    for seed, dtype, w_dtype, alignment, tokens in CASES:
+        args = _inputs(seed, rank, tokens(rank), dtype, w_dtype)
+        symm = _step(*args, backend="symm_mem", expert_alignment=alignment, buffers=bufs[dtype])
+        coll = _step(*args, backend="collective", expert_alignment=alignment)
+        _assert_same_as_collective(symm, coll, bufs[dtype].capacity)
+        again = _step(*args, backend="symm_mem", expert_alignment=alignment, buffers=bufs[dtype])
+        for name in ("routed", "y", "grad_x", "grad_w"):  # deterministic: bit for bit
+            assert torch.equal(again[name], symm[name]), name
+        assert not symm["handle"].dropped.any()
+        capacities.append(bufs[dtype].capacity)
+    return capacities
+
+
+@pytest.mark.parametrize("pool", [2, 4], indirect=True)
+def test_matches_collective(pool):
+    W = pool.world_size
+    results = pool.run(run_against_collective)
+    assert results == [[W * 8 * K + (E // W) * 2] * len(CASES)] * W  # the capacity rule
+
+
+# --------------------------------------------------------------------------------------------
+# Errors and overflow (W = 2): every rank raises alike, nobody is left waiting, buffers stay usable
+
+
+def run_errors(rank: int, world_size: int) -> list[str]:
+    bufs = a2a.SymmBuffers(4, H, K, E, dtype=torch.float32, device="cpu", capacity=5)
+    x, topk_idx, weights, _ = _inputs(7, rank, 4, torch.float32, torch.float32)
+    messages = []
+    everything_to_rank_0 = torch.zeros_like(topk_idx)  # 2 ranks * 8 slots > C = 5 rows on rank 0
+    with pytest.raises(ValueError, match="overflow") as err:
+        a2a.dispatch(x, everything_to_rank_0, num_experts=E, buffers=bufs)
+    messages.append(str(err.value))
+    bad = topk_idx.clone()
+    if rank == 1:
+        bad[0, 0] = E + 3
+    with pytest.raises(ValueError, match="outside") as err:
+        a2a.dispatch(x, bad, num_experts=E, buffers=bufs)
+    messages.append(str(err.value))
+    T = 5 if rank == 0 else 4  # rank 0 exceeds max_tokens_per_rank = 4
+    with pytest.raises(ValueError, match="max_tokens_per_rank") as err:
+        a2a.dispatch(torch.randn(T, H), torch.full((T, K), -1), num_experts=E, buffers=bufs)
+    messages.append(str(err.value))
+    one_slot = torch.full_like(topk_idx, -1)
+    one_slot[0, 0] = rank * (E // world_size)  # fits: the buffers still work after the errors
+    routed, tokens_per_expert, handle = a2a.dispatch(x, one_slot, num_experts=E, buffers=bufs)
+    assert torch.equal(routed[0], x[0]) and int(tokens_per_expert.sum()) == 1
+    assert torch.equal(a2a.combine(routed, handle)[0], x[0])
+    return messages
+
+
+def test_errors_agree_on_every_rank(pool2):
+    messages = pool2.run(run_errors)
+    assert messages[0] == messages[1]
+    overflow, bad_ids, too_many = messages[0]
+    assert "rank 0 must receive 16 rows" in overflow and "capacity is C = 5" in overflow
+    assert "overflow='drop'" in overflow
+    assert "topk_idx on rank 1" in bad_ids and "max 11" in bad_ids
+    assert "rank 0 dispatched T * K = 10 slots" in too_many
+
+
+def _dropped_slots(topk_idxs: list[torch.Tensor], capacity: int, world_size: int) -> list[set]:
+    """From the layout contract: the (t, k) slots of each source rank whose row would land at or
+    past ``capacity`` on its destination (expert-major, then source rank, then send order)."""
+    e = E // world_size
+    dropped: list[set] = [set() for _ in range(world_size)]
+    for d in range(world_size):
+        rows = [
+            (s, t, k)
+            for j in range(d * e, (d + 1) * e)
+            for s in range(world_size)
+            for t in range(topk_idxs[s].shape[0])
+            for k in range(K)
+            if int(topk_idxs[s][t, k]) == j
+        ]
+        for s, t, k in rows[capacity:]:
+            dropped[s].add((t, k))
+    return dropped
+
+
+def run_drop(rank: int, world_size: int, capacity: int) -> list[int]:
+    bufs = a2a.SymmBuffers(6, H, K, E, dtype=torch.float64, device="cpu", capacity=capacity, overflow="drop")
+    args = list(_inputs(11, rank, 6, torch.float64, torch.float64))
+    args[1] = args[1].clamp(max=E // world_size - 1 + 2)  # crowd the low experts (rank 0)
+    symm = _step(*args, backend="symm_mem", buffers=bufs)
+    gathered = [torch.empty_like(args[1]) for _ in range(world_size)]
+    torch.distributed.all_gather(gathered, args[1])
+    dropped = _dropped_slots(gathered, capacity, world_size)
+    masked = args[1].clone()
+    for t, k in dropped[rank]:
+        masked[t, k] = -1
+    coll = _step(args[0], masked, *args[2:], backend="collective")
+    # Dropping the rows past C changes no earlier row, so the result is the collective backend's
+    # with those slots routed nowhere.
+    _assert_same_as_collective(symm, coll, capacity)
+    per_rank = [len([1 for s in range(world_size) for (t, k) in dropped[s] if int(gathered[s][t, k]) // (E // world_size) == d])
+                for d in range(world_size)]
+    assert symm["handle"].dropped.tolist() == per_rank
+    return per_rank
+
+
+def test_overflow_drop_counts_and_keeps_the_rest(pool2):
+    per_rank = pool2.run(run_drop, 7)
+    assert per_rank[0] == per_rank[1] and per_rank[0][0] > 0, per_rank  # rows were dropped, on rank 0
+
+
+# --------------------------------------------------------------------------------------------
+# Buffer lifetime: two layers share one SymmBuffers; forward both, then backward
+
+
+class CommOpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in a2a.communication_ops():
+            self.ops.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+def _moe_layer(x, topk_idx, weights, scale, backend, bufs):
+    """dispatch -> a per-expert elementwise map -> combine. scale: (e, H), one row per local expert."""
+    routed, tokens_per_expert, handle = a2a.dispatch(
+        x, topk_idx, num_experts=E, backend=backend, buffers=bufs if backend == "symm_mem" else None
+    )
+    rows = torch.arange(routed.shape[0], device=routed.device)
+    expert_of_row = torch.bucketize(rows, tokens_per_expert.cumsum(0), right=True).clamp(max=scale.shape[0] - 1)
+    return a2a.combine(torch.tanh(routed * scale[expert_of_row]), handle, weights)
+
+
+def _two_layers(x, idx1, w1, s1, idx2, w2, s2, backend, bufs):
+    return _moe_layer(_moe_layer(x, idx1, w1, s1, backend, bufs), idx2, w2, s2, backend, bufs)
+
+
+def _sac(fn):
+    def wrapped(*args):
+        context_fn = partial(create_selective_checkpoint_contexts, a2a.sac_policy())
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn)
+    return wrapped
+
+
+def _full_recompute(fn):
+    return lambda *args: checkpoint(fn, *args, use_reentrant=False)
+
+
+def run_two_layers(rank: int, world_size: int) -> dict:
+    torch.manual_seed(50 + rank)
+    T, e = 5, E // world_size
+    x = torch.randn(T, H, dtype=torch.float64)
+    idx1, idx2 = torch.randint(-1, E, (T, K)), torch.randint(-1, E, (T, K))
+    w1, w2 = torch.rand(T, K, dtype=torch.float64), torch.rand(T, K, dtype=torch.float64)
+    s1, s2 = torch.randn(e, H, dtype=torch.float64), torch.randn(e, H, dtype=torch.float64)
+    leaves = [x, w1, s1, w2, s2]
+    bufs = a2a.SymmBuffers(T, H, K, E, dtype=torch.float64, device="cpu")
+
+    def grads(fn, backend):
+        params = [t.clone().requires_grad_() for t in leaves]
+        px, pw1, ps1, pw2, ps2 = params
+        y = fn(px, idx1, pw1, ps1, idx2, pw2, ps2, backend, bufs)
+        counter = CommOpCounter()
+        with counter:
+            g = torch.autograd.grad(y, params, torch.ones_like(y))
+        return y.detach(), g, [op for op in counter.ops if op in SYMM_OPS]
+
+    torch._dynamo.reset()
+    ref_y, ref_g, _ = grads(_two_layers, "collective")
+    counts = {}
+    variants = {"plain": _two_layers, "sac": _sac(_two_layers), "recompute": _full_recompute(_two_layers)}
+    graphs = {name: CompiledGraphs() for name in ("plain", "sac")}
+    compiled = {
+        f"compiled {name}": torch.compile(variants[name], backend=capturing_backend(graphs[name]), fullgraph=True)
+        for name in graphs
+    }
+    for name, fn in [*variants.items(), *compiled.items()]:
+        y, g, backward_ops = grads(fn, "symm_mem")
+        assert torch.equal(y, ref_y), name
+        for i, (a, b) in enumerate(zip(g, ref_g)):
+            if i in (1, 3):  # routing weights
+                _assert_weight_grad_close(a, b)
+            else:
+                assert torch.equal(a, b), (name, i)
+        counts[name] = len(backward_ops)
+    for name, gs in graphs.items():  # ops of the compiled backward graph
+        counts[f"compiled {name}"] = len([op for op in gs.comm_ops("backward") if op.startswith("alltoall_ops.symm")])
+    return counts
+
+
+def test_two_layers_share_buffers(pool2):
+    for counts in pool2.run(run_two_layers):
+        # Backward of each layer: one dispatch (combine's adjoint) and one combine (dispatch's).
+        # The SAC policy saves every symm op; full recompute re-runs the 3 forward ops per layer.
+        assert counts == {"plain": 4, "sac": 4, "recompute": 10, "compiled plain": 4, "compiled sac": 4}, counts
+
+
+# --------------------------------------------------------------------------------------------
+# torch.compile: fullgraph, one compilation across routings, the buffers as a graph input
+
+
+def run_compiled(rank: int, world_size: int) -> tuple[str, list[bool], int, int]:
+    torch._dynamo.reset()
+    T = 5
+    bufs = a2a.SymmBuffers(T, H, K, E, dtype=torch.float32, device="cpu", expert_alignment=2)
+
+    def step(x, topk_idx, weights):
+        routed, tokens_per_expert, handle = a2a.dispatch(
+            x, topk_idx, num_experts=E, expert_alignment=2, backend="symm_mem", buffers=bufs
+        )
+        return a2a.combine(_expert(routed), handle, weights), tokens_per_expert
+
+    graphs = CompiledGraphs()
+    compiled = torch.compile(step, backend=capturing_backend(graphs), fullgraph=True)
+    for seed in range(3):  # three routings, one compilation
+        x, topk_idx, weights, grad_y = _inputs(20 + seed, rank, T, torch.float32, torch.float32)
+        results = []
+        for fn in (compiled, step):
+            xx, ww = x.clone().requires_grad_(), weights.clone().requires_grad_()
+            y, tpe = fn(xx, topk_idx, ww)
+            results.append((y, tpe, *torch.autograd.grad(y, (xx, ww), grad_y)))
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
+    as_input = [
+        node.args[[a.name for a in node.target._schema.arguments].index("buffers")].op == "placeholder"
+        for gm in graphs.forward + graphs.backward
+        for node in gm.graph.nodes
+        if node.op == "call_function" and getattr(node.target, "name", lambda: "")() in SYMM_OPS
+    ]
+    return graphs.summary(), as_input, len(graphs.forward), len(graphs.backward)
+
+
+class TestCompiled(TestCase):
+    @pytest.fixture(autouse=True)
+    def _session_pool(self, pool2):
+        self.pool2 = pool2
+
+    def test_compiled_two_ranks(self):
+        results = self.pool2.run(run_compiled)
+        assert results[0] == results[1]
+        summary, as_input, num_forward, num_backward = results[0]
+        assert (num_forward, num_backward) == (1, 1)  # no graph break, no recompilation
+        assert as_input == [True] * 5  # every symm op takes the buffers straight from the inputs
+        self.assertExpectedInline(summary, """\
+forward 0:
+  alltoall_ops.symm_exchange_meta(buffers=<opaque SymmBuffers>, expert_alignment=2)
+  alltoall_ops.symm_dispatch(scale=None, buffers=<opaque SymmBuffers>)
+  alltoall_ops.symm_combine(weights=<tensor>, buffers=<opaque SymmBuffers>, save_returned=True)
+backward 0:
+  alltoall_ops.symm_dispatch(scale=<tensor>, buffers=<opaque SymmBuffers>)
+  alltoall_ops.symm_combine(weights=None, buffers=<opaque SymmBuffers>, save_returned=False)""")
+
+    def test_compile_without_buffers_says_what_to_do(self):
+        x, topk_idx, _, _ = _inputs(0, 0, 3, torch.float32, torch.float32)
+        fn = torch.compile(lambda x, i: a2a.dispatch(x, i, num_experts=E, backend="symm_mem")[0],
+                           backend="aot_eager", fullgraph=True)
+        with pytest.raises(Exception, match="create alltoall_ops.SymmBuffers"):
+            fn(x, topk_idx)
+
+
+# --------------------------------------------------------------------------------------------
+# Eager calls without buffers=: cached, re-created larger when a rank needs more
+
+
+def run_cached(rank: int, world_size: int) -> list[tuple[int, int]]:
+    symm_mem._AUTO_BUFFERS.clear()
+    seen = []
+    for seed, T in ((30, 3 + rank), (31, 3), (32, 9 if rank == 1 else 2)):
+        args = _inputs(seed, rank, T, torch.float32, torch.float32)
+        symm = _step(*args, backend="symm_mem")
+        _assert_same_as_collective(symm, _step(*args, backend="collective"), symm["routed"].shape[0])
+        bufs = symm["handle"].buffers
+        seen.append((id(bufs), bufs.max_tokens_per_rank))
+    return seen
+
+
+def test_cached_buffers(pool2):
+    for seen in pool2.run(run_cached):
+        (id0, t0), (id1, t1), (id2, t2) = seen
+        assert (t0, t1, t2) == (4, 4, 9)  # the largest T over the ranks
+        assert id0 == id1 != id2  # reused, then re-created on every rank
+
+
+# --------------------------------------------------------------------------------------------
+# Simulated peers (the one-GPU path): threads in one process, same results as real processes
+
+
+def run_collective(rank: int, world_size: int, T: int) -> dict:
+    args = _inputs(40, rank, T, torch.bfloat16, torch.float32)
+    out = _step(*args, backend="collective", expert_alignment=2)
+    out.pop("handle")
+    return out
+
+
+@pytest.mark.parametrize("pool", [2, 4], indirect=True)
+def test_simulated_peers_match_processes(pool):
+    W, T = pool.world_size, 5
+    expected = pool.run(run_collective, T)
+    buffers = a2a.SymmBuffers.simulated(W, T, H, K, E, dtype=torch.bfloat16, device="cpu", expert_alignment=2)
+
+    def rank_fn(rank, bufs):
+        return _step(*_inputs(40, rank, T, torch.bfloat16, torch.float32), backend="symm_mem",
+                     expert_alignment=2, buffers=bufs)
+
+    for symm, coll in zip(symm_mem.run_simulated(rank_fn, buffers), expected):
+        _assert_same_as_collective(symm, coll, buffers[0].capacity)
+
+
+def test_simulated_rank_error_breaks_the_others_barriers():
+    buffers = a2a.SymmBuffers.simulated(2, 3, H, K, E, dtype=torch.float32, device="cpu", timeout=30)
+
+    def rank_fn(rank, bufs):
+        if rank == 1:
+            raise KeyError("rank 1 fails before the exchange")
+        x, topk_idx, _, _ = _inputs(0, rank, 3, torch.float32, torch.float32)
+        return a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs)
+
+    with pytest.raises(RuntimeError, match="simulated rank 1 raised KeyError"):
+        symm_mem.run_simulated(rank_fn, buffers)
+
+
+# --------------------------------------------------------------------------------------------
+# Registrations and argument checks (one rank)
+
+
+def _one_rank_call():
+    bufs = a2a.SymmBuffers(5, H, K, E, dtype=torch.float64, device="cpu")
+    x, topk_idx, weights, grad_y = _inputs(60, 0, 5, torch.float64, torch.float64)
+    routed, _, handle = a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs)
+    return bufs, x, weights, grad_y, routed, handle
+
+
+def test_opcheck():
+    # test_schema is left out: it fails for any op with an opaque argument on torch 2.13.
+    tests = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    bufs, x, weights, grad_y, routed, h = _one_rank_call()
+    x, w = x.requires_grad_(), weights.requires_grad_()
+    ops = symm_mem
+    cases = [
+        (ops.symm_exchange_meta_op, (h.meta[0].clone(), bufs, 1)),
+        (ops.symm_dispatch_op, (x, None, h.order, h.position, h.send_dst, bufs)),
+        (ops.symm_dispatch_op, (x, w.detach(), h.order, h.position, h.send_dst, bufs)),
+        (ops.symm_combine_op, (routed.requires_grad_(), w, h.order, h.position, h.send_dst, h.row_src, bufs, True)),
+        (ops.symm_combine_op, (routed, None, h.order, h.position, h.send_dst, h.row_src, bufs, False)),
+        (ops.symm_weight_grad_op, (grad_y, torch.randn(routed.shape[0], H, dtype=torch.float64), h.position, w.detach())),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=tests)
+    names = {op.name() for op in a2a.communication_ops()}
+    assert set(SYMM_OPS) <= names  # the SAC policy and graph summaries see them
+
+
+def test_weights_gradient_needs_save_returned():
+    bufs, _, weights, grad_y, routed, h = _one_rank_call()
+    w = weights.requires_grad_()
+    y, _ = symm_mem.symm_combine_op(routed, w, h.order, h.position, h.send_dst, h.row_src, bufs, False)
+    with pytest.raises(RuntimeError, match="save_returned=False"):
+        torch.autograd.grad(y, w, grad_y)
+
+
+def test_argument_errors():
+    bufs, x, weights, _, routed, handle = _one_rank_call()
+    topk_idx = torch.zeros(5, K, dtype=torch.int64)
+    with pytest.raises(ValueError, match="x: the buffers hold torch.float64 rows of H = 6"):
+        a2a.dispatch(x.float(), topk_idx, num_experts=E, buffers=bufs)
+    with pytest.raises(ValueError, match="top_k = 2, got K = 3"):
+        a2a.dispatch(x, torch.zeros(5, 3, dtype=torch.int64), num_experts=E, buffers=bufs)
+    with pytest.raises(ValueError, match="created for E = 8, got 16"):
+        a2a.dispatch(x, topk_idx, num_experts=16, buffers=bufs)
+    with pytest.raises(ValueError, match="only backend='symm_mem' uses buffers"):
+        a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs, backend="collective")
+    with pytest.raises(TypeError, match="buffers: expected alltoall_ops.SymmBuffers"):
+        a2a.dispatch(x, topk_idx, num_experts=E, buffers="bufs", backend="symm_mem")
+    with pytest.raises(ValueError, match=r"expert_out: expected the torch.float64 shape \(C, H\) = \(10, 6\)"):
+        a2a.combine(routed[:4], handle, weights)
+    with pytest.raises(ValueError, match="overflow: expected one of"):
+        a2a.SymmBuffers(5, H, K, E, dtype=torch.float64, device="cpu", overflow="wrap")
+    with pytest.raises(ValueError, match="num_experts: expected a multiple"):
+        a2a.SymmBuffers.simulated(3, 5, H, K, E, dtype=torch.float64, device="cpu")
+    with pytest.raises(ValueError, match="capacity: expected a positive int"):
+        a2a.SymmBuffers(5, H, K, E, dtype=torch.float64, device="cpu", capacity=0)
+
+
+def test_import_without_triton():
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["triton"] = None  # as if Triton were not installed
+        import torch
+        import alltoall_ops as a2a
+        x = torch.randn(3, 4)
+        a2a.combine(*a2a.dispatch(x, torch.zeros(3, 1, dtype=torch.int64), num_experts=2)[::2])
+        try:
+            a2a.SymmBuffers(3, 4, 1, 2, dtype=torch.float32, device="cpu")
+        except ImportError as exc:
+            print(exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "backend='symm_mem' needs Triton: pip install 'alltoall_ops[triton]'" in out.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; on the CPU the same kernels run "
+                    "through Triton's interpreter in the tests above")
+def test_gpu_simulated_peers_and_cuda_graph():
+    sys.path.insert(0, "tools")
+    import gpu_symm_check
+
+    assert gpu_symm_check.main(["--quick"]) == 0
