@@ -5,7 +5,9 @@ against a dense single-process reference.
     python -m alltoall_ops.demo --world-size 1 --device cuda --compile-backend inductor
     torchrun --nproc-per-node 4 -m alltoall_ops.demo --device cuda   # launcher's ranks, NCCL
 
-The block is ``x + MoE(RMSNorm(x))`` (:class:`Block`). Every rank builds the same dense block
+The block is ``x + MoE(RMSNorm(x))`` (:class:`Block`); with ``--ulysses`` it starts with
+``x + attention(x)``, causal self-attention over the ranks' shards of one sequence, run
+sequence-parallel through Ulysses all-to-all. Every rank builds the same dense block
 from ``--seed``; rank r's expert-parallel block holds the replicated norm and router and experts
 [r*e, (r+1)*e). Each step, rank r trains on its own shard of a synthetic regression batch
 (uneven shards: rank r has ``--tokens + 8 r`` tokens). Every rank also runs the dense block on
@@ -28,6 +30,7 @@ from torch import nn
 
 from .inspect import CompiledGraphs, capturing_backend
 from .moe import DenseMoE, MoE
+from .ulysses import ulysses_attention
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2}
@@ -53,12 +56,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--activation", choices=("swiglu", "gelu"), default="swiglu")
     p.add_argument("--lr", type=float, default=0.5, help="SGD learning rate (momentum 0.9)")
-    # Room for sequence-parallel attention: a --ulysses flag would put a token mixer into
-    # Block.mixer (see Block), built from alltoall_ops.ulysses.
+    p.add_argument("--ulysses", action="store_true",
+                   help="add causal self-attention over the ranks' shards of one sequence, "
+                        "sequence-parallel with Ulysses all-to-all (equal shards then)")
+    p.add_argument("--heads", type=int, default=8, help="attention heads (--ulysses), divisible by W")
     args = p.parse_args(argv)
     if args.compile_backend is None:
         args.compile_backend = "inductor" if args.device == "cuda" else "aot_eager"
     return args
+
+
+class CausalSelfAttention(nn.Module):
+    """Causal multi-head self-attention over one sequence; x_sH (s, H) -> (s, H).
+
+    With ``group`` (sequence-parallel): x_sH is this rank's shard of the sequence (rank order),
+    and attention runs through :func:`alltoall_ops.ulysses_attention` (seq -> head all-to-all,
+    SDPA on the full sequence and this rank's heads, head -> seq). Without: plain SDPA on the
+    whole sequence (the dense reference). Parameters are replicated across ranks."""
+
+    def __init__(self, hidden_size: int, heads: int, group=None, *, device=None, dtype=None):
+        super().__init__()
+        self.heads, self.group = heads, group
+        self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=False, device=device, dtype=dtype)
+        self.out = nn.Linear(hidden_size, hidden_size, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x_sH: torch.Tensor) -> torch.Tensor:
+        s, H = x_sH.shape
+        q, k, v = self.qkv(x_sH).view(1, s, 3, self.heads, H // self.heads).unbind(2)  # (1, s, Hh, Dh)
+        if self.group is not None:
+            y = ulysses_attention(q, k, v, group=self.group, is_causal=True)
+        else:
+            y = nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            ).transpose(1, 2)  # (1, s, Hh, Dh)
+        return self.out(y.reshape(s, H))
 
 
 class Block(nn.Module):
@@ -86,11 +117,17 @@ def build_blocks(args, device: torch.device, dtype: torch.dtype) -> tuple[Block,
         args.hidden, args.ffn, args.experts, args.top_k, activation=args.activation,
         device=device, dtype=dtype,
     )
-    dense = Block(dense_moe, args.hidden)
+    attention = {}
+    if args.ulysses:
+        sequence_parallel = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        for name, group in (("dense", None), ("ep", sequence_parallel)):
+            torch.manual_seed(args.seed + 1)  # the same parameters in both
+            attention[name] = CausalSelfAttention(args.hidden, args.heads, group, device=device, dtype=dtype)
+    dense = Block(dense_moe, args.hidden, attention.get("dense"))
     with torch.no_grad():  # a norm weight away from 1, so that its gradient check means something
         dense.norm.weight.uniform_(0.5, 1.5)
     ep_moe = MoE.from_dense(dense_moe, backend=args.backend, expert_alignment=args.expert_alignment)
-    ep = Block(ep_moe, args.hidden)
+    ep = Block(ep_moe, args.hidden, attention.get("ep"))
     ep.norm.load_state_dict(dense.norm.state_dict())
     return dense, ep
 
@@ -98,7 +135,8 @@ def build_blocks(args, device: torch.device, dtype: torch.dtype) -> tuple[Block,
 def make_batch(args, step: int, world_size: int, device, dtype):
     """Step ``step``'s tokens of all ranks x (T_all, H), targets (T_all, H), and rank r's
     rows [offsets[r], offsets[r + 1]). The target is x plus a fixed random map: x + tanh(x A)."""
-    tokens = [args.tokens + 8 * r for r in range(world_size)]
+    uneven = 0 if args.ulysses else 8  # Ulysses needs equal sequence shards
+    tokens = [args.tokens + uneven * r for r in range(world_size)]
     offsets = [sum(tokens[:r]) for r in range(world_size + 1)]
     gen = torch.Generator().manual_seed(args.seed)
     A_HH = torch.randn(args.hidden, args.hidden, generator=gen) / args.hidden**0.5
@@ -155,9 +193,12 @@ def run_rank(rank: int, world_size: int, args) -> bool:
     opt_ep = torch.optim.SGD(ep.parameters(), lr=args.lr, momentum=0.9)
     opt_dense = torch.optim.SGD(dense.parameters(), lr=args.lr, momentum=0.9)
     replicated = list(ep.norm.parameters()) + ep.moe.replicated_parameters()
+    if ep.mixer is not None:
+        replicated += list(ep.mixer.parameters())
     local = ep.moe.local_expert_slice()
 
     say(
+        f"{'Ulysses attention (' + str(args.heads) + ' heads) + ' if args.ulysses else ''}"
         f"MoE block: H={args.hidden} F={args.ffn} E={args.experts} top-{args.top_k} {args.activation}, "
         f"{ep.moe.num_local_experts} experts/rank; W={world_size} rank{'s' if world_size > 1 else ''} "
         f"on {args.device} "

@@ -145,7 +145,7 @@ def test_grouped_mm_matches_masked_fp32():
 
 
 # --------------------------------------------------------------------------------------------
-# The demo (single process, eager: its multi-rank compiled runs are exercised by hand)
+# The demo: single process eager, and two compiled ranks with Ulysses attention
 
 
 def test_demo_single_process_passes(capsys):
@@ -155,6 +155,13 @@ def test_demo_single_process_passes(capsys):
     assert demo.main(argv) == 0
     out = capsys.readouterr().out
     assert out.count("PASS") == 3 and "FAIL" not in out
+
+
+def test_demo_two_ranks_with_ulysses_attention(pool2):
+    from alltoall_ops import demo
+
+    args = demo.parse_args(["--world-size", "2", "--steps", "2", "--ulysses", "--heads", "4"])
+    assert pool2.run(demo._spawned_rank, args) == [True, True]
 
 
 def test_demo_fails_on_a_wrong_expert(monkeypatch, capsys):
