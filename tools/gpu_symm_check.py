@@ -1,0 +1,363 @@
+"""GPU checks of the symm_mem backend on a one-GPU host (torch 2.11, triton 3.6).
+
+The kernels run compiled on the GPU with all peers simulated in one process (every rank's buffers
+on the one device, reached through the same pointer table; one thread per rank queueing onto
+one stream), and are compared with the collective backend, which runs on the CPU in W gloo
+processes on the same inputs. Then: CUDA graph capture of dispatch + combine, replayed with new
+routing; overflow='drop'; the overflow error as a device-side assert; torch.compile on this torch;
+the signal-pad barrier kernel across two streams; timings of one rank at a DeepSeek-like size.
+
+    python tools/gpu_symm_check.py           # everything, a table at the end
+    python tools/gpu_symm_check.py --quick   # the correctness checks only (used by the tests)
+
+Exact where the arithmetic is the same (moving rows, sums without products, single products);
+the weighted sum may differ by the GPU's fused multiply-add (bound: one ulp of the output
+dtype); the weights' gradient sums H products in another order (bound: relative 1e-5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import alltoall_ops as a2a  # noqa: E402
+from alltoall_ops import symm_mem  # noqa: E402
+from alltoall_ops.testing import DistributedPool  # noqa: E402
+
+DEVICE = torch.device(os.environ.get("GPU_SYMM_DEVICE", "cuda:0"))  # "cpu": a dry run (interpreter)
+ROWS: list[tuple[str, str, str]] = []
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _spec(seed: int, T: int = 48, H: int = 256, K: int = 4, E: int = 16, A: int = 2,
+          dtype: torch.dtype = torch.bfloat16, w_dtype: torch.dtype = torch.float32) -> dict:
+    return dict(seed=seed, T=T, H=H, K=K, E=E, A=A, dtype=dtype, w_dtype=w_dtype)
+
+
+def make_inputs(spec: dict, rank: int, masked: Any = None):
+    """Deterministic CPU inputs of one rank: x (T, H), topk_idx (T, K), weights (T, K), grad_y (T, H).
+    T varies with the rank; masked: (t, k) slots to route nowhere."""
+    g = torch.Generator().manual_seed(1000 * spec["seed"] + rank)
+    T, H, K, E = spec["T"] + 3 * rank, spec["H"], spec["K"], spec["E"]
+    x = torch.randn(T, H, generator=g).to(spec["dtype"])
+    topk_idx = torch.randint(-1, E, (T, K), generator=g)
+    if spec.get("crowd"):
+        topk_idx = topk_idx.clamp(max=spec["crowd"])
+    weights = torch.rand(T, K, generator=g).to(spec["w_dtype"])
+    grad_y = torch.randn(T, H, generator=g).to(spec["dtype"])
+    for t, k in masked or ():
+        topk_idx[t, k] = -1
+    return x, topk_idx, weights, grad_y
+
+
+def collective_reference(rank: int, world_size: int, spec: dict, masked: Any = None) -> dict:
+    """The collective backend (gloo, CPU) with autograd: expert output = routed * 2 + 1."""
+    x, topk_idx, weights, grad_y = make_inputs(spec, rank, None if masked is None else masked[rank])
+    x, weights = x.requires_grad_(), weights.requires_grad_()
+    routed, tpe, handle = a2a.dispatch(x, topk_idx, num_experts=spec["E"], backend="collective",
+                                       expert_alignment=spec["A"])
+    out = routed * 2 + 1
+    y = a2a.combine(out, handle, weights)
+    y1 = a2a.combine(out.detach(), handle)
+    grad_x, grad_w = torch.autograd.grad(y, (x, weights), grad_y)
+    return dict(routed=routed.detach(), tpe=tpe, y=y.detach(), y1=y1, grad_x=grad_x, grad_w=grad_w)
+
+
+def symm_rank(rank: int, bufs: symm_mem.SymmBuffers, inputs: tuple) -> dict:
+    """Forward and the backward ops of one rank, called directly (one thread per simulated rank:
+    the autograd engine would run every rank's backward on one device thread)."""
+    x, topk_idx, weights, grad_y = inputs
+    A = bufs.expert_alignment
+    routed, tpe, h = a2a.dispatch(x, topk_idx, num_experts=bufs.num_experts, expert_alignment=A, buffers=bufs)
+    out = routed * 2 + 1
+    args = (h.order, h.position, h.send_dst, h.row_src, bufs)
+    y, returned = symm_mem.symm_combine_op(out, weights, *args, True)
+    y1, _ = symm_mem.symm_combine_op(out, None, *args, False)
+    grad_out, _ = symm_mem.symm_dispatch_op(grad_y, weights, h.order, h.position, h.send_dst, bufs)  # combine's adjoint
+    grad_x, _ = symm_mem.symm_combine_op(grad_out * 2, None, *args, False)  # dispatch's adjoint
+    grad_w = symm_mem.symm_weight_grad_op(grad_y, returned, h.position, weights)
+    return dict(routed=routed, tpe=tpe, y=y, y1=y1, grad_x=grad_x, grad_w=grad_w, dropped=h.dropped)
+
+
+def compare(gpu: dict, ref: dict, capacity: int) -> str:
+    """Raise on a mismatch; return a short account of the inexact comparisons."""
+    g = {k: v.cpu() for k, v in gpu.items()}
+    assert torch.equal(g["tpe"], ref["tpe"]), ("tokens_per_expert", g["tpe"], ref["tpe"])
+    R = int(ref["tpe"].sum())
+    assert g["routed"].shape[0] == capacity >= R
+    assert torch.equal(g["routed"][:R], ref["routed"]), "routed rows"
+    assert not g["routed"][R:].any(), "rows past R must be zero"
+    assert torch.equal(g["y1"], ref["y1"]), "unweighted combine"
+    assert torch.equal(g["grad_x"], ref["grad_x"]), "grad_x"
+    y, y_ref = g["y"].float(), ref["y"].float()
+    ulp = torch.finfo(ref["y"].dtype).eps * y_ref.abs().clamp(min=torch.finfo(ref["y"].dtype).tiny)
+    assert ((y - y_ref).abs() <= ulp * 1.01).all(), ("y beyond one ulp", (y - y_ref).abs().max())
+    differ = int((g["y"] != ref["y"]).sum())
+    torch.testing.assert_close(g["grad_w"], ref["grad_w"], rtol=1e-5, atol=1e-5)
+    return f"y: {differ}/{y.numel()} elements 1 ulp off (FMA)"
+
+
+def record(name: str, fn: Callable[[], str]) -> bool:
+    t0 = time.time()
+    try:
+        detail = fn()
+        ROWS.append((name, "ok", f"{detail} [{time.time() - t0:.1f}s]"))
+        return True
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        traceback.print_exc()
+        ROWS.append((name, "FAIL", f"{type(exc).__name__}: {str(exc)[:300]}"))
+        return False
+
+
+def simulated_buffers(W: int, spec: dict, **kwargs) -> list[symm_mem.SymmBuffers]:
+    return a2a.SymmBuffers.simulated(W, spec["T"] + 3 * (W - 1), spec["H"], spec["K"], spec["E"],
+                                     dtype=spec["dtype"], device=DEVICE, expert_alignment=spec["A"], **kwargs)
+
+
+def on_device(inputs: tuple) -> tuple:
+    return tuple(t.to(DEVICE) for t in inputs)
+
+
+def check_simulated(pool: DistributedPool, spec: dict) -> str:
+    W = pool.world_size
+    refs = pool.run(collective_reference, spec)
+    bufs = simulated_buffers(W, spec)
+    outs = symm_mem.run_simulated(lambda r, b: symm_rank(r, b, on_device(make_inputs(spec, r))), bufs)
+    _sync()
+    notes = [compare(o, ref, bufs[0].capacity) for o, ref in zip(outs, refs)]
+    return f"W={W} {spec['dtype']} C={bufs[0].capacity} R={[int(r['tpe'].sum()) for r in refs]}; " + notes[0]
+
+
+def _dropped_slots(topk_idxs: list, E: int, W: int, capacity: int) -> list:
+    e = E // W
+    dropped = [[] for _ in range(W)]
+    for d in range(W):
+        rows = [(s, t, k) for j in range(d * e, (d + 1) * e) for s in range(W)
+                for t in range(topk_idxs[s].shape[0]) for k in range(topk_idxs[s].shape[1])
+                if int(topk_idxs[s][t, k]) == j]
+        for s, t, k in rows[capacity:]:
+            dropped[s].append((t, k))
+    return dropped
+
+
+def check_drop(pool: DistributedPool) -> str:
+    W, capacity = pool.world_size, 160
+    spec = dict(_spec(7, A=1), crowd=5)  # crowd the low experts: rank 0 receives more than C
+    idxs = [make_inputs(spec, r)[1] for r in range(W)]
+    dropped = _dropped_slots(idxs, spec["E"], W, capacity)
+    refs = pool.run(collective_reference, spec, dropped)
+    bufs = simulated_buffers(W, spec, capacity=capacity, overflow="drop")
+    outs = symm_mem.run_simulated(lambda r, b: symm_rank(r, b, on_device(make_inputs(spec, r))), bufs)
+    for o, ref in zip(outs, refs):
+        compare(o, ref, capacity)
+    e = spec["E"] // W
+    per_rank = [sum(1 for s in range(W) for t, k in dropped[s] if int(idxs[s][t, k]) // e == d) for d in range(W)]
+    assert all(o["dropped"].cpu().tolist() == per_rank for o in outs), (per_rank, [o["dropped"] for o in outs])
+    assert per_rank[0] > 0
+    return f"W={W} C={capacity}: dropped {per_rank} rows, rest equal to the collective backend"
+
+
+def check_cuda_graph(pool: DistributedPool) -> str:
+    """Capture every rank's dispatch + combine (+ backward ops) in one graph; replay with new routing."""
+    W = pool.world_size
+    specs = [_spec(20), _spec(21), _spec(22)]
+    bufs = simulated_buffers(W, specs[0])
+    static = [on_device(make_inputs(specs[0], r)) for r in range(W)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    symm_mem.run_simulated(lambda r, b: symm_rank(r, b, static[r]), bufs, stream=stream)  # warm-up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="relaxed"):
+        outs = symm_mem.run_simulated(lambda r, b: symm_rank(r, b, static[r]), bufs, stream=stream)
+    replays = []
+    for spec in specs[1:]:
+        refs = pool.run(collective_reference, spec)
+        for r in range(W):
+            for dst, src in zip(static[r], make_inputs(spec, r)):
+                dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        for o, ref in zip(outs, refs):
+            compare(o, ref, bufs[0].capacity)
+        replays.append([int(ref["tpe"].sum()) for ref in refs])
+    return f"W={W}: captured once, replayed with 2 new routings (R per rank {replays}) = collective"
+
+
+def check_compile() -> str:
+    from alltoall_ops.inspect import CompiledGraphs, capturing_backend
+
+    bufs = a2a.SymmBuffers(16, 64, 2, 8, dtype=torch.bfloat16, device=DEVICE, expert_alignment=2)
+    details = []
+    for backend in ("aot_eager", "inductor"):
+        torch._dynamo.reset()
+
+        def step(x, topk_idx, weights):
+            routed, tpe, h = a2a.dispatch(x, topk_idx, num_experts=8, expert_alignment=2, buffers=bufs)
+            return a2a.combine(routed * 2 + 1, h, weights)
+
+        graphs = CompiledGraphs()
+        compiled = torch.compile(step, backend=capturing_backend(graphs, backend), fullgraph=True)
+        for seed in range(2):
+            spec = _spec(30 + seed, T=16, H=64, K=2, E=8)
+            x, topk_idx, weights, grad_y = on_device(make_inputs(spec, 0))
+            res = []
+            for fn in (compiled, step):
+                xx, ww = x.clone().requires_grad_(), weights.clone().requires_grad_()
+                y = fn(xx, topk_idx, ww)
+                res.append((y, *torch.autograd.grad(y, (xx, ww), grad_y)))
+            assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+            torch.testing.assert_close(res[0][2], res[1][2], rtol=1e-5, atol=1e-5)
+        assert (len(graphs.forward), len(graphs.backward)) == (1, 1), (len(graphs.forward), len(graphs.backward))
+        details.append(f"{backend}: 1 fw + 1 bw graph over 2 routings")
+    summary = graphs.summary().splitlines()
+    return "; ".join(details) + f"; {summary[1].strip()}"
+
+
+def check_overflow_assert() -> str:
+    code = (
+        "import torch, alltoall_ops as a2a\n"
+        "b = a2a.SymmBuffers(4, 8, 2, 2, dtype=torch.float32, device='cuda', capacity=3)\n"
+        "x = torch.randn(4, 8, device='cuda'); idx = torch.zeros(4, 2, dtype=torch.int64, device='cuda')\n"
+        "a2a.dispatch(x, idx, num_experts=2, buffers=b)\n"
+        "print('queued without a host sync', flush=True)\n"
+        "torch.cuda.synchronize()\n"
+        "print('NO ERROR')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert "queued without a host sync" in out.stdout and "NO ERROR" not in out.stdout, (out.stdout, out.stderr[-800:])
+    assert "device-side assert" in out.stderr, out.stderr[-800:]
+    return "overflow raised at the next sync: 'device-side assert triggered'"
+
+
+def check_barrier_streams() -> str:
+    """The signal-pad barrier kernel with two 'ranks' on two streams of one GPU: a write queued
+    before the barrier on stream 0 is seen by a read queued after it on stream 1."""
+    k = symm_mem.kernels()
+    W = 2
+    pads = torch.zeros(W, W, dtype=torch.int32, device=DEVICE)
+    table = torch.tensor([pads[r].data_ptr() for r in range(W)], dtype=torch.int64, device=DEVICE)
+    data = torch.zeros(1 << 24, device=DEVICE)
+    seen = torch.empty_like(data)
+    streams = [torch.cuda.Stream() for _ in range(W)]
+    done = threading.Event()
+    threading.Thread(target=lambda: done.wait(60) or os._exit(3), daemon=True).start()  # a hang ends the run
+    torch.cuda.synchronize()
+    for it in range(50):
+        with torch.cuda.stream(streams[0]):
+            data.fill_(float(it + 1))
+            k.barrier(table, 0)
+        with torch.cuda.stream(streams[1]):
+            k.barrier(table, 1)
+            seen.copy_(data)
+        torch.cuda.synchronize()
+        assert bool((seen == it + 1).all()), it
+    done.set()
+    assert not pads.any()
+    return "50 rounds, flags back to 0, writes before the barrier visible after it"
+
+
+def _bench(fn: Callable[[], Any], iters: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return sorted(times)[len(times) // 2]
+
+
+def check_timing() -> str:
+    """One rank (no peers) at T=4096, H=7168, K=8, E=256, bf16: the kernels' cost alone."""
+    T, H, K, E = 4096, 7168, 8, 256
+    bufs = a2a.SymmBuffers(T, H, K, E, dtype=torch.bfloat16, device=DEVICE)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    x = torch.randn(T, H, device=DEVICE, generator=g).to(torch.bfloat16)
+    topk_idx = torch.rand(T, E, device=DEVICE, generator=g).topk(K, dim=1).indices
+    weights = torch.rand(T, K, device=DEVICE, generator=g)
+    routed, _, h = a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs)
+    t_dispatch = _bench(lambda: a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs))
+    t_combine = _bench(lambda: a2a.combine(routed, h, weights))
+    static = {}
+
+    def step():
+        r, _, hh = a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs)
+        static["y"] = a2a.combine(r, hh, weights)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        step()
+    t_graph = _bench(graph.replay)
+    y_ref = a2a.combine(*a2a.dispatch(x, topk_idx, num_experts=E, backend="local")[::2], weights)
+    graph.replay()
+    torch.cuda.synchronize()
+    differ = int((static["y"] != y_ref).sum())
+    nbytes_row = H * 2
+    dispatch_bytes = 4 * T * K * nbytes_row  # gather-read + write peers + copy-out read + write
+    combine_bytes = 3 * T * K * nbytes_row + T * nbytes_row  # read + write peers, reduce read, y
+    return (f"dispatch {t_dispatch:.0f} us ({dispatch_bytes / t_dispatch / 1e6:.2f} TB/s), combine "
+            f"{t_combine:.0f} us ({combine_bytes / t_combine / 1e6:.2f} TB/s), graph replay of both "
+            f"{t_graph:.0f} us; y vs local backend: {differ} elements differ (FMA)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="correctness checks only")
+    args = parser.parse_args(argv)
+    import triton
+
+    where = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "CPU dry run"
+    print(f"torch {torch.__version__}, triton {triton.__version__}, {where}", flush=True)
+    ROWS.clear()
+    cuda = DEVICE.type == "cuda"
+    with DistributedPool(2) as pool2:
+        record("simulated W=2 bf16", lambda: check_simulated(pool2, _spec(1)))
+        if not args.quick:
+            record("simulated W=2 fp32", lambda: check_simulated(pool2, _spec(2, dtype=torch.float32)))
+        if cuda:
+            record("cuda graph W=2", lambda: check_cuda_graph(pool2))
+        if not args.quick:
+            record("overflow='drop' W=2", lambda: check_drop(pool2))
+    if not args.quick:
+        with DistributedPool(4) as pool4:
+            record("simulated W=4 bf16", lambda: check_simulated(pool4, _spec(3, A=3)))
+            if cuda:
+                record("cuda graph W=4", lambda: check_cuda_graph(pool4))
+    record("torch.compile W=1", check_compile)
+    if not args.quick and cuda:
+        record("overflow error", check_overflow_assert)
+        record("timing W=1", check_timing)
+        record("barrier kernel", check_barrier_streams)  # last: a hang ends the run
+    width = max(len(name) for name, _, _ in ROWS)
+    print("\n" + "\n".join(f"{name:<{width}}  {status:<4}  {detail}" for name, status, detail in ROWS))
+    failed = [name for name, status, _ in ROWS if status != "ok"]
+    print("PASS" if not failed else f"FAIL: {failed}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
