@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 
 import torch
@@ -10,7 +11,10 @@ import triton
 import triton.language as tl
 
 
-_INTERPRETED = bool(triton.knobs.runtime.interpret)  # read once: triton.jit reads it at decoration
+try:  # read once: triton.jit reads it at decoration
+    _INTERPRETED = bool(triton.knobs.runtime.interpret)
+except AttributeError:  # Triton without knobs
+    _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def interpreting() -> bool:
