@@ -305,6 +305,9 @@ class SymmBuffers(OpaqueBase):
             which no routing can exceed.
         overflow: "error" (a routing that needs more than C rows on some rank raises on every
             rank) or "drop" (rows past C are not delivered, counted in ``handle.dropped``).
+        allocator: "auto" (CUDA symmetric memory for W > 1 on cuda, a shared-memory stand-in on
+            the CPU, plain memory for one rank) or "symmetric" (torch symmetric memory even for
+            one rank: a check of that path on a one-GPU host).
 
     Example::
 
@@ -327,7 +330,10 @@ class SymmBuffers(OpaqueBase):
         expert_alignment: int = 1,
         capacity: Optional[int] = None,
         overflow: str = "error",
+        allocator: str = "auto",
     ):
+        if allocator not in ("auto", "symmetric"):
+            raise ValueError(f"allocator: expected 'auto' or 'symmetric', got {allocator!r}")
         grp = resolve_group(group)
         device = _default_device(device)
         cfg = _make_config(grp.rank, grp.size, grp.name, max_tokens_per_rank, hidden, top_k,
@@ -336,7 +342,9 @@ class SymmBuffers(OpaqueBase):
         if grp.size > 1:
             _check_same_config(cfg, grp)
         _, nbytes = cfg.region_offsets()
-        if grp.size == 1:
+        if allocator == "symmetric" and device.type != "cuda":
+            raise ValueError("allocator='symmetric' (torch symmetric memory) needs a cuda device")
+        if grp.size == 1 and allocator == "auto":
             segments: _Segments = _LocalSegments(nbytes, device)
         elif device.type == "cpu":
             segments = _SharedMemorySegments(nbytes, grp)

@@ -74,7 +74,8 @@ def collective_reference(rank: int, world_size: int, spec: dict, masked: Any = N
     y = a2a.combine(out, handle, weights)
     y1 = a2a.combine(out.detach(), handle)
     grad_x, grad_w = torch.autograd.grad(y, (x, weights), grad_y)
-    return dict(routed=routed.detach(), tpe=tpe, y=y.detach(), y1=y1, grad_x=grad_x, grad_w=grad_w)
+    y_abs = a2a.combine(out.detach().abs().double(), handle, weights.detach().abs().double())  # sum_k |terms|
+    return dict(routed=routed.detach(), tpe=tpe, y=y.detach(), y1=y1, grad_x=grad_x, grad_w=grad_w, y_abs=y_abs)
 
 
 def symm_rank(rank: int, bufs: symm_mem.SymmBuffers, inputs: tuple) -> dict:
@@ -103,12 +104,16 @@ def compare(gpu: dict, ref: dict, capacity: int) -> str:
     assert not g["routed"][R:].any(), "rows past R must be zero"
     assert torch.equal(g["y1"], ref["y1"]), "unweighted combine"
     assert torch.equal(g["grad_x"], ref["grad_x"]), "grad_x"
-    y, y_ref = g["y"].float(), ref["y"].float()
-    ulp = torch.finfo(ref["y"].dtype).eps * y_ref.abs().clamp(min=torch.finfo(ref["y"].dtype).tiny)
-    assert ((y - y_ref).abs() <= ulp * 1.01).all(), ("y beyond one ulp", (y - y_ref).abs().max())
+    # A fused multiply-add skips one fp32 rounding per slot: |dy| <= K * eps32 * sum_k |terms|
+    # before the final rounding, which may then differ by one ulp of y's dtype.
+    y, y_ref = g["y"].double(), ref["y"].double()
+    K = g["grad_w"].shape[1]
+    bound = K * torch.finfo(torch.float32).eps * ref["y_abs"] + torch.finfo(ref["y"].dtype).eps * y_ref.abs()
+    excess = ((y - y_ref).abs() - bound).max()
+    assert excess <= 0, ("y beyond the FMA bound", float(excess))
     differ = int((g["y"] != ref["y"]).sum())
     torch.testing.assert_close(g["grad_w"], ref["grad_w"], rtol=1e-5, atol=1e-5)
-    return f"y: {differ}/{y.numel()} elements 1 ulp off (FMA)"
+    return f"y: {differ}/{y.numel()} elements differ (FMA), all within the bound"
 
 
 def record(name: str, fn: Callable[[], str]) -> bool:
@@ -116,11 +121,11 @@ def record(name: str, fn: Callable[[], str]) -> bool:
     try:
         detail = fn()
         ROWS.append((name, "ok", f"{detail} [{time.time() - t0:.1f}s]"))
-        return True
     except Exception as exc:  # noqa: BLE001 - reported in the table
         traceback.print_exc()
         ROWS.append((name, "FAIL", f"{type(exc).__name__}: {str(exc)[:300]}"))
-        return False
+    print("ROW", " | ".join(ROWS[-1]), flush=True)  # a later hang keeps what came before
+    return ROWS[-1][1] == "ok"
 
 
 def simulated_buffers(W: int, spec: dict, **kwargs) -> list[symm_mem.SymmBuffers]:
@@ -239,9 +244,10 @@ def check_overflow_assert() -> str:
         "print('NO ERROR')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
-    assert "queued without a host sync" in out.stdout and "NO ERROR" not in out.stdout, (out.stdout, out.stderr[-800:])
+    assert "NO ERROR" not in out.stdout and out.returncode != 0, (out.stdout, out.stderr[-800:])
     assert "device-side assert" in out.stderr, out.stderr[-800:]
-    return "overflow raised at the next sync: 'device-side assert triggered'"
+    where = "at the sync" if "queued without a host sync" in out.stdout else "at a later launch in dispatch"
+    return f"overflow surfaced {where}: 'CUDA error: device-side assert triggered'"
 
 
 def check_barrier_streams() -> str:
@@ -254,6 +260,8 @@ def check_barrier_streams() -> str:
     data = torch.zeros(1 << 24, device=DEVICE)
     seen = torch.empty_like(data)
     streams = [torch.cuda.Stream() for _ in range(W)]
+    data.fill_(0.0)
+    seen.copy_(data)  # first launches (module loads) before any barrier spins
     done = threading.Event()
     threading.Thread(target=lambda: done.wait(60) or os._exit(3), daemon=True).start()  # a hang ends the run
     torch.cuda.synchronize()
@@ -269,6 +277,35 @@ def check_barrier_streams() -> str:
     done.set()
     assert not pads.any()
     return "50 rounds, flags back to 0, writes before the barrier visible after it"
+
+
+def check_symmetric_memory_one_rank() -> str:
+    """torch.distributed._symmetric_memory (empty + rendezvous, signal-pad barrier kernel) in a
+    one-rank NCCL group: the allocator of real multi-GPU runs, against the local backend."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=DEVICE)
+    try:
+        spec = _spec(50, T=40, H=128)
+        bufs = a2a.SymmBuffers(spec["T"], spec["H"], spec["K"], spec["E"], dtype=spec["dtype"], device=DEVICE,
+                               expert_alignment=spec["A"], allocator="symmetric")
+        assert type(bufs._segments).__name__ == "_CudaSymmetricSegments"
+        for seed in (50, 51):
+            x, topk_idx, weights, _ = on_device(make_inputs(_spec(seed, T=40, H=128), 0))
+            routed, tpe, h = a2a.dispatch(x, topk_idx, num_experts=spec["E"], expert_alignment=spec["A"], buffers=bufs)
+            y1 = a2a.combine(routed * 2 + 1, h)
+            ref_routed, ref_tpe, ref_h = a2a.dispatch(x, topk_idx, num_experts=spec["E"],
+                                                      expert_alignment=spec["A"], backend="local")
+            R = int(ref_tpe.sum())
+            assert torch.equal(tpe, ref_tpe) and torch.equal(routed[:R], ref_routed) and not routed[R:].any()
+            assert torch.equal(y1, a2a.combine(ref_routed * 2 + 1, ref_h))
+        torch.cuda.synchronize()
+        return f"C={bufs.capacity}: 2 routings equal to the local backend (6 barrier kernels per step)"
+    finally:
+        dist.destroy_process_group()
 
 
 def _bench(fn: Callable[[], Any], iters: int = 20) -> float:
@@ -348,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
             if cuda:
                 record("cuda graph W=4", lambda: check_cuda_graph(pool4))
     record("torch.compile W=1", check_compile)
+    if cuda:
+        record("symmetric memory W=1", check_symmetric_memory_one_rank)
     if not args.quick and cuda:
         record("overflow error", check_overflow_assert)
         record("timing W=1", check_timing)

@@ -21,7 +21,10 @@ import triton.language as tl
 from ._config import LAUNCH_LOCK
 
 
-@triton.jit
+# NB: rank is not specialised: every rank runs the same binary. (Specialised, rank 1 got its
+# own kernel; its first launch loaded a module while rank 0's barrier spun on the device, which
+# CUDA's lazy module loading can turn into a deadlock when ranks share a process.)
+@triton.jit(do_not_specialize=["rank"])
 def _barrier_kernel(pads_table_ptr, rank, WORLD_SIZE: tl.constexpr):
     p_own = tl.load(pads_table_ptr + rank).to(tl.pointer_type(tl.int32))
     for peer in tl.static_range(WORLD_SIZE):
