@@ -125,6 +125,8 @@ class DistributedPool:
         return [answers[r][1] for r in range(self.world_size)]
 
     def close(self) -> None:
+        if not self._procs:  # never started (or already closed)
+            return
         for q, p in zip(self._tasks, self._procs):
             if p.is_alive():
                 q.put(None)
