@@ -375,6 +375,25 @@ backward 0:
   alltoall_ops.symm_dispatch(scale=<tensor>, buffers=<opaque SymmBuffers>)
   alltoall_ops.symm_combine(weights=None, buffers=<opaque SymmBuffers>, save_returned=False)""")
 
+    def test_buffers_of_other_sizes_recompile(self):
+        torch._dynamo.reset()
+        x, topk_idx, _, _ = _inputs(70, 0, 5, torch.float32, torch.float32)
+        same, bigger, same_again = (a2a.SymmBuffers(t, H, K, E, dtype=torch.float32, device="cpu") for t in (5, 7, 5))
+
+        def step(x, topk_idx, bufs):
+            routed, _, handle = a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs)
+            return routed, a2a.combine(routed * 2, handle)
+
+        graphs = CompiledGraphs()
+        compiled = torch.compile(step, backend=capturing_backend(graphs), fullgraph=True)
+        compilations = []
+        for bufs in (same, bigger, same_again):
+            for a, b in zip(compiled(x, topk_idx, bufs), step(x, topk_idx, bufs)):
+                assert torch.equal(a, b)
+            compilations.append(len(graphs.forward))
+        # Sizes are baked into the graph and guarded; the buffers themselves are a graph input.
+        assert compilations == [1, 2, 2]
+
     def test_compile_without_buffers_says_what_to_do(self):
         x, topk_idx, _, _ = _inputs(0, 0, 3, torch.float32, torch.float32)
         fn = torch.compile(lambda x, i: a2a.dispatch(x, i, num_experts=E, backend="symm_mem")[0],
