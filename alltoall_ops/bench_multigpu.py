@@ -1,0 +1,380 @@
+"""Multi-GPU correctness check and benchmark, one process per GPU (torchrun, NCCL).
+
+    torchrun --nproc-per-node W -m alltoall_ops.bench_multigpu [--check] [--bench] [--out results]
+    torchrun --nproc-per-node W -m alltoall_ops.bench_multigpu --vdev2d    # torch's all_to_all_vdev_2d
+
+``--check``: collective and symm_mem backends (real CUDA symmetric memory) on fp64 / bf16 inputs
+against the plain-PyTorch reference of the gathered global view: dispatch, combine and their
+gradients, Ulysses seq <-> head, inductor compile (one compilation across routings), and a CUDA
+graph of the symm_mem dispatch + combine replayed with new routing.
+``--bench``: dispatch and combine per rank at (T, H, K, E) = (4096, 7168, 8, 256) and the decode
+shape (128, 7168, 8, 256), bf16, for this library's collective and symm_mem backends and the plain
+``all_to_all_single`` path (argsort, count exchange, host sync, payload all-to-all). Reports the
+median time (max over ranks), logical GB/s (rows received per rank, own rows included, as DeepEP
+counts) and link GB/s (rows that cross to another GPU). ``--vdev2d`` times torch's NVSHMEM
+``all_to_all_vdev_2d`` in a process of its own (its allocator backend must be chosen first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import alltoall_ops as a2a
+from alltoall_ops.reference import reference_combine, reference_dispatch
+
+BENCH_SHAPES = ((4096, 7168, 8, 256), (128, 7168, 8, 256))
+
+
+def say(*args) -> None:
+    if dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def routing(T, K, E, device, seed):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    weights, topk_idx = torch.randn(T, E, device=device, generator=gen).softmax(-1).topk(K, dim=-1)
+    return topk_idx, weights
+
+
+def gathered(t: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's tensor (any first dim), on the CPU."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, t.detach().cpu())
+    return out
+
+
+# --- correctness --------------------------------------------------------------------------
+
+
+def check_dispatch_combine(backend: str, dtype: torch.dtype, device) -> str:
+    rank, W = dist.get_rank(), dist.get_world_size()
+    T, H, K, E, A = 40 + 7 * rank, 64, 4, 8 * W, 4
+    torch.manual_seed(1000 + rank)
+    x = torch.randn(T, H, device=device, dtype=dtype, requires_grad=True)
+    topk_idx = torch.randint(-1, E, (T, K), device=device)
+    weights = torch.rand(T, K, device=device, dtype=dtype, requires_grad=True)
+    kwargs = {}
+    if backend == "symm_mem":
+        kwargs["buffers"] = a2a.SymmBuffers(64, H, K, E, dtype=dtype, device=device, expert_alignment=A)
+    routed, tokens_per_expert, handle = a2a.dispatch(
+        x, topk_idx, num_experts=E, expert_alignment=A, backend=backend, **kwargs
+    )
+    R = int(tokens_per_expert.sum())
+    y = a2a.combine(routed * 2 + 1, handle, weights)
+    grad_y = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, weights), grad_y)
+
+    xs, idxs, ws, gys = gathered(x), gathered(topk_idx), gathered(weights), gathered(grad_y)
+    ref_xs = [t.double().requires_grad_() for t in xs]
+    ref = reference_dispatch(ref_xs, idxs, E, A)
+    ref_routed, ref_tpe = ref[rank]
+    assert torch.equal(tokens_per_expert.cpu(), ref_tpe), "tokens_per_expert"
+    assert torch.equal(routed[:R].double().cpu(), ref_routed.detach()), "routed rows"
+    assert not routed[R:].any(), "padding / capacity rows must be zero"
+    ref_outs = [r * 2 + 1 for r, _ in ref]
+    ref_ws = [w.double().requires_grad_() for w in ws]
+    ref_ys = reference_combine(ref_outs, idxs, E, ref_ws, A, acc_dtype=torch.float64)
+    total = sum((yy * g.double()).sum() for yy, g in zip(ref_ys, gys))
+    ref_gx, ref_gw = torch.autograd.grad(total, (ref_xs[rank], ref_ws[rank]))
+    tol = 1e-12 if dtype == torch.float64 else 2e-2
+    for name, got, want in (("y", y, ref_ys[rank]), ("dx", gx, ref_gx), ("dw", gw, ref_gw)):
+        err = ((got.double().cpu() - want.detach()).norm() / want.detach().norm().clamp_min(1e-30)).item()
+        assert err <= tol, f"{name}: relative error {err:.2e} > {tol}"
+    return f"{backend} {str(dtype)[6:]}: R={R} rows, fwd + grads match the reference"
+
+
+def check_ulysses(device) -> str:
+    rank, W = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(7)  # the same global tensor on every rank
+    full = torch.randn(2, 16 * W, 4 * W, 8, device=device, dtype=torch.float64)
+    shard = full.chunk(W, dim=1)[rank].clone().requires_grad_()
+    y = a2a.seq_to_head(shard)
+    assert torch.equal(y, full.chunk(W, dim=2)[rank]), "seq_to_head"
+    assert torch.equal(a2a.head_to_seq(y), shard), "head_to_seq"
+    (g,) = torch.autograd.grad(y, shard, torch.ones_like(y))
+    assert torch.equal(g, torch.ones_like(shard))
+    return f"W={W} exact, inverse exact"
+
+
+def moe_step(x, topk_idx, weights, expert_w, E, backend, buffers=None):
+    kwargs = {"buffers": buffers} if buffers is not None else {}
+    routed, tokens_per_expert, handle = a2a.dispatch(x, topk_idx, num_experts=E, backend=backend, **kwargs)
+    e = expert_w.shape[0]
+    expert_of_row = torch.repeat_interleave(
+        torch.arange(e, device=x.device), tokens_per_expert, output_size=routed.shape[0]
+    ) if buffers is None else None
+    if expert_of_row is None:  # fixed capacity: rows past the valid ones map to expert 0 (ignored)
+        valid = tokens_per_expert.sum()
+        starts = torch.cumsum(tokens_per_expert, 0)
+        rows = torch.arange(routed.shape[0], device=x.device)
+        expert_of_row = torch.where(rows < valid, torch.searchsorted(starts, rows, right=True), 0)
+    out = torch.tanh(torch.bmm(routed.unsqueeze(1), expert_w[expert_of_row]).squeeze(1))
+    return a2a.combine(out, handle, weights)
+
+
+def check_compile(device, backend: str) -> str:
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    T, H, K, E = 64, 32, 2, 4 * W
+    buffers = a2a.SymmBuffers(T, H, K, E, dtype=torch.float32, device=device) if backend == "symm_mem" else None
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(moe_step, backend=counter, fullgraph=True)
+    torch.manual_seed(3)
+    expert_w = torch.randn(E // W, H, H, device=device, requires_grad=True)
+    for step in range(3):
+        torch.manual_seed(100 * step + rank)
+        x = torch.randn(T, H, device=device, requires_grad=True)
+        topk_idx, weights = routing(T, K, E, device, seed=10 * step + rank)
+        y = compiled(x, topk_idx, weights, expert_w, E, backend, buffers)
+        ye = moe_step(x, topk_idx, weights, expert_w, E, backend, buffers)
+        g = torch.autograd.grad(y.sum(), (x, expert_w))
+        ge = torch.autograd.grad(ye.sum(), (x, expert_w))
+        torch.testing.assert_close(y, ye, rtol=1e-4, atol=1e-5)
+        for a, b in zip(g, ge):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert counter.frame_count == 1, counter.frame_count
+    return f"{backend}: inductor, 1 compilation over 3 routings, = eager"
+
+
+def check_cuda_graph(device) -> str:
+    rank, W = dist.get_rank(), dist.get_world_size()
+    T, H, K, E = 96, 128, 4, 8 * W
+    bufs = a2a.SymmBuffers(T, H, K, E, dtype=torch.bfloat16, device=device)
+    x = torch.empty(T, H, device=device, dtype=torch.bfloat16)
+    topk_idx = torch.empty(T, K, device=device, dtype=torch.int64)
+    weights = torch.empty(T, K, device=device, dtype=torch.float32)
+    out = {}
+
+    def load(seed):
+        torch.manual_seed(seed * 10 + rank)
+        x.copy_(torch.randn(T, H, device=device))
+        idx, w = routing(T, K, E, device, seed * 10 + rank)
+        topk_idx.copy_(idx)
+        weights.copy_(w)
+
+    def step():
+        routed, tpe, h = a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs)
+        out["y"], out["tpe"] = a2a.combine(routed * 2, h, weights), tpe
+
+    load(0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        step()
+    for seed in (1, 2):
+        load(seed)
+        dist.barrier()
+        graph.replay()
+        torch.cuda.synchronize()
+        routed, tpe, h = a2a.dispatch(x, topk_idx, num_experts=E, backend="collective")
+        y_ref = a2a.combine(routed * 2, h, weights)
+        assert torch.equal(out["tpe"], tpe) and torch.equal(out["y"], y_ref), f"replay {seed}"
+    return "captured once, 2 replays with new routing = collective backend (bitwise)"
+
+
+# --- benchmark ----------------------------------------------------------------------------
+
+
+def plain_dispatch(x, topk_idx, E, group):
+    """The usual path: argsort, count exchange, host sync, all_to_all_single of the rows."""
+    W = dist.get_world_size(group)
+    order = torch.argsort(topk_idx.reshape(-1), stable=True)
+    send = x.index_select(0, order // topk_idx.shape[1])
+    counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(
+        0, topk_idx.reshape(-1), torch.ones_like(order))
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=group)
+    splits = torch.stack([counts.view(W, -1).sum(1), recv_counts.view(W, -1).sum(1)]).tolist()
+    out = x.new_empty(sum(splits[1]), x.shape[1])
+    dist.all_to_all_single(out, send, splits[1], splits[0], group=group)
+    return out, order, splits
+
+
+def plain_combine(expert_out, order, splits, weights, T, group):
+    back = expert_out.new_empty(sum(splits[0]), expert_out.shape[1])
+    dist.all_to_all_single(back, expert_out, splits[0], splits[1], group=group)
+    K = weights.shape[1]
+    rows = back.float() * weights.reshape(-1)[order].float()[:, None]
+    y = torch.zeros(T, back.shape[1], dtype=torch.float32, device=back.device)
+    return y.index_add_(0, order // K, rows).to(back.dtype)
+
+
+def time_us(fn, device, iters: int = 30) -> float:
+    """Median over iterations of CUDA-event time (wall clock on CPU), each iteration started
+    together on all ranks; the max over ranks."""
+    cuda = device.type == "cuda"
+    for _ in range(5):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(iters if cuda else 3):
+        dist.barrier()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+    med = torch.tensor([sorted(times)[len(times) // 2]], device=device)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    return med.item()
+
+
+def bench(device, out_dir: str, shapes) -> list[dict]:
+    rank, W = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    rows = []
+    for T, H, K, E in shapes:
+        x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+        topk_idx, weights = routing(T, K, E, device, seed=rank + T)
+        e = E // W
+        dest = topk_idx // e  # (T, K) destination rank of each slot
+        recv_rows = torch.tensor([(dest == rank).sum().item()], device=device)
+        sent = torch.bincount(dest.reshape(-1), minlength=W)
+        dist.all_reduce(recv_rows)  # the rows all ranks receive (logical), summed
+        link_rows = torch.tensor([int(sent.sum() - sent[rank])], device=device)
+        dist.all_reduce(link_rows)
+        row_bytes = H * x.element_size()
+        bufs = a2a.SymmBuffers(T, H, K, E, dtype=torch.bfloat16, device=device)
+        impls = {}
+        routed, _, handle = a2a.dispatch(x, topk_idx, num_experts=E, backend="collective")
+        impls["ours/collective"] = (
+            lambda: a2a.dispatch(x, topk_idx, num_experts=E, backend="collective"),
+            lambda r=routed, h=handle: a2a.combine(r, h, weights),
+        )
+        s_routed, _, s_handle = a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs)
+        impls["ours/symm_mem"] = (
+            lambda: a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs),
+            lambda r=s_routed, h=s_handle: a2a.combine(r, h, weights),
+        )
+        p_out, order, splits = plain_dispatch(x, topk_idx, E, group)
+        impls["torch all_to_all_single"] = (
+            lambda: plain_dispatch(x, topk_idx, E, group),
+            lambda: plain_combine(p_out, order, splits, weights, T, group),
+        )
+        for name, fns in impls.items():
+            for op, fn in zip(("dispatch", "combine"), fns):
+                us = time_us(fn, device)
+                logical = int(recv_rows) * row_bytes / W  # per rank
+                link = int(link_rows) * row_bytes / W
+                rows.append(dict(W=W, T=T, H=H, K=K, E=E, impl=name, op=op, us=us,
+                                 logical_GBps=logical / us / 1e3, link_GBps=link / us / 1e3))
+                say(f"W={W} T={T:5d} {name:>24} {op:>8}: {us:9.1f} us  logical {logical / us / 1e3:7.1f} GB/s"
+                    f"  link {link / us / 1e3:7.1f} GB/s")
+        del bufs
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, f"bench_multigpu_W{W}.json"), "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__, "rows": rows}, f, indent=1)
+    return rows
+
+
+def bench_vdev2d(device) -> None:
+    """torch's NVSHMEM all_to_all_vdev_2d (dispatch direction only), same shapes."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    symm_mem.set_backend("NVSHMEM")
+    rank, W = dist.get_rank(), dist.get_world_size()
+    name = dist.group.WORLD.group_name
+    for T, H, K, E in BENCH_SHAPES:
+        e = E // W
+        topk_idx, _ = routing(T, K, E, device, seed=rank + T)
+        order = torch.argsort(topk_idx.reshape(-1), stable=True)
+        counts = torch.bincount(topk_idx.reshape(-1), minlength=E)
+        max_out = W * T * K
+        inp = symm_mem.empty(T * K, H, dtype=torch.bfloat16, device=device)
+        out = symm_mem.empty(max_out, H, dtype=torch.bfloat16, device=device)
+        in_splits = symm_mem.empty(E, dtype=torch.int64, device=device)
+        out_splits_offsets = symm_mem.empty((2, E), dtype=torch.int64, device=device)
+        for t in (inp, out, in_splits, out_splits_offsets):
+            symm_mem.rendezvous(t, name)
+        in_splits.copy_(counts)
+        inp.copy_(torch.randn(T, H, device=device, dtype=torch.bfloat16).index_select(0, order // K))
+
+        def run():
+            torch.ops.symm_mem.all_to_all_vdev_2d(inp, out, in_splits, out_splits_offsets, name)
+
+        us = time_us(run, device)
+        received = int(out_splits_offsets[0].sum())
+        say(f"W={W} T={T:5d} {'torch all_to_all_vdev_2d':>24} dispatch: {us:9.1f} us  logical "
+            f"{received * H * 2 / us / 1e3:7.1f} GB/s (rank 0)  [e={e}]")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true")
+    parser.add_argument("--bench", action="store_true")
+    parser.add_argument("--vdev2d", action="store_true")
+    parser.add_argument("--out", default="results")
+    parser.add_argument("--cpu", action="store_true", help="dry run on CPU ranks (gloo, tiny shapes, no CUDA graph)")
+    args = parser.parse_args(argv)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.cpu:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    else:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device, timeout=timedelta(seconds=120))
+    failed = 0
+    try:
+        gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (dry run)"
+        say(f"W={dist.get_world_size()} x {gpu}, torch {torch.__version__}")
+        a2a.warmup()
+        if args.vdev2d:
+            bench_vdev2d(device)
+            return 0
+        if args.check:
+            checks = [
+                ("collective fp64", lambda: check_dispatch_combine("collective", torch.float64, device)),
+                ("collective bf16", lambda: check_dispatch_combine("collective", torch.bfloat16, device)),
+                ("symm_mem fp32", lambda: check_dispatch_combine("symm_mem", torch.float32, device)),
+                ("symm_mem bf16", lambda: check_dispatch_combine("symm_mem", torch.bfloat16, device)),
+                ("ulysses", lambda: check_ulysses(device)),
+                ("compile collective", lambda: check_compile(device, "collective")),
+                ("compile symm_mem", lambda: check_compile(device, "symm_mem")),
+            ]
+            if device.type == "cuda":
+                checks.append(("cuda graph symm_mem", lambda: check_cuda_graph(device)))
+            for name, fn in checks:
+                try:
+                    detail = fn()
+                    ok = torch.tensor([1], device=device)
+                except Exception:  # report, keep going: every check runs on every rank
+                    detail = traceback.format_exc(limit=4)
+                    ok = torch.tensor([0], device=device)
+                dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+                failed += int(ok) == 0
+                say(f"{'PASS' if int(ok) else 'FAIL'} {name}: {detail}")
+                if not int(ok):
+                    print(f"rank {dist.get_rank()}: {detail}", flush=True)
+        if args.bench:
+            bench(device, args.out, BENCH_SHAPES if device.type == "cuda" else ((32, 64, 2, 8), (8, 64, 2, 8)))
+    finally:
+        dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
