@@ -18,9 +18,11 @@ try:  # torch 2.11 - 2.13
 except ImportError:  # pragma: no cover - nightlies after the rename
     from torch._custom_class_base import CustomClassBase as OpaqueBase  # type: ignore[no-redef]
 
+__all__ = ["OpaqueBase", "is_compiling", "register_reference_type"]
+
 
 def _register_function() -> Callable:
-    import torch._library.opaque_object as opaque_object
+    from torch._library import opaque_object
 
     for name in ("register_opaque_type", "register_custom_class"):
         fn = getattr(opaque_object, name, None)

@@ -378,7 +378,7 @@ class SymmBuffers(OpaqueBase):
                          dtype, device, expert_alignment, capacity, overflow)
             for r in range(world_size)
         ]
-        _, nbytes = cfgs[0].region_offsets()
+        nbytes = cfgs[0].region_offsets()[1]
         locals_ = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(world_size)]
         bases = [t.data_ptr() for t in locals_]
         barrier = threading.Barrier(world_size, timeout=timeout)
@@ -397,7 +397,7 @@ class SymmBuffers(OpaqueBase):
         self.num_local_experts = cfg.num_experts // cfg.world_size
         self.max_slots = cfg.max_tokens_per_rank * cfg.top_k  # N_max
         self.meta_columns = cfg.num_experts + META_EXTRA  # L
-        offsets, nbytes = cfg.region_offsets()
+        offsets, _ = cfg.region_offsets()
         C, H, W = cfg.capacity, cfg.hidden, cfg.world_size
 
         def region(i: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -471,7 +471,7 @@ def run_simulated(fn: Callable[[int, SymmBuffers], Any], buffers: Sequence[SymmB
             ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
             with ctx:
                 results[rank] = fn(rank, buffers[rank])
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
+        except BaseException as exc:
             errors.append((rank, exc))
             buffers[rank]._segments.abort()
 
@@ -482,7 +482,7 @@ def run_simulated(fn: Callable[[int, SymmBuffers], Any], buffers: Sequence[SymmB
         t.join()
     if errors:
         primary = [e for e in errors if not isinstance(e[1], threading.BrokenBarrierError)] or errors
-        rank, exc = sorted(primary, key=lambda e: e[0])[0]
+        rank, exc = min(primary, key=lambda e: e[0])
         raise RuntimeError(f"simulated rank {rank} raised {type(exc).__name__}: {exc}") from exc
     return results
 

@@ -10,7 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 try:  # read once: triton.jit reads it at decoration
     _INTERPRETED = bool(triton.knobs.runtime.interpret)
 except AttributeError:  # Triton without knobs
@@ -63,6 +62,19 @@ def tl_acc_dtype(dtype: torch.dtype):
 
 
 @triton.jit
+def upcast(x, DTYPE: tl.constexpr):
+    """``x.to(DTYPE)`` for a float DTYPE at least as wide, exact on every backend.
+
+    NB: bf16 widens by shifting its bits (exact), because Triton's interpreter emulates the
+    conversion in numpy and gets subnormals wrong."""
+    if x.dtype == tl.bfloat16:
+        b_bits = x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16
+        return b_bits.to(tl.float32, bitcast=True).to(DTYPE)
+    else:
+        return x.to(DTYPE)
+
+
+@triton.jit
 def cast_rne(x, DTYPE: tl.constexpr):
     """``x.to(DTYPE)`` rounding to nearest even on every backend.
 
@@ -73,6 +85,6 @@ def cast_rne(x, DTYPE: tl.constexpr):
         b_bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
         b_bits = b_bits + 0x7FFF + ((b_bits >> 16) & 1)  # round half to even at bit 16
         b_out = (b_bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        return tl.where(x == x, b_out, float("nan")).to(tl.bfloat16)  # NaN stays NaN
+        return tl.where(x == x, b_out, float("nan")).to(tl.bfloat16)  # noqa: PLR0124 - NaN stays NaN
     else:
         return x.to(DTYPE)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import LAUNCH_LOCK, cast_rne, row_blocks, tl_acc_dtype
+from ._config import LAUNCH_LOCK, cast_rne, row_blocks, tl_acc_dtype, upcast
 
 
 @triton.jit
@@ -33,7 +33,7 @@ def _combine_reduce_kernel(
     i_t = tl.program_id(0)
     o_t = (i_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BT] tokens
     m_t = o_t < T
-    for i_h in range(0, tl.cdiv(H, BLOCK_H)):
+    for i_h in range(tl.cdiv(H, BLOCK_H)):
         o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
         m_h = (o_h < H)[None, :]
         b_acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=ACC_DTYPE)
@@ -46,10 +46,10 @@ def _combine_reduce_kernel(
             if SAVE_RETURNED:
                 tl.store(returned_ptr + b_pos[:, None] * H + o_h[None, :], b_row, mask=m_pos[:, None] & m_h)
             if HAS_WEIGHTS:
-                b_w = tl.load(weights_ptr + o_t * K + k, mask=m_t, other=0).to(ACC_DTYPE)
-                b_acc += b_row.to(ACC_DTYPE) * b_w[:, None]
+                b_w = upcast(tl.load(weights_ptr + o_t * K + k, mask=m_t, other=0), ACC_DTYPE)
+                b_acc += upcast(b_row, ACC_DTYPE) * b_w[:, None]
             else:
-                b_acc += b_row.to(ACC_DTYPE)
+                b_acc += upcast(b_row, ACC_DTYPE)
         tl.store(y_ptr + o_t[:, None] * H + o_h[None, :], cast_rne(b_acc, y_ptr.dtype.element_ty), mask=m_t[:, None] & m_h)
 
 
@@ -91,11 +91,11 @@ def _combine_weight_grad_kernel(
         b_pos = tl.load(position_ptr + o_t * K + k, mask=m_t, other=0)  # [BT]
         m_pos = m_t & (b_pos >= 0) & (b_pos < T * K)
         b_acc = tl.zeros([BLOCK_T], dtype=ACC_DTYPE)
-        for i_h in range(0, tl.cdiv(H, BLOCK_H)):
+        for i_h in range(tl.cdiv(H, BLOCK_H)):
             o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
             m = m_t[:, None] & (o_h < H)[None, :]
-            b_g = tl.load(grad_y_ptr + o_t[:, None] * H + o_h[None, :], mask=m, other=0).to(ACC_DTYPE)
-            b_r = tl.load(returned_ptr + b_pos[:, None] * H + o_h[None, :], mask=m & m_pos[:, None], other=0).to(ACC_DTYPE)
+            b_g = upcast(tl.load(grad_y_ptr + o_t[:, None] * H + o_h[None, :], mask=m, other=0), ACC_DTYPE)
+            b_r = upcast(tl.load(returned_ptr + b_pos[:, None] * H + o_h[None, :], mask=m & m_pos[:, None], other=0), ACC_DTYPE)
             b_acc += tl.sum(b_g * b_r, axis=1)  # [BT, BH] -> [BT]
         tl.store(grad_w_ptr + o_t * K + k, cast_rne(b_acc, grad_w_ptr.dtype.element_ty), mask=m_t)
 

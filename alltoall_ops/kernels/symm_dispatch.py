@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import LAUNCH_LOCK, cast_rne, row_blocks, tl_acc_dtype
+from ._config import LAUNCH_LOCK, cast_rne, row_blocks, tl_acc_dtype, upcast
 
 
 @triton.jit
@@ -47,16 +47,16 @@ def _put_rows_kernel(
         b_src = o_r
     m_r = m_r & (b_src >= 0) & (b_src < n_src)
     if HAS_SCALE:
-        b_scale = tl.load(scale_ptr + b_slot, mask=m_r, other=0).to(ACC_DTYPE)
+        b_scale = upcast(tl.load(scale_ptr + b_slot, mask=m_r, other=0), ACC_DTYPE)
     p_peer = tl.load(rows_table_ptr + b_peer, mask=m_r, other=0).to(
         tl.pointer_type(src_ptr.dtype.element_ty)
     )  # [BR] base of each row's destination buffer
-    for i_h in range(0, tl.cdiv(H, BLOCK_H)):
+    for i_h in range(tl.cdiv(H, BLOCK_H)):
         o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
         m = m_r[:, None] & (o_h < H)[None, :]
         b_x = tl.load(src_ptr + b_src[:, None] * H + o_h[None, :], mask=m, other=0)  # [BR, BH]
         if HAS_SCALE:  # fp32 (fp64) product, rounded once
-            b_x = cast_rne(b_x.to(ACC_DTYPE) * b_scale[:, None], src_ptr.dtype.element_ty)
+            b_x = cast_rne(upcast(b_x, ACC_DTYPE) * b_scale[:, None], src_ptr.dtype.element_ty)
         tl.store(p_peer[:, None] + b_row[:, None] * H + o_h[None, :], b_x, mask=m)
     if HAS_TAGS:
         p_tags = tl.load(tags_table_ptr + b_peer, mask=m_r, other=0).to(tl.pointer_type(tl.int64))
@@ -100,7 +100,7 @@ def put_rows(
 def _put_meta_kernel(row_ptr, meta_table_ptr, rank, L, BLOCK_L: tl.constexpr):
     i_peer = tl.program_id(0)
     p_meta = tl.load(meta_table_ptr + i_peer).to(tl.pointer_type(tl.int64))
-    for i_l in range(0, tl.cdiv(L, BLOCK_L)):
+    for i_l in range(tl.cdiv(L, BLOCK_L)):
         o_l = i_l * BLOCK_L + tl.arange(0, BLOCK_L)
         m_l = o_l < L
         b_row = tl.load(row_ptr + o_l, mask=m_l, other=0)
@@ -125,7 +125,7 @@ def _dispatch_copy_out_kernel(
     m_r = o_r < n_rows
     b_tag = tl.load(tags_ptr + o_r, mask=m_r, other=-1)  # [BR] source code of each row, -1: none
     m_valid = m_r & (b_tag >= 0)
-    for i_h in range(0, tl.cdiv(H, BLOCK_H)):
+    for i_h in range(tl.cdiv(H, BLOCK_H)):
         o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
         m_h = (o_h < H)[None, :]
         b_x = tl.load(recv_ptr + o_r[:, None] * H + o_h[None, :], mask=m_valid[:, None] & m_h, other=0)
