@@ -250,11 +250,11 @@ def bench(device, out_dir: str, shapes) -> list[dict]:
         topk_idx, weights = routing(T, K, E, device, seed=rank + T)
         e = E // W
         dest = topk_idx // e  # (T, K) destination rank of each slot
-        recv_rows = torch.tensor([(dest == rank).sum().item()], device=device)
-        sent = torch.bincount(dest.reshape(-1), minlength=W)
-        dist.all_reduce(recv_rows)  # the rows all ranks receive (logical), summed
-        link_rows = torch.tensor([int(sent.sum() - sent[rank])], device=device)
-        dist.all_reduce(link_rows)
+        # Rows received per rank, own rows included (logical), and rows crossing to a peer
+        # (link), both averaged over ranks.
+        counts = torch.tensor([dest.numel(), int((dest != rank).sum())], device=device)
+        dist.all_reduce(counts)
+        recv_rows, link_rows = counts.tolist()
         row_bytes = H * x.element_size()
         bufs = a2a.SymmBuffers(T, H, K, E, dtype=torch.bfloat16, device=device)
         impls = {}
@@ -276,8 +276,8 @@ def bench(device, out_dir: str, shapes) -> list[dict]:
         for name, fns in impls.items():
             for op, fn in zip(("dispatch", "combine"), fns):
                 us = time_us(fn, device)
-                logical = int(recv_rows) * row_bytes / W  # per rank
-                link = int(link_rows) * row_bytes / W
+                logical = recv_rows * row_bytes / W  # per rank
+                link = link_rows * row_bytes / W
                 rows.append(dict(W=W, T=T, H=H, K=K, E=E, impl=name, op=op, us=us,
                                  logical_GBps=logical / us / 1e3, link_GBps=link / us / 1e3))
                 say(f"W={W} T={T:5d} {name:>24} {op:>8}: {us:9.1f} us  logical {logical / us / 1e3:7.1f} GB/s"
