@@ -46,9 +46,6 @@ def _exchange_rows(
     send: torch.Tensor, out: torch.Tensor, out_splits: list[int], in_splits: list[int], group_name: str
 ) -> None:
     """All-to-all of rows: ``send`` split by ``in_splits`` to the ranks, received into ``out``."""
-    if group_name == LOCAL:
-        out.copy_(send)
-        return
     dist.all_to_all_single(
         out, send.contiguous(), out_splits, in_splits, group=process_group(group_name)
     )
@@ -105,6 +102,14 @@ def accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
+def _reduction_kernel_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _weighted_slot_sum(
     returned: torch.Tensor, position: torch.Tensor, weights: Optional[torch.Tensor]
 ) -> torch.Tensor:
@@ -114,6 +119,14 @@ def _weighted_slot_sum(
     Returns (T, H) in returned's dtype. Slots are added in k order: deterministic."""
     T, K = position.shape
     acc_dtype = accumulation_dtype(returned.dtype, *(() if weights is None else (weights.dtype,)))
+    if returned.is_cuda and _reduction_kernel_available():
+        # One pass: each returned row read once, y written once (the symm_mem reduction kernel).
+        from .symm_mem import kernels
+
+        y = returned.new_empty(T, returned.shape[1])
+        every_slot_sent = torch.zeros(returned.shape[0], dtype=torch.int64, device=returned.device)
+        kernels().combine_reduce(returned, position, every_slot_sent, weights, y, None, acc_dtype)
+        return y
     acc = torch.zeros(T, returned.shape[1], dtype=acc_dtype, device=returned.device)
     for k in range(K):
         rows = returned.index_select(0, position[:, k]).to(acc_dtype)  # (T, H)
@@ -191,8 +204,11 @@ def dispatch_op(
         acc_dtype = accumulation_dtype(x.dtype, scale.dtype)
         send = (send.to(acc_dtype) * slot_scale.to(acc_dtype)[:, None]).to(x.dtype)
     recv_counts, _ = layout.split_meta(recv_meta)
-    received = x.new_empty(sum(splits.recv_splits), x.shape[1])  # rank-major
-    _exchange_rows(send, received, splits.recv_splits, splits.send_splits, group_name)
+    if group_name == LOCAL:
+        received = send  # one rank: what it sends is what it receives
+    else:
+        received = x.new_empty(sum(splits.recv_splits), x.shape[1])  # rank-major
+        _exchange_rows(send, received, splits.recv_splits, splits.send_splits, group_name)
     if splits.num_rows == received.shape[0] and recv_counts.shape[0] == 1:
         return received  # one rank, no padding: rank-major is expert-major
     routed = x.new_zeros(splits.num_rows, x.shape[1])
@@ -256,14 +272,20 @@ def combine_op(
         )
     _agree_on_error(problem, expert_out.device, group_name, "combine: expert_out")
     recv_counts, _ = layout.split_meta(recv_meta)
-    if splits.num_rows == sum(splits.recv_splits) and recv_counts.shape[0] == 1:
-        rank_major = expert_out
+    returned = expert_out.new_empty(order.shape[0], expert_out.shape[1])
+    returned[splits.num_valid :].zero_()  # dropped slots read zero rows
+    received = returned[: splits.num_valid]
+    expert_major = None  # one rank, no padding: expert-major is rank-major
+    if splits.num_rows != sum(splits.recv_splits) or recv_counts.shape[0] != 1:
+        expert_major = layout.expert_major_rows(recv_counts, expert_alignment)
+    if group_name == LOCAL:  # gather straight into the returned rows
+        if expert_major is None:
+            received.copy_(expert_out)
+        else:
+            torch.index_select(expert_out, 0, expert_major, out=received)
     else:
-        rank_major = expert_out.index_select(0, layout.expert_major_rows(recv_counts, expert_alignment))
-    returned = expert_out.new_zeros(order.shape[0], expert_out.shape[1])
-    _exchange_rows(
-        rank_major, returned[: splits.num_valid], splits.send_splits, splits.recv_splits, group_name
-    )
+        rank_major = expert_out if expert_major is None else expert_out.index_select(0, expert_major)
+        _exchange_rows(rank_major, received, splits.send_splits, splits.recv_splits, group_name)
     return _weighted_slot_sum(returned, position, weights), returned
 
 
