@@ -241,52 +241,59 @@ def time_us(fn, device, iters: int = 30) -> float:
     return med.item()
 
 
-def bench(device, out_dir: str, shapes) -> list[dict]:
-    rank, W = dist.get_rank(), dist.get_world_size()
-    group = dist.group.WORLD
-    rows = []
-    for T, H, K, E in shapes:
-        x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
-        topk_idx, weights = routing(T, K, E, device, seed=rank + T)
-        e = E // W
-        dest = topk_idx // e  # (T, K) destination rank of each slot
-        # Rows received per rank, own rows included (logical), and rows crossing to a peer
-        # (link), both averaged over ranks.
-        counts = torch.tensor([dest.numel(), int((dest != rank).sum())], device=device)
-        dist.all_reduce(counts)
-        recv_rows, link_rows = counts.tolist()
-        row_bytes = H * x.element_size()
-        bufs = a2a.SymmBuffers(T, H, K, E, dtype=torch.bfloat16, device=device)
-        impls = {}
-        routed, _, handle = a2a.dispatch(x, topk_idx, num_experts=E, backend="collective")
-        impls["ours/collective"] = (
+def implementations(x, topk_idx, weights, E: int, bufs, group) -> dict:
+    """name -> (dispatch fn, combine fn) for one shape; combine fns reuse one dispatch's output."""
+    T = x.shape[0]
+    routed, _, handle = a2a.dispatch(x, topk_idx, num_experts=E, backend="collective")
+    s_routed, _, s_handle = a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs)
+    p_out, order, splits = plain_dispatch(x, topk_idx, E, group)
+    return {
+        "ours/collective": (
             lambda: a2a.dispatch(x, topk_idx, num_experts=E, backend="collective"),
-            lambda r=routed, h=handle: a2a.combine(r, h, weights),
-        )
-        s_routed, _, s_handle = a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs)
-        impls["ours/symm_mem"] = (
+            lambda: a2a.combine(routed, handle, weights),
+        ),
+        "ours/symm_mem": (
             lambda: a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs),
-            lambda r=s_routed, h=s_handle: a2a.combine(r, h, weights),
-        )
-        p_out, order, splits = plain_dispatch(x, topk_idx, E, group)
-        impls["torch all_to_all_single"] = (
+            lambda: a2a.combine(s_routed, s_handle, weights),
+        ),
+        "torch all_to_all_single": (
             lambda: plain_dispatch(x, topk_idx, E, group),
             lambda: plain_combine(p_out, order, splits, weights, T, group),
-        )
-        for name, fns in impls.items():
-            for op, fn in zip(("dispatch", "combine"), fns):
-                us = time_us(fn, device)
-                logical = recv_rows * row_bytes / W  # per rank
-                link = link_rows * row_bytes / W
-                rows.append(dict(W=W, T=T, H=H, K=K, E=E, impl=name, op=op, us=us,
-                                 logical_GBps=logical / us / 1e3, link_GBps=link / us / 1e3))
-                say(f"W={W} T={T:5d} {name:>24} {op:>8}: {us:9.1f} us  logical {logical / us / 1e3:7.1f} GB/s"
-                    f"  link {link / us / 1e3:7.1f} GB/s")
-        del bufs
-    if rank == 0:
+        ),
+    }
+
+
+def bench_shape(T: int, H: int, K: int, E: int, device) -> list[dict]:
+    rank, W = dist.get_rank(), dist.get_world_size()
+    x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+    topk_idx, weights = routing(T, K, E, device, seed=rank + T)
+    dest = topk_idx // (E // W)  # (T, K) destination rank of each slot
+    # Rows received per rank, own rows included (logical), and rows crossing to a peer (link),
+    # both summed over ranks here and averaged below.
+    counts = torch.tensor([dest.numel(), int((dest != rank).sum())], device=device)
+    dist.all_reduce(counts)
+    recv_rows, link_rows = counts.tolist()
+    row_bytes = H * x.element_size()
+    logical, link = recv_rows * row_bytes / W, link_rows * row_bytes / W  # per rank
+    bufs = a2a.SymmBuffers(T, H, K, E, dtype=torch.bfloat16, device=device)
+    rows = []
+    for name, fns in implementations(x, topk_idx, weights, E, bufs, dist.group.WORLD).items():
+        for op, fn in zip(("dispatch", "combine"), fns):
+            us = time_us(fn, device)
+            rows.append(dict(W=W, T=T, H=H, K=K, E=E, impl=name, op=op, us=us,
+                             logical_GBps=logical / us / 1e3, link_GBps=link / us / 1e3))
+            say(f"W={W} T={T:5d} {name:>24} {op:>8}: {us:9.1f} us  logical {logical / us / 1e3:7.1f} GB/s"
+                f"  link {link / us / 1e3:7.1f} GB/s")
+    return rows
+
+
+def bench(device, out_dir: str, shapes) -> list[dict]:
+    rows = [row for shape in shapes for row in bench_shape(*shape, device)]
+    if dist.get_rank() == 0:
         os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, f"bench_multigpu_W{W}.json"), "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__, "rows": rows}, f, indent=1)
+        gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+        with open(os.path.join(out_dir, f"bench_multigpu_W{dist.get_world_size()}.json"), "w") as f:
+            json.dump({"gpu": gpu, "torch": torch.__version__, "rows": rows}, f, indent=1)
     return rows
 
 
@@ -312,10 +319,7 @@ def bench_vdev2d(device) -> None:
         in_splits.copy_(counts)
         inp.copy_(torch.randn(T, H, device=device, dtype=torch.bfloat16).index_select(0, order // K))
 
-        def run():
-            torch.ops.symm_mem.all_to_all_vdev_2d(inp, out, in_splits, out_splits_offsets, name)
-
-        us = time_us(run, device)
+        us = time_us(lambda a=(inp, out, in_splits, out_splits_offsets): torch.ops.symm_mem.all_to_all_vdev_2d(*a, name), device)
         received = int(out_splits_offsets[0].sum())
         say(f"W={W} T={T:5d} {'torch all_to_all_vdev_2d':>24} dispatch: {us:9.1f} us  logical "
             f"{received * H * 2 / us / 1e3:7.1f} GB/s (rank 0)  [e={e}]")

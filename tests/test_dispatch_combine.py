@@ -169,7 +169,7 @@ CASES = [(W, name, case) for W in (1, 2, 4) for name, case in _cases(W).items()]
 )
 def test_dispatch_combine_fp64_matches_reference(pool, name, case):
     results = pool.run(check_case, case, seed_for(f"fp64-{name}-{case.world_size}"))
-    W, e = case.world_size, case.e
+    e = case.e
     # The scenario really happened.
     if name == "zero_token_rank":
         assert case.tokens[0] == 0
