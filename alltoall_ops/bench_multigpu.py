@@ -319,7 +319,8 @@ def bench_vdev2d(device) -> None:
         in_splits.copy_(counts)
         inp.copy_(torch.randn(T, H, device=device, dtype=torch.bfloat16).index_select(0, order // K))
 
-        us = time_us(lambda a=(inp, out, in_splits, out_splits_offsets): torch.ops.symm_mem.all_to_all_vdev_2d(*a, name), device)
+        args_ = (inp, out, in_splits, out_splits_offsets, name)
+        us = time_us(lambda a=args_: torch.ops.symm_mem.all_to_all_vdev_2d(*a), device)
         received = int(out_splits_offsets[0].sum())
         say(f"W={W} T={T:5d} {'torch all_to_all_vdev_2d':>24} dispatch: {us:9.1f} us  logical "
             f"{received * H * 2 / us / 1e3:7.1f} GB/s (rank 0)  [e={e}]")

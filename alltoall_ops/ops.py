@@ -86,7 +86,8 @@ def _read_splits(send_meta: torch.Tensor, recv_meta: torch.Tensor, expert_alignm
     host = torch.cat(
         [send_counts.sum(1), recv_counts.sum(1), padded.sum().view(1), recv_status.reshape(-1)]
     ).tolist()
-    send_splits, recv_splits, (num_rows,), status = host[:W], host[W : 2 * W], host[2 * W : 2 * W + 1], host[2 * W + 1 :]
+    send_splits, recv_splits = host[:W], host[W : 2 * W]
+    num_rows, status = host[2 * W], host[2 * W + 1 :]
     for src in range(W):
         num_bad, lo, hi = status[src * layout.STATUS_COLUMNS : (src + 1) * layout.STATUS_COLUMNS]
         if num_bad:

@@ -38,7 +38,8 @@ def check_dispatch_args(
 ) -> None:
     _require_float_matrix("x", x, "(T, H)")
     _require_tensor("topk_idx", topk_idx)
-    if topk_idx.ndim != 2 or topk_idx.dtype.is_floating_point or topk_idx.dtype.is_complex or topk_idx.dtype == torch.bool:
+    dtype = topk_idx.dtype
+    if topk_idx.ndim != 2 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
         raise TypeError(f"topk_idx: expected a 2-D integer tensor (T, K), got {_describe(topk_idx)}")
     if topk_idx.shape[0] != x.shape[0]:
         raise ValueError(

@@ -200,7 +200,10 @@ def expected_errors(world_size: int) -> list:
         return EXPECTED_ERRORS
     W, n = world_size, 2 * world_size + 1
     heads = f"seq_to_head: x: expected heads (dim 2) divisible by the group size {W}, got {n} (shape (2, 2, {n}, 5))"
-    seq = f"head_to_seq: x: expected sequence length (dim 1) divisible by the group size {W}, got {n} (shape (2, {n}, 2, 5))"
+    seq = (
+        f"head_to_seq: x: expected sequence length (dim 1) divisible by the group size {W}, "
+        f"got {n} (shape (2, {n}, 2, 5))"
+    )
     return EXPECTED_ERRORS + [("ValueError", m) for m in (heads, seq, heads, seq, heads)]
 
 

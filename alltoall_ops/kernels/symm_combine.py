@@ -50,7 +50,8 @@ def _combine_reduce_kernel(
                 b_acc += upcast(b_row, ACC_DTYPE) * b_w[:, None]
             else:
                 b_acc += upcast(b_row, ACC_DTYPE)
-        tl.store(y_ptr + o_t[:, None] * H + o_h[None, :], cast_rne(b_acc, y_ptr.dtype.element_ty), mask=m_t[:, None] & m_h)
+        b_y = cast_rne(b_acc, y_ptr.dtype.element_ty)
+        tl.store(y_ptr + o_t[:, None] * H + o_h[None, :], b_y, mask=m_t[:, None] & m_h)
 
 
 def combine_reduce(
@@ -95,7 +96,8 @@ def _combine_weight_grad_kernel(
             o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
             m = m_t[:, None] & (o_h < H)[None, :]
             b_g = upcast(tl.load(grad_y_ptr + o_t[:, None] * H + o_h[None, :], mask=m, other=0), ACC_DTYPE)
-            b_r = upcast(tl.load(returned_ptr + b_pos[:, None] * H + o_h[None, :], mask=m & m_pos[:, None], other=0), ACC_DTYPE)
+            p_r = returned_ptr + b_pos[:, None] * H + o_h[None, :]
+            b_r = upcast(tl.load(p_r, mask=m & m_pos[:, None], other=0), ACC_DTYPE)
             b_acc += tl.sum(b_g * b_r, axis=1)  # [BT, BH] -> [BT]
         tl.store(grad_w_ptr + o_t * K + k, cast_rne(b_acc, grad_w_ptr.dtype.element_ty), mask=m_t)
 
