@@ -115,9 +115,10 @@ def combine(
     if isinstance(handle, symm_mem.SymmDispatchHandle):
         return symm_mem.combine(expert_out, handle, topk_weights)
     check_combine_args(expert_out, handle, topk_weights)
+    save_returned = topk_weights is not None and topk_weights.requires_grad and torch.is_grad_enabled()
     y, _ = combine_op(
         expert_out, topk_weights, handle.order, handle.position, handle.send_meta,
-        handle.recv_meta, handle.expert_alignment, handle.group_name,
+        handle.recv_meta, handle.expert_alignment, handle.group_name, save_returned,
     )
     return y
 

@@ -116,24 +116,27 @@ def _weighted_slot_sum(
 ) -> torch.Tensor:
     """y[t] = sum_k w[t, k] * returned[position[t, k]], accumulated in fp32 (fp64), rounded once.
 
-    returned: (N, H), rows past the valid ones are zero; position: (T, K); weights: (T, K) | None.
-    Returns (T, H) in returned's dtype. Slots are added in k order: deterministic."""
+    returned: (n, H) rows in send order, n <= N; slots at positions >= n (and zero rows) add
+    nothing. position: (T, K); weights: (T, K) | None. Returns (T, H) in returned's dtype. Slots
+    are added in k order: deterministic."""
     T, K = position.shape
+    n, H = returned.shape
     acc_dtype = accumulation_dtype(returned.dtype, *(() if weights is None else (weights.dtype,)))
     if returned.is_cuda and _reduction_kernel_available():
         # One pass: each returned row read once, y written once (the symm_mem reduction kernel).
         from .symm_mem import kernels
 
-        y = returned.new_empty(T, returned.shape[1])
-        every_slot_sent = torch.zeros(returned.shape[0], dtype=torch.int64, device=returned.device)
+        y = returned.new_empty(T, H)
+        every_slot_sent = torch.zeros(position.numel(), dtype=torch.int64, device=returned.device)
         kernels().combine_reduce(returned, position, every_slot_sent, weights, y, None, acc_dtype)
         return y
-    acc = torch.zeros(T, returned.shape[1], dtype=acc_dtype, device=returned.device)
-    for k in range(K):
-        rows = returned.index_select(0, position[:, k]).to(acc_dtype)  # (T, H)
+    acc = torch.zeros(T, H, dtype=acc_dtype, device=returned.device)
+    for k in range(K if n > 0 else 0):
+        slot = position[:, k]
+        rows = returned.index_select(0, slot.clamp(max=n - 1)).to(acc_dtype)  # (T, H)
         if weights is not None:
             rows = rows * weights[:, k : k + 1].to(acc_dtype)
-        acc += rows
+        acc += torch.where((slot < n)[:, None], rows, 0)
     return acc.to(returned.dtype)
 
 
@@ -235,7 +238,7 @@ def _dispatch_backward(ctx, grad_routed):
     # The adjoint of dispatch is combine, weighted by the same per-slot scale.
     grad_x, returned = combine_op(
         grad_routed, scale, ctx.order, ctx.position, ctx.send_meta, ctx.recv_meta,
-        ctx.alignment, ctx.group_name,
+        ctx.alignment, ctx.group_name, x is not None,
     )
     grad_scale = None if x is None else _slot_dot(returned, ctx.position, x, scale.dtype)
     return grad_x, grad_scale, None, None, None, None, None, None, None
@@ -258,12 +261,13 @@ def combine_op(
     recv_meta: torch.Tensor,
     expert_alignment: int,
     group_name: str,
+    save_returned: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(R, H) expert outputs in dispatch order -> y (T, H) and the returned rows (N, H).
+    """(R, H) expert outputs in dispatch order -> y (T, H) and the returned rows.
 
     y[t] = sum_k weights[t, k] * expert_out[row of slot (t, k)] (fp32 accumulation).
-    returned: each valid slot's row in send order, zero rows after them; kept for the
-    weights' gradient."""
+    returned: with ``save_returned``, (N, H), each valid slot's row in send order and zero rows
+    after them (for the weights' gradient); else (0, H)."""
     splits = _read_splits(send_meta, recv_meta, expert_alignment)
     problem = None
     if expert_out.shape[0] != splits.num_rows:
@@ -273,12 +277,16 @@ def combine_op(
         )
     _agree_on_error(problem, expert_out.device, group_name, "combine: expert_out")
     recv_counts, _ = layout.split_meta(recv_meta)
-    returned = expert_out.new_empty(order.shape[0], expert_out.shape[1])
-    returned[splits.num_valid :].zero_()  # dropped slots read zero rows
-    received = returned[: splits.num_valid]
+    nothing_returned = expert_out.new_empty(0, expert_out.shape[1])
     expert_major = None  # one rank, no padding: expert-major is rank-major
     if splits.num_rows != sum(splits.recv_splits) or recv_counts.shape[0] != 1:
         expert_major = layout.expert_major_rows(recv_counts, expert_alignment)
+    if group_name == LOCAL and expert_major is None and not save_returned:
+        # The expert outputs already are the valid slots' rows in send order: nothing moves.
+        return _weighted_slot_sum(expert_out, position, weights), nothing_returned
+    returned = expert_out.new_empty(order.shape[0], expert_out.shape[1])
+    returned[splits.num_valid :].zero_()  # dropped slots read zero rows
+    received = returned[: splits.num_valid]
     if group_name == LOCAL:  # gather straight into the returned rows
         if expert_major is None:
             received.copy_(expert_out)
@@ -287,22 +295,23 @@ def combine_op(
     else:
         rank_major = expert_out if expert_major is None else expert_out.index_select(0, expert_major)
         _exchange_rows(rank_major, received, splits.send_splits, splits.recv_splits, group_name)
-    return _weighted_slot_sum(returned, position, weights), returned
+    return _weighted_slot_sum(returned, position, weights), returned if save_returned else nothing_returned
 
 
 @combine_op.register_fake
-def _(expert_out, weights, order, position, send_meta, recv_meta, expert_alignment, group_name):
-    # NB: both shapes are static: T from position, N from order.
+def _(expert_out, weights, order, position, send_meta, recv_meta, expert_alignment, group_name, save_returned):
+    # NB: both shapes are static: T from position, N from order (0 rows when not saved).
     H = expert_out.shape[1]
-    return expert_out.new_empty(position.shape[0], H), expert_out.new_empty(order.shape[0], H)
+    returned_rows = order.shape[0] if save_returned else 0
+    return expert_out.new_empty(position.shape[0], H), expert_out.new_empty(returned_rows, H)
 
 
 def _combine_setup_context(ctx, inputs, output):
-    _, weights, ctx.order, ctx.position, ctx.send_meta, ctx.recv_meta, ctx.alignment, ctx.group_name = inputs
+    (_, weights, ctx.order, ctx.position, ctx.send_meta, ctx.recv_meta, ctx.alignment, ctx.group_name,
+     ctx.save_returned) = inputs
     ctx.num_rows = inputs[0].shape[0]
     ctx.set_materialize_grads(False)  # `returned` gets a gradient only in double backward
-    returned = output[1] if weights is not None and weights.requires_grad else None
-    ctx.save_for_backward(weights, returned)
+    ctx.save_for_backward(weights, output[1] if ctx.save_returned else None)
 
 
 def _combine_backward(ctx, grad_y, grad_returned):
@@ -312,7 +321,7 @@ def _combine_backward(ctx, grad_y, grad_returned):
     if ctx.needs_input_grad[0] and grad_y is not None:
         # The adjoint of combine is dispatch with each slot's row scaled by its weight.
         grads_expert_out.append(dispatch_op(grad_y, weights, ctx.order, ctx.position, *plan))
-    if ctx.needs_input_grad[0] and grad_returned is not None:
+    if ctx.needs_input_grad[0] and grad_returned is not None and ctx.save_returned:
         # `returned` holds rows already in send order: dispatch them as K = 1 "tokens".
         in_send_order = torch.arange(ctx.order.shape[0], device=ctx.order.device)
         grads_expert_out.append(
@@ -320,9 +329,11 @@ def _combine_backward(ctx, grad_y, grad_returned):
         )
     grad_expert_out = sum(grads_expert_out[1:], grads_expert_out[0]) if grads_expert_out else None
     grad_weights = None
-    if returned is not None and grad_y is not None:
+    if ctx.needs_input_grad[1] and grad_y is not None:
+        if returned is None:
+            raise RuntimeError("combine: the weights need a gradient, but the forward ran with save_returned=False")
         grad_weights = _slot_dot(returned, ctx.position, grad_y, weights.dtype)
-    return grad_expert_out, grad_weights, None, None, None, None, None, None
+    return grad_expert_out, grad_weights, None, None, None, None, None, None, None
 
 
 combine_op.register_autograd(_combine_backward, setup_context=_combine_setup_context)

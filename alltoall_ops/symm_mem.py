@@ -426,6 +426,15 @@ class SymmBuffers(OpaqueBase):
     def __deepcopy__(self, memo: dict) -> "SymmBuffers":
         return self
 
+    # NB: torch pickles an opaque graph input. The compile caches hash it (their pickler turns
+    # every tensor attribute into a Python list: seconds to minutes and many GB for a large
+    # segment, and a cache key that depends on the buffers' contents), and torch 2.11's inductor
+    # writes ``pickle.loads(<the object's bytes>)`` into the generated module (a GB-sized literal
+    # that then fails to import). The compiled code depends on the configuration only: pickle
+    # that, never the memory; a loaded copy would be memory no peer writes, so loading raises.
+    def __reduce__(self) -> tuple:
+        return _load_pickled_buffers, (self._guard_key(),)
+
     # Host-side helpers, used inside the ops only.
     def _barrier(self) -> None:
         self._segments.barrier()
@@ -445,6 +454,14 @@ _CONSTANT_MEMBERS = (
     "meta_columns",
 )
 register_reference_type(SymmBuffers, constant_members=_CONSTANT_MEMBERS, guard_fn=SymmBuffers._guard_key)
+
+
+def _load_pickled_buffers(key: list) -> SymmBuffers:
+    raise RuntimeError(
+        f"SymmBuffers cannot be unpickled (pickled: rank, W, T_max, H, K, E, alignment, C, overflow, "
+        f"dtype, device type, group = {key}): they are memory that the group's peers write; create "
+        "them collectively with alltoall_ops.SymmBuffers(...) in the process that uses them"
+    )
 
 
 def _check_same_config(cfg: _Config, grp: Group) -> None:

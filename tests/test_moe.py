@@ -252,10 +252,10 @@ class TestCompiledGraphs(TestCase):
 forward 0:
   alltoall_ops.exchange_counts(group_name='')
   alltoall_ops.dispatch(scale=None, expert_alignment=1, group_name='', num_rows=None)
-  alltoall_ops.combine(weights=<tensor>, expert_alignment=1, group_name='')
+  alltoall_ops.combine(weights=<tensor>, expert_alignment=1, group_name='', save_returned=True)
 backward 0:
   alltoall_ops.dispatch(scale=<tensor>, expert_alignment=1, group_name='', num_rows=<symbolic>)
-  alltoall_ops.combine(weights=None, expert_alignment=1, group_name='')""")
+  alltoall_ops.combine(weights=None, expert_alignment=1, group_name='', save_returned=False)""")
 
     def test_summary_two_ranks(self):
         summaries = self.pool2.run(summary_of)
@@ -264,7 +264,7 @@ backward 0:
 forward 0:
   alltoall_ops.exchange_counts(group_name='0')
   alltoall_ops.dispatch(scale=None, expert_alignment=1, group_name='0', num_rows=None)
-  alltoall_ops.combine(weights=<tensor>, expert_alignment=1, group_name='0')
+  alltoall_ops.combine(weights=<tensor>, expert_alignment=1, group_name='0', save_returned=True)
 backward 0:
   alltoall_ops.dispatch(scale=<tensor>, expert_alignment=1, group_name='0', num_rows=<symbolic>)
-  alltoall_ops.combine(weights=None, expert_alignment=1, group_name='0')""")
+  alltoall_ops.combine(weights=None, expert_alignment=1, group_name='0', save_returned=False)""")

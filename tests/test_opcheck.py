@@ -47,7 +47,9 @@ def opcheck_all(rank: int, world_size: int, group_name: str | None, configs=CONF
         torch.library.opcheck(OPS.dispatch.default, (grad_y, scale, *layout_args, R))
 
         expert_out = torch.randn(R, H, generator=g, dtype=torch.float64, requires_grad=True)
-        torch.library.opcheck(OPS.combine.default, (expert_out, w, *layout_args))
+        # save_returned=False is for weights that need no gradient (inference, dispatch's backward).
+        torch.library.opcheck(OPS.combine.default, (expert_out, scale, *layout_args, False))
+        torch.library.opcheck(OPS.combine.default, (expert_out, w, *layout_args, True))
         checked.append(f"T={T} K={K} alignment={alignment} weighted={weighted} R={R}")
     return checked
 

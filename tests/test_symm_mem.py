@@ -11,6 +11,7 @@ compared to a few ulps of the accumulation dtype.
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -420,6 +421,92 @@ backward 0:
                            backend="aot_eager", fullgraph=True)
         with pytest.raises(Exception, match="create alltoall_ops.SymmBuffers"):
             fn(x, topk_idx)
+
+
+def _buffers_arguments_are_placeholders(gm: torch.fx.GraphModule) -> list[bool]:
+    return [
+        node.args[[a.name for a in node.target._schema.arguments].index("buffers")].op == "placeholder"
+        for node in gm.graph.nodes
+        if node.op == "call_function" and getattr(node.target, "name", lambda: "")() in SYMM_OPS
+    ]
+
+
+def test_dispatch_and_combine_compiled_apart_never_copy_the_buffers(monkeypatch):
+    # Regression (GPU bench, torch 2.11, 1 GB of buffers): dispatch compiled alone (its handle,
+    # which holds the buffers, leaves the graph) and combine compiled alone took 327 s, warned
+    # "FX graph cache copying of a large constant", then inductor's module failed to import. torch
+    # pickles an opaque graph input: its compile caches turned every tensor of the buffers into a
+    # list, and 2.11 wrote pickle.loads(<the buffers' bytes>) into the generated code. Nothing
+    # of the buffers' memory may be pickled, listed or baked into a graph, and the compiled code
+    # must read the live buffers: rank 0 runs compiled, rank 1 (simulated peer) eager, and the
+    # second step's rows written by the peer must arrive.
+    torch._dynamo.reset()
+    W, T = 2, 6
+    bufs = a2a.SymmBuffers.simulated(W, T, H, K, E, dtype=torch.float32, device="cpu", timeout=60)
+    segments = {b._segments.local.untyped_storage().data_ptr() for b in bufs}
+    copied = []
+
+    def spy(what, original):
+        def wrapper(t, *args, **kwargs):
+            try:
+                if t.untyped_storage().data_ptr() in segments:
+                    copied.append((what, tuple(t.shape)))
+            except Exception:  # fake tensors have no data
+                pass
+            return original(t, *args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(torch.Tensor, "tolist", spy("tolist", torch.Tensor.tolist))
+    monkeypatch.setattr(torch.Tensor, "__reduce_ex__", spy("pickle", torch.Tensor.__reduce_ex__))
+
+    graphs_d, graphs_c = CompiledGraphs(), CompiledGraphs()
+    dispatch_c = torch.compile(lambda x, i: a2a.dispatch(x, i, num_experts=E, buffers=bufs[0]),
+                               backend=capturing_backend(graphs_d, "inductor"), fullgraph=True)
+    combine_c = torch.compile(lambda out, h, w: a2a.combine(out, h, w),
+                              backend=capturing_backend(graphs_c, "inductor"), fullgraph=True)
+
+    def step(rank, b, seed, compiled):
+        x, topk_idx, weights, _ = _inputs(seed, rank, T, torch.float32, torch.float32)
+        if compiled:
+            routed, tpe, handle = dispatch_c(x, topk_idx)
+            assert handle.buffers is b
+            y = combine_c(_expert(routed), handle, weights)
+        else:
+            routed, tpe, handle = a2a.dispatch(x, topk_idx, num_experts=E, buffers=b)
+            y = a2a.combine(_expert(routed), handle, weights)
+        return routed, tpe, y
+
+    # The FX graph cache computes its key (where the buffers were pickled) on a hit as well;
+    # falling back to aten for every op skips the C++ compile (seconds here).
+    config = {"fx_graph_cache": True}
+    if hasattr(torch._inductor.config, "fallback_by_default"):
+        config["fallback_by_default"] = True
+    outs = []
+    with torch._inductor.config.patch(config):
+        for seed in (80, 81):
+            expected = symm_mem.run_simulated(partial(step, seed=seed, compiled=False), bufs)
+            got = symm_mem.run_simulated(lambda r, b: step(r, b, seed, compiled=r == 0), bufs)
+            for want, have in zip(expected, got):
+                for a, b in zip(want, have):
+                    assert torch.equal(a, b), f"seed {seed}: compiled rank 0 differs from eager"
+            outs.append(got[0])
+    assert not torch.equal(outs[0][0], outs[1][0])  # the second step brought other rows
+
+    assert copied == [], f"buffer memory copied while compiling or running: {copied}"
+    assert (len(graphs_d.forward), len(graphs_c.forward)) == (1, 1)  # no recompilation
+    for gm in graphs_d.forward + graphs_c.forward:
+        constants = [n.target for n in gm.graph.nodes
+                     if n.op == "get_attr" and isinstance(getattr(gm, n.target), torch.Tensor)]
+        assert constants == [], f"tensor constants in a compiled graph: {constants}"
+        assert not list(gm.buffers()) and not list(gm.parameters())
+        assert _buffers_arguments_are_placeholders(gm) in ([True], [True, True])
+
+    # What torch pickles of them: the configuration, never the memory; a copy cannot be loaded.
+    data = pickle.dumps(bufs[0])
+    assert len(data) < 1000, len(data)
+    with pytest.raises(RuntimeError, match="SymmBuffers cannot be unpickled"):
+        pickle.loads(data)
 
 
 # --------------------------------------------------------------------------------------------

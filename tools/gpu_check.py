@@ -115,7 +115,8 @@ def opcheck_cuda():
     torch.library.opcheck(ops.dispatch.default, (x, None, *args, None))
     routed = ops.dispatch(x, None, *args, None)
     eo = torch.randn_like(routed, requires_grad=True)
-    torch.library.opcheck(ops.combine.default, (eo, w, *args))
+    torch.library.opcheck(ops.combine.default, (eo, w.detach(), *args, False))
+    torch.library.opcheck(ops.combine.default, (eo, w, *args, True))
     return "exchange_counts, dispatch, combine"
 
 
