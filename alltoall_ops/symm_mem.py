@@ -832,7 +832,9 @@ def cached_buffers(x: torch.Tensor, top_k: int, num_experts: int, grp: Group, ex
     return bufs
 
 
-def _check_buffers_fit(bufs: SymmBuffers, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, group: Any) -> None:
+def _check_buffers_fit(
+    bufs: SymmBuffers, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, group: Any
+) -> None:
     """Static checks (shapes, dtypes: the same on every rank of an SPMD program)."""
     if group is not None and resolve_group(group).name != bufs.group_name:
         raise ValueError(

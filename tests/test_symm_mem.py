@@ -241,8 +241,10 @@ def run_drop(rank: int, world_size: int, capacity: int) -> list[int]:
     # Dropping the rows past C changes no earlier row, so the result is the collective backend's
     # with those slots routed nowhere.
     _assert_same_as_collective(symm, coll, capacity)
-    per_rank = [len([1 for s in range(world_size) for (t, k) in dropped[s] if int(gathered[s][t, k]) // (E // world_size) == d])
-                for d in range(world_size)]
+    per_rank = [
+        len([1 for s in range(world_size) for (t, k) in dropped[s] if int(gathered[s][t, k]) // (E // world_size) == d])
+        for d in range(world_size)
+    ]
     assert symm["handle"].dropped.tolist() == per_rank
     return per_rank
 
@@ -466,31 +468,32 @@ def test_dispatch_and_combine_compiled_apart_never_copy_the_buffers(monkeypatch)
     combine_c = torch.compile(lambda out, h, w: a2a.combine(out, h, w),
                               backend=capturing_backend(graphs_c, "inductor"), fullgraph=True)
 
-    def step(rank, b, seed, compiled):
+    # The FX graph cache computes its key (where the buffers were pickled) on a hit as well;
+    # falling back to aten for every op skips the C++ compile (cold cache: about 15 s here).
+    config = {"fx_graph_cache": True}
+    if hasattr(torch._inductor.config, "fallback_by_default"):
+        config["fallback_by_default"] = True
+
+    def step(rank, b, seed, compiled_ranks):
         x, topk_idx, weights, _ = _inputs(seed, rank, T, torch.float32, torch.float32)
-        if compiled:
-            routed, tpe, handle = dispatch_c(x, topk_idx)
-            assert handle.buffers is b
-            y = combine_c(_expert(routed), handle, weights)
+        if rank in compiled_ranks:
+            with torch._inductor.config.patch(config):  # NB: per thread
+                routed, tpe, handle = dispatch_c(x, topk_idx)
+                assert handle.buffers is b
+                y = combine_c(_expert(routed), handle, weights)
         else:
             routed, tpe, handle = a2a.dispatch(x, topk_idx, num_experts=E, buffers=b)
             y = a2a.combine(_expert(routed), handle, weights)
         return routed, tpe, y
 
-    # The FX graph cache computes its key (where the buffers were pickled) on a hit as well;
-    # falling back to aten for every op skips the C++ compile (seconds here).
-    config = {"fx_graph_cache": True}
-    if hasattr(torch._inductor.config, "fallback_by_default"):
-        config["fallback_by_default"] = True
     outs = []
-    with torch._inductor.config.patch(config):
-        for seed in (80, 81):
-            expected = symm_mem.run_simulated(partial(step, seed=seed, compiled=False), bufs)
-            got = symm_mem.run_simulated(lambda r, b: step(r, b, seed, compiled=r == 0), bufs)
-            for want, have in zip(expected, got):
-                for a, b in zip(want, have):
-                    assert torch.equal(a, b), f"seed {seed}: compiled rank 0 differs from eager"
-            outs.append(got[0])
+    for seed in (80, 81):
+        expected = symm_mem.run_simulated(partial(step, seed=seed, compiled_ranks=()), bufs)
+        got = symm_mem.run_simulated(partial(step, seed=seed, compiled_ranks=(0,)), bufs)
+        for want, have in zip(expected, got):
+            for a, b in zip(want, have):
+                assert torch.equal(a, b), f"seed {seed}: compiled rank 0 differs from eager"
+        outs.append(got[0])
     assert not torch.equal(outs[0][0], outs[1][0])  # the second step brought other rows
 
     assert copied == [], f"buffer memory copied while compiling or running: {copied}"
@@ -593,7 +596,8 @@ def test_opcheck():
         (ops.symm_dispatch_op, (x, w.detach(), h.order, h.position, h.send_dst, bufs)),
         (ops.symm_combine_op, (routed.requires_grad_(), w, h.order, h.position, h.send_dst, h.row_src, bufs, True)),
         (ops.symm_combine_op, (routed, None, h.order, h.position, h.send_dst, h.row_src, bufs, False)),
-        (ops.symm_weight_grad_op, (grad_y, torch.randn(routed.shape[0], H, dtype=torch.float64), h.position, w.detach())),
+        (ops.symm_weight_grad_op,
+         (grad_y, torch.randn(routed.shape[0], H, dtype=torch.float64), h.position, w.detach())),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=tests)
