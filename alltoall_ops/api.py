@@ -14,7 +14,7 @@ from .validation import check_combine_args, check_dispatch_args
 
 
 @dataclasses.dataclass(frozen=True)
-class DispatchHandle:
+class DispatchHandle(layout.SlotShape):
     """What ``combine`` needs to undo one ``dispatch``: layout tensors and ints only, so it passes
     through compiled graphs on every supported torch version.
 
@@ -29,14 +29,6 @@ class DispatchHandle:
     num_rows: int
     expert_alignment: int
     group_name: str
-
-    @property
-    def num_tokens(self) -> int:
-        return self.position.shape[0]
-
-    @property
-    def top_k(self) -> int:
-        return self.position.shape[1]
 
 
 def dispatch(

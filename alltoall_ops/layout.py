@@ -40,6 +40,20 @@ class RoutingPlan:
     send_meta: torch.Tensor
 
 
+class SlotShape:
+    """(T, K) of a per-call handle that holds ``position`` (T, K)."""
+
+    position: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.position.shape[0]
+
+    @property
+    def top_k(self) -> int:
+        return self.position.shape[1]
+
+
 def plan_routing(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> RoutingPlan:
     """Sort the (T, K) slots of ``topk_idx`` into send order and count them per expert.
 

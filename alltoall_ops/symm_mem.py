@@ -768,7 +768,7 @@ def _(grad_y, returned, position, weights):
 
 
 @dataclasses.dataclass(frozen=True)
-class SymmDispatchHandle:
+class SymmDispatchHandle(layout.SlotShape):
     """What ``combine`` needs to undo one symm_mem ``dispatch``; tensors, ints and the buffers.
 
     order (N,), position (T, K): this rank's send order; meta (W, L): every rank's counts;
@@ -784,14 +784,6 @@ class SymmDispatchHandle:
     buffers: SymmBuffers
     num_rows: int
     expert_alignment: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.position.shape[0]
-
-    @property
-    def top_k(self) -> int:
-        return self.position.shape[1]
 
 
 _AUTO_BUFFERS: dict[tuple, SymmBuffers] = {}

@@ -21,6 +21,10 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .ops import communication_ops
+
 GLOO_TIMEOUT_S = 60.0
 
 
@@ -136,6 +140,24 @@ class DistributedPool:
                 p.kill()
                 p.join()
         self._procs = []
+
+
+class CommOpCounter(TorchDispatchMode):
+    """A dispatch mode recording the names of this library's comm ops as they run::
+
+        with CommOpCounter() as counter:
+            loss.backward()
+        counter.ops  # ['alltoall_ops::dispatch', 'alltoall_ops::combine']
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in communication_ops():
+            self.ops.append(func.name())
+        return func(*args, **(kwargs or {}))
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0, **kwargs: Any) -> list[Any]:

@@ -7,26 +7,15 @@ from functools import partial
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import alltoall_ops as a2a
+from alltoall_ops.testing import CommOpCounter
 from alltoall_ops.inspect import compiled_graphs
 
 E, T, H, K = 4, 6, 5, 2
 
 
-class CommOpCounter(TorchDispatchMode):
-    """Records the library's comm ops as they run."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in a2a.communication_ops():
-            self.ops.append(func.name())
-        return func(*args, **(kwargs or {}))
 
 
 def moe(x, topk_idx, weights, expert_w):

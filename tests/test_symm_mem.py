@@ -22,10 +22,10 @@ import torch
 from expecttest import TestCase
 from hypothesis import given
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import alltoall_ops as a2a
+from alltoall_ops.testing import CommOpCounter
 from alltoall_ops import symm_mem
 from alltoall_ops.inspect import CompiledGraphs, capturing_backend
 
@@ -258,15 +258,6 @@ def test_overflow_drop_counts_and_keeps_the_rest(pool2):
 # Buffer lifetime: two layers share one SymmBuffers; forward both, then backward
 
 
-class CommOpCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in a2a.communication_ops():
-            self.ops.append(func.name())
-        return func(*args, **(kwargs or {}))
 
 
 def _moe_layer(x, topk_idx, weights, scale, backend, bufs):
