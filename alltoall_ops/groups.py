@@ -12,6 +12,9 @@ LOCAL = ""
 """Group name of the local backend: one rank, no communication."""
 
 
+BACKENDS = ("auto", "local", "collective", "symm_mem")
+
+
 @dataclasses.dataclass(frozen=True)
 class Group:
     """A resolved communication group: its registered name (``LOCAL`` for no group), rank, size."""
@@ -54,13 +57,12 @@ def process_group(name: str) -> dist.ProcessGroup:
 
 
 def pick_backend(backend: str, group: Group) -> Group:
-    """Apply ``backend=`` ("auto" | "local" | "collective") to a resolved group.
+    """Apply ``backend=`` ("auto" | "local" | "collective" | "symm_mem") to a resolved group.
 
-    "local" and "auto" at one rank drop the group (no communication at all)."""
-    if backend not in ("auto", "local", "collective"):
-        raise ValueError(
-            f"backend: expected 'auto', 'local' or 'collective', got {backend!r}"
-        )
+    "local" and "auto" at one rank drop the group (no communication at all); "symm_mem" keeps
+    it (its buffers hold their own group)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if backend == "local" and group.size != 1:
         raise ValueError(
             f"backend='local' needs a group of one rank, got a group of {group.size} ranks"

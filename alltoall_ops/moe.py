@@ -139,7 +139,8 @@ class MoE(_ExpertParams):
         activation: "swiglu" or "gelu".
         group: ProcessGroup, 1-D DeviceMesh or None (default group; single process when
             torch.distributed is not initialised), as in :func:`alltoall_ops.dispatch`.
-        backend: "auto" | "local" | "collective", as in :func:`alltoall_ops.dispatch`.
+        backend: "auto" | "local" | "collective" | "symm_mem", as in :func:`alltoall_ops.dispatch`.
+        buffers: the :class:`alltoall_ops.SymmBuffers` for "symm_mem" (needed under torch.compile).
         expert_alignment: pad each local expert's rows to a multiple of this (e.g. for a
             grouped GEMM that wants aligned groups); padding rows are zero and ignored.
         expert_impl: how the local experts run on their rows:
@@ -155,7 +156,8 @@ class MoE(_ExpertParams):
     def __init__(
         self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int, *,
         activation: str = "swiglu", group: Any = None, backend: str = "auto",
-        expert_alignment: int = 1, expert_impl: str = "auto", device=None, dtype=None,
+        expert_alignment: int = 1, expert_impl: str = "auto", buffers: Any = None,
+        device=None, dtype=None,
     ):
         grp = pick_backend(backend, resolve_group(group))
         if num_experts % grp.size != 0:
@@ -172,6 +174,7 @@ class MoE(_ExpertParams):
         self.group, self.backend = group, backend
         self.expert_alignment = expert_alignment
         self.expert_impl = expert_impl
+        self.buffers = buffers
         self.router = Router(hidden_size, num_experts, top_k, device=device, dtype=dtype)
 
     @classmethod
@@ -214,8 +217,9 @@ class MoE(_ExpertParams):
     def experts(self, x_RH: torch.Tensor, tokens_per_expert_e: torch.Tensor) -> torch.Tensor:
         """Run the local experts on routed rows grouped by expert.
 
-        x_RH (R, H); tokens_per_expert_e (e,) int64 rows of each local expert, summing to R.
-        Returns (R, H). Zero rows (padding) stay zero: the experts have no biases."""
+        x_RH (R, H); tokens_per_expert_e (e,) int64 rows of each local expert, in order from
+        row 0, summing to R or less (symm_mem: R is the fixed capacity; later rows belong to no
+        expert). Returns (R, H). Zero rows (padding) stay zero: the experts have no biases."""
         if self._use_grouped_mm(x_RH):
             offsets_e = torch.cumsum(tokens_per_expert_e, 0, dtype=torch.int32)
 
@@ -225,12 +229,11 @@ class MoE(_ExpertParams):
             gate_RF = matmul(x_RH, self.w_gate) if self.w_gate is not None else None
             return matmul(_activate(matmul(x_RH, self.w_up), gate_RF), self.w_down)
 
-        # "masked": expert_R1[r] is the local expert of row r (R is an unbacked size under
-        # torch.compile, hence output_size); each expert runs on every row and keeps its own.
-        expert_R1 = torch.repeat_interleave(
-            torch.arange(self.num_local_experts, device=x_RH.device), tokens_per_expert_e,
-            output_size=x_RH.shape[0],
-        ).unsqueeze(1)
+        # "masked": expert_R1[r] is the local expert of row r (e for rows past the last group);
+        # each expert runs on every row and keeps its own.
+        ends_e = torch.cumsum(tokens_per_expert_e, 0)
+        rows_R = torch.arange(x_RH.shape[0], device=x_RH.device)
+        expert_R1 = torch.searchsorted(ends_e, rows_R, right=True).unsqueeze(1)
         y_RH = torch.zeros_like(x_RH)
         for j in range(self.num_local_experts):
             y_RH = torch.where(expert_R1 == j, self.expert_mlp(x_RH, j), y_RH)
@@ -241,7 +244,7 @@ class MoE(_ExpertParams):
         topk_idx_TK, topk_weights_TK = self.router(x_TH)
         routed_RH, tokens_per_expert_e, handle = dispatch(
             x_TH, topk_idx_TK, num_experts=self.num_experts, group=self.group,
-            backend=self.backend, expert_alignment=self.expert_alignment,
+            backend=self.backend, expert_alignment=self.expert_alignment, buffers=self.buffers,
         )
         out_RH = self.experts(routed_RH, tokens_per_expert_e)
         return combine(out_RH, handle, topk_weights_TK)

@@ -18,6 +18,7 @@ from expecttest import TestCase
 
 from alltoall_ops.inspect import compiled_graphs
 from alltoall_ops.moe import DenseMoE, MoE
+from alltoall_ops.symm_mem import SymmBuffers
 
 H, F, E, K = 16, 24, 8, 2
 FP64_TOL = {"rtol": 1e-10, "atol": 1e-12}  # only summation order differs from the reference
@@ -50,7 +51,10 @@ def ep_vs_dense(rank, world_size, tokens, seed, activation="swiglu", alignment=1
     """Forward and gradients of rank ``rank``'s MoE block against the dense block's on the
     tokens of all ranks; the loss is sum over ranks of <y_r, g_r>. Returns (T_r, R_r)."""
     dense = make_dense(seed, activation, skew=skew)
-    moe = MoE.from_dense(dense, backend=backend, expert_alignment=alignment)
+    buffers = None
+    if backend == "symm_mem":  # collective: every rank creates its buffers
+        buffers = SymmBuffers(max(tokens), H, K, E, dtype=torch.float64, device="cpu", expert_alignment=alignment)
+    moe = MoE.from_dense(dense, backend=backend, expert_alignment=alignment, buffers=buffers)
     x_all, g_all = make_tokens(seed, tokens, positive=skew)
     start = sum(tokens[:rank])
     rows = slice(start, start + tokens[rank])
@@ -109,6 +113,14 @@ def test_two_ranks_match_dense(pool2, tokens, activation, alignment):
     results = pool2.run(ep_vs_dense, tokens, 10, activation=activation, alignment=alignment)
     assert [t for t, _ in results] == list(tokens)
     assert sum(r for _, r in results) == sum(tokens) * K  # every slot routed somewhere
+
+
+def test_two_ranks_symm_mem_match_dense(pool2):
+    """The block on the device-side backend: routed has the buffers' fixed capacity, and the
+    rows past tokens_per_expert.sum() belong to no expert."""
+    results = pool2.run(ep_vs_dense, (6, 0), 40, alignment=2, backend="symm_mem")
+    assert [t for t, _ in results] == [6, 0]
+    assert sum(r for _, r in results) == 6 * K
 
 
 @pytest.mark.parametrize(
