@@ -1,0 +1,46 @@
+"""The ``symm_mem`` backend: dispatch / combine through peer-addressable buffers and Triton
+kernels, with no host sync, so a dispatch + combine step captures in a CUDA graph.
+
+Modules: ``loader`` (the lazily imported Triton kernels; sets ``TRITON_INTERPRET=1`` without
+CUDA), ``segments`` (the allocators), ``buffers`` (``SymmBuffers``, ``run_simulated``), ``ops``
+(the custom ops, their fakes and autograd), ``entry`` (routing, ``SymmDispatchHandle``, the
+``dispatch`` / ``combine`` called by :mod:`alltoall_ops.api`). See docs/symm_mem.md.
+
+Every rank holds one :class:`SymmBuffers` (created collectively, once). Its segment, which every
+peer can write, holds four regions; a (4, W) int64 *pointer table* on the device gives each
+region's address on every rank, and the kernels write peers' regions through it:
+
+    recv  (C, H)        rows dispatched to this rank, expert-major (written by the senders)
+    tags  (C,)  int64   source code ``src_rank * N_max + send_position`` of each received row, -1 none
+    ret   (N_max, H)    this rank's slots coming back from combine, in send order
+    meta  (W, L) int64  row s: rank s's counts per global expert, its routing status, its N
+
+One call of an op (``entry barrier; write peers; barrier; read own buffers into fresh
+tensors``) leaves nothing behind that a later call could overwrite: every returned tensor is a
+copy, so any number of layers may share one ``SymmBuffers``, in any order, with autograd,
+recomputation and selective checkpointing.
+
+Allocators, one op code: CUDA symmetric memory (``torch.distributed._symmetric_memory``, one
+process per GPU, barriers are a signal-pad kernel); a CPU stand-in (a shared-memory segment per
+rank mapped by every peer, Triton's interpreter, barriers through the process group); simulated
+peers in one process (all ranks' segments on one device, one thread per rank; barriers order
+the threads, the device runs their work in order on one stream); one rank (no peers).
+
+Capacity rule: ``C = W * max_tokens_per_rank * top_k + e * (expert_alignment - 1)`` rows by
+default: the most a rank can receive (every slot of every rank routed to it, each local
+expert's group padded). ``capacity=`` may set a smaller C; more rows than C is *overflow*.
+"""
+
+
+# NB: loader first: it sets TRITON_INTERPRET=1 without CUDA, before anything imports triton.
+from .loader import kernels
+from .buffers import META, META_EXTRA, OVERFLOW_MODES, RECV, RET, TAGS, SymmBuffers, run_simulated
+from .ops import symm_combine_op, symm_dispatch_op, symm_exchange_meta_op, symm_weight_grad_op
+from .entry import _AUTO_BUFFERS as _AUTO_BUFFERS  # the eager cache (tests clear it)
+from .entry import SymmDispatchHandle, SymmRoute, cached_buffers, combine, dispatch, route
+
+__all__ = [
+    "META", "META_EXTRA", "OVERFLOW_MODES", "RECV", "RET", "TAGS", "SymmBuffers", "SymmDispatchHandle",
+    "SymmRoute", "cached_buffers", "combine", "dispatch", "kernels", "route", "run_simulated",
+    "symm_combine_op", "symm_dispatch_op", "symm_exchange_meta_op", "symm_weight_grad_op",
+]

@@ -1,0 +1,320 @@
+"""``SymmBuffers`` (an opaque reference type), its configuration, and ``run_simulated``."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import uuid
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import layout
+from .._compat import OpaqueBase, register_reference_type
+from ..groups import Group, process_group, resolve_group
+from .loader import _check_kernels_run_on
+from .segments import _CudaSymmetricSegments, _LocalSegments, _Segments, _SharedMemorySegments, _SimulatedSegments
+
+RECV, TAGS, RET, META = range(4)
+"""Rows of the pointer table: the regions of a segment."""
+
+META_EXTRA = layout.STATUS_COLUMNS + 1
+"""Columns of a metadata row after the E counts: the routing status, then N = T * K."""
+
+_REGION_ALIGN = 256
+OVERFLOW_MODES = ("error", "drop")
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+# --------------------------------------------------------------------------------------------
+# SymmBuffers
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    rank: int
+    world_size: int
+    group_name: str
+    max_tokens_per_rank: int
+    hidden: int
+    top_k: int
+    num_experts: int
+    expert_alignment: int
+    capacity: int
+    overflow: str
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def shared(self) -> tuple:
+        """What every rank must agree on."""
+        return (self.world_size, self.max_tokens_per_rank, self.hidden, self.top_k, self.num_experts,
+                self.expert_alignment, self.capacity, self.overflow, str(self.dtype), self.device.type)
+
+    def region_offsets(self) -> tuple[list[int], int]:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        N_max = self.max_tokens_per_rank * self.top_k
+        meta_cols = self.num_experts + META_EXTRA
+        sizes = [self.capacity * self.hidden * itemsize, self.capacity * 8,
+                 N_max * self.hidden * itemsize, self.world_size * meta_cols * 8]
+        offsets, total = [], 0
+        for size in sizes:
+            offsets.append(total)
+            total += _round_up(max(size, 1), _REGION_ALIGN)
+        return offsets, total
+
+
+def _default_device(device: Any) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _make_config(
+    rank: int, world_size: int, group_name: str, max_tokens_per_rank: int, hidden: int, top_k: int,
+    num_experts: int, dtype: torch.dtype, device: torch.device, expert_alignment: int,
+    capacity: Optional[int], overflow: str,
+) -> _Config:
+    for name, value in (("max_tokens_per_rank", max_tokens_per_rank), ("hidden", hidden),
+                        ("top_k", top_k), ("num_experts", num_experts),
+                        ("expert_alignment", expert_alignment)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    if num_experts % world_size:
+        raise ValueError(f"num_experts: expected a multiple of the group size {world_size}, got {num_experts}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype: expected a floating-point torch.dtype, got {dtype!r}")
+    if overflow not in OVERFLOW_MODES:
+        raise ValueError(f"overflow: expected one of {OVERFLOW_MODES}, got {overflow!r}")
+    e = num_experts // world_size
+    worst = world_size * max_tokens_per_rank * top_k + e * (expert_alignment - 1)
+    if capacity is None:
+        capacity = worst
+    elif isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise ValueError(f"capacity: expected a positive int or None, got {capacity!r}")
+    return _Config(rank, world_size, group_name, max_tokens_per_rank, hidden, top_k, num_experts,
+                   expert_alignment, capacity, overflow, dtype, device)
+
+
+class SymmBuffers(OpaqueBase):
+    """Receive buffers, tags, returned rows, metadata and pointer tables for ``backend="symm_mem"``.
+
+    Collective: every rank of ``group`` creates it with the same arguments, once, and passes it
+    as ``buffers=`` to :func:`alltoall_ops.dispatch`. Under torch.compile it is one graph input
+    (an opaque reference), and its sizes are compile-time constants.
+
+    Args:
+        max_tokens_per_rank: T_max, the most tokens any rank dispatches in one call.
+        hidden: H. top_k: K, the most slots per token. num_experts: E, divisible by W.
+        dtype: of x and the expert outputs. device: cuda (default when there is one) or cpu.
+        group: ProcessGroup, 1-D DeviceMesh or None (default group; one rank without one).
+        expert_alignment: the largest ``expert_alignment`` dispatch will be called with (for C).
+        capacity: C, rows of ``routed``; default ``W * T_max * K + e * (expert_alignment - 1)``,
+            which no routing can exceed.
+        overflow: "error" (a routing that needs more than C rows on some rank raises on every
+            rank) or "drop" (rows past C are not delivered, counted in ``handle.dropped``).
+        allocator: "auto" (CUDA symmetric memory for W > 1 on cuda, a shared-memory stand-in on
+            the CPU, plain memory for one rank) or "symmetric" (torch symmetric memory even for
+            one rank: a check of that path on a one-GPU host).
+
+    Example::
+
+        bufs = SymmBuffers(max_tokens_per_rank=4096, hidden=7168, top_k=8, num_experts=256,
+                           dtype=torch.bfloat16, device="cuda")
+        routed, tokens_per_expert, handle = dispatch(x, topk_idx, num_experts=256,
+                                                     backend="symm_mem", buffers=bufs)
+    """
+
+    def __init__(
+        self,
+        max_tokens_per_rank: int,
+        hidden: int,
+        top_k: int,
+        num_experts: int,
+        dtype: torch.dtype = torch.bfloat16,
+        device: Any = None,
+        group: Any = None,
+        *,
+        expert_alignment: int = 1,
+        capacity: Optional[int] = None,
+        overflow: str = "error",
+        allocator: str = "auto",
+    ):
+        if allocator not in ("auto", "symmetric"):
+            raise ValueError(f"allocator: expected 'auto' or 'symmetric', got {allocator!r}")
+        grp = resolve_group(group)
+        device = _default_device(device)
+        cfg = _make_config(grp.rank, grp.size, grp.name, max_tokens_per_rank, hidden, top_k,
+                           num_experts, dtype, device, expert_alignment, capacity, overflow)
+        _check_kernels_run_on(device)
+        if grp.size > 1:
+            _check_same_config(cfg, grp)
+        _, nbytes = cfg.region_offsets()
+        if allocator == "symmetric" and device.type != "cuda":
+            raise ValueError("allocator='symmetric' (torch symmetric memory) needs a cuda device")
+        if grp.size == 1 and allocator == "auto":
+            segments: _Segments = _LocalSegments(nbytes, device)
+        elif device.type == "cpu":
+            segments = _SharedMemorySegments(nbytes, grp)
+        else:
+            segments = _CudaSymmetricSegments(nbytes, grp, device)
+        self._setup(cfg, segments)
+
+    @classmethod
+    def simulated(
+        cls,
+        world_size: int,
+        max_tokens_per_rank: int,
+        hidden: int,
+        top_k: int,
+        num_experts: int,
+        dtype: torch.dtype = torch.bfloat16,
+        device: Any = None,
+        *,
+        expert_alignment: int = 1,
+        capacity: Optional[int] = None,
+        overflow: str = "error",
+        timeout: float = 120.0,
+    ) -> list["SymmBuffers"]:
+        """Buffers of ``world_size`` simulated ranks in this process, on one device: run rank r's
+        calls with ``buffers[r]`` in its own thread (see :func:`run_simulated`)."""
+        device = _default_device(device)
+        _check_kernels_run_on(device)
+        name = f"simulated-{uuid.uuid4().hex[:8]}"
+        cfgs = [
+            _make_config(r, world_size, name, max_tokens_per_rank, hidden, top_k, num_experts,
+                         dtype, device, expert_alignment, capacity, overflow)
+            for r in range(world_size)
+        ]
+        nbytes = cfgs[0].region_offsets()[1]
+        locals_ = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(world_size)]
+        bases = [t.data_ptr() for t in locals_]
+        barrier = threading.Barrier(world_size, timeout=timeout)
+        out = []
+        for cfg, local in zip(cfgs, locals_):
+            bufs = cls.__new__(cls)
+            bufs._setup(cfg, _SimulatedSegments(local, bases, barrier))
+            out.append(bufs)
+        return out
+
+    def _setup(self, cfg: _Config, segments: _Segments) -> None:
+        self._cfg = cfg
+        self._segments = segments
+        for field in dataclasses.fields(cfg):
+            setattr(self, field.name, getattr(cfg, field.name))
+        self.num_local_experts = cfg.num_experts // cfg.world_size
+        self.max_slots = cfg.max_tokens_per_rank * cfg.top_k  # N_max
+        self.meta_columns = cfg.num_experts + META_EXTRA  # L
+        offsets, _ = cfg.region_offsets()
+        C, H, W = cfg.capacity, cfg.hidden, cfg.world_size
+
+        def region(i: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+            n = 1
+            for s in shape:
+                n *= s
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            return segments.local[offsets[i] : offsets[i] + n * itemsize].view(dtype).view(shape)
+
+        self.recv = region(RECV, cfg.dtype, (C, H))
+        self.tags = region(TAGS, torch.int64, (C,))
+        self.ret = region(RET, cfg.dtype, (self.max_slots, H))
+        self.meta = region(META, torch.int64, (W, self.meta_columns))
+        self.tags.fill_(-1)
+        self.table = torch.tensor(
+            [[base + off for base in segments.bases] for off in offsets], dtype=torch.int64, device=cfg.device
+        )  # (4, W)
+        segments.setup_barrier()  # every rank's tags are -1 before any peer writes
+
+    # NB: a handle to memory that peers write: a copy would read buffers nobody writes. Graph
+    # modules deep-copy their attributes (seen with AOTAutograd's dynamic-shape path), so copies
+    # are the object itself.
+    def __copy__(self) -> "SymmBuffers":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "SymmBuffers":
+        return self
+
+    # NB: torch pickles an opaque graph input. The compile caches hash it (their pickler turns
+    # every tensor attribute into a Python list: seconds to minutes and many GB for a large
+    # segment, and a cache key that depends on the buffers' contents), and torch 2.11's inductor
+    # writes ``pickle.loads(<the object's bytes>)`` into the generated module (a GB-sized literal
+    # that then fails to import). The compiled code depends on the configuration only: pickle
+    # that, never the memory; a loaded copy would be memory no peer writes, so loading raises.
+    def __reduce__(self) -> tuple:
+        return _load_pickled_buffers, (self._guard_key(),)
+
+    # Host-side helpers, used inside the ops only.
+    def _barrier(self) -> None:
+        self._segments.barrier()
+
+    def _guard_key(self) -> list:
+        return [self.rank, *self._cfg.shared, self.group_name]
+
+    def __repr__(self) -> str:
+        return (f"SymmBuffers(rank={self.rank}, world_size={self.world_size}, T_max={self.max_tokens_per_rank}, "
+                f"H={self.hidden}, K={self.top_k}, E={self.num_experts}, C={self.capacity}, "
+                f"dtype={self.dtype}, device={self.device}, overflow={self.overflow!r})")
+
+
+_CONSTANT_MEMBERS = (
+    "rank", "world_size", "group_name", "max_tokens_per_rank", "hidden", "top_k", "num_experts",
+    "expert_alignment", "capacity", "overflow", "dtype", "device", "num_local_experts", "max_slots",
+    "meta_columns",
+)
+register_reference_type(SymmBuffers, constant_members=_CONSTANT_MEMBERS, guard_fn=SymmBuffers._guard_key)
+
+
+def _load_pickled_buffers(key: list) -> SymmBuffers:
+    raise RuntimeError(
+        f"SymmBuffers cannot be unpickled (pickled: rank, W, T_max, H, K, E, alignment, C, overflow, "
+        f"dtype, device type, group = {key}): they are memory that the group's peers write; create "
+        "them collectively with alltoall_ops.SymmBuffers(...) in the process that uses them"
+    )
+
+
+def _check_same_config(cfg: _Config, grp: Group) -> None:
+    """Every rank must create its buffers with the same sizes (one all-gather, at set-up)."""
+    configs: list[Any] = [None] * grp.size
+    dist.all_gather_object(configs, cfg.shared, group=process_group(grp.name))
+    if any(c != configs[0] for c in configs):
+        raise ValueError(
+            "SymmBuffers: every rank must pass the same sizes; got (W, T_max, H, K, E, alignment, "
+            f"C, overflow, dtype, device type) = {configs}"
+        )
+
+
+def run_simulated(fn: Callable[[int, SymmBuffers], Any], buffers: Sequence[SymmBuffers],
+                  stream: Optional[torch.cuda.Stream] = None) -> list[Any]:
+    """Run ``fn(rank, buffers[rank])`` for every simulated rank, one thread each; return the results
+    by rank. If a rank raises, the others' barriers break and the first error is re-raised.
+    stream: a CUDA stream every thread queues its work on (e.g. a graph-capture stream)."""
+    results: list[Any] = [None] * len(buffers)
+    errors: list[tuple[int, BaseException]] = []
+
+    def body(rank: int) -> None:
+        try:
+            ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+            with ctx:
+                results[rank] = fn(rank, buffers[rank])
+        except BaseException as exc:
+            errors.append((rank, exc))
+            buffers[rank]._segments.abort()
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(len(buffers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        primary = [e for e in errors if not isinstance(e[1], threading.BrokenBarrierError)] or errors
+        rank, exc = min(primary, key=lambda e: e[0])
+        raise RuntimeError(f"simulated rank {rank} raised {type(exc).__name__}: {exc}") from exc
+    return results
