@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import alltoall_ops as a2a
+from alltoall_ops.layout import expert_of_rows
 from alltoall_ops.reference import reference_combine, reference_dispatch
 
 BENCH_SHAPES = ((4096, 7168, 8, 256), (128, 7168, 8, 256))
@@ -107,15 +108,8 @@ def check_ulysses(device) -> str:
 def moe_step(x, topk_idx, weights, expert_w, E, backend, buffers=None):
     kwargs = {"buffers": buffers} if buffers is not None else {}
     routed, tokens_per_expert, handle = a2a.dispatch(x, topk_idx, num_experts=E, backend=backend, **kwargs)
-    e = expert_w.shape[0]
-    expert_of_row = torch.repeat_interleave(
-        torch.arange(e, device=x.device), tokens_per_expert, output_size=routed.shape[0]
-    ) if buffers is None else None
-    if expert_of_row is None:  # fixed capacity: rows past the valid ones map to expert 0 (ignored)
-        valid = tokens_per_expert.sum()
-        starts = torch.cumsum(tokens_per_expert, 0)
-        rows = torch.arange(routed.shape[0], device=x.device)
-        expert_of_row = torch.where(rows < valid, torch.searchsorted(starts, rows, right=True), 0)
+    # symm_mem's capacity rows past the valid ones get the last expert; combine ignores them.
+    expert_of_row = expert_of_rows(tokens_per_expert, routed.shape[0]).clamp(max=expert_w.shape[0] - 1)
     out = torch.tanh(torch.bmm(routed.unsqueeze(1), expert_w[expert_of_row]).squeeze(1))
     return a2a.combine(out, handle, weights)
 

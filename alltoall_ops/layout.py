@@ -94,6 +94,13 @@ def padded_tokens_per_expert(recv_counts: torch.Tensor, expert_alignment: int) -
     return (per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
 
 
+def expert_of_rows(tokens_per_expert: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """(e,) rows per local expert (``dispatch``'s tokens_per_expert) -> (num_rows,) int64 local
+    expert of each routed row; e for rows past the last group (symm_mem's capacity rows)."""
+    rows = torch.arange(num_rows, device=tokens_per_expert.device)
+    return torch.searchsorted(torch.cumsum(tokens_per_expert, 0), rows, right=True)
+
+
 def expert_major_rows(recv_counts: torch.Tensor, expert_alignment: int) -> torch.Tensor:
     """Destination row in the expert-major output of each rank-major received row.
 

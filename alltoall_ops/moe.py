@@ -31,6 +31,7 @@ from torch import nn
 
 from .api import combine, dispatch
 from .groups import pick_backend, resolve_group
+from .layout import expert_of_rows
 from .ops import accumulation_dtype
 
 ACTIVATIONS = ("swiglu", "gelu")
@@ -231,9 +232,7 @@ class MoE(_ExpertParams):
 
         # "masked": expert_R1[r] is the local expert of row r (e for rows past the last group);
         # each expert runs on every row and keeps its own.
-        ends_e = torch.cumsum(tokens_per_expert_e, 0)
-        rows_R = torch.arange(x_RH.shape[0], device=x_RH.device)
-        expert_R1 = torch.searchsorted(ends_e, rows_R, right=True).unsqueeze(1)
+        expert_R1 = expert_of_rows(tokens_per_expert_e, x_RH.shape[0]).unsqueeze(1)
         y_RH = torch.zeros_like(x_RH)
         for j in range(self.num_local_experts):
             y_RH = torch.where(expert_R1 == j, self.expert_mlp(x_RH, j), y_RH)
