@@ -11,6 +11,7 @@ rank, no communication). Tensors of a call's routing layout (see ``layout.py``):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -103,7 +104,9 @@ def accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
+@functools.cache
 def _reduction_kernel_available() -> bool:
+    """Whether Triton imports (once per process, not per combine call)."""
     try:
         import triton  # noqa: F401
     except ImportError:
