@@ -59,15 +59,18 @@ from typing import Callable, Optional
 
 import torch
 
-from . import api
+from . import api, layout, moe
 from .symm_mem import SymmBuffers, run_simulated
 
 SHAPES = ((4096, 7168, 8, 256), (128, 7168, 8, 256), (8192, 7168, 8, 256), (16384, 4096, 8, 128))
 """The issue's shapes, the decode shape second (run in this order: a --deadline-s cut drops the last)."""
 SMOKE_SHAPES = ((64, 32, 2, 8), (16, 32, 4, 8))
+SMOKE_MOE_SHAPE = (64, 32, 48, 8, 2)
 PEERS = (2, 4, 8)
-IMPLS = ("torch", "torch.compile", "local", "local.compile", "symm.w1", "symm.w1.compile",
-         "symm.w1.graph", *(f"symm.w{w}" for w in PEERS))
+IMPLS = ("torch", "torch.compile", "layout", "layout.compile", "layout.compile.graph", "local", "local.compile",
+         "symm.w1", "symm.w1.compile", "symm.w1.graph", *(f"symm.w{w}" for w in PEERS), "moe", "moe.compile")
+MOE_SHAPE = (4096, 2048, 1408, 64, 6)
+"""(T, H, F, E, K) of the MoE-layer rows: a DeepSeek-V2-Lite-sized layer, SwiGLU experts."""
 DTYPE = torch.bfloat16
 
 
@@ -125,6 +128,14 @@ def ours_dispatch(x, topk_idx, num_experts: int):
 
 def ours_combine(expert_out, handle, weights):
     return api.combine(expert_out, handle, weights)
+
+
+def ours_layout(topk_idx, num_experts: int):
+    """The layout step alone (W = 1): routing -> send order, each slot's destination row,
+    tokens per expert."""
+    plan = layout.plan_routing(topk_idx, num_experts, 1)
+    counts, _ = layout.split_meta(plan.send_meta)
+    return plan.order, plan.position, layout.padded_tokens_per_expert(counts, 1)
 
 
 # --- checks ---------------------------------------------------------------------------------
@@ -361,6 +372,22 @@ def bench_shape(b: Bench, shape) -> None:
         b.measure(shape, "torch.compile", "dispatch", lambda: td(x, topk_idx), nbytes)
         b.measure(shape, "torch.compile", "combine", lambda: tc(expert_out, order, weights, T), nbytes)
 
+    layout_ref = ours_layout(topk_idx, E)
+    layout_bytes = topk_idx.numel() * topk_idx.element_size() * 3  # read ids, write order + position
+
+    def layout_eager():
+        b.measure(shape, "layout", "layout", lambda: ours_layout(topk_idx, E), layout_bytes)
+
+    def layout_compiled():
+        cl = compile_fn(ours_layout, backend, fullgraph=True)
+        out = b.first_call(f"{shape} layout.compile", lambda: cl(topk_idx, E))
+        assert all(torch.equal(a, r) for a, r in zip(out, layout_ref)), "compiled layout != eager"
+        b.measure(shape, "layout.compile", "layout", lambda: cl(topk_idx, E), layout_bytes)
+        if b.cuda:  # the same compiled code replayed from a CUDA graph: no host launch costs
+            graph = Captured(lambda _stream: cl(topk_idx, E), b.cuda)
+            assert all(torch.equal(a, r) for a, r in zip(graph.run(), layout_ref)), "layout graph != eager"
+            b.measure(shape, "layout.compile.graph", "layout", graph.replay, layout_bytes)
+
     def local_eager():
         b.measure(shape, "local", "dispatch", lambda: ours_dispatch(x, topk_idx, E), nbytes)
         b.measure(shape, "local", "combine", lambda: ours_combine(expert_out, handle, weights), nbytes)
@@ -430,6 +457,9 @@ def bench_shape(b: Bench, shape) -> None:
     b.section(shape, "torch", torch_eager)
     if compiled:
         b.section(shape, "torch.compile", torch_compiled)
+    b.section(shape, "layout", layout_eager)
+    if compiled:
+        b.section(shape, "layout.compile", layout_compiled)
     b.section(shape, "local", local_eager)
     if compiled:
         b.section(shape, "local.compile", local_compiled)
@@ -437,6 +467,49 @@ def bench_shape(b: Bench, shape) -> None:
     if compiled:
         b.section(shape, "symm.w1.compile", symm_compiled)
     b.section(shape, "symm.w1.graph", symm_graph)
+
+
+# --- a whole MoE layer -------------------------------------------------------------------------
+
+
+def bench_moe(b: Bench, shape=MOE_SHAPE) -> None:
+    """Forward + backward of :class:`alltoall_ops.moe.MoE` (local backend; grouped_mm experts on
+    CUDA sm90+), eager and compiled (fullgraph), the same module and inputs. The byte floor is
+    that of its two dispatches and two combines (forward and backward); matmuls come on top."""
+    T, H, F, E, K = shape
+    dev = b.device
+    torch._dynamo.reset()
+    torch.manual_seed(T + H)
+    layer = moe.MoE(H, F, E, K, backend="local", device=dev, dtype=DTYPE)
+    x = tokens(T, H, dev, seed=T + F).requires_grad_()
+    grad_y = tokens(T, H, dev, seed=T + F + 1)
+    key, nbytes = (T, H, K, E), 4 * (T + T * K) * H * 2
+
+    def step(fn):
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        fn(x).backward(grad_y)
+        return x.grad, layer.w_up.grad
+
+    eager = tuple(g.clone() for g in step(layer))
+
+    def run_eager():
+        b.measure(key, "moe", "fwd+bwd", lambda: step(layer), nbytes)
+
+    def run_compiled():
+        compiled = torch.compile(layer, backend=b.args.compile_backend, fullgraph=True)
+        grads = b.first_call(f"{key} moe.compile", lambda: step(compiled))
+        for what, got, want in zip(("x.grad", "w_up.grad"), grads, eager):
+            err = float((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30))
+            if err > 2e-2:
+                raise AssertionError(f"compiled MoE layer: {what} rel. error {err:.3g} vs eager")
+        b.measure(key, "moe.compile", "fwd+bwd", lambda: step(compiled), nbytes)
+
+    b.note(f"MoE layer (T, H, F, E, K) = {shape}, SwiGLU, local backend, "
+           f"{'grouped_mm' if layer._use_grouped_mm(x) else 'masked'} experts; floor = its 2 dispatches + 2 combines")
+    b.section(key, "moe", run_eager)
+    if b.args.compile_backend != "none":
+        b.section(key, "moe.compile", run_compiled)
 
 
 # --- one shape: W simulated ranks -------------------------------------------------------------
@@ -705,6 +778,9 @@ def main(argv=None) -> int:
             b.section(shape, f"symm.w{W}", lambda shape=shape, W=W: bench_peers(b, shape, W))
         print(f"== {shape}: {time.perf_counter() - t0:.0f} s ({b.elapsed():.0f} s so far)", flush=True)
         write_outputs(args.out, tag, header, meta, b.rows, b.notes, b.compile_s, b.failures, png=False)
+    moe_shape = SMOKE_MOE_SHAPE if args.smoke else MOE_SHAPE
+    if not (b.skipped("moe") and b.skipped("moe.compile")):
+        b.section(moe_shape, "MoE layer", lambda: bench_moe(b, moe_shape))
     write_outputs(args.out, tag, header, meta, b.rows, b.notes, b.compile_s, b.failures)
     print("\n" + header)
     print(compact(b.rows))

@@ -105,13 +105,46 @@ def accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
 
 
 @functools.cache
-def _reduction_kernel_available() -> bool:
-    """Whether Triton imports (once per process, not per combine call)."""
+def _triton_available() -> bool:
+    """Whether Triton imports (once per process, not per call)."""
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
     return True
+
+
+def _use_kernels(t: torch.Tensor) -> bool:
+    """CUDA tensors go through this package's Triton kernels; CPU tensors through torch ops."""
+    return t.is_cuda and _triton_available()
+
+
+def _rows_in_send_order(
+    x: torch.Tensor, scale: Optional[torch.Tensor], order: torch.Tensor, position: torch.Tensor, num_valid: int
+) -> torch.Tensor:
+    """(num_valid, H): row i is ``x[order[i] // K]``, times ``scale.flat[order[i]]`` in fp32
+    (fp64) rounded once; the valid slots' rows in send order.
+
+    x: (T, H); scale: (T, K) | None; order: (N,); position: (T, K), its inverse."""
+    K = position.shape[1]
+    acc_dtype = accumulation_dtype(x.dtype, *(() if scale is None else (scale.dtype,)))
+    if _use_kernels(x):
+        # Token-major: the program of slot (t, k) reads x[t] once for all its K slots and stores
+        # it at row position[t, k]; dropped slots (positions >= num_valid) store nothing.
+        from .symm_mem import kernels
+
+        send = x.new_empty(num_valid, x.shape[1])
+        kernels().put_rows(
+            x.contiguous(), position.reshape(-1), num_valid, out=send, top_k=K,
+            scale=None if scale is None else scale.contiguous(), acc_dtype=acc_dtype,
+        )
+        return send
+    sorted_slots = order[:num_valid]
+    send = x.index_select(0, sorted_slots // K)
+    if scale is not None:
+        slot_scale = scale.reshape(-1).index_select(0, sorted_slots)
+        send = (send.to(acc_dtype) * slot_scale.to(acc_dtype)[:, None]).to(x.dtype)
+    return send
 
 
 def _weighted_slot_sum(
@@ -125,13 +158,12 @@ def _weighted_slot_sum(
     T, K = position.shape
     n, H = returned.shape
     acc_dtype = accumulation_dtype(returned.dtype, *(() if weights is None else (weights.dtype,)))
-    if returned.is_cuda and _reduction_kernel_available():
+    if _use_kernels(returned):
         # One pass: each returned row read once, y written once (the symm_mem reduction kernel).
         from .symm_mem import kernels
 
         y = returned.new_empty(T, H)
-        every_slot_sent = torch.zeros(position.numel(), dtype=torch.int64, device=returned.device)
-        kernels().combine_reduce(returned, position, every_slot_sent, weights, y, None, acc_dtype)
+        kernels().combine_reduce(returned, position, None, weights, y, None, acc_dtype)
         return y
     acc = torch.zeros(T, H, dtype=acc_dtype, device=returned.device)
     for k in range(K if n > 0 else 0):
@@ -200,16 +232,10 @@ def dispatch_op(
 
     scale: (T, K) | None, multiplies each slot's row (in fp32, rounded once) before sending.
     num_rows: R when already known (it is in backward), else None. Padding rows are zero."""
-    K = position.shape[1]
     splits = _read_splits(send_meta, recv_meta, expert_alignment)
     if num_rows is not None and num_rows != splits.num_rows:
         raise ValueError(f"dispatch: expected {num_rows} routed rows, the layout gives {splits.num_rows}")
-    sorted_slots = order[: splits.num_valid]
-    send = x.index_select(0, sorted_slots // K)  # (num_valid, H), send order
-    if scale is not None:
-        slot_scale = scale.reshape(-1).index_select(0, sorted_slots)
-        acc_dtype = accumulation_dtype(x.dtype, scale.dtype)
-        send = (send.to(acc_dtype) * slot_scale.to(acc_dtype)[:, None]).to(x.dtype)
+    send = _rows_in_send_order(x, scale, order, position, splits.num_valid)
     recv_counts, _ = layout.split_meta(recv_meta)
     if group_name == LOCAL:
         received = send  # one rank: what it sends is what it receives

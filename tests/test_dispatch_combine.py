@@ -348,9 +348,22 @@ def test_deterministic(pool):
 # Local backend, single process, no process group
 
 
+@pytest.fixture(params=["torch", "kernels"])
+def row_path(request, monkeypatch):
+    """How dispatch / combine move rows: torch ops (CPU tensors), or this package's Triton
+    kernels, which CUDA tensors take, here run on the CPU in Triton's interpreter."""
+    if request.param == "kernels":
+        from alltoall_ops import ops, symm_mem
+
+        if not symm_mem.kernels().interpreting():
+            pytest.skip("the kernels run on CPU tensors only in Triton's interpreter")
+        monkeypatch.setattr(ops, "_use_kernels", lambda t: True)
+    return request.param
+
+
 @pytest.mark.parametrize("backend", ["local", "auto"])
 @pytest.mark.parametrize("alignment", [1, 3])
-def test_local_backend_without_process_group(backend, alignment):
+def test_local_backend_without_process_group(backend, alignment, row_path):
     assert not dist.is_initialized()
     case = Case((13,), e=4, K=3, alignment=alignment)
     seed = seed_for(f"local-{backend}-{alignment}")
@@ -376,7 +389,7 @@ def test_local_backend_without_process_group(backend, alignment):
     assert torch.equal(alltoall_ops.exchange_counts(counts, backend=backend), counts.view(1, 4))
 
 
-def test_second_order_gradients_local():
+def test_second_order_gradients_local(row_path):
     """gradgradcheck through dispatch -> experts -> combine: double backward reaches the weights'
     gradient path (dispatch's scale and combine's returned rows) correctly."""
     E, T, H, K = 4, 5, 3, 2

@@ -1,20 +1,22 @@
 """Where the time of one dispatch / combine goes on one GPU: torch.profiler tables (top kernels
-and host-side ops) for the local and symm_mem backends at (T, H, K, E) = (4096, 7168, 8, 256).
+and host-side ops) for the local and symm_mem backends at (T, H, K, E) = (T, 7168, 8, 256).
 
-    python tools/profile_ops.py
+    python tools/profile_ops.py [T ...]      # default T = 4096; 128 is the decode shape
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import alltoall_ops as a2a
 
-T, H, K, E = 4096, 7168, 8, 256
+H, K, E = 7168, 8, 256
 
 
-def main() -> None:
+def main(T: int) -> None:
     dev = torch.device("cuda")
     x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
     weights, topk_idx = torch.randn(T, E, device=dev).softmax(-1).topk(K, dim=-1)
@@ -31,9 +33,12 @@ def main() -> None:
             for _ in range(5):
                 step()
             torch.cuda.synchronize()
-        print(f"===== {name}: dispatch + combine, 5 steps")
+        cuda = torch.autograd.DeviceType.CUDA
+        kernels = sum(e.count for e in prof.key_averages() if getattr(e, "device_type", None) == cuda)
+        print(f"===== {name}, T = {T}: dispatch + combine, 5 steps, {kernels / 5:.0f} GPU activities per step")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
 
 
 if __name__ == "__main__":
-    main()
+    for T in [int(a) for a in sys.argv[1:]] or [4096]:
+        main(T)

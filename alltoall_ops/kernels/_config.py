@@ -29,28 +29,39 @@ launch, so launches from several threads (simulated ranks) must not overlap."""
 
 @dataclasses.dataclass(frozen=True)
 class RowBlocks:
-    """Rows per program (``BLOCK_R``), columns per inner step (``BLOCK_H``), warps, grid."""
+    """Rows per program (``BLOCK_R``), columns per program or per inner step (``BLOCK_H``), warps."""
 
     BLOCK_R: int
     BLOCK_H: int
     num_warps: int
-    grid: tuple[int]
+
+    def grid(self, n_rows: int, H: int) -> tuple[int, int]:
+        """Programs over (row blocks, column blocks): each program owns a [BLOCK_R, BLOCK_H] tile."""
+        return triton.cdiv(max(n_rows, 0), self.BLOCK_R), triton.cdiv(max(H, 1), self.BLOCK_H)
 
 
-def row_blocks(n_rows: int, H: int) -> RowBlocks:
-    """Programs over rows, each looping over H in ``BLOCK_H`` steps.
+GPU_BLOCKS: dict[str, tuple[int, int, int]] = {
+    "put_rows": (1, 4096, 4),
+    "combine_reduce": (2, 1024, 8),
+    "dispatch_copy_out": (2, 2048, 8),
+    "combine_weight_grad": (1, 4096, 8),
+}
+"""(BLOCK_R, BLOCK_H for 2-byte elements, num_warps) of each kernel on a GPU; measured on one H200
+with ``tools/tune_kernels.py`` (docs/benchmarks.md has the sweep). Wider elements get
+proportionally narrower BLOCK_H, so a program moves the same bytes."""
+
+
+def row_blocks(kernel: str, n_rows: int, H: int, element_size: int = 2) -> RowBlocks:
+    """Launch blocks of ``kernel`` (a key of :data:`GPU_BLOCKS`) for n_rows rows of H elements.
 
     The interpreter runs programs one after another in Python, so there few large programs are
-    fastest; on a GPU a few rows per program keep every SM busy."""
+    fastest; on a GPU small tiles keep every SM busy with loads in flight."""
     if interpreting():
         block_r = triton.next_power_of_2(max(1, min(n_rows, 256)))
-        block_h = triton.next_power_of_2(max(1, min(H, 4096)))
-        num_warps = 1
-    else:
-        block_r = 2
-        block_h = triton.next_power_of_2(max(16, min(H, 2048)))
-        num_warps = 8 if block_h >= 2048 else 4
-    return RowBlocks(block_r, block_h, num_warps, (triton.cdiv(max(n_rows, 0), block_r),))
+        return RowBlocks(block_r, triton.next_power_of_2(max(1, min(H, 4096))), 1)
+    block_r, block_h, num_warps = GPU_BLOCKS[kernel]
+    block_h = max(16, block_h * 2 // max(element_size, 1))
+    return RowBlocks(block_r, min(block_h, triton.next_power_of_2(max(16, H))), num_warps)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}

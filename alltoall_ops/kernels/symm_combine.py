@@ -1,11 +1,11 @@
 """Kernels of the combine reduction over top-k slots and of the routing-weight gradient.
 
 Reference semantics (``ret`` is this rank's buffer of returned rows in send order; a slot whose
-row never left, ``send_dst[p] < 0``, reads a zero row)::
+row never left, ``send_dst[p] < 0`` when send_dst is given, reads a zero row)::
 
     combine_reduce:  for t: acc = 0 (fp32, or fp64 for fp64 inputs)
                          for k in range(K): p = position[t, k]
-                             row = ret[p] if send_dst[p] >= 0 else 0
+                             row = ret[p] if p < len(ret) and send_dst[p] >= 0 else 0
                              acc += row * weights[t, k]            # no product without weights
                              returned[p] = row                      # when asked for
                          y[t] = acc rounded once to y's dtype
@@ -27,56 +27,59 @@ from ._config import LAUNCH_LOCK, cast_rne, row_blocks, tl_acc_dtype, upcast
 def _combine_reduce_kernel(
     ret_ptr, position_ptr, send_dst_ptr, weights_ptr, y_ptr, returned_ptr,
     T, H, n_ret,
-    K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SAVE_RETURNED: tl.constexpr,
+    K: tl.constexpr, HAS_SEND_DST: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SAVE_RETURNED: tl.constexpr,
     ACC_DTYPE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    i_t = tl.program_id(0)
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
     o_t = (i_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BT] tokens
+    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
     m_t = o_t < T
-    for i_h in range(tl.cdiv(H, BLOCK_H)):
-        o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
-        m_h = (o_h < H)[None, :]
-        b_acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=ACC_DTYPE)
-        for k in tl.static_range(K):  # slots in k order: deterministic
-            b_pos = tl.load(position_ptr + o_t * K + k, mask=m_t, other=0)  # [BT]
-            m_pos = m_t & (b_pos >= 0) & (b_pos < T * K)  # never out of bounds
-            b_dst = tl.load(send_dst_ptr + b_pos, mask=m_pos, other=-1)
-            m_row = (m_pos & (b_dst >= 0) & (b_pos < n_ret))[:, None] & m_h
-            b_row = tl.load(ret_ptr + b_pos[:, None] * H + o_h[None, :], mask=m_row, other=0)  # [BT, BH]
-            if SAVE_RETURNED:
-                tl.store(returned_ptr + b_pos[:, None] * H + o_h[None, :], b_row, mask=m_pos[:, None] & m_h)
-            if HAS_WEIGHTS:
-                b_w = upcast(tl.load(weights_ptr + o_t * K + k, mask=m_t, other=0), ACC_DTYPE)
-                b_acc += upcast(b_row, ACC_DTYPE) * b_w[:, None]
-            else:
-                b_acc += upcast(b_row, ACC_DTYPE)
-        b_y = cast_rne(b_acc, y_ptr.dtype.element_ty)
-        tl.store(y_ptr + o_t[:, None] * H + o_h[None, :], b_y, mask=m_t[:, None] & m_h)
+    m_h = (o_h < H)[None, :]
+    b_acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=ACC_DTYPE)
+    for k in tl.static_range(K):  # slots in k order: deterministic
+        b_pos = tl.load(position_ptr + o_t * K + k, mask=m_t, other=0)  # [BT]
+        m_pos = m_t & (b_pos >= 0) & (b_pos < T * K)  # never out of bounds
+        m_row = m_pos & (b_pos < n_ret)
+        if HAS_SEND_DST:
+            m_row = m_row & (tl.load(send_dst_ptr + b_pos, mask=m_pos, other=-1) >= 0)
+        p_row = ret_ptr + b_pos[:, None] * H + o_h[None, :]
+        b_row = tl.load(p_row, mask=m_row[:, None] & m_h, other=0)  # [BT, BH]
+        if SAVE_RETURNED:
+            tl.store(returned_ptr + b_pos[:, None] * H + o_h[None, :], b_row, mask=m_pos[:, None] & m_h)
+        if HAS_WEIGHTS:
+            b_w = upcast(tl.load(weights_ptr + o_t * K + k, mask=m_t, other=0), ACC_DTYPE)
+            b_acc += upcast(b_row, ACC_DTYPE) * b_w[:, None]
+        else:
+            b_acc += upcast(b_row, ACC_DTYPE)
+    b_y = cast_rne(b_acc, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + o_t[:, None] * H + o_h[None, :], b_y, mask=m_t[:, None] & m_h)
 
 
 def combine_reduce(
     ret: torch.Tensor,
     position: torch.Tensor,
-    send_dst: torch.Tensor,
+    send_dst: Optional[torch.Tensor],
     weights: Optional[torch.Tensor],
     y: torch.Tensor,
     returned: Optional[torch.Tensor],
     acc_dtype: torch.dtype,
 ) -> None:
     """y (T, H) = weighted sum over k of the returned rows ``ret[position[t, k]]``; ``returned``
-    (N, H), when given, receives every slot's row in send order (zero for unsent slots)."""
+    (N, H), when given, receives every slot's row in send order (zero for unsent slots).
+    send_dst: (N,) or None (every slot with a row in ``ret`` was sent)."""
     T, K = position.shape
     H = y.shape[1]
     if T == 0 or H == 0:
         return
-    cfg = row_blocks(T, H)
+    blocks = row_blocks("combine_reduce", T, H, ret.element_size())
     with LAUNCH_LOCK:
-        _combine_reduce_kernel[cfg.grid](
-            ret, position, send_dst, weights if weights is not None else y, y,
+        _combine_reduce_kernel[blocks.grid(T, H)](
+            ret, position, send_dst if send_dst is not None else position,
+            weights if weights is not None else y, y,
             returned if returned is not None else y, T, H, ret.shape[0],
-            K=K, HAS_WEIGHTS=weights is not None, SAVE_RETURNED=returned is not None,
-            ACC_DTYPE=tl_acc_dtype(acc_dtype), BLOCK_T=cfg.BLOCK_R, BLOCK_H=cfg.BLOCK_H,
-            num_warps=cfg.num_warps,
+            K=K, HAS_SEND_DST=send_dst is not None, HAS_WEIGHTS=weights is not None,
+            SAVE_RETURNED=returned is not None, ACC_DTYPE=tl_acc_dtype(acc_dtype),
+            BLOCK_T=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H, num_warps=blocks.num_warps,
         )
 
 
@@ -111,10 +114,10 @@ def combine_weight_grad(
     H = grad_y.shape[1]
     if T == 0:
         return
-    cfg = row_blocks(T, max(H, 1))
-    with LAUNCH_LOCK:
-        _combine_weight_grad_kernel[cfg.grid](
+    blocks = row_blocks("combine_weight_grad", T, max(H, 1), grad_y.element_size())
+    with LAUNCH_LOCK:  # NB: one program per token block across all of H: it sums over H
+        _combine_weight_grad_kernel[blocks.grid(T, H)[:1]](
             grad_y, returned, position, grad_w, T, H,
-            K=K, ACC_DTYPE=tl_acc_dtype(acc_dtype), BLOCK_T=cfg.BLOCK_R, BLOCK_H=cfg.BLOCK_H,
-            num_warps=cfg.num_warps,
+            K=K, ACC_DTYPE=tl_acc_dtype(acc_dtype), BLOCK_T=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H,
+            num_warps=blocks.num_warps,
         )

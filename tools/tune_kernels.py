@@ -1,0 +1,119 @@
+"""Sweep the launch blocks of the row-moving kernels on one GPU and print, per kernel, every
+configuration's time against the byte floor (the measured copy bandwidth), best first.
+
+    python tools/tune_kernels.py [--tokens 4096 8192] [--top 6]
+
+Kernels (bf16, H = 7168, K = 8, E = 256, fresh random top-k routing):
+- ``put_rows`` token-major (local dispatch): x (T, H) -> (T*K, H) rows in send order, each
+  token read once; bytes (T + T*K) * H * 2.
+- ``put_rows`` position-major (``order=``, the symm_mem dispatch): same bytes.
+- ``combine_reduce``: (T*K, H) rows -> (T, H) weighted top-k sums; same bytes.
+- ``dispatch_copy_out``: (C, H) receive buffer -> routed rows, C = T*K; bytes 2 * C * H * 2.
+- ``combine_weight_grad``: reads grad_y (T, H) and (T*K, H) rows; bytes (T + T*K) * H * 2.
+Baselines: ``torch.index_select`` of the same rows, and the plain copy behind the floor. The
+winners go into ``alltoall_ops/kernels/_config.py:GPU_BLOCKS`` by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import triton.testing
+
+from alltoall_ops import layout
+from alltoall_ops.kernels import _config
+from alltoall_ops.symm_mem import kernels
+
+H, K, E = 7168, 8, 256
+
+
+def median_us(fn) -> float:
+    return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def sweep(name: str, fn, nbytes: int, bandwidth: float, configs, top: int) -> None:
+    floor = nbytes / bandwidth * 1e6
+    results = []
+    for cfg in configs:
+        _config.GPU_BLOCKS[name] = cfg
+        try:
+            results.append((median_us(fn), cfg))
+        except Exception as exc:  # noqa: BLE001 - an illegal config (registers, shared memory)
+            print(f"  {name} {cfg}: {type(exc).__name__}")
+    results.sort()
+    best = results[0][1]
+    _config.GPU_BLOCKS[name] = best
+    print(f"{name}: floor {floor:.1f} us; (BLOCK_R, BLOCK_H at 2 bytes, num_warps) best first")
+    for us, cfg in results[:top]:
+        print(f"  {str(cfg):>18} {us:8.1f} us  x{us / floor:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument("--top", type=int, default=6)
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    k = kernels()
+    big = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    bandwidth = 2 * big.numel() / (median_us(lambda: big.clone()) * 1e-6)
+    del big
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write)")
+    rows, widths, warps = [1, 2, 4, 8], [1024, 2048, 4096], [4, 8]
+    for T in args.tokens:
+        N = T * K
+        print(f"\n===== T = {T}, H = {H}, K = {K}, E = {E}")
+        x = torch.randn(T, H, device=dev).bfloat16()
+        weights, topk_idx = torch.randn(T, E, device=dev).softmax(-1).topk(K, dim=-1)
+        plan = layout.plan_routing(topk_idx, E, 1)
+        position = plan.position.reshape(-1)
+        send = x.new_empty(N, H)
+        nbytes = (T + N) * H * 2
+        ref = x.index_select(0, plan.order // K)
+        floor = nbytes / bandwidth * 1e6
+        us = median_us(lambda: x.index_select(0, plan.order // K))
+        print(f"torch index_select (send order): {us:.1f} us  x{us / floor:.2f}")
+
+        def token_major():
+            k.put_rows(x, position, N, out=send, top_k=K)
+
+        token_major()
+        assert torch.equal(send, ref), "put_rows token-major != index_select"
+        sweep("put_rows", token_major, nbytes, bandwidth, itertools.product(rows, widths, warps), args.top)
+        token_best = _config.GPU_BLOCKS["put_rows"]
+
+        def position_major():
+            k.put_rows(x, torch.arange(N, device=dev), N, out=send, order=plan.order, top_k=K)
+
+        send.zero_()
+        position_major()
+        assert torch.equal(send, ref), "put_rows position-major != index_select"
+        print("(position-major, the symm_mem dispatch's mode:)")
+        sweep("put_rows", position_major, nbytes, bandwidth, itertools.product(rows, widths, warps), args.top)
+        _config.GPU_BLOCKS["put_rows"] = token_best
+
+        y = x.new_empty(T, H)
+        ret = torch.randn(N, H, device=dev).bfloat16()
+        sweep("combine_reduce", lambda: k.combine_reduce(ret, plan.position, None, weights, y, None, torch.float32),
+              nbytes, bandwidth, itertools.product([1, 2, 4], widths, warps), args.top)
+
+        tags = torch.full((N,), -1, dtype=torch.int64, device=dev)
+        row_src = torch.empty_like(tags)
+
+        def copy_out():
+            tags[::2] = 1  # half the rows arrived
+            k.dispatch_copy_out(ret, tags, send, row_src)
+
+        sweep("dispatch_copy_out", copy_out, 2 * N * H * 2, bandwidth,
+              itertools.product([2, 4, 8], [2048, 4096], warps), args.top)
+        grad_w = torch.empty(T, K, device=dev)
+        sweep("combine_weight_grad",
+              lambda: k.combine_weight_grad(x, ret, plan.position, grad_w, torch.float32),
+              nbytes, bandwidth, itertools.product([1, 2, 4], [2048, 4096], warps), args.top)
+    print("\nbest:", {n: _config.GPU_BLOCKS[n] for n in _config.GPU_BLOCKS})
+
+
+if __name__ == "__main__":
+    main()
