@@ -11,9 +11,13 @@ softmax weights), rows of (impl, op); ``--skip`` takes these names (shell patter
   combine, eager / under ``torch.compile``;
 - ``local`` / ``local.compile``: this library's dispatch (routing plan + metadata + payload) and
   combine, ``backend="local"`` (W = 1), eager / compiled;
+- ``layout`` / ``layout.compile`` / ``layout.compile.graph``: the layout step alone (routing ->
+  send order, destination rows, tokens per expert), eager / compiled / compiled and replayed
+  from a CUDA graph (its GPU time without launch costs);
 - ``symm.w1`` / ``symm.w1.compile``: ``backend="symm_mem"`` with one rank (``SymmBuffers``, no
   peers), eager / compiled; ``symm.w1.graph``: its dispatch + combine captured in one CUDA graph
-  and replayed (the decode-latency number; op ``dispatch+combine``);
+  and replayed (the decode-latency number; op ``dispatch+combine``); ``symm.w1.compile.graph``:
+  the same step compiled (inductor fuses the layout maths), then captured and replayed;
 - ``symm.w2`` / ``symm.w4`` / ``symm.w8``: the symm_mem kernels with W ranks simulated in one
   process on the one GPU (``SymmBuffers.simulated``, one thread per rank), each rank holding T
   tokens; every rank's dispatch (and separately every rank's combine) captured in one CUDA graph,
@@ -67,8 +71,9 @@ SHAPES = ((4096, 7168, 8, 256), (128, 7168, 8, 256), (8192, 7168, 8, 256), (1638
 SMOKE_SHAPES = ((64, 32, 2, 8), (16, 32, 4, 8))
 SMOKE_MOE_SHAPE = (64, 32, 48, 8, 2)
 PEERS = (2, 4, 8)
-IMPLS = ("torch", "torch.compile", "layout", "layout.compile", "layout.compile.graph", "local", "local.compile",
-         "symm.w1", "symm.w1.compile", "symm.w1.graph", *(f"symm.w{w}" for w in PEERS), "moe", "moe.compile")
+IMPLS = ("torch", "torch.compile", "layout", "layout.compile", "local", "local.compile",
+         "symm.w1", "symm.w1.compile", "symm.w1.graph", "symm.w1.compile.graph", *(f"symm.w{w}" for w in PEERS),
+         "moe", "moe.compile")
 MOE_SHAPE = (4096, 2048, 1408, 64, 6)
 """(T, H, F, E, K) of the MoE-layer rows: a DeepSeek-V2-Lite-sized layer, SwiGLU experts."""
 DTYPE = torch.bfloat16
@@ -454,6 +459,21 @@ def bench_shape(b: Bench, shape) -> None:
         impl = "symm.w1.graph" if b.cuda else "symm.w1.eager(cpu)"  # no CUDA graphs on the CPU
         b.measure(shape, impl, "dispatch+combine", graph.replay, 2 * nbytes)
 
+    def symm_compiled_graph():
+        bufs = symm_setup()["bufs"]
+
+        def step(x, topk_idx, weights):
+            r, _, h = api.dispatch(x, topk_idx, num_experts=E, buffers=bufs)
+            return api.combine(r, h, weights)
+
+        y_eager = step(x, topk_idx, weights)
+        cstep = compile_fn(step, backend, fullgraph=True)
+        b.first_call(f"{shape} symm.w1.compile.graph", lambda: cstep(x, topk_idx, weights))
+        graph = Captured(lambda _stream: cstep(x, topk_idx, weights), b.cuda)
+        check_y("symm W=1 compiled graph replay vs eager", graph.run(), y_eager)
+        impl = "symm.w1.compile.graph" if b.cuda else "symm.w1.compile.eager(cpu)"
+        b.measure(shape, impl, "dispatch+combine", graph.replay, 2 * nbytes)
+
     b.section(shape, "torch", torch_eager)
     if compiled:
         b.section(shape, "torch.compile", torch_compiled)
@@ -467,6 +487,8 @@ def bench_shape(b: Bench, shape) -> None:
     if compiled:
         b.section(shape, "symm.w1.compile", symm_compiled)
     b.section(shape, "symm.w1.graph", symm_graph)
+    if compiled:
+        b.section(shape, "symm.w1.compile.graph", symm_compiled_graph)
 
 
 # --- a whole MoE layer -------------------------------------------------------------------------

@@ -119,8 +119,8 @@ def test_bf16_products_round_like_torch():
     bufs = a2a.SymmBuffers(T, H, k, 1, dtype=torch.bfloat16, device="cpu")
     topk_idx = torch.zeros(T, k, dtype=torch.int64)
     _, _, h = a2a.dispatch(x, topk_idx, num_experts=1, buffers=bufs)
-    routed, _ = symm_mem.symm_dispatch_op(x, scale, h.order, h.position, h.send_dst, bufs)
-    slots = h.order  # one rank, no padding: row i carries send position i
+    routed, _ = symm_mem.symm_dispatch_op(x, scale, h.position, h.slot_dst, bufs)
+    slots = torch.argsort(h.position.reshape(-1))  # one rank, no padding: row i carries send position i
     expected = (x.float()[slots // k] * scale.reshape(-1)[slots, None]).to(torch.bfloat16)
     torch.testing.assert_close(routed, expected, rtol=0, atol=0, equal_nan=True)
 
@@ -583,10 +583,10 @@ def test_opcheck():
     ops = symm_mem
     cases = [
         (ops.symm_exchange_meta_op, (h.meta[0].clone(), bufs, 1)),
-        (ops.symm_dispatch_op, (x, None, h.order, h.position, h.send_dst, bufs)),
-        (ops.symm_dispatch_op, (x, w.detach(), h.order, h.position, h.send_dst, bufs)),
-        (ops.symm_combine_op, (routed.requires_grad_(), w, h.order, h.position, h.send_dst, h.row_src, bufs, True)),
-        (ops.symm_combine_op, (routed, None, h.order, h.position, h.send_dst, h.row_src, bufs, False)),
+        (ops.symm_dispatch_op, (x, None, h.position, h.slot_dst, bufs)),
+        (ops.symm_dispatch_op, (x, w.detach(), h.position, h.slot_dst, bufs)),
+        (ops.symm_combine_op, (routed.requires_grad_(), w, h.position, h.slot_dst, h.row_src, bufs, True)),
+        (ops.symm_combine_op, (routed, None, h.position, h.slot_dst, h.row_src, bufs, False)),
         (ops.symm_weight_grad_op,
          (grad_y, torch.randn(routed.shape[0], H, dtype=torch.float64), h.position, w.detach())),
     ]
@@ -599,7 +599,7 @@ def test_opcheck():
 def test_weights_gradient_needs_save_returned():
     bufs, _, weights, grad_y, routed, h = _one_rank_call()
     w = weights.requires_grad_()
-    y, _ = symm_mem.symm_combine_op(routed, w, h.order, h.position, h.send_dst, h.row_src, bufs, False)
+    y, _ = symm_mem.symm_combine_op(routed, w, h.position, h.slot_dst, h.row_src, bufs, False)
     with pytest.raises(RuntimeError, match="save_returned=False"):
         torch.autograd.grad(y, w, grad_y)
 

@@ -85,10 +85,10 @@ def symm_rank(rank: int, bufs: symm_mem.SymmBuffers, inputs: tuple) -> dict:
     A = bufs.expert_alignment
     routed, tpe, h = a2a.dispatch(x, topk_idx, num_experts=bufs.num_experts, expert_alignment=A, buffers=bufs)
     out = routed * 2 + 1
-    args = (h.order, h.position, h.send_dst, h.row_src, bufs)
+    args = (h.position, h.slot_dst, h.row_src, bufs)
     y, returned = symm_mem.symm_combine_op(out, weights, *args, True)
     y1, _ = symm_mem.symm_combine_op(out, None, *args, False)
-    grad_out, _ = symm_mem.symm_dispatch_op(grad_y, weights, h.order, h.position, h.send_dst, bufs)  # combine's adjoint
+    grad_out, _ = symm_mem.symm_dispatch_op(grad_y, weights, h.position, h.slot_dst, bufs)  # combine's adjoint
     grad_x, _ = symm_mem.symm_combine_op(grad_out * 2, None, *args, False)  # dispatch's adjoint
     grad_w = symm_mem.symm_weight_grad_op(grad_y, returned, h.position, weights)
     return dict(routed=routed, tpe=tpe, y=y, y1=y1, grad_x=grad_x, grad_w=grad_w, dropped=h.dropped)
@@ -293,8 +293,9 @@ def check_bf16_rounding() -> str:
     scale = scale.to(DEVICE)
     bufs = a2a.SymmBuffers(T, H, k, 1, dtype=torch.bfloat16, device=DEVICE)
     _, _, h = a2a.dispatch(x, torch.zeros(T, k, dtype=torch.int64, device=DEVICE), num_experts=1, buffers=bufs)
-    routed, _ = symm_mem.symm_dispatch_op(x, scale, h.order, h.position, h.send_dst, bufs)
-    expected = (x.float()[h.order // k] * scale.reshape(-1)[h.order, None]).to(torch.bfloat16)
+    routed, _ = symm_mem.symm_dispatch_op(x, scale, h.position, h.slot_dst, bufs)
+    order = torch.argsort(h.position.reshape(-1))  # send position i holds slot order[i]
+    expected = (x.float()[order // k] * scale.reshape(-1)[order, None]).to(torch.bfloat16)
     torch.testing.assert_close(routed, expected, rtol=0, atol=0, equal_nan=True)
     return f"{routed.numel()} products bit-equal to torch's, special values included"
 

@@ -4,9 +4,8 @@ configuration's time against the byte floor (the measured copy bandwidth), best 
     python tools/tune_kernels.py [--tokens 4096 8192] [--top 6]
 
 Kernels (bf16, H = 7168, K = 8, E = 256, fresh random top-k routing):
-- ``put_rows`` token-major (local dispatch): x (T, H) -> (T*K, H) rows in send order, each
-  token read once; bytes (T + T*K) * H * 2.
-- ``put_rows`` position-major (``order=``, the symm_mem dispatch): same bytes.
+- ``put_rows`` (dispatch, every backend): x (T, H) -> (T*K, H) rows in send order, each token
+  read once; bytes (T + T*K) * H * 2.
 - ``combine_reduce``: (T*K, H) rows -> (T, H) weighted top-k sums; same bytes.
 - ``dispatch_copy_out``: (C, H) receive buffer -> routed rows, C = T*K; bytes 2 * C * H * 2.
 - ``combine_weight_grad``: reads grad_y (T, H) and (T*K, H) rows; bytes (T + T*K) * H * 2.
@@ -76,23 +75,12 @@ def main() -> None:
         us = median_us(lambda: x.index_select(0, plan.order // K))
         print(f"torch index_select (send order): {us:.1f} us  x{us / floor:.2f}")
 
-        def token_major():
+        def put_rows():
             k.put_rows(x, position, N, out=send, top_k=K)
 
-        token_major()
-        assert torch.equal(send, ref), "put_rows token-major != index_select"
-        sweep("put_rows", token_major, nbytes, bandwidth, itertools.product(rows, widths, warps), args.top)
-        token_best = _config.GPU_BLOCKS["put_rows"]
-
-        def position_major():
-            k.put_rows(x, torch.arange(N, device=dev), N, out=send, order=plan.order, top_k=K)
-
-        send.zero_()
-        position_major()
-        assert torch.equal(send, ref), "put_rows position-major != index_select"
-        print("(position-major, the symm_mem dispatch's mode:)")
-        sweep("put_rows", position_major, nbytes, bandwidth, itertools.product(rows, widths, warps), args.top)
-        _config.GPU_BLOCKS["put_rows"] = token_best
+        put_rows()
+        assert torch.equal(send, ref), "put_rows != index_select"
+        sweep("put_rows", put_rows, nbytes, bandwidth, itertools.product(rows, widths, warps), args.top)
 
         y = x.new_empty(T, H)
         ret = torch.randn(N, H, device=dev).bfloat16()

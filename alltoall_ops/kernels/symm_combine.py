@@ -1,11 +1,11 @@
 """Kernels of the combine reduction over top-k slots and of the routing-weight gradient.
 
 Reference semantics (``ret`` is this rank's buffer of returned rows in send order; a slot whose
-row never left, ``send_dst[p] < 0`` when send_dst is given, reads a zero row)::
+row never left, ``slot_dst[t * K + k] < 0`` when slot_dst is given, reads a zero row)::
 
     combine_reduce:  for t: acc = 0 (fp32, or fp64 for fp64 inputs)
                          for k in range(K): p = position[t, k]
-                             row = ret[p] if p < len(ret) and send_dst[p] >= 0 else 0
+                             row = ret[p] if p < len(ret) and slot_dst[t * K + k] >= 0 else 0
                              acc += row * weights[t, k]            # no product without weights
                              returned[p] = row                      # when asked for
                          y[t] = acc rounded once to y's dtype
@@ -25,9 +25,9 @@ from ._config import LAUNCH_LOCK, cast_rne, row_blocks, tl_acc_dtype, upcast
 
 @triton.jit
 def _combine_reduce_kernel(
-    ret_ptr, position_ptr, send_dst_ptr, weights_ptr, y_ptr, returned_ptr,
+    ret_ptr, position_ptr, slot_dst_ptr, weights_ptr, y_ptr, returned_ptr,
     T, H, n_ret,
-    K: tl.constexpr, HAS_SEND_DST: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SAVE_RETURNED: tl.constexpr,
+    K: tl.constexpr, HAS_SLOT_DST: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SAVE_RETURNED: tl.constexpr,
     ACC_DTYPE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
@@ -40,8 +40,8 @@ def _combine_reduce_kernel(
         b_pos = tl.load(position_ptr + o_t * K + k, mask=m_t, other=0)  # [BT]
         m_pos = m_t & (b_pos >= 0) & (b_pos < T * K)  # never out of bounds
         m_row = m_pos & (b_pos < n_ret)
-        if HAS_SEND_DST:
-            m_row = m_row & (tl.load(send_dst_ptr + b_pos, mask=m_pos, other=-1) >= 0)
+        if HAS_SLOT_DST:
+            m_row = m_row & (tl.load(slot_dst_ptr + o_t * K + k, mask=m_t, other=-1) >= 0)
         p_row = ret_ptr + b_pos[:, None] * H + o_h[None, :]
         b_row = tl.load(p_row, mask=m_row[:, None] & m_h, other=0)  # [BT, BH]
         if SAVE_RETURNED:
@@ -58,7 +58,7 @@ def _combine_reduce_kernel(
 def combine_reduce(
     ret: torch.Tensor,
     position: torch.Tensor,
-    send_dst: Optional[torch.Tensor],
+    slot_dst: Optional[torch.Tensor],
     weights: Optional[torch.Tensor],
     y: torch.Tensor,
     returned: Optional[torch.Tensor],
@@ -66,7 +66,8 @@ def combine_reduce(
 ) -> None:
     """y (T, H) = weighted sum over k of the returned rows ``ret[position[t, k]]``; ``returned``
     (N, H), when given, receives every slot's row in send order (zero for unsent slots).
-    send_dst: (N,) or None (every slot with a row in ``ret`` was sent)."""
+    slot_dst: (N,) destination code of each slot, -1 if it sent nothing; None: every slot with a
+    row in ``ret`` was sent."""
     T, K = position.shape
     H = y.shape[1]
     if T == 0 or H == 0:
@@ -74,10 +75,10 @@ def combine_reduce(
     blocks = row_blocks("combine_reduce", T, H, ret.element_size())
     with LAUNCH_LOCK:
         _combine_reduce_kernel[blocks.grid(T, H)](
-            ret, position, send_dst if send_dst is not None else position,
+            ret, position, slot_dst if slot_dst is not None else position,
             weights if weights is not None else y, y,
             returned if returned is not None else y, T, H, ret.shape[0],
-            K=K, HAS_SEND_DST=send_dst is not None, HAS_WEIGHTS=weights is not None,
+            K=K, HAS_SLOT_DST=slot_dst is not None, HAS_WEIGHTS=weights is not None,
             SAVE_RETURNED=returned is not None, ACC_DTYPE=tl_acc_dtype(acc_dtype),
             BLOCK_T=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H, num_warps=blocks.num_warps,
         )

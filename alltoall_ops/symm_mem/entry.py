@@ -23,21 +23,21 @@ from .ops import symm_combine_op, symm_dispatch_op, symm_exchange_meta_op
 
 @dataclasses.dataclass(frozen=True)
 class SymmRoute:
-    """send_dst: (N,) int64, destination code ``rank * C + row`` of each send position, -1 where
+    """slot_dst: (N,) int64, destination code ``rank * C + row`` of each slot t * K + k, -1 where
     nothing is sent (a dropped slot, or a row past capacity); tokens_per_expert: (e,) rows of
     ``routed`` per local expert (padding included, cut at C); dropped: (W,) valid slots that
     did not fit in each rank's capacity."""
 
-    send_dst: torch.Tensor
+    slot_dst: torch.Tensor
     tokens_per_expert: torch.Tensor
     dropped: torch.Tensor
 
 
-def route(meta: torch.Tensor, topk_idx: torch.Tensor, order: torch.Tensor, bufs: SymmBuffers,
+def route(meta: torch.Tensor, topk_idx: torch.Tensor, position: torch.Tensor, bufs: SymmBuffers,
           expert_alignment: int) -> SymmRoute:
-    """Where every send position of this rank lands, from the exchanged metadata (W, L).
+    """Where every slot of this rank lands, from the exchanged metadata (W, L).
 
-    Destination row of the i-th slot for global expert g (owned by rank r = g // e):
+    Destination row of the slot at send position i for global expert g (owned by rank r = g // e):
     ``expert_start_r[g] + rows of g from lower source ranks + (i - first position of g here)``,
     which is the collective backend's expert-major, source-rank, send-order layout."""
     W, E, e, C = bufs.world_size, bufs.num_experts, bufs.num_local_experts, bufs.capacity
@@ -49,18 +49,17 @@ def route(meta: torch.Tensor, topk_idx: torch.Tensor, order: torch.Tensor, bufs:
     block_start = expert_start + earlier  # (W, E) first row of block (s, g) on g's owner
     mine = counts[bufs.rank]
     first_pos = mine.cumsum(0) - mine  # (E,) first send position of expert g on this rank
-    N = order.shape[0]
-    positions = torch.arange(N, device=order.device)
-    g = topk_idx.reshape(-1).to(torch.int64).index_select(0, order)  # (N,) expert at each position
-    valid = (g >= 0) & (g < E) & (positions < bufs.max_slots)
+    i = position.reshape(-1)  # (N,) send position of each slot
+    g = topk_idx.reshape(-1).to(torch.int64)  # (N,) expert of each slot
+    valid = (g >= 0) & (g < E) & (i < bufs.max_slots)
     g = g.clamp(0, E - 1)
-    row = block_start[bufs.rank].index_select(0, g) + positions - first_pos.index_select(0, g)
-    send_dst = torch.where(valid & (row < C), (g // e) * C + row, torch.full_like(row, -1))
+    row = block_start[bufs.rank].index_select(0, g) + i - first_pos.index_select(0, g)
+    slot_dst = torch.where(valid & (row < C), (g // e) * C + row, torch.full_like(row, -1))
     own_start = expert_start.view(W, e)[bufs.rank]
     tokens_per_expert = torch.minimum(padded[bufs.rank], (C - own_start).clamp(min=0))  # (e,)
     past = (block_start + counts - C).clamp(min=0)  # (W, E) rows of block (s, g) past C
     dropped = torch.minimum(past, counts).sum(0).view(W, e).sum(1)  # (W,)
-    return SymmRoute(send_dst, tokens_per_expert, dropped)
+    return SymmRoute(slot_dst, tokens_per_expert, dropped)
 
 
 # --------------------------------------------------------------------------------------------
@@ -71,14 +70,13 @@ def route(meta: torch.Tensor, topk_idx: torch.Tensor, order: torch.Tensor, bufs:
 class SymmDispatchHandle(layout.SlotShape):
     """What ``combine`` needs to undo one symm_mem ``dispatch``; tensors, ints and the buffers.
 
-    order (N,), position (T, K): this rank's send order; meta (W, L): every rank's counts;
-    send_dst (N,): destination of each send position; row_src (C,): source of each routed row;
+    position (T, K): each slot's send position; meta (W, L): every rank's counts;
+    slot_dst (N,): destination of each slot; row_src (C,): source of each routed row;
     dropped (W,): slots past each rank's capacity (overflow='drop'); num_rows: C."""
 
-    order: torch.Tensor
     position: torch.Tensor
     meta: torch.Tensor
-    send_dst: torch.Tensor
+    slot_dst: torch.Tensor
     row_src: torch.Tensor
     dropped: torch.Tensor
     buffers: SymmBuffers
@@ -165,9 +163,9 @@ def dispatch(
     n_slots = torch.full((1,), topk_idx.numel(), dtype=torch.int64, device=x.device)
     send_row = torch.cat([plan.send_meta[:, :e].reshape(-1), plan.send_meta[0, e:], n_slots])  # (L,)
     meta = symm_exchange_meta_op(send_row, buffers, expert_alignment)
-    r = route(meta, topk_idx, plan.order, buffers, expert_alignment)
-    routed, row_src = symm_dispatch_op(x, None, plan.order, plan.position, r.send_dst, buffers)
-    handle = SymmDispatchHandle(plan.order, plan.position, meta, r.send_dst, row_src, r.dropped,
+    r = route(meta, topk_idx, plan.position, buffers, expert_alignment)
+    routed, row_src = symm_dispatch_op(x, None, plan.position, r.slot_dst, buffers)
+    handle = SymmDispatchHandle(plan.position, meta, r.slot_dst, row_src, r.dropped,
                                 buffers, buffers.capacity, expert_alignment)
     return routed, r.tokens_per_expert, handle
 
@@ -183,6 +181,6 @@ def combine(expert_out: torch.Tensor, handle: SymmDispatchHandle, topk_weights: 
             f"routed, got {expert_out.dtype} of shape {tuple(expert_out.shape)}"
         )
     save_returned = topk_weights is not None and topk_weights.requires_grad and torch.is_grad_enabled()
-    y, _ = symm_combine_op(expert_out, topk_weights, handle.order, handle.position, handle.send_dst,
-                           handle.row_src, bufs, save_returned)
+    y, _ = symm_combine_op(expert_out, topk_weights, handle.position, handle.slot_dst, handle.row_src,
+                           bufs, save_returned)
     return y

@@ -92,25 +92,24 @@ def _(send_row, buffers, expert_alignment):
 def symm_dispatch_op(
     x: torch.Tensor,
     scale: Optional[torch.Tensor],
-    order: torch.Tensor,
     position: torch.Tensor,
-    send_dst: torch.Tensor,
+    slot_dst: torch.Tensor,
     buffers: SymmBuffers,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(T, H) rows -> routed (C, H), row_src (C,) int64.
 
-    Send position i carries row ``x[order[i] // K]`` (times ``scale.flat[order[i]]`` in fp32,
-    rounded once) to ``send_dst[i]``. routed: rows received, zero where none; row_src: each
-    row's source code (``rank * N_max + position``), -1 where none. position (T, K) is kept for
-    the backward."""
+    Slot (t, k) carries row ``x[t]`` (times ``scale[t, k]`` in fp32, rounded once) to
+    ``slot_dst[t * K + k]``, tagged with its send position ``position[t, k]``. routed: rows
+    received, zero where none; row_src: each row's source code (``rank * N_max + position``),
+    -1 where none."""
     k = kernels()
     K = position.shape[1]
     acc = accumulation_dtype(x.dtype, *(() if scale is None else (scale.dtype,)))
     buffers._barrier()
     k.put_rows(
-        x.contiguous(), send_dst, buffers.capacity, buffers.table[RECV],
-        order=order, top_k=K, scale=None if scale is None else scale.contiguous(),
-        tags_table=buffers.table[TAGS], tag_base=buffers.rank * buffers.max_slots, acc_dtype=acc,
+        x.contiguous(), slot_dst, buffers.capacity, buffers.table[RECV],
+        top_k=K, scale=None if scale is None else scale.contiguous(), tags_table=buffers.table[TAGS],
+        tag_index=position.reshape(-1), tag_base=buffers.rank * buffers.max_slots, acc_dtype=acc,
     )
     buffers._barrier()
     routed = x.new_empty(buffers.capacity, x.shape[1])
@@ -120,24 +119,22 @@ def symm_dispatch_op(
 
 
 @symm_dispatch_op.register_fake
-def _(x, scale, order, position, send_dst, buffers):
+def _(x, scale, position, slot_dst, buffers):
     # NB: fixed capacity C, so no data-dependent size: the graph never waits for the counts.
     C = buffers.capacity
     return x.new_empty(C, x.shape[1]), x.new_empty(C, dtype=torch.int64)
 
 
 def _symm_dispatch_setup_context(ctx, inputs, output):
-    _, _, ctx.order, ctx.position, _, ctx.buffers = inputs
-    ctx.save_for_backward(inputs[4], output[1])  # send_dst, row_src
+    _, _, ctx.position, _, ctx.buffers = inputs
+    ctx.save_for_backward(inputs[3], output[1])  # slot_dst, row_src
 
 
 def _symm_dispatch_backward(ctx, grad_routed, _grad_row_src):
     # The adjoint of dispatch is combine with unit weights.
-    send_dst, row_src = ctx.saved_tensors
-    grad_x, _ = symm_combine_op(
-        grad_routed, None, ctx.order, ctx.position, send_dst, row_src, ctx.buffers, False
-    )
-    return grad_x, None, None, None, None, None
+    slot_dst, row_src = ctx.saved_tensors
+    grad_x, _ = symm_combine_op(grad_routed, None, ctx.position, slot_dst, row_src, ctx.buffers, False)
+    return grad_x, None, None, None, None
 
 
 symm_dispatch_op.register_autograd(_symm_dispatch_backward, setup_context=_symm_dispatch_setup_context)
@@ -147,9 +144,8 @@ symm_dispatch_op.register_autograd(_symm_dispatch_backward, setup_context=_symm_
 def symm_combine_op(
     expert_out: torch.Tensor,
     weights: Optional[torch.Tensor],
-    order: torch.Tensor,
     position: torch.Tensor,
-    send_dst: torch.Tensor,
+    slot_dst: torch.Tensor,
     row_src: torch.Tensor,
     buffers: SymmBuffers,
     save_returned: bool,
@@ -159,7 +155,7 @@ def symm_combine_op(
     Row d goes back to its source (``row_src[d]``); then y[t] = sum_k weights[t, k] *
     row of slot (t, k), in k order, accumulated in fp32 (fp64) and rounded once. returned:
     every slot's row in send order (zero for unsent slots), when ``save_returned``, for the
-    weights' gradient. order is kept for the backward."""
+    weights' gradient."""
     k = kernels()
     T, K = position.shape
     buffers._barrier()
@@ -170,14 +166,14 @@ def symm_combine_op(
     returned = expert_out.new_empty(T * K if save_returned else 0, H)
     acc = accumulation_dtype(expert_out.dtype, *(() if weights is None else (weights.dtype,)))
     k.combine_reduce(
-        buffers.ret, position, send_dst, None if weights is None else weights.contiguous(), y,
+        buffers.ret, position, slot_dst, None if weights is None else weights.contiguous(), y,
         returned if save_returned else None, acc,
     )
     return y, returned
 
 
 @symm_combine_op.register_fake
-def _(expert_out, weights, order, position, send_dst, row_src, buffers, save_returned):
+def _(expert_out, weights, position, slot_dst, row_src, buffers, save_returned):
     # NB: static shapes: T and K from position.
     T, K = position.shape
     H = expert_out.shape[1]
@@ -185,17 +181,17 @@ def _(expert_out, weights, order, position, send_dst, row_src, buffers, save_ret
 
 
 def _symm_combine_setup_context(ctx, inputs, output):
-    _, weights, ctx.order, ctx.position, _, _, ctx.buffers, save_returned = inputs
-    ctx.save_for_backward(weights, inputs[4], output[1] if save_returned else None)
+    _, weights, ctx.position, _, _, ctx.buffers, save_returned = inputs
+    ctx.save_for_backward(weights, inputs[3], output[1] if save_returned else None)
     ctx.mark_non_differentiable(output[1])  # an auxiliary output, kept for the weights' gradient
 
 
 def _symm_combine_backward(ctx, grad_y, _grad_returned):
-    weights, send_dst, returned = ctx.saved_tensors
+    weights, slot_dst, returned = ctx.saved_tensors
     grad_expert_out = grad_weights = None
     if ctx.needs_input_grad[0]:
         # The adjoint of combine is dispatch with each slot's row scaled by its weight.
-        grad_expert_out, _ = symm_dispatch_op(grad_y, weights, ctx.order, ctx.position, send_dst, ctx.buffers)
+        grad_expert_out, _ = symm_dispatch_op(grad_y, weights, ctx.position, slot_dst, ctx.buffers)
     if ctx.needs_input_grad[1]:
         if returned is None:
             raise RuntimeError(
@@ -203,7 +199,7 @@ def _symm_combine_backward(ctx, grad_y, _grad_returned):
                 "save_returned=False; alltoall_ops.combine sets it when the weights require grad"
             )
         grad_weights = symm_weight_grad_op(grad_y, returned, ctx.position, weights)
-    return grad_expert_out, grad_weights, None, None, None, None, None, None
+    return grad_expert_out, grad_weights, None, None, None, None, None
 
 
 symm_combine_op.register_autograd(_symm_combine_backward, setup_context=_symm_combine_setup_context)
