@@ -93,6 +93,8 @@ def split_meta(meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def padded_tokens_per_expert(recv_counts: torch.Tensor, expert_alignment: int) -> torch.Tensor:
     """(W, e) rows received from each rank per local expert -> (e,) rows per expert, padded."""
     per_expert = recv_counts.sum(0)
+    if expert_alignment == 1:
+        return per_expert
     return (per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
 
 

@@ -75,28 +75,29 @@ class _HostSplits:
 
 
 def _read_splits(send_meta: torch.Tensor, recv_meta: torch.Tensor, expert_alignment: int) -> _HostSplits:
-    """Host sync: read the split sizes and check every rank's routing status.
+    """Host sync: read both metadata matrices, derive the split sizes on the host, and check
+    every rank's routing status.
 
     Raises ``ValueError`` (on every rank alike, since all see the same statuses) if any rank's
     ``topk_idx`` held expert ids outside [-1, E)."""
     W = send_meta.shape[0]
-    send_counts, _ = layout.split_meta(send_meta)
-    recv_counts, recv_status = layout.split_meta(recv_meta)
-    num_experts = W * send_counts.shape[1]
-    padded = layout.padded_tokens_per_expert(recv_counts, expert_alignment)
-    host = torch.cat(
-        [send_counts.sum(1), recv_counts.sum(1), padded.sum().view(1), recv_status.reshape(-1)]
-    ).tolist()
-    send_splits, recv_splits = host[:W], host[W : 2 * W]
-    num_rows, status = host[2 * W], host[2 * W + 1 :]
-    for src in range(W):
-        num_bad, lo, hi = status[src * layout.STATUS_COLUMNS : (src + 1) * layout.STATUS_COLUMNS]
+    S = layout.STATUS_COLUMNS
+    # NB: one small copy and plain Python sums: on a slow host each extra tensor op costs more
+    # than the arithmetic on W * (e + S) ints.
+    host = torch.cat([send_meta, recv_meta]).tolist()  # (2W, e + S)
+    send_counts, recv_counts = [row[:-S] for row in host[:W]], [row[:-S] for row in host[W:]]
+    num_experts = W * len(send_counts[0])
+    A = expert_alignment
+    num_rows = sum((sum(col) + A - 1) // A * A for col in zip(*recv_counts))
+    for src, row in enumerate(host[W:]):
+        num_bad, lo, hi = row[-S:]
         if num_bad:
             raise ValueError(
                 f"topk_idx on rank {src} of the group holds {num_bad} expert id(s) outside "
                 f"[-1, {num_experts}) (min {lo}, max {hi}); expected -1 or a global expert id"
             )
-    return _HostSplits(send_splits, recv_splits, sum(send_splits), num_rows)
+    send_splits = [sum(c) for c in send_counts]
+    return _HostSplits(send_splits, [sum(c) for c in recv_counts], sum(send_splits), num_rows)
 
 
 def accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
