@@ -1,4 +1,5 @@
-"""Routing layout maths: pure, traceable tensor functions with no communication.
+"""Routing layout maths, with no communication: the ``alltoall_ops::plan_routing`` op (two
+Triton kernels on CUDA, plain torch ops elsewhere) and pure, traceable tensor functions.
 
 Shape legend (used across the package):
     T  local tokens          H  hidden size          K  top-k slots per token
@@ -58,8 +59,37 @@ def plan_routing(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> R
     """Sort the (T, K) slots of ``topk_idx`` into send order and count them per expert.
 
     Out-of-range ids are treated as dropped here and reported in the status columns, so that
-    the metadata exchange can tell every rank about them before any payload moves.
-    """
+    the metadata exchange can tell every rank about them before any payload moves. One op
+    (``alltoall_ops::plan_routing``): on CUDA two kernel launches and no sort."""
+    order, position, send_meta = plan_routing_op(topk_idx, num_experts, world_size)
+    return RoutingPlan(order=order, position=position, send_meta=send_meta)
+
+
+@torch.library.custom_op("alltoall_ops::plan_routing", mutates_args=())
+def plan_routing_op(
+    topk_idx: torch.Tensor, num_experts: int, world_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(T, K) integer expert ids -> order (N,), position (T, K), send_meta (W, e + STATUS_COLUMNS)."""
+    from .symm_mem import loader
+
+    if loader.use_kernels(topk_idx):
+        return loader.kernels().plan_slots(topk_idx, num_experts, world_size)
+    return _plan_routing_torch(topk_idx, num_experts, world_size)
+
+
+@plan_routing_op.register_fake
+def _(topk_idx, num_experts, world_size):
+    # NB: every shape follows from T, K, E and W: nothing waits for the ids.
+    T, K = topk_idx.shape
+    new = dict(dtype=torch.int64, device=topk_idx.device)
+    e = num_experts // world_size
+    return topk_idx.new_empty(T * K, **new), topk_idx.new_empty(T, K, **new), \
+        topk_idx.new_empty(world_size, e + STATUS_COLUMNS, **new)
+
+
+def _plan_routing_torch(topk_idx: torch.Tensor, num_experts: int, world_size: int):
+    """plan_routing_op in torch ops: a stable sort of the slots by expert (the reference of the
+    Triton kernels in ``kernels/routing.py``)."""
     T, K = topk_idx.shape
     N = T * K
     e = num_experts // world_size
@@ -82,7 +112,7 @@ def plan_routing(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> R
         [counts[:num_experts].view(world_size, e), status.expand(world_size, STATUS_COLUMNS)],
         dim=1,
     )
-    return RoutingPlan(order=order, position=position.view(T, K), send_meta=send_meta)
+    return order, position.view(T, K), send_meta
 
 
 def split_meta(meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,6 @@ rank, no communication). Tensors of a call's routing layout (see ``layout.py``):
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable, Optional
 
 import torch
@@ -105,21 +104,6 @@ def accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
-@functools.cache
-def _triton_available() -> bool:
-    """Whether Triton imports (once per process, not per call)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _use_kernels(t: torch.Tensor) -> bool:
-    """CUDA tensors go through this package's Triton kernels; CPU tensors through torch ops."""
-    return t.is_cuda and _triton_available()
-
-
 def _rows_in_send_order(
     x: torch.Tensor, scale: Optional[torch.Tensor], order: torch.Tensor, position: torch.Tensor, num_valid: int
 ) -> torch.Tensor:
@@ -127,15 +111,15 @@ def _rows_in_send_order(
     (fp64) rounded once; the valid slots' rows in send order.
 
     x: (T, H); scale: (T, K) | None; order: (N,); position: (T, K), its inverse."""
+    from .symm_mem import loader
+
     K = position.shape[1]
     acc_dtype = accumulation_dtype(x.dtype, *(() if scale is None else (scale.dtype,)))
-    if _use_kernels(x):
+    if loader.use_kernels(x):
         # Token-major: the program of slot (t, k) reads x[t] once for all its K slots and stores
         # it at row position[t, k]; dropped slots (positions >= num_valid) store nothing.
-        from .symm_mem import kernels
-
         send = x.new_empty(num_valid, x.shape[1])
-        kernels().put_rows(
+        loader.kernels().put_rows(
             x.contiguous(), position.reshape(-1), num_valid, out=send, top_k=K,
             scale=None if scale is None else scale.contiguous(), acc_dtype=acc_dtype,
         )
@@ -159,12 +143,12 @@ def _weighted_slot_sum(
     T, K = position.shape
     n, H = returned.shape
     acc_dtype = accumulation_dtype(returned.dtype, *(() if weights is None else (weights.dtype,)))
-    if _use_kernels(returned):
-        # One pass: each returned row read once, y written once (the symm_mem reduction kernel).
-        from .symm_mem import kernels
+    from .symm_mem import loader
 
+    if loader.use_kernels(returned):
+        # One pass: each returned row read once, y written once (the symm_mem reduction kernel).
         y = returned.new_empty(T, H)
-        kernels().combine_reduce(returned, position, None, weights, y, None, acc_dtype)
+        loader.kernels().combine_reduce(returned, position, None, weights, y, None, acc_dtype)
         return y
     acc = torch.zeros(T, H, dtype=acc_dtype, device=returned.device)
     for k in range(K if n > 0 else 0):

@@ -353,11 +353,11 @@ def row_path(request, monkeypatch):
     """How dispatch / combine move rows: torch ops (CPU tensors), or this package's Triton
     kernels, which CUDA tensors take, here run on the CPU in Triton's interpreter."""
     if request.param == "kernels":
-        from alltoall_ops import ops, symm_mem
+        from alltoall_ops import symm_mem
 
         if not symm_mem.kernels().interpreting():
             pytest.skip("the kernels run on CPU tensors only in Triton's interpreter")
-        monkeypatch.setattr(ops, "_use_kernels", lambda t: True)
+        monkeypatch.setattr(symm_mem.loader, "use_kernels", lambda t: True)
     return request.param
 
 

@@ -1,12 +1,15 @@
-"""Property tests of the pure routing-layout functions in ``alltoall_ops.layout``."""
+"""Property tests of the routing-layout functions in ``alltoall_ops.layout``, and of the Triton
+kernels that compute ``plan_routing`` on CUDA (here in Triton's interpreter) against its torch
+implementation."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from alltoall_ops import layout
+from alltoall_ops import layout, symm_mem
 
 LAYOUT_EXAMPLES = settings(max_examples=40)  # pure, millisecond-cheap functions
 
@@ -81,6 +84,36 @@ def test_plan_routing_status_clean_for_valid_ids(case):
     _, status = layout.split_meta(layout.plan_routing(topk_idx, E, W).send_meta)
     assert (status[:, 0] == 0).all()
     assert (status[:, 1] >= -1).all() and (status[:, 2] < E).all()
+
+
+needs_interpreter = pytest.mark.skipif(
+    not symm_mem.kernels().interpreting(), reason="the kernels run on CPU tensors only in Triton's interpreter"
+)
+
+
+def _assert_kernels_match_torch(topk_idx: torch.Tensor, E: int, W: int) -> None:
+    want = layout._plan_routing_torch(topk_idx, E, W)
+    got = symm_mem.kernels().plan_slots(topk_idx, E, W)
+    for name, g, w in zip(("order", "position", "send_meta"), got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        assert torch.equal(g, w), (name, g, w)
+
+
+@needs_interpreter
+@LAYOUT_EXAMPLES
+@given(routings())
+def test_plan_routing_kernels_match_torch(case):
+    _assert_kernels_match_torch(*case)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("E, W", [(8, 2), (14, 7), (255, 5), (256, 8)])  # E + 1 a power of 2 too
+def test_plan_routing_kernels_many_blocks(E, W):
+    """Thousands of slots: many blocks, each slot's position built from the blocks before it."""
+    g = torch.Generator().manual_seed(E)
+    topk_idx = torch.randint(-1, E, (700, 4), generator=g)
+    topk_idx[::97, 1] = E + 3  # out of range: counted in the status, sent nowhere
+    _assert_kernels_match_torch(topk_idx, E, W)
 
 
 @LAYOUT_EXAMPLES

@@ -20,7 +20,7 @@ CONFIGS = [(6, 2, 1, True), (5, 3, 4, False), (0, 2, 2, True)]
 
 
 def opcheck_all(rank: int, world_size: int, group_name: str | None, configs=CONFIGS) -> list[str]:
-    """opcheck exchange_counts, dispatch and combine on small random inputs of this rank.
+    """opcheck plan_routing, exchange_counts, dispatch and combine on small random inputs of this rank.
 
     group_name None: the default process group. Returns a description of each checked config."""
     if group_name is None:
@@ -33,6 +33,7 @@ def opcheck_all(rank: int, world_size: int, group_name: str | None, configs=CONF
         x = torch.randn(T, H, generator=g, dtype=torch.float64, requires_grad=True)
         idx = torch.randint(-1, E, (T, K), generator=g)
         w = torch.rand(T, K, generator=g, dtype=torch.float64, requires_grad=True) if weighted else None
+        torch.library.opcheck(OPS.plan_routing.default, (idx, E, world_size))
         plan = layout.plan_routing(idx, E, world_size)
         torch.library.opcheck(OPS.exchange_counts.default, (plan.send_meta, group_name))
         recv_meta = OPS.exchange_counts(plan.send_meta, group_name)

@@ -9,6 +9,9 @@ Kernels (bf16, H = 7168, K = 8, E = 256, fresh random top-k routing):
 - ``combine_reduce``: (T*K, H) rows -> (T, H) weighted top-k sums; same bytes.
 - ``dispatch_copy_out``: (C, H) receive buffer -> routed rows, C = T*K; bytes 2 * C * H * 2.
 - ``combine_weight_grad``: reads grad_y (T, H) and (T*K, H) rows; bytes (T + T*K) * H * 2.
+- ``plan_slots`` (the layout: routing -> order, positions, counts), checked against its torch
+  implementation, timed eagerly and replayed from a CUDA graph (device time), against torch's
+  path (a stable sort and some 20 small ops); swept over the one-hot tile size and warps.
 Baselines: ``torch.index_select`` of the same rows, and the plain copy behind the floor. The
 winners go into ``alltoall_ops/kernels/_config.py:GPU_BLOCKS`` by hand.
 """
@@ -22,7 +25,7 @@ import torch
 import triton.testing
 
 from alltoall_ops import layout
-from alltoall_ops.kernels import _config
+from alltoall_ops.kernels import _config, routing
 from alltoall_ops.symm_mem import kernels
 
 H, K, E = 7168, 8, 256
@@ -49,10 +52,42 @@ def sweep(name: str, fn, nbytes: int, bandwidth: float, configs, top: int) -> No
         print(f"  {str(cfg):>18} {us:8.1f} us  x{us / floor:.2f}")
 
 
+def graph_us(fn) -> float:
+    """Median microseconds of fn() replayed from a CUDA graph: its device time, no launch costs."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_us(graph.replay)
+
+
+def sweep_layout(T: int) -> None:
+    dev = torch.device("cuda")
+    _, topk_idx = torch.randn(T, E, device=dev).topk(K, dim=-1)
+    topk_idx[::5, 0] = -1  # some dropped slots
+    want = layout._plan_routing_torch(topk_idx, E, 1)
+    got = routing.plan_slots(topk_idx, E, 1)
+    assert all(torch.equal(g, w) for g, w in zip(got, want)), "plan_slots != torch plan_routing"
+    torch_path = lambda: layout._plan_routing_torch(topk_idx, E, 1)  # noqa: E731
+    print(f"layout T = {T} (N = {T * K}): torch path eager {median_us(torch_path):.1f} us, "
+          f"graph {graph_us(torch_path):.1f} us")
+    results = []
+    for elements, warps in itertools.product([4096, 8192, 16384, 32768], [4, 8]):
+        routing._ONE_HOT_ELEMENTS, routing._NUM_WARPS = elements, warps
+        fn = lambda: routing.plan_slots(topk_idx, E, 1)  # noqa: E731
+        results.append((graph_us(fn), median_us(fn), elements, warps))
+    results.sort()
+    for g, eager, elements, warps in results[:4]:
+        print(f"  plan_slots one-hot {elements:>6} elements, {warps} warps: graph {g:6.1f} us, eager {eager:6.1f} us")
+    routing._ONE_HOT_ELEMENTS, routing._NUM_WARPS = results[0][2], results[0][3]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--top", type=int, default=6)
+    parser.add_argument("--layout-only", action="store_true", help="only the plan_slots sweep")
     args = parser.parse_args()
     dev = torch.device("cuda")
     k = kernels()
@@ -61,6 +96,10 @@ def main() -> None:
     del big
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write)")
     rows, widths, warps = [1, 2, 4, 8], [1024, 2048, 4096], [4, 8]
+    for T in (128, 8192):
+        sweep_layout(T)
+    if args.layout_only:
+        return
     for T in args.tokens:
         N = T * K
         print(f"\n===== T = {T}, H = {H}, K = {K}, E = {E}")

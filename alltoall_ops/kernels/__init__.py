@@ -1,4 +1,5 @@
-"""Triton kernels of the ``symm_mem`` backend (``pip install alltoall_ops[triton]``).
+"""Triton kernels (``pip install alltoall_ops[triton]``): the ``symm_mem`` backend's, and on CUDA
+the routing layout, row puts and top-k reduction of every backend.
 
 Each file pairs a ``_name_kernel`` (``triton.jit``) with its launcher ``name``. The kernels
 address peer memory through a pointer table: an int64 tensor holding one base address per rank,
@@ -15,10 +16,11 @@ import triton
 
 from ._config import interpreting, row_blocks
 from .barrier import barrier
+from .routing import plan_slots
 from .symm_combine import combine_reduce, combine_weight_grad
 from .symm_dispatch import dispatch_copy_out, put_meta, put_rows
 
 __all__ = [
     "barrier", "combine_reduce", "combine_weight_grad", "dispatch_copy_out", "interpreting",
-    "put_meta", "put_rows", "row_blocks", "triton",
+    "plan_slots", "put_meta", "put_rows", "row_blocks", "triton",
 ]

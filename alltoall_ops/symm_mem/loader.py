@@ -1,8 +1,9 @@
-"""Loading the Triton kernels of the symm_mem backend (Triton is optional), and setting
+"""Loading the Triton kernels (Triton is optional), deciding which tensors use them, and setting
 ``TRITON_INTERPRET=1`` without CUDA before anything imports triton."""
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -37,6 +38,22 @@ def kernels():
             )
         _KERNELS = module
     return _KERNELS
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_kernels(t: torch.Tensor) -> bool:
+    """Whether work on ``t`` goes through this package's Triton kernels: CUDA tensors when Triton
+    imports (checked once per process); CPU tensors take plain torch ops (the symm_mem backend
+    aside, whose CPU path is the kernels in Triton's interpreter)."""
+    return t.is_cuda and _triton_importable()
 
 
 def _interpreted(fn: Any) -> bool:
