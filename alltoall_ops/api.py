@@ -8,9 +8,9 @@ from typing import Any, Optional
 import torch
 
 from . import layout, symm_mem
-from .groups import Group, pick_backend, resolve_group
+from .groups import LOCAL, Group, pick_backend, resolve_group
 from .ops import combine_op, dispatch_op, exchange_counts_op
-from .validation import check_combine_args, check_dispatch_args
+from .validation import check_combine_args, check_combine_rows, check_dispatch_args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +107,8 @@ def combine(
     if isinstance(handle, symm_mem.SymmDispatchHandle):
         return symm_mem.combine(expert_out, handle, topk_weights)
     check_combine_args(expert_out, handle, topk_weights)
+    if handle.group_name == LOCAL:  # peers check it inside the op, all agreeing on the verdict
+        check_combine_rows(expert_out, handle.num_rows)
     save_returned = topk_weights is not None and topk_weights.requires_grad and torch.is_grad_enabled()
     y, _ = combine_op(
         expert_out, topk_weights, handle.order, handle.position, handle.send_meta,

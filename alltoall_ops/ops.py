@@ -99,6 +99,12 @@ def _read_splits(send_meta: torch.Tensor, recv_meta: torch.Tensor, expert_alignm
     return _HostSplits(send_splits, [sum(c) for c in recv_counts], sum(send_splits), num_rows)
 
 
+def _rows_are_send_order(group_name: str, expert_alignment: int) -> bool:
+    """One rank (local backend) without padding: the routed rows are the valid slots in send
+    order, and their number R is all the layout a call needs."""
+    return group_name == LOCAL and expert_alignment == 1
+
+
 def accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
     """fp64 if any input is fp64, else fp32: the dtype combine accumulates top-k slots in."""
     return torch.float64 if torch.float64 in dtypes else torch.float32
@@ -217,6 +223,9 @@ def dispatch_op(
 
     scale: (T, K) | None, multiplies each slot's row (in fp32, rounded once) before sending.
     num_rows: R when already known (it is in backward), else None. Padding rows are zero."""
+    if num_rows is not None and _rows_are_send_order(group_name, expert_alignment):
+        # One rank, no padding, R known: the valid slots' rows in send order, no host sync.
+        return _rows_in_send_order(x, scale, order, position, num_rows)
     splits = _read_splits(send_meta, recv_meta, expert_alignment)
     if num_rows is not None and num_rows != splits.num_rows:
         raise ValueError(f"dispatch: expected {num_rows} routed rows, the layout gives {splits.num_rows}")
@@ -281,7 +290,19 @@ def combine_op(
 
     y[t] = sum_k weights[t, k] * expert_out[row of slot (t, k)] (fp32 accumulation).
     returned: with ``save_returned``, (N, H), each valid slot's row in send order and zero rows
-    after them (for the weights' gradient); else (0, H)."""
+    after them (for the weights' gradient); else (0, H).
+
+    One rank without padding (local backend, expert_alignment 1): expert_out's rows are the
+    valid slots in send order, and ``alltoall_ops.combine`` has checked their number against
+    the dispatch handle, so nothing is read on the host (no sync)."""
+    nothing_returned = expert_out.new_empty(0, expert_out.shape[1])
+    if _rows_are_send_order(group_name, expert_alignment):
+        if not save_returned:  # nothing moves
+            return _weighted_slot_sum(expert_out, position, weights), nothing_returned
+        returned = expert_out.new_empty(order.shape[0], expert_out.shape[1])
+        returned[expert_out.shape[0] :].zero_()  # dropped slots read zero rows
+        returned[: expert_out.shape[0]].copy_(expert_out)
+        return _weighted_slot_sum(returned, position, weights), returned
     splits = _read_splits(send_meta, recv_meta, expert_alignment)
     problem = None
     if expert_out.shape[0] != splits.num_rows:
@@ -291,13 +312,9 @@ def combine_op(
         )
     _agree_on_error(problem, expert_out.device, group_name, "combine: expert_out")
     recv_counts, _ = layout.split_meta(recv_meta)
-    nothing_returned = expert_out.new_empty(0, expert_out.shape[1])
     expert_major = None  # one rank, no padding: expert-major is rank-major
     if splits.num_rows != sum(splits.recv_splits) or recv_counts.shape[0] != 1:
         expert_major = layout.expert_major_rows(recv_counts, expert_alignment)
-    if group_name == LOCAL and expert_major is None and not save_returned:
-        # The expert outputs already are the valid slots' rows in send order: nothing moves.
-        return _weighted_slot_sum(expert_out, position, weights), nothing_returned
     returned = expert_out.new_empty(order.shape[0], expert_out.shape[1])
     returned[splits.num_valid :].zero_()  # dropped slots read zero rows
     received = returned[: splits.num_valid]

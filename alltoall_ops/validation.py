@@ -73,3 +73,16 @@ def check_combine_args(expert_out: torch.Tensor, handle, topk_weights: Optional[
         )
     if topk_weights.device != expert_out.device:
         raise ValueError(f"topk_weights: expected device {expert_out.device}, got {topk_weights.device}")
+
+
+def check_combine_rows(expert_out: torch.Tensor, num_rows) -> None:
+    """expert_out must have the R rows its dispatch returned (one rank: a host check of two
+    sizes, no sync; under torch.compile a runtime assertion on the symbolic sizes)."""
+    from ._compat import is_compiling
+
+    rows = expert_out.shape[0]
+    if is_compiling():  # NB: dynamo takes only a message without captured values
+        torch._check(rows == num_rows, lambda: "combine: expert_out must have the rows its dispatch returned")
+    elif rows != num_rows:
+        raise ValueError(f"combine: expert_out has {rows} rows but its handle's dispatch returned {num_rows}; "
+                         f"pass the expert outputs of that same dispatch")

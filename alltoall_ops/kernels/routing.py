@@ -4,18 +4,20 @@ Legend: ``N = T * K`` slots, ``E`` experts, ``W`` ranks, ``e = E / W``; a slot's
 expert id, or E when it goes nowhere (-1, or an id outside [0, E)). Slots are cut into B blocks
 of ``BLOCK_S``. Reference semantics::
 
-    block_counts:  for b, g: hist[b, g] = #{s in block b: bucket[s] == g}
+    block_counts:  for b, g: hist[g, b] = #{s in block b: bucket[s] == g}
                    status[b] = (#{s in b: id not -1 and not in [0, E)}, min(ids of b, -1), max(ids of b, -1))
-    (torch)        inclusive[b, g] = sum(hist[b' <= b, g])          # one cumsum over blocks
-    slot_positions: position[s] = sum(inclusive[B-1, g' < bucket[s]])    # slots of lower buckets
-                                + inclusive[b-1, bucket[s]]              # same bucket, earlier blocks
+    (torch)        inclusive[g, b] = sum(hist[g, b' <= b])          # one cumsum along blocks
+    slot_positions: position[s] = sum(inclusive[g' < bucket[s], B-1])    # slots of lower buckets
+                                + inclusive[bucket[s], b-1]              # same bucket, earlier blocks
                                 + #{s' < s in block b: bucket[s'] == bucket[s]}
                     order[position[s]] = s
                     send_meta[g // e, g % e] = inclusive[B-1, g] for g < E; send_meta[:, e:] = status
 
 which is the stable sort of the slots by bucket (``layout.plan_routing``'s contract). Within a
-block, a one-hot (BLOCK_S, NB) tile and its cumulative sum give every slot's rank among the
-block's slots of its bucket, so BLOCK_S * NB bounds a program's registers.
+block, a (BLOCK_S, BLOCK_S) comparison gives every slot's rank among the block's slots of its
+bucket, and a one-hot (BLOCK_S, NB) tile picks each slot's bucket base (reductions, no scan over
+the tile), so BLOCK_S * NB bounds a program's registers. The counts are stored bucket-major, so
+that torch's cumsum runs along the contiguous dimension.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ _NUM_WARPS = 8
 
 @triton.jit
 def _block_counts_kernel(
-    idx_ptr, hist_ptr, status_ptr, N, E,
+    idx_ptr, hist_ptr, status_ptr, N, E, num_blocks,
     NB: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     i_b = tl.program_id(0)
@@ -45,7 +47,7 @@ def _block_counts_kernel(
     b_bucket = tl.where(m_s, b_bucket, NB - 1)  # past N: a bin no bucket uses (NB > E + 1)
     o_g = tl.arange(0, NB)
     b_hot = (b_bucket[:, None] == o_g[None, :]).to(tl.int32)  # [BS, NB]
-    tl.store(hist_ptr + i_b * NB + o_g, tl.sum(b_hot, axis=0))
+    tl.store(hist_ptr + o_g * num_blocks + i_b, tl.sum(b_hot, axis=0))  # (NB, B), bucket-major
     b_bad = (m_s & ~b_valid & (b_idx != -1)).to(tl.int64)
     tl.store(status_ptr + i_b * 3, tl.sum(b_bad, axis=0))
     tl.store(status_ptr + i_b * 3 + 1, tl.min(b_idx, axis=0))  # masked lanes hold -1
@@ -65,14 +67,17 @@ def _slot_positions_kernel(
     b_bucket = tl.where((b_idx >= 0) & (b_idx < E), b_idx, E)
     b_bucket = tl.where(m_s, b_bucket, NB - 1)
     o_g = tl.arange(0, NB)
-    # NB: int32 positions (N < 2**31): half the registers of the one-hot tile in int64.
-    b_total = tl.load(inclusive_ptr + (num_blocks - 1) * NB + o_g)  # [NB] slots per bucket
+    # NB: int32 positions (N < 2**31): half the registers of the tiles in int64.
+    p_row = inclusive_ptr + o_g * num_blocks  # [NB] row of each bucket in (NB, B)
+    b_total = tl.load(p_row + num_blocks - 1)  # [NB] slots per bucket
     m_before = (o_g * 0 + i_b) > 0  # [NB] all False in block 0
-    b_before = tl.load(inclusive_ptr + (i_b - 1) * NB + o_g, mask=m_before, other=0)
+    b_before = tl.load(p_row + i_b - 1, mask=m_before, other=0)
     b_base = tl.cumsum(b_total, axis=0) - b_total + b_before  # [NB] first position of bucket g here
     b_hot = (b_bucket[:, None] == o_g[None, :]).to(tl.int32)  # [BS, NB]
-    b_rank = tl.cumsum(b_hot, axis=0) - b_hot  # earlier slots of the block in the same bucket
-    b_pos = tl.sum(b_hot * (b_rank + b_base[None, :]), axis=1)  # [BS]
+    b_first = tl.sum(b_hot * b_base[None, :], axis=1)  # [BS] base of each slot's bucket
+    o_j = tl.arange(0, BLOCK_S)
+    b_earlier = (b_bucket[:, None] == b_bucket[None, :]) & (o_j[None, :] < o_j[:, None])  # [BS, BS]
+    b_pos = b_first + tl.sum(b_earlier.to(tl.int32), axis=1)  # [BS]
     tl.store(position_ptr + o_s, b_pos.to(tl.int64), mask=m_s)
     tl.store(order_ptr + b_pos, o_s.to(tl.int64), mask=m_s)
     if i_b == 0:  # counts of every local expert of every rank, and the status columns
@@ -110,17 +115,17 @@ def plan_slots(
     if interpreting():
         block_s = triton.next_power_of_2(max(1, min(N, 256)))
     else:
-        block_s = max(1, min(128, _ONE_HOT_ELEMENTS // NB))
+        block_s = max(16, min(128, _ONE_HOT_ELEMENTS // NB))
     B = max(1, triton.cdiv(N, block_s))
-    hist = torch.empty(B, NB, dtype=torch.int32, device=dev)
+    hist = torch.empty(NB, B, dtype=torch.int32, device=dev)
     status = torch.empty(B, 3, dtype=torch.int64, device=dev)
     order = torch.empty(N, dtype=torch.int64, device=dev)
     position = torch.empty(N, dtype=torch.int64, device=dev)
     send_meta = torch.empty(W, e + 3, dtype=torch.int64, device=dev)
     num_warps = 1 if interpreting() else _NUM_WARPS
     with LAUNCH_LOCK:
-        _block_counts_kernel[(B,)](idx, hist, status, N, E, NB=NB, BLOCK_S=block_s, num_warps=num_warps)
-        inclusive = torch.cumsum(hist, 0, dtype=torch.int32)  # (B, NB)
+        _block_counts_kernel[(B,)](idx, hist, status, N, E, B, NB=NB, BLOCK_S=block_s, num_warps=num_warps)
+        inclusive = torch.cumsum(hist, 1, dtype=torch.int32)  # (NB, B)
         _slot_positions_kernel[(B,)](
             idx, inclusive, status, position, order, send_meta, N, E, e, W, B,
             NB=NB, BLOCK_S=block_s, BLOCK_W=triton.next_power_of_2(W),
