@@ -11,7 +11,7 @@ Kernels (bf16, H = 7168, K = 8, E = 256, fresh random top-k routing):
 - ``combine_weight_grad``: reads grad_y (T, H) and (T*K, H) rows; bytes (T + T*K) * H * 2.
 - ``plan_slots`` (the layout: routing -> order, positions, counts), checked against its torch
   implementation, timed eagerly and replayed from a CUDA graph (device time), against torch's
-  path (a stable sort and some 20 small ops); swept over the one-hot tile size and warps.
+  path (a stable sort and some 20 small ops); swept over slots per program and warps.
 Baselines: ``torch.index_select`` of the same rows, and the plain copy behind the floor. The
 winners go into ``alltoall_ops/kernels/_config.py:GPU_BLOCKS`` by hand.
 """
@@ -73,14 +73,16 @@ def sweep_layout(T: int) -> None:
     print(f"layout T = {T} (N = {T * K}): torch path eager {median_us(torch_path):.1f} us, "
           f"graph {graph_us(torch_path):.1f} us")
     results = []
-    for elements, warps in itertools.product([4096, 8192, 16384, 32768], [4, 8]):
-        routing._ONE_HOT_ELEMENTS, routing._NUM_WARPS = elements, warps
+    for block_s, warps in itertools.product([64, 128, 256], [4, 8]):  # 512 and more: minutes of ptxas
+        routing.GPU_BLOCK_S, routing.GPU_NUM_WARPS = block_s, warps
         fn = lambda: routing.plan_slots(topk_idx, E, 1)  # noqa: E731
-        results.append((graph_us(fn), median_us(fn), elements, warps))
+        assert all(torch.equal(g, w) for g, w in zip(fn(), want)), f"plan_slots != torch at {block_s}"
+        results.append((graph_us(fn), median_us(fn), block_s, warps))
+        print(f"    ({block_s}, {warps}): graph {results[-1][0]:.1f} us", flush=True)
     results.sort()
-    for g, eager, elements, warps in results[:4]:
-        print(f"  plan_slots one-hot {elements:>6} elements, {warps} warps: graph {g:6.1f} us, eager {eager:6.1f} us")
-    routing._ONE_HOT_ELEMENTS, routing._NUM_WARPS = results[0][2], results[0][3]
+    for g, eager, block_s, warps in results[:4]:
+        print(f"  plan_slots {block_s:>5} slots per program, {warps} warps: graph {g:6.1f} us, eager {eager:6.1f} us")
+    routing.GPU_BLOCK_S, routing.GPU_NUM_WARPS = results[0][2], results[0][3]
 
 
 def main() -> None:

@@ -4,20 +4,19 @@ Legend: ``N = T * K`` slots, ``E`` experts, ``W`` ranks, ``e = E / W``; a slot's
 expert id, or E when it goes nowhere (-1, or an id outside [0, E)). Slots are cut into B blocks
 of ``BLOCK_S``. Reference semantics::
 
-    block_counts:  for b, g: hist[g, b] = #{s in block b: bucket[s] == g}
-                   status[b] = (#{s in b: id not -1 and not in [0, E)}, min(ids of b, -1), max(ids of b, -1))
-    (torch)        inclusive[g, b] = sum(hist[g, b' <= b])          # one cumsum along blocks
-    slot_positions: position[s] = sum(inclusive[g' < bucket[s], B-1])    # slots of lower buckets
-                                + inclusive[bucket[s], b-1]              # same bucket, earlier blocks
-                                + #{s' < s in block b: bucket[s'] == bucket[s]}
+    block_counts:   for s: hist[block(s), bucket[s]] += 1; totals[bucket[s]] += 1     (atomics)
+                    status = (#{s: id not -1 and not in [0, E)}, min(ids, -1), max(ids, -1))
+    slot_positions: position[s] = sum(totals[g' < bucket[s]])                # lower buckets
+                                + sum(hist[b' < block(s), bucket[s]])        # earlier blocks
+                                + #{s' < s in block(s): bucket[s'] == bucket[s]}
                     order[position[s]] = s
-                    send_meta[g // e, g % e] = inclusive[B-1, g] for g < E; send_meta[:, e:] = status
+                    send_meta[g // e, g % e] = totals[g] for g < E; send_meta[:, e:] = status
 
-which is the stable sort of the slots by bucket (``layout.plan_routing``'s contract). Within a
-block, a (BLOCK_S, BLOCK_S) comparison gives every slot's rank among the block's slots of its
-bucket, and a one-hot (BLOCK_S, NB) tile picks each slot's bucket base (reductions, no scan over
-the tile), so BLOCK_S * NB bounds a program's registers. The counts are stored bucket-major, so
-that torch's cumsum runs along the contiguous dimension.
+which is the stable sort of the slots by bucket (``layout.plan_routing``'s contract). The counts
+are integers, so the atomics give the same result in any order: deterministic. Each program of
+``slot_positions`` sums the count rows of the blocks before it in (BLOCK_P, NB) tiles, writes its
+buckets' first positions to a scratch row and reads them back per slot (a gather), and ranks its
+slots with (BLOCK_S, BLOCK_J) comparisons.
 """
 
 from __future__ import annotations
@@ -28,15 +27,17 @@ import triton.language as tl
 
 from ._config import LAUNCH_LOCK, interpreting
 
-_ONE_HOT_ELEMENTS = 16384
-"""BLOCK_S * NB of a program's one-hot tile on a GPU (registers: 64 int32 per thread at 8 warps)."""
-_NUM_WARPS = 8
+GPU_BLOCK_S = 256
+"""Most slots per program on a GPU; small N takes fewer (at least 64), for more programs. Swept
+with ``tools/tune_kernels.py`` on the H200 (E = 256): N = 1024 best at 64 (12.4 us in a CUDA
+graph; 256: 22 us), N = 65536 at 256 (52 us; 128: 62 us); 512 and more spill registers."""
+GPU_NUM_WARPS = 8
 
 
 @triton.jit
 def _block_counts_kernel(
-    idx_ptr, hist_ptr, status_ptr, N, E, num_blocks,
-    NB: tl.constexpr, BLOCK_S: tl.constexpr,
+    idx_ptr, counts_ptr, N, E, num_blocks,
+    BLOCK_S: tl.constexpr,
 ):
     i_b = tl.program_id(0)
     o_s = i_b * BLOCK_S + tl.arange(0, BLOCK_S)  # [BS] slots
@@ -44,91 +45,92 @@ def _block_counts_kernel(
     b_idx = tl.load(idx_ptr + o_s, mask=m_s, other=-1).to(tl.int64)
     b_valid = (b_idx >= 0) & (b_idx < E)
     b_bucket = tl.where(b_valid, b_idx, E)
-    b_bucket = tl.where(m_s, b_bucket, NB - 1)  # past N: a bin no bucket uses (NB > E + 1)
-    o_g = tl.arange(0, NB)
-    b_hot = (b_bucket[:, None] == o_g[None, :]).to(tl.int32)  # [BS, NB]
-    tl.store(hist_ptr + o_g * num_blocks + i_b, tl.sum(b_hot, axis=0))  # (NB, B), bucket-major
-    b_bad = (m_s & ~b_valid & (b_idx != -1)).to(tl.int64)
-    tl.store(status_ptr + i_b * 3, tl.sum(b_bad, axis=0))
-    tl.store(status_ptr + i_b * 3 + 1, tl.min(b_idx, axis=0))  # masked lanes hold -1
-    tl.store(status_ptr + i_b * 3 + 2, tl.max(b_idx, axis=0))
+    p_totals = counts_ptr + num_blocks * (E + 1)  # after the (B, E + 1) block counts
+    tl.atomic_add(counts_ptr + i_b * (E + 1) + b_bucket, 1, mask=m_s)
+    tl.atomic_add(p_totals + b_bucket, 1, mask=m_s)
+    p_status = p_totals + E + 1  # (bad ids, min + 1, max + 1) from zeros: -1 counts as an id
+    tl.atomic_add(p_status, tl.sum((m_s & ~b_valid & (b_idx != -1)).to(tl.int64), axis=0))
+    tl.atomic_min(p_status + 1, tl.min(b_idx, axis=0) + 1)  # masked lanes hold -1
+    tl.atomic_max(p_status + 2, tl.max(b_idx, axis=0) + 1)
 
 
 @triton.jit
 def _slot_positions_kernel(
-    idx_ptr, inclusive_ptr, status_ptr, position_ptr, order_ptr, send_meta_ptr,
+    idx_ptr, counts_ptr, scratch_ptr, position_ptr, order_ptr, send_meta_ptr,
     N, E, e, W, num_blocks,
-    NB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr,
+    NB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_W: tl.constexpr,
 ):
     i_b = tl.program_id(0)
     o_s = i_b * BLOCK_S + tl.arange(0, BLOCK_S)  # [BS] slots
     m_s = o_s < N
-    b_idx = tl.load(idx_ptr + o_s, mask=m_s, other=-1).to(tl.int64)
-    b_bucket = tl.where((b_idx >= 0) & (b_idx < E), b_idx, E)
-    b_bucket = tl.where(m_s, b_bucket, NB - 1)
+    b_idx = tl.load(idx_ptr + o_s, mask=m_s, other=-1)
+    b_bucket = tl.where((b_idx >= 0) & (b_idx < E), b_idx, E).to(tl.int32)
     o_g = tl.arange(0, NB)
-    # NB: int32 positions (N < 2**31): half the registers of the tiles in int64.
-    p_row = inclusive_ptr + o_g * num_blocks  # [NB] row of each bucket in (NB, B)
-    b_total = tl.load(p_row + num_blocks - 1)  # [NB] slots per bucket
-    m_before = (o_g * 0 + i_b) > 0  # [NB] all False in block 0
-    b_before = tl.load(p_row + i_b - 1, mask=m_before, other=0)
+    m_g = o_g < E + 1
+    # Slots of each bucket in the blocks before this one: (BLOCK_P, NB) tiles of their counts.
+    b_before = tl.zeros([NB], dtype=tl.int32)
+    for i_p in range(0, i_b, BLOCK_P):
+        o_p = i_p + tl.arange(0, BLOCK_P)
+        p_rows = counts_ptr + o_p[:, None] * (E + 1) + o_g[None, :]
+        b_rows = tl.load(p_rows, mask=(o_p < i_b)[:, None] & m_g[None, :], other=0)
+        b_before += tl.sum(b_rows.to(tl.int32), axis=0)
+    b_total = tl.load(counts_ptr + num_blocks * (E + 1) + o_g, mask=m_g, other=0).to(tl.int32)
     b_base = tl.cumsum(b_total, axis=0) - b_total + b_before  # [NB] first position of bucket g here
-    b_hot = (b_bucket[:, None] == o_g[None, :]).to(tl.int32)  # [BS, NB]
-    b_first = tl.sum(b_hot * b_base[None, :], axis=1)  # [BS] base of each slot's bucket
-    o_j = tl.arange(0, BLOCK_S)
-    b_earlier = (b_bucket[:, None] == b_bucket[None, :]) & (o_j[None, :] < o_j[:, None])  # [BS, BS]
-    b_pos = b_first + tl.sum(b_earlier.to(tl.int32), axis=1)  # [BS]
+    # NB: through memory, since a register tensor cannot be indexed by another: a scratch row
+    # of this program, and a barrier so that every thread sees the whole row.
+    tl.store(scratch_ptr + i_b * NB + o_g, b_base)
+    tl.debug_barrier()
+    b_pos = tl.load(scratch_ptr + i_b * NB + b_bucket, mask=m_s, other=0)  # [BS]
+    for j in tl.static_range(0, BLOCK_S, BLOCK_J):  # earlier slots of this block, same bucket
+        o_j = i_b * BLOCK_S + j + tl.arange(0, BLOCK_J)
+        b_jdx = tl.load(idx_ptr + o_j, mask=o_j < N, other=-1)
+        b_jbucket = tl.where((b_jdx >= 0) & (b_jdx < E), b_jdx, E).to(tl.int32)
+        b_same = (b_bucket[:, None] == b_jbucket[None, :]) & (o_j[None, :] < o_s[:, None])  # [BS, BJ]
+        b_pos += tl.sum(b_same.to(tl.int32), axis=1)
     tl.store(position_ptr + o_s, b_pos.to(tl.int64), mask=m_s)
     tl.store(order_ptr + b_pos, o_s.to(tl.int64), mask=m_s)
     if i_b == 0:  # counts of every local expert of every rank, and the status columns
-        m_g = o_g < E
-        tl.store(send_meta_ptr + (o_g // e) * (e + 3) + o_g % e, b_total.to(tl.int64), mask=m_g)
-        b_bad = tl.zeros([BLOCK_B], dtype=tl.int64)
-        b_lo = tl.full([BLOCK_B], -1, dtype=tl.int64)
-        b_hi = tl.full([BLOCK_B], -1, dtype=tl.int64)
-        for i_c in range(tl.cdiv(num_blocks, BLOCK_B)):
-            o_c = i_c * BLOCK_B + tl.arange(0, BLOCK_B)
-            m_c = o_c < num_blocks
-            b_bad += tl.load(status_ptr + o_c * 3, mask=m_c, other=0)
-            b_lo = tl.minimum(b_lo, tl.load(status_ptr + o_c * 3 + 1, mask=m_c, other=-1))
-            b_hi = tl.maximum(b_hi, tl.load(status_ptr + o_c * 3 + 2, mask=m_c, other=-1))
+        m_valid = o_g < E
+        tl.store(send_meta_ptr + (o_g // e) * (e + 3) + o_g % e, b_total.to(tl.int64), mask=m_valid)
+        p_status = counts_ptr + num_blocks * (E + 1) + E + 1
         o_w = tl.arange(0, BLOCK_W)
         m_w = o_w < W
-        p_status = send_meta_ptr + o_w * (e + 3) + e
-        tl.store(p_status, tl.zeros([BLOCK_W], dtype=tl.int64) + tl.sum(b_bad, axis=0), mask=m_w)
-        tl.store(p_status + 1, tl.zeros([BLOCK_W], dtype=tl.int64) + tl.min(b_lo, axis=0), mask=m_w)
-        tl.store(p_status + 2, tl.zeros([BLOCK_W], dtype=tl.int64) + tl.max(b_hi, axis=0), mask=m_w)
+        b_zero = tl.zeros([BLOCK_W], dtype=tl.int64)
+        p_row = send_meta_ptr + o_w * (e + 3) + e
+        tl.store(p_row, b_zero + tl.load(p_status), mask=m_w)
+        tl.store(p_row + 1, b_zero + tl.load(p_status + 1) - 1, mask=m_w)
+        tl.store(p_row + 2, b_zero + tl.load(p_status + 2) - 1, mask=m_w)
 
 
 def plan_slots(
     topk_idx: torch.Tensor, num_experts: int, world_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_idx (T, K) integer expert ids -> order (N,), position (T, K), send_meta
-    (W, e + 3), all int64, as ``layout.plan_routing`` defines them: two kernel launches and one
-    cumulative sum, no sort and no host sync."""
+    (W, e + 3), all int64, as ``layout.plan_routing`` defines them: a memset and two kernel
+    launches, no sort and no host sync."""
     T, K = topk_idx.shape
     N, E, W = T * K, num_experts, world_size
     e = E // W
     dev = topk_idx.device
     idx = topk_idx.reshape(N).contiguous()
-    NB = triton.next_power_of_2(E + 2)
     if interpreting():
         block_s = triton.next_power_of_2(max(1, min(N, 256)))
     else:
-        block_s = max(16, min(128, _ONE_HOT_ELEMENTS // NB))
+        block_s = min(GPU_BLOCK_S, max(64, triton.next_power_of_2(triton.cdiv(N, 16))))
     B = max(1, triton.cdiv(N, block_s))
-    hist = torch.empty(NB, B, dtype=torch.int32, device=dev)
-    status = torch.empty(B, 3, dtype=torch.int64, device=dev)
+    counts = torch.zeros(B * (E + 1) + E + 1 + 3, dtype=torch.int64, device=dev)  # blocks, totals, status
+    NB = triton.next_power_of_2(E + 1)
+    scratch = torch.empty(B, NB, dtype=torch.int32, device=dev)
     order = torch.empty(N, dtype=torch.int64, device=dev)
     position = torch.empty(N, dtype=torch.int64, device=dev)
     send_meta = torch.empty(W, e + 3, dtype=torch.int64, device=dev)
-    num_warps = 1 if interpreting() else _NUM_WARPS
+    num_warps = 1 if interpreting() else GPU_NUM_WARPS
     with LAUNCH_LOCK:
-        _block_counts_kernel[(B,)](idx, hist, status, N, E, B, NB=NB, BLOCK_S=block_s, num_warps=num_warps)
-        inclusive = torch.cumsum(hist, 1, dtype=torch.int32)  # (NB, B)
+        _block_counts_kernel[(B,)](idx, counts, N, E, B, BLOCK_S=block_s, num_warps=num_warps)
         _slot_positions_kernel[(B,)](
-            idx, inclusive, status, position, order, send_meta, N, E, e, W, B,
-            NB=NB, BLOCK_S=block_s, BLOCK_W=triton.next_power_of_2(W),
-            BLOCK_B=triton.next_power_of_2(min(B, 1024)), num_warps=num_warps,
+            idx, counts, scratch, position, order, send_meta, N, E, e, W, B,
+            NB=NB, BLOCK_S=block_s, BLOCK_J=min(block_s, 64), BLOCK_P=max(1, min(16, 8192 // NB)),
+            BLOCK_W=triton.next_power_of_2(W), num_warps=num_warps,
         )
     return order, position.view(T, K), send_meta
