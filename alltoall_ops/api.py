@@ -75,7 +75,8 @@ def dispatch(
     grp = pick_backend(backend, resolve_group(group))
     check_dispatch_args(x, topk_idx, num_experts, grp.size, expert_alignment)
     plan = layout.plan_routing(topk_idx, num_experts, grp.size)
-    recv_meta = exchange_counts_op(plan.send_meta, grp.name)
+    # One rank receives what it sends: no exchange (and no op call) needed.
+    recv_meta = plan.send_meta if grp.name == LOCAL else exchange_counts_op(plan.send_meta, grp.name)
     routed = dispatch_op(
         x, None, plan.order, plan.position, plan.send_meta, recv_meta,
         expert_alignment, grp.name, None,

@@ -79,11 +79,15 @@ def count_backward_comm_ops(rank: int, world_size: int):
 
 @pytest.mark.parametrize("pool", [1, 2], indirect=True)
 def test_policy_saves_every_comm_op(pool):
-    for counts in pool.run(count_backward_comm_ops):
+    results = pool.run(count_backward_comm_ops)
+    # Full recompute reruns the forward's comm ops: dispatch, combine and, between ranks, the
+    # count exchange (one rank has none).
+    recomputed = 2 + (len(results) > 1)
+    for counts in results:
         eager = {name: len(ops) for name, (ops, _) in counts.items()}
         compiled = {name: len(ops) for name, (_, ops) in counts.items()}
-        assert eager == {"no_checkpoint": 2, "policy_checkpoint": 2, "full_recompute": 5}, counts
-        assert compiled == {"no_checkpoint": 2, "policy_checkpoint": 2, "full_recompute": 5}, counts
+        assert eager == {"no_checkpoint": 2, "policy_checkpoint": 2, "full_recompute": 2 + recomputed}, counts
+        assert compiled == {"no_checkpoint": 2, "policy_checkpoint": 2, "full_recompute": 2 + recomputed}, counts
         assert counts["policy_checkpoint"] == counts["no_checkpoint"]
 
 

@@ -262,7 +262,6 @@ class TestCompiledGraphs(TestCase):
     def test_summary_single_process(self):
         self.assertExpectedInline(summary_of(0, 1), """\
 forward 0:
-  alltoall_ops.exchange_counts(group_name='')
   alltoall_ops.dispatch(scale=None, expert_alignment=1, group_name='', num_rows=None)
   alltoall_ops.combine(weights=<tensor>, expert_alignment=1, group_name='', save_returned=True)
 backward 0:
