@@ -60,7 +60,8 @@ def plan_routing(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> R
 
     Out-of-range ids are treated as dropped here and reported in the status columns, so that
     the metadata exchange can tell every rank about them before any payload moves. One op
-    (``alltoall_ops::plan_routing``): on CUDA two kernel launches and no sort."""
+    (``alltoall_ops::plan_routing``): on CUDA two kernel launches and no sort (up to
+    ``kernels.routing.MAX_SLOTS`` slots; a stable sort above)."""
     order, position, send_meta = plan_routing_op(topk_idx, num_experts, world_size)
     return RoutingPlan(order=order, position=position, send_meta=send_meta)
 
@@ -72,7 +73,7 @@ def plan_routing_op(
     """(T, K) integer expert ids -> order (N,), position (T, K), send_meta (W, e + STATUS_COLUMNS)."""
     from .symm_mem import loader
 
-    if loader.use_kernels(topk_idx):
+    if loader.use_kernels(topk_idx) and topk_idx.numel() <= loader.kernels().routing.MAX_SLOTS:
         return loader.kernels().plan_slots(topk_idx, num_experts, world_size)
     return _plan_routing_torch(topk_idx, num_experts, world_size)
 

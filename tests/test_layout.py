@@ -162,3 +162,21 @@ def test_expert_major_rows_example():
     counts = torch.tensor([[1, 3], [2, 0]])
     assert layout.padded_tokens_per_expert(counts, 4).tolist() == [4, 4]
     assert layout.expert_major_rows(counts, 4).tolist() == [0, 4, 5, 6, 1, 2]
+
+
+@needs_interpreter
+def test_plan_routing_uses_the_kernels_up_to_max_slots(monkeypatch):
+    """The op picks the kernels for tensors that use them (CUDA; here patched) up to MAX_SLOTS
+    slots and the sort path above; both give the same plan."""
+    kernels = symm_mem.kernels()
+    calls = []
+    plan_slots = kernels.plan_slots
+    monkeypatch.setattr(symm_mem.loader, "use_kernels", lambda t: True)
+    monkeypatch.setattr(kernels.routing, "MAX_SLOTS", 40)
+    monkeypatch.setattr(kernels, "plan_slots", lambda *args: calls.append(args[0].numel()) or plan_slots(*args))
+    for T in (20, 21):  # K = 2: 40 slots, then 42
+        topk_idx = torch.randint(-1, 8, (T, 2), generator=torch.Generator().manual_seed(T))
+        got = layout.plan_routing(topk_idx, 8, 2)
+        want = layout._plan_routing_torch(topk_idx, 8, 2)
+        assert all(torch.equal(g, w) for g, w in zip((got.order, got.position, got.send_meta), want))
+    assert calls == [40]
