@@ -445,15 +445,15 @@ def bench_shape(b: Bench, shape) -> None:
         b.measure(shape, "symm.w1.compile", "dispatch", lambda: sd(x, topk_idx), nbytes)
         b.measure(shape, "symm.w1.compile", "combine", lambda: sc(s["routed"], h, weights), nbytes)
 
+    def symm_step(x, topk_idx, weights, bufs):
+        """One symm_mem dispatch + combine (identity experts): the step the graph rows replay."""
+        r, _, h = api.dispatch(x, topk_idx, num_experts=E, buffers=bufs)
+        return api.combine(r, h, weights)
+
     def symm_graph():
         bufs = symm_setup()["bufs"]
-
-        def step(_stream):
-            r, _, h = api.dispatch(x, topk_idx, num_experts=E, buffers=bufs)
-            return api.combine(r, h, weights)
-
-        y_eager = step(None)
-        graph = Captured(step, b.cuda)
+        y_eager = symm_step(x, topk_idx, weights, bufs)
+        graph = Captured(lambda _stream: symm_step(x, topk_idx, weights, bufs), b.cuda)
         if not torch.equal(graph.run(), y_eager):
             raise AssertionError("symm W=1 graph replay: y differs from the eager step")
         impl = "symm.w1.graph" if b.cuda else "symm.w1.eager(cpu)"  # no CUDA graphs on the CPU
@@ -461,34 +461,24 @@ def bench_shape(b: Bench, shape) -> None:
 
     def symm_compiled_graph():
         bufs = symm_setup()["bufs"]
-
-        def step(x, topk_idx, weights):
-            r, _, h = api.dispatch(x, topk_idx, num_experts=E, buffers=bufs)
-            return api.combine(r, h, weights)
-
-        y_eager = step(x, topk_idx, weights)
-        cstep = compile_fn(step, backend, fullgraph=True)
+        y_eager = symm_step(x, topk_idx, weights, bufs)
+        cstep = compile_fn(lambda x, i, w: symm_step(x, i, w, bufs), backend, fullgraph=True)
         b.first_call(f"{shape} symm.w1.compile.graph", lambda: cstep(x, topk_idx, weights))
         graph = Captured(lambda _stream: cstep(x, topk_idx, weights), b.cuda)
         check_y("symm W=1 compiled graph replay vs eager", graph.run(), y_eager)
         impl = "symm.w1.compile.graph" if b.cuda else "symm.w1.compile.eager(cpu)"
         b.measure(shape, impl, "dispatch+combine", graph.replay, 2 * nbytes)
 
-    b.section(shape, "torch", torch_eager)
-    if compiled:
-        b.section(shape, "torch.compile", torch_compiled)
-    b.section(shape, "layout", layout_eager)
-    if compiled:
-        b.section(shape, "layout.compile", layout_compiled)
-    b.section(shape, "local", local_eager)
-    if compiled:
-        b.section(shape, "local.compile", local_compiled)
-    b.section(shape, "symm.w1", symm_eager)
-    if compiled:
-        b.section(shape, "symm.w1.compile", symm_compiled)
-    b.section(shape, "symm.w1.graph", symm_graph)
-    if compiled:
-        b.section(shape, "symm.w1.compile.graph", symm_compiled_graph)
+    sections = (  # (key, run, needs a compile backend)
+        ("torch", torch_eager, False), ("torch.compile", torch_compiled, True),
+        ("layout", layout_eager, False), ("layout.compile", layout_compiled, True),
+        ("local", local_eager, False), ("local.compile", local_compiled, True),
+        ("symm.w1", symm_eager, False), ("symm.w1.compile", symm_compiled, True),
+        ("symm.w1.graph", symm_graph, False), ("symm.w1.compile.graph", symm_compiled_graph, True),
+    )
+    for key, run, needs_compile in sections:
+        if compiled or not needs_compile:
+            b.section(shape, key, run)
 
 
 # --- a whole MoE layer -------------------------------------------------------------------------

@@ -73,8 +73,10 @@ def plan_routing_op(
     """(T, K) integer expert ids -> order (N,), position (T, K), send_meta (W, e + STATUS_COLUMNS)."""
     from .symm_mem import loader
 
-    if loader.use_kernels(topk_idx) and topk_idx.numel() <= loader.kernels().routing.MAX_SLOTS:
-        return loader.kernels().plan_slots(topk_idx, num_experts, world_size)
+    if loader.use_kernels(topk_idx):
+        kernels = loader.kernels()
+        if topk_idx.numel() <= kernels.routing.MAX_SLOTS:
+            return kernels.plan_slots(topk_idx, num_experts, world_size)
     return _plan_routing_torch(topk_idx, num_experts, world_size)
 
 

@@ -296,28 +296,28 @@ def combine_op(
     valid slots in send order, and ``alltoall_ops.combine`` has checked their number against
     the dispatch handle, so nothing is read on the host (no sync)."""
     nothing_returned = expert_out.new_empty(0, expert_out.shape[1])
-    if _rows_are_send_order(group_name, expert_alignment):
-        if not save_returned:  # nothing moves
-            return _weighted_slot_sum(expert_out, position, weights), nothing_returned
-        returned = expert_out.new_empty(order.shape[0], expert_out.shape[1])
-        returned[expert_out.shape[0] :].zero_()  # dropped slots read zero rows
-        returned[: expert_out.shape[0]].copy_(expert_out)
-        return _weighted_slot_sum(returned, position, weights), returned
-    splits = _read_splits(send_meta, recv_meta, expert_alignment)
-    problem = None
-    if expert_out.shape[0] != splits.num_rows:
-        problem = (
-            f"combine: expert_out has {expert_out.shape[0]} rows but its handle's dispatch "
-            f"returned {splits.num_rows}; pass the expert outputs of that same dispatch"
-        )
-    _agree_on_error(problem, expert_out.device, group_name, "combine: expert_out")
-    recv_counts, _ = layout.split_meta(recv_meta)
     expert_major = None  # one rank, no padding: expert-major is rank-major
-    if splits.num_rows != sum(splits.recv_splits) or recv_counts.shape[0] != 1:
-        expert_major = layout.expert_major_rows(recv_counts, expert_alignment)
+    if _rows_are_send_order(group_name, expert_alignment):
+        num_valid = expert_out.shape[0]
+    else:
+        splits = _read_splits(send_meta, recv_meta, expert_alignment)
+        problem = None
+        if expert_out.shape[0] != splits.num_rows:
+            problem = (
+                f"combine: expert_out has {expert_out.shape[0]} rows but its handle's dispatch "
+                f"returned {splits.num_rows}; pass the expert outputs of that same dispatch"
+            )
+        _agree_on_error(problem, expert_out.device, group_name, "combine: expert_out")
+        recv_counts, _ = layout.split_meta(recv_meta)
+        if splits.num_rows != sum(splits.recv_splits) or recv_counts.shape[0] != 1:
+            expert_major = layout.expert_major_rows(recv_counts, expert_alignment)
+        num_valid = splits.num_valid
+    if group_name == LOCAL and expert_major is None and not save_returned:
+        # The expert outputs already are the valid slots' rows in send order: nothing moves.
+        return _weighted_slot_sum(expert_out, position, weights), nothing_returned
     returned = expert_out.new_empty(order.shape[0], expert_out.shape[1])
-    returned[splits.num_valid :].zero_()  # dropped slots read zero rows
-    received = returned[: splits.num_valid]
+    returned[num_valid:].zero_()  # dropped slots read zero rows
+    received = returned[:num_valid]
     if group_name == LOCAL:  # gather straight into the returned rows
         if expert_major is None:
             received.copy_(expert_out)

@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from ._compat import is_compiling
+
 
 def _describe(t: torch.Tensor) -> str:
     return f"{t.dtype} tensor of shape {tuple(t.shape)}"
@@ -78,8 +80,6 @@ def check_combine_args(expert_out: torch.Tensor, handle, topk_weights: Optional[
 def check_combine_rows(expert_out: torch.Tensor, num_rows) -> None:
     """expert_out must have the R rows its dispatch returned (one rank: a host check of two
     sizes, no sync; under torch.compile a runtime assertion on the symbolic sizes)."""
-    from ._compat import is_compiling
-
     rows = expert_out.shape[0]
     if is_compiling():  # NB: dynamo takes only a message without captured values
         torch._check(rows == num_rows, lambda: "combine: expert_out must have the rows its dispatch returned")
