@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import layout, symm_mem
+from . import comm, layout, symm_mem
 from .groups import LOCAL, Group, pick_backend, resolve_group
 from .ops import combine_op, dispatch_op, exchange_counts_op
 from .validation import check_combine_args, check_combine_rows, check_dispatch_args
@@ -70,13 +70,13 @@ def dispatch(
     if backend == "symm_mem" or (buffers is not None and backend == "auto"):
         return symm_mem.dispatch(x, topk_idx, num_experts=num_experts, group=group,
                                  expert_alignment=expert_alignment, buffers=buffers)
-    if buffers is not None:
-        raise ValueError(f"buffers: only backend='symm_mem' uses buffers, got backend={backend!r}")
-    grp = pick_backend(backend, resolve_group(group))
-    check_dispatch_args(x, topk_idx, num_experts, grp.size, expert_alignment)
+    group = resolve_group(group)
+    grp, num_experts = comm.checked("dispatch", group.name, _check_dispatch, x, topk_idx, num_experts, group,
+                                    backend, expert_alignment, buffers)
     plan = layout.plan_routing(topk_idx, num_experts, grp.size)
     # One rank receives what it sends: no exchange (and no op call) needed.
-    recv_meta = plan.send_meta if grp.name == LOCAL else exchange_counts_op(plan.send_meta, grp.name)
+    recv_meta = plan.send_meta if grp.name == LOCAL else exchange_counts_op(
+        plan.send_meta, grp.name, comm.header("dispatch", *dispatch_fields(x, topk_idx, num_experts, expert_alignment)))
     routed = dispatch_op(
         x, None, plan.order, plan.position, plan.send_meta, recv_meta,
         expert_alignment, grp.name, None,
@@ -88,6 +88,19 @@ def dispatch(
         expert_alignment, grp.name,
     )
     return routed, tokens_per_expert, handle
+
+
+def _check_dispatch(x, topk_idx, num_experts, group: Group, backend: str, expert_alignment, buffers) -> tuple[Group, int]:
+    """The checks of a non-symm_mem dispatch; returns the backend's group and E as an int."""
+    if buffers is not None:
+        raise ValueError(f"buffers: only backend='symm_mem' uses buffers, got backend={backend!r}")
+    grp = pick_backend(backend, group)
+    return grp, check_dispatch_args(x, topk_idx, num_experts, grp.size, expert_alignment)
+
+
+def dispatch_fields(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, expert_alignment: int) -> list[int]:
+    """What the ranks of a dispatch agree on (``comm.FIELDS["dispatch"]``): E, H, dtype, K, alignment."""
+    return [num_experts, x.shape[1], comm.dtype_code(x.dtype), topk_idx.shape[1], expert_alignment]
 
 
 def combine(
@@ -107,7 +120,9 @@ def combine(
     """
     if isinstance(handle, symm_mem.SymmDispatchHandle):
         return symm_mem.combine(expert_out, handle, topk_weights)
-    check_combine_args(expert_out, handle, topk_weights)
+    if not isinstance(handle, DispatchHandle):
+        raise TypeError(f"handle: expected the DispatchHandle returned by dispatch, got {type(handle).__name__}")
+    comm.checked("combine", handle.group_name, check_combine_args, expert_out, handle, topk_weights)
     if handle.group_name == LOCAL:  # peers check it inside the op, all agreeing on the verdict
         check_combine_rows(expert_out, handle.num_rows)
     save_returned = topk_weights is not None and topk_weights.requires_grad and torch.is_grad_enabled()
@@ -123,16 +138,21 @@ def exchange_counts(
 ) -> torch.Tensor:
     """(E,) counts this rank sends to each global expert -> (W, e) counts it receives:
     ``out[s, j]`` is what rank s sends to this rank's local expert j."""
-    grp: Group = pick_backend(backend, resolve_group(group))
-    counts = tokens_per_expert_global
-    if counts.ndim != 1 or counts.dtype.is_floating_point or counts.dtype == torch.bool:
-        raise TypeError(
-            f"tokens_per_expert_global: expected a 1-D integer tensor of shape (E,), got "
-            f"{counts.dtype} of shape {tuple(counts.shape)}"
-        )
+    group = resolve_group(group)
+    grp = comm.checked("exchange_counts", group.name, _check_counts, tokens_per_expert_global, group, backend)
+    E = tokens_per_expert_global.shape[0]
+    send = tokens_per_expert_global.to(torch.int64).view(grp.size, -1)
+    return exchange_counts_op(send, grp.name, comm.header("exchange_counts", E))
+
+
+def _check_counts(counts: torch.Tensor, group: Group, backend: str) -> Group:
+    grp = pick_backend(backend, group)
+    if not isinstance(counts, torch.Tensor) or counts.ndim != 1 or counts.dtype.is_floating_point \
+            or counts.dtype == torch.bool:
+        got = f"{counts.dtype} of shape {tuple(counts.shape)}" if isinstance(counts, torch.Tensor) else type(counts)
+        raise TypeError(f"tokens_per_expert_global: expected a 1-D integer tensor of shape (E,), got {got}")
     if counts.shape[0] % grp.size != 0:
         raise ValueError(
-            f"tokens_per_expert_global: E = {counts.shape[0]} is not divisible by the group size "
-            f"{grp.size}"
+            f"tokens_per_expert_global: E = {counts.shape[0]} is not divisible by the group size {grp.size}"
         )
-    return exchange_counts_op(counts.to(torch.int64).view(grp.size, -1), grp.name)
+    return grp

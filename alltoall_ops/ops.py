@@ -14,10 +14,10 @@ import dataclasses
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 
-from . import layout
-from .groups import LOCAL, process_group
+from . import comm, layout
+from .errors import RoutingError
+from .groups import LOCAL
 
 _COMM_OPS: list = []
 
@@ -42,29 +42,6 @@ def communication_ops() -> tuple[torch._ops.OpOverload, ...]:
 # Host-side helpers (run inside op implementations only)
 
 
-def _exchange_rows(
-    send: torch.Tensor, out: torch.Tensor, out_splits: list[int], in_splits: list[int], group_name: str
-) -> None:
-    """All-to-all of rows: ``send`` split by ``in_splits`` to the ranks, received into ``out``."""
-    dist.all_to_all_single(
-        out, send.contiguous(), out_splits, in_splits, group=process_group(group_name)
-    )
-
-
-def _agree_on_error(problem: Optional[str], device: torch.device, group_name: str, what: str) -> None:
-    """Raise ``ValueError`` on every rank of the group if any rank found a problem.
-
-    One all-reduce of a flag, so that a rank rejecting its input never leaves peers waiting.
-    ``what`` names the op and argument checked, for the peers' message."""
-    if group_name != LOCAL:
-        flag = torch.tensor([0 if problem is None else 1], device=device)
-        dist.all_reduce(flag, group=process_group(group_name))
-        if problem is None and int(flag) > 0:
-            problem = f"{what}: {int(flag)} peer rank(s) rejected their input; see their errors"
-    if problem is not None:
-        raise ValueError(problem)
-
-
 @dataclasses.dataclass(frozen=True)
 class _HostSplits:
     send_splits: list[int]  # rows sent to each rank
@@ -77,8 +54,8 @@ def _read_splits(send_meta: torch.Tensor, recv_meta: torch.Tensor, expert_alignm
     """Host sync: read both metadata matrices, derive the split sizes on the host, and check
     every rank's routing status.
 
-    Raises ``ValueError`` (on every rank alike, since all see the same statuses) if any rank's
-    ``topk_idx`` held expert ids outside [-1, E)."""
+    Raises :class:`RoutingError` (on every rank alike, since all see the same statuses) if any
+    rank's ``topk_idx`` held expert ids outside [-1, E)."""
     W = send_meta.shape[0]
     S = layout.STATUS_COLUMNS
     # NB: one small copy and plain Python sums: on a slow host each extra tensor op costs more
@@ -91,12 +68,17 @@ def _read_splits(send_meta: torch.Tensor, recv_meta: torch.Tensor, expert_alignm
     for src, row in enumerate(host[W:]):
         num_bad, lo, hi = row[-S:]
         if num_bad:
-            raise ValueError(
+            raise RoutingError(
                 f"topk_idx on rank {src} of the group holds {num_bad} expert id(s) outside "
                 f"[-1, {num_experts}) (min {lo}, max {hi}); expected -1 or a global expert id"
             )
     send_splits = [sum(c) for c in send_counts]
     return _HostSplits(send_splits, [sum(c) for c in recv_counts], sum(send_splits), num_rows)
+
+
+def combine_fields(expert_out: torch.Tensor, position: torch.Tensor) -> list[int]:
+    """What the ranks of a combine agree on (``comm.FIELDS["combine"]``): H, dtype, K."""
+    return [expert_out.shape[1], comm.dtype_code(expert_out.dtype), position.shape[1]]
 
 
 def _rows_are_send_order(group_name: str, expert_alignment: int) -> bool:
@@ -139,30 +121,32 @@ def _rows_in_send_order(
 
 
 def _weighted_slot_sum(
-    returned: torch.Tensor, position: torch.Tensor, weights: Optional[torch.Tensor]
+    returned: torch.Tensor, position: torch.Tensor, weights: Optional[torch.Tensor], num_valid: int
 ) -> torch.Tensor:
-    """y[t] = sum_k w[t, k] * returned[position[t, k]], accumulated in fp32 (fp64), rounded once.
+    """y[t] = sum_k w[t, k] * returned[position[t, k]] over the valid slots (position < num_valid),
+    accumulated in fp32 (fp64), rounded once.
 
-    returned: (n, H) rows in send order, n <= N; slots at positions >= n (and zero rows) add
-    nothing. position: (T, K); weights: (T, K) | None. Returns (T, H) in returned's dtype. Slots
-    are added in k order: deterministic."""
+    returned: (n, H) rows in send order, num_valid <= n <= N, the rows after the valid ones
+    unread. A dropped slot (position >= num_valid) adds nothing, even with a NaN / inf weight.
+    position: (T, K); weights: (T, K) | None. Returns (T, H) in returned's dtype. Slots are added
+    in k order: deterministic."""
     T, K = position.shape
-    n, H = returned.shape
+    H = returned.shape[1]
     acc_dtype = accumulation_dtype(returned.dtype, *(() if weights is None else (weights.dtype,)))
     from .symm_mem import loader
 
     if loader.use_kernels(returned):
         # One pass: each returned row read once, y written once (the symm_mem reduction kernel).
         y = returned.new_empty(T, H)
-        loader.kernels().combine_reduce(returned, position, None, weights, y, None, acc_dtype)
+        loader.kernels().combine_reduce(returned, position, None, weights, y, None, acc_dtype, num_valid)
         return y
     acc = torch.zeros(T, H, dtype=acc_dtype, device=returned.device)
-    for k in range(K if n > 0 else 0):
+    for k in range(K if num_valid > 0 else 0):
         slot = position[:, k]
-        rows = returned.index_select(0, slot.clamp(max=n - 1)).to(acc_dtype)  # (T, H)
+        rows = returned.index_select(0, slot.clamp(max=num_valid - 1)).to(acc_dtype)  # (T, H)
         if weights is not None:
             rows = rows * weights[:, k : k + 1].to(acc_dtype)
-        acc += torch.where((slot < n)[:, None], rows, 0)
+        acc += torch.where((slot < num_valid)[:, None], rows, 0)  # masks the product, NaN weights too
     return acc.to(returned.dtype)
 
 
@@ -187,18 +171,23 @@ def _slot_dot(
 
 
 @comm_op("exchange_counts")
-def exchange_counts_op(send: torch.Tensor, group_name: str) -> torch.Tensor:
-    """(W, c) int64, row r sent to rank r -> (W, c), row s received from rank s."""
+def exchange_counts_op(send: torch.Tensor, group_name: str, header: list[int]) -> torch.Tensor:
+    """(W, c) int64, row r sent to rank r -> (W, c), row s received from rank s.
+
+    header: ``[op code, *fields]`` (``comm.FIELDS``) that every rank must agree on; the ranks
+    check it (:func:`comm.agree`) before the counts move, so a disagreement on c is an error
+    on every rank, never a mismatched exchange."""
     out = torch.empty_like(send)
     if group_name == LOCAL:
         out.copy_(send)
     else:
-        dist.all_to_all_single(out, send.contiguous(), group=process_group(group_name))
+        comm.agree(comm.op_name(header[0]), group_name, header[1:])
+        comm.all_to_all("exchange_counts", group_name, out, send)
     return out
 
 
 @exchange_counts_op.register_fake
-def _(send, group_name):
+def _(send, group_name, header):
     # NB: every rank sends one equal-sized row to every rank, so the shape is the input's.
     return torch.empty_like(send)
 
@@ -235,7 +224,7 @@ def dispatch_op(
         received = send  # one rank: what it sends is what it receives
     else:
         received = x.new_empty(sum(splits.recv_splits), x.shape[1])  # rank-major
-        _exchange_rows(send, received, splits.recv_splits, splits.send_splits, group_name)
+        comm.all_to_all("dispatch", group_name, received, send, splits.recv_splits, splits.send_splits)
     if splits.num_rows == received.shape[0] and recv_counts.shape[0] == 1:
         return received  # one rank, no padding: rank-major is expert-major
     routed = x.new_zeros(splits.num_rows, x.shape[1])
@@ -303,18 +292,22 @@ def combine_op(
         splits = _read_splits(send_meta, recv_meta, expert_alignment)
         problem = None
         if expert_out.shape[0] != splits.num_rows:
-            problem = (
+            problem = ValueError(
                 f"combine: expert_out has {expert_out.shape[0]} rows but its handle's dispatch "
                 f"returned {splits.num_rows}; pass the expert outputs of that same dispatch"
             )
-        _agree_on_error(problem, expert_out.device, group_name, "combine: expert_out")
+        if group_name == LOCAL:
+            if problem is not None:
+                raise problem
+        else:
+            comm.agree("combine", group_name, combine_fields(expert_out, position), problem)
         recv_counts, _ = layout.split_meta(recv_meta)
         if splits.num_rows != sum(splits.recv_splits) or recv_counts.shape[0] != 1:
             expert_major = layout.expert_major_rows(recv_counts, expert_alignment)
         num_valid = splits.num_valid
     if group_name == LOCAL and expert_major is None and not save_returned:
         # The expert outputs already are the valid slots' rows in send order: nothing moves.
-        return _weighted_slot_sum(expert_out, position, weights), nothing_returned
+        return _weighted_slot_sum(expert_out, position, weights, num_valid), nothing_returned
     returned = expert_out.new_empty(order.shape[0], expert_out.shape[1])
     returned[num_valid:].zero_()  # dropped slots read zero rows
     received = returned[:num_valid]
@@ -325,8 +318,8 @@ def combine_op(
             torch.index_select(expert_out, 0, expert_major, out=received)
     else:
         rank_major = expert_out if expert_major is None else expert_out.index_select(0, expert_major)
-        _exchange_rows(rank_major, received, splits.send_splits, splits.recv_splits, group_name)
-    return _weighted_slot_sum(returned, position, weights), returned if save_returned else nothing_returned
+        comm.all_to_all("combine", group_name, received, rank_major, splits.send_splits, splits.recv_splits)
+    return _weighted_slot_sum(returned, position, weights, num_valid), returned if save_returned else nothing_returned
 
 
 @combine_op.register_fake

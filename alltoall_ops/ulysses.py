@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
+from . import comm
 from .groups import LOCAL, pick_backend, process_group, resolve_group
 from .ops import comm_op
 
@@ -66,7 +66,7 @@ def _check_args(
     return seq_dim, head_dim
 
 
-def _all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group_name: str) -> torch.Tensor:
+def _all_to_all(op: str, x: torch.Tensor, split_dim: int, cat_dim: int, group_name: str) -> torch.Tensor:
     """Chunk ``x`` into W along ``split_dim`` (chunk r to rank r) and concatenate what arrives
     from ranks 0..W-1 along ``cat_dim``. Returns a new contiguous tensor."""
     W = _group_size(group_name)
@@ -74,9 +74,20 @@ def _all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group_name: str) 
         return x.clone(memory_format=torch.contiguous_format)  # op outputs must not alias inputs
     send = torch.stack(x.chunk(W, dim=split_dim)).contiguous()  # (W, ..., n/W at split_dim, ...)
     received = torch.empty_like(send)
-    if send.numel() > 0:  # equal splits: every rank's send is empty alike
-        dist.all_to_all_single(received, send, group=process_group(group_name))
+    if send.numel() > 0:  # equal splits: every rank's send is empty alike (the shapes agree)
+        comm.all_to_all(op, group_name, received, send)
     return torch.cat(received.unbind(0), dim=cat_dim)
+
+
+def _agreed_dims(op: str, x: torch.Tensor, group_name: str, seq_dim: int, head_dim: int) -> tuple[int, int]:
+    """The checks of ``op`` (see :func:`_check_args`), then, on a group, the ranks' agreement on
+    x's dtype, dims and shape (a fingerprint), so a rank with another shard shape is an error
+    on every rank instead of a mismatched exchange."""
+    seq_dim, head_dim = comm.checked(op, group_name, _check_args, op, x, _group_size(group_name), seq_dim, head_dim)
+    if group_name != LOCAL:
+        fields = [comm.dtype_code(x.dtype), x.ndim, seq_dim, head_dim, comm.shape_code(x.shape)]
+        comm.agree(op, group_name, fields, shapes=x.shape)
+    return seq_dim, head_dim
 
 
 def _exchanged_shape(x: torch.Tensor, group_name: str, grow: int, shrink: int) -> list:
@@ -98,8 +109,8 @@ _SCHEMA = "(Tensor x, str group_name, int seq_dim, int head_dim) -> Tensor"
 @comm_op("seq_to_head", schema=_SCHEMA)
 def seq_to_head_op(x: torch.Tensor, group_name: str, seq_dim: int, head_dim: int) -> torch.Tensor:
     """(.., S/W at seq_dim, .., Hh at head_dim, ..) -> (.., S, .., Hh/W, ..); dims >= 0."""
-    seq_dim, head_dim = _check_args("seq_to_head", x, _group_size(group_name), seq_dim, head_dim)
-    return _all_to_all(x, head_dim, seq_dim, group_name)
+    seq_dim, head_dim = _agreed_dims("seq_to_head", x, group_name, seq_dim, head_dim)
+    return _all_to_all("seq_to_head", x, head_dim, seq_dim, group_name)
 
 
 @seq_to_head_op.register_fake
@@ -111,8 +122,8 @@ def _(x, group_name, seq_dim, head_dim):
 @comm_op("head_to_seq", schema=_SCHEMA)
 def head_to_seq_op(x: torch.Tensor, group_name: str, seq_dim: int, head_dim: int) -> torch.Tensor:
     """(.., S at seq_dim, .., Hh/W at head_dim, ..) -> (.., S/W, .., Hh, ..); dims >= 0."""
-    seq_dim, head_dim = _check_args("head_to_seq", x, _group_size(group_name), seq_dim, head_dim)
-    return _all_to_all(x, seq_dim, head_dim, group_name)
+    seq_dim, head_dim = _agreed_dims("head_to_seq", x, group_name, seq_dim, head_dim)
+    return _all_to_all("head_to_seq", x, seq_dim, head_dim, group_name)
 
 
 @head_to_seq_op.register_fake
@@ -155,7 +166,8 @@ def seq_to_head(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: 
 
     Returns a new tensor; :func:`head_to_seq` with the same dims is its inverse."""
     grp = pick_backend("auto", resolve_group(group))
-    seq_dim, head_dim = _check_args("seq_to_head", x, grp.size, seq_dim, head_dim)
+    seq_dim, head_dim = comm.checked("seq_to_head", grp.name, _check_args, "seq_to_head", x, grp.size, seq_dim,
+                                     head_dim)
     return seq_to_head_op(x, grp.name, seq_dim, head_dim)
 
 
@@ -163,8 +175,16 @@ def head_to_seq(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: 
     """Head shard -> sequence shard: (B, S, Hh/W, D) -> (B, S/W, Hh, D); the inverse of
     :func:`seq_to_head`. S must be divisible by W; arguments as for :func:`seq_to_head`."""
     grp = pick_backend("auto", resolve_group(group))
-    seq_dim, head_dim = _check_args("head_to_seq", x, grp.size, seq_dim, head_dim)
+    seq_dim, head_dim = comm.checked("head_to_seq", grp.name, _check_args, "head_to_seq", x, grp.size, seq_dim,
+                                     head_dim)
     return head_to_seq_op(x, grp.name, seq_dim, head_dim)
+
+
+def _check_qkv(q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.ndim != 4:
+            got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"ulysses_attention: {name}: expected a 4-D tensor (B, S/W, Hh, D), got {got}")
 
 
 def ulysses_attention(
@@ -180,10 +200,7 @@ def ulysses_attention(
     q, k: (B, S/W, Hh, Dqk); v: (B, S/W, Hh, Dv); Hh divisible by W. Returns (B, S/W, Hh, Dv),
     this rank's chunk of ``scaled_dot_product_attention`` over the gathered sequence (causal
     masking is by global position, since the sequence is gathered in rank order)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.ndim != 4:
-            got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"ulysses_attention: {name}: expected a 4-D tensor (B, S/W, Hh, D), got {got}")
+    comm.checked("seq_to_head", pick_backend("auto", resolve_group(group)).name, _check_qkv, q, k, v)
     q, k, v = (seq_to_head(t, group, seq_dim=1, head_dim=2).transpose(1, 2) for t in (q, k, v))
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
     return head_to_seq(out.transpose(1, 2), group, seq_dim=1, head_dim=2)

@@ -8,6 +8,7 @@ the verdict through the metadata exchange or one all-reduce."""
 
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -30,14 +31,30 @@ def _require_float_matrix(name: str, t: torch.Tensor, shape_doc: str) -> None:
         raise TypeError(f"{name}: expected a 2-D floating-point tensor {shape_doc}, got {_describe(t)}")
 
 
-def _require_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)) or value < 1:
+MAX_EXPERT_ALIGNMENT = 1 << 16
+"""The largest ``expert_alignment``: padding adds up to ``e * (alignment - 1)`` rows."""
+
+
+def positive_int(name: str, value, maximum: Optional[int] = None) -> int:
+    """``value`` as an int (integer-likes such as numpy ints accepted), checked to be in
+    [1, maximum]; raises ``ValueError`` naming ``name`` otherwise."""
+    if isinstance(value, torch.SymInt):
+        return value
+    try:
+        as_int = None if isinstance(value, (bool, torch.Tensor)) else operator.index(value)
+    except TypeError:
+        as_int = None
+    if as_int is None or as_int < 1:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    if maximum is not None and as_int > maximum:
+        raise ValueError(f"{name}: expected at most {maximum}, got {as_int}")
+    return as_int
 
 
 def check_dispatch_args(
     x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, world_size: int, expert_alignment: int
-) -> None:
+) -> int:
+    """Raise on a bad dispatch argument; return ``num_experts`` as an int."""
     _require_float_matrix("x", x, "(T, H)")
     _require_tensor("topk_idx", topk_idx)
     dtype = topk_idx.dtype
@@ -51,12 +68,13 @@ def check_dispatch_args(
         raise ValueError(f"topk_idx: expected K >= 1 columns, got {_describe(topk_idx)}")
     if topk_idx.device != x.device:
         raise ValueError(f"topk_idx: expected device {x.device} (that of x), got {topk_idx.device}")
-    _require_positive_int("num_experts", num_experts)
+    num_experts = positive_int("num_experts", num_experts)
     if num_experts % world_size != 0:
         raise ValueError(
             f"num_experts: expected a multiple of the group size {world_size}, got {num_experts}"
         )
-    _require_positive_int("expert_alignment", expert_alignment)
+    positive_int("expert_alignment", expert_alignment, MAX_EXPERT_ALIGNMENT)
+    return num_experts
 
 
 def check_combine_args(expert_out: torch.Tensor, handle, topk_weights: Optional[torch.Tensor]) -> None:

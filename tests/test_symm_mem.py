@@ -643,3 +643,78 @@ def test_import_without_triton():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     assert "backend='symm_mem' needs Triton: pip install 'alltoall_ops[triton]'" in out.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# Second order: double backward through symm_mem is exact, like the local backend
+
+
+def _second_order_layer(x, weights, topk_idx, bufs, scale):
+    """dispatch -> tanh(routed * scale[expert of the row]) -> combine; scale: (e, H), fixed."""
+    routed, tokens_per_expert, handle = a2a.dispatch(x, topk_idx, num_experts=E, expert_alignment=2, buffers=bufs)
+    rows = torch.arange(routed.shape[0])
+    expert_of_row = torch.bucketize(rows, tokens_per_expert.cumsum(0), right=True).clamp(max=scale.shape[0] - 1)
+    return a2a.combine(torch.tanh(routed * scale[expert_of_row]), handle, weights)
+
+
+def test_second_order_gradients_one_rank():
+    # Double backward reaches dispatch's scale (combine's backward dispatches grad_y scaled by the
+    # weights), combine's returned rows and the weights' gradient op.
+    T = 4
+    bufs = a2a.SymmBuffers(T, H, K, E, dtype=torch.float64, device="cpu", expert_alignment=2)
+    x, topk_idx, weights, _ = _inputs(90, 0, T, torch.float64, torch.float64)
+    scale = torch.randn(E, H, dtype=torch.float64, generator=torch.Generator().manual_seed(90))
+
+    def layer(x, weights):
+        return _second_order_layer(x, weights, topk_idx, bufs, scale)
+
+    inputs = (x.requires_grad_(), weights.requires_grad_())
+    assert torch.autograd.gradcheck(layer, inputs)
+    assert torch.autograd.gradgradcheck(layer, inputs)
+
+
+def test_second_order_gradients_simulated_two_ranks():
+    # gradgradcheck perturbs one input element at a time on one rank, which its peer cannot
+    # follow. Instead every rank moves its inputs (x, weights, grad_y) along its own direction v
+    # at once: the central difference of the first-order gradients of L = sum_r <y_r, grad_y_r>
+    # is the Hessian-vector product H v, which double backward gives exactly (H is symmetric).
+    W, T, eps = 2, 4, 1e-6
+    bufs = a2a.SymmBuffers.simulated(W, T, H, K, E, dtype=torch.float64, device="cpu",
+                                     expert_alignment=2, timeout=60)
+    scale = torch.randn(E // W, H, dtype=torch.float64, generator=torch.Generator().manual_seed(91))
+
+    def point(rank):
+        x, topk_idx, weights, grad_y = _inputs(91, rank, T, torch.float64, torch.float64)
+        g = torch.Generator().manual_seed(92 + rank)
+        v = [torch.randn(t.shape, dtype=t.dtype, generator=g) for t in (x, weights, grad_y)]
+        return topk_idx, [x, weights, grad_y], v
+
+    def gradients(rank, b, step=0.0, hessian_vector=False):
+        topk_idx, theta, v = point(rank)
+        theta = [(t + step * d).requires_grad_() for t, d in zip(theta, v)]
+        y = _second_order_layer(theta[0], theta[1], topk_idx, b, scale)
+        g = torch.autograd.grad((y * theta[2]).sum(), theta, create_graph=hessian_vector)
+        return torch.autograd.grad(g, theta, v) if hessian_vector else g
+
+    analytic = symm_mem.run_simulated(partial(gradients, hessian_vector=True), bufs)
+    plus = symm_mem.run_simulated(partial(gradients, step=eps), bufs)
+    minus = symm_mem.run_simulated(partial(gradients, step=-eps), bufs)
+    for rank in range(W):
+        for i, name in enumerate(("x", "weights", "grad_y")):
+            numeric = (plus[rank][i] - minus[rank][i]) / (2 * eps)
+            torch.testing.assert_close(analytic[rank][i], numeric, rtol=1e-6, atol=1e-7,
+                                       msg=lambda m: f"rank {rank}, H v for {name}: {m}")
+
+
+def test_opcheck_second_order_paths():
+    # The autograd paths that only double backward takes: dispatch's scale, weight_grad's inputs.
+    tests = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    bufs, x, weights, grad_y, routed, h = _one_rank_call()
+    returned = torch.randn(h.position.numel(), H, dtype=torch.float64)
+    cases = [
+        (symm_mem.symm_dispatch_op, (x.requires_grad_(), weights.requires_grad_(), h.position, h.slot_dst, bufs)),
+        (symm_mem.symm_weight_grad_op,
+         (grad_y.requires_grad_(), returned.requires_grad_(), h.position, weights.detach())),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=tests)

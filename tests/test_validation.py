@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import alltoall_ops
+from alltoall_ops.errors import RoutingError
 from alltoall_ops.testing import RankFailures
 
 E, H, T, K = 4, 3, 5, 2
@@ -167,7 +168,7 @@ def bad_expert_id_on_one_rank(rank: int, world_size: int, bad_rank: int, bad_id:
 @pytest.mark.parametrize("bad_rank, bad_id", [(0, E), (1, -2), (1, 1000)])
 def test_bad_expert_id_on_one_rank_raises_everywhere(pool2, bad_rank, bad_id):
     errors = _expect_all_ranks_raise(
-        pool2, bad_expert_id_on_one_rank, bad_rank, bad_id, exc=ValueError, text="topk_idx"
+        pool2, bad_expert_id_on_one_rank, bad_rank, bad_id, exc=RoutingError, text="topk_idx"
     )
     for err in errors.values():  # every rank is told which rank and which id
         assert f"rank {bad_rank}" in err.message and str(bad_id) in err.message
@@ -184,10 +185,16 @@ def expert_out_wrong_rows(rank: int, world_size: int, bad_rank: int, delta: int)
 
 @pytest.mark.parametrize("bad_rank, delta", [(0, 1), (1, -1)])
 def test_expert_out_wrong_rows_on_one_rank_raises_everywhere(pool2, bad_rank, delta):
-    errors = _expect_all_ranks_raise(
-        pool2, expert_out_wrong_rows, bad_rank, delta, exc=ValueError, text="expert_out"
-    )
-    assert "rows" in errors[bad_rank].message
+    with pytest.raises(RankFailures) as info:
+        pool2.run(expert_out_wrong_rows, bad_rank, delta)
+    errors = info.value.errors
+    assert info.value.silent == [] and sorted(errors) == [0, 1], str(info.value)
+    assert errors[bad_rank].type_name == "ValueError", errors[bad_rank]
+    assert "expert_out" in errors[bad_rank].message and "rows" in errors[bad_rank].message
+    peer = errors[1 - bad_rank]  # told which rank failed, and its error
+    assert peer.type_name == "PeerInputError", peer
+    assert f"rank {bad_rank} rejected its arguments" in peer.message
+    assert errors[bad_rank].message in peer.message
     pool2.run(healthy)
 
 

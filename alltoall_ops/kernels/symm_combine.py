@@ -1,12 +1,14 @@
 """Kernels of the combine reduction over top-k slots and of the routing-weight gradient.
 
-Reference semantics (``ret`` is this rank's buffer of returned rows in send order; a slot whose
-row never left, ``slot_dst[t * K + k] < 0`` when slot_dst is given, reads a zero row)::
+Reference semantics (``ret`` is this rank's buffer of returned rows in send order, its first
+``num_valid`` rows valid; a slot whose row never left, ``slot_dst[t * K + k] < 0`` when slot_dst
+is given, reads a zero row)::
 
     combine_reduce:  for t: acc = 0 (fp32, or fp64 for fp64 inputs)
                          for k in range(K): p = position[t, k]
-                             row = ret[p] if p < len(ret) and slot_dst[t * K + k] >= 0 else 0
-                             acc += row * weights[t, k]            # no product without weights
+                             valid = p < num_valid and slot_dst[t * K + k] >= 0
+                             row = ret[p] if valid else 0
+                             acc += row * weights[t, k] if valid else 0   # even a NaN weight adds 0
                              returned[p] = row                      # when asked for
                          y[t] = acc rounded once to y's dtype
     combine_weight_grad:  grad_w[t, k] = sum_h grad_y[t, h] * returned[position[t, k], h]  (acc dtype)
@@ -21,12 +23,13 @@ import triton
 import triton.language as tl
 
 from ._config import LAUNCH_LOCK, cast_rne, row_blocks, tl_acc_dtype, upcast
+from .symm_dispatch import require_contiguous
 
 
 @triton.jit
 def _combine_reduce_kernel(
     ret_ptr, position_ptr, slot_dst_ptr, weights_ptr, y_ptr, returned_ptr,
-    T, H, n_ret,
+    T, H, n_valid,
     K: tl.constexpr, HAS_SLOT_DST: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SAVE_RETURNED: tl.constexpr,
     ACC_DTYPE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
@@ -39,15 +42,15 @@ def _combine_reduce_kernel(
     for k in tl.static_range(K):  # slots in k order: deterministic
         b_pos = tl.load(position_ptr + o_t * K + k, mask=m_t, other=0)  # [BT]
         m_pos = m_t & (b_pos >= 0) & (b_pos < T * K)  # never out of bounds
-        m_row = m_pos & (b_pos < n_ret)
+        m_row = m_pos & (b_pos < n_valid)
         if HAS_SLOT_DST:
             m_row = m_row & (tl.load(slot_dst_ptr + o_t * K + k, mask=m_t, other=-1) >= 0)
         p_row = ret_ptr + b_pos[:, None] * H + o_h[None, :]
         b_row = tl.load(p_row, mask=m_row[:, None] & m_h, other=0)  # [BT, BH]
         if SAVE_RETURNED:
             tl.store(returned_ptr + b_pos[:, None] * H + o_h[None, :], b_row, mask=m_pos[:, None] & m_h)
-        if HAS_WEIGHTS:
-            b_w = upcast(tl.load(weights_ptr + o_t * K + k, mask=m_t, other=0), ACC_DTYPE)
+        if HAS_WEIGHTS:  # the row's mask: a dropped slot's product is 0 * 0, whatever its weight
+            b_w = upcast(tl.load(weights_ptr + o_t * K + k, mask=m_row, other=0), ACC_DTYPE)
             b_acc += upcast(b_row, ACC_DTYPE) * b_w[:, None]
         else:
             b_acc += upcast(b_row, ACC_DTYPE)
@@ -63,21 +66,30 @@ def combine_reduce(
     y: torch.Tensor,
     returned: Optional[torch.Tensor],
     acc_dtype: torch.dtype,
+    num_valid: Optional[int] = None,
 ) -> None:
-    """y (T, H) = weighted sum over k of the returned rows ``ret[position[t, k]]``; ``returned``
-    (N, H), when given, receives every slot's row in send order (zero for unsent slots).
-    slot_dst: (N,) destination code of each slot, -1 if it sent nothing; None: every slot with a
-    row in ``ret`` was sent."""
+    """y (T, H) = weighted sum over k of the returned rows ``ret[position[t, k]]`` (n, H) of the
+    valid slots; ``returned`` (N, H), when given, receives every slot's row in send order (zero
+    for unsent slots). A slot is valid if its position is below ``num_valid`` (default: n) and,
+    when slot_dst (N,) is given, it sent its row (``slot_dst[t * K + k] >= 0``); any other slot
+    adds nothing, whatever its weight (T, K)."""
     T, K = position.shape
     H = y.shape[1]
     if T == 0 or H == 0:
         return
+    require_contiguous("combine_reduce", y=y, returned=returned)
+    n_valid = ret.shape[0] if num_valid is None else num_valid
+    if not 0 <= n_valid <= ret.shape[0]:
+        raise ValueError(f"combine_reduce: num_valid = {num_valid} outside [0, {ret.shape[0]}] (rows of ret)")
+    ret, position, slot_dst, weights = (
+        None if t is None else t.contiguous() for t in (ret, position, slot_dst, weights)
+    )
     blocks = row_blocks("combine_reduce", T, H, ret.element_size())
     with LAUNCH_LOCK:
         _combine_reduce_kernel[blocks.grid(T, H)](
             ret, position, slot_dst if slot_dst is not None else position,
             weights if weights is not None else y, y,
-            returned if returned is not None else y, T, H, ret.shape[0],
+            returned if returned is not None else y, T, H, n_valid,
             K=K, HAS_SLOT_DST=slot_dst is not None, HAS_WEIGHTS=weights is not None,
             SAVE_RETURNED=returned is not None, ACC_DTYPE=tl_acc_dtype(acc_dtype),
             BLOCK_T=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H, num_warps=blocks.num_warps,
@@ -115,6 +127,8 @@ def combine_weight_grad(
     H = grad_y.shape[1]
     if T == 0:
         return
+    require_contiguous("combine_weight_grad", grad_w=grad_w)
+    grad_y, returned, position = grad_y.contiguous(), returned.contiguous(), position.contiguous()
     blocks = row_blocks("combine_weight_grad", T, max(H, 1), grad_y.element_size())
     with LAUNCH_LOCK:  # NB: one program per token block across all of H: it sums over H
         _combine_weight_grad_kernel[blocks.grid(T, H)[:1]](

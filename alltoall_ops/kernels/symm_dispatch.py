@@ -12,6 +12,9 @@ Reference semantics (``tables[r]`` is rank r's buffer)::
                     tags[peer][row] = tag_base + (tag_index[i] if tag_index else i)  # when tags
     put_meta:   for peer in range(W): meta[peer][rank] = send_row
     dispatch_copy_out:  out[d] = recv[d] if tags[d] >= 0 else 0; row_src[d] = tags[d]; tags[d] = -1
+
+The kernels index every tensor as contiguous: the launchers copy strided inputs (``.contiguous()``,
+a no-op for contiguous ones) and raise ``ValueError`` for a strided tensor they write into.
 """
 
 from __future__ import annotations
@@ -23,6 +26,16 @@ import triton
 import triton.language as tl
 
 from ._config import LAUNCH_LOCK, cast_rne, row_blocks, tl_acc_dtype, upcast
+
+
+def require_contiguous(launcher: str, **outputs: Optional[torch.Tensor]) -> None:
+    """Raise ``ValueError`` for each given tensor that a kernel would write as if contiguous."""
+    for name, t in outputs.items():
+        if t is not None and not t.is_contiguous():
+            raise ValueError(
+                f"{launcher}: {name} must be contiguous (the kernel writes it in place), got shape "
+                f"{tuple(t.shape)} with strides {t.stride()}"
+            )
 
 
 @triton.jit
@@ -89,6 +102,10 @@ def put_rows(
         return
     if (out is None) == (rows_table is None):
         raise ValueError("put_rows: pass exactly one of rows_table and out")
+    require_contiguous("put_rows", out=out)
+    src, dst, scale, rows_table, tags_table, tag_index = (
+        None if t is None else t.contiguous() for t in (src, dst, scale, rows_table, tags_table, tag_index)
+    )
     blocks = row_blocks("put_rows", n, H, src.element_size())
     with LAUNCH_LOCK:
         _put_rows_kernel[blocks.grid(n, H)](
@@ -116,6 +133,7 @@ def _put_meta_kernel(row_ptr, meta_table_ptr, rank, L, BLOCK_L: tl.constexpr):
 def put_meta(send_row: torch.Tensor, meta_table: torch.Tensor, rank: int) -> None:
     """Write the int64 ``send_row`` (L,) into row ``rank`` of every rank's (W, L) metadata buffer."""
     L = send_row.numel()
+    send_row, meta_table = send_row.contiguous(), meta_table.contiguous()
     block_l = triton.next_power_of_2(max(1, min(L, 1024)))
     with LAUNCH_LOCK:
         _put_meta_kernel[(meta_table.numel(),)](send_row, meta_table, rank, L, BLOCK_L=block_l)
@@ -150,6 +168,8 @@ def dispatch_copy_out(
     C, H = recv.shape
     if C == 0:
         return
+    require_contiguous("dispatch_copy_out", tags=tags, out=out, row_src=row_src)
+    recv = recv.contiguous()
     blocks = row_blocks("dispatch_copy_out", C, H, recv.element_size())
     with LAUNCH_LOCK:  # NB: one program per row block across all of H (see the kernel)
         _dispatch_copy_out_kernel[blocks.grid(C, H)[:1]](

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from .. import layout
 from .._compat import OpaqueBase, register_reference_type
+from ..comm import get_timeout
 from ..groups import Group, process_group, resolve_group
 from .loader import _check_kernels_run_on
 from .segments import _CudaSymmetricSegments, _LocalSegments, _Segments, _SharedMemorySegments, _SimulatedSegments
@@ -20,8 +21,11 @@ from .segments import _CudaSymmetricSegments, _LocalSegments, _Segments, _Shared
 RECV, TAGS, RET, META = range(4)
 """Rows of the pointer table: the regions of a segment."""
 
-META_EXTRA = layout.STATUS_COLUMNS + 1
-"""Columns of a metadata row after the E counts: the routing status, then N = T * K."""
+N_SLOTS, ALIGNMENT, FAILED, CALL = range(layout.STATUS_COLUMNS, layout.STATUS_COLUMNS + 4)
+META_EXTRA = layout.STATUS_COLUMNS + 4
+"""Columns of a metadata row after the E counts: the routing status, then N = T * K, the
+dispatch's expert_alignment, a failure flag (the rank rejected its arguments) and the
+buffers' call number (ranks out of step see different ones)."""
 
 _REGION_ALIGN = 256
 OVERFLOW_MODES = ("error", "drop")
@@ -124,6 +128,9 @@ class SymmBuffers(OpaqueBase):
         allocator: "auto" (CUDA symmetric memory for W > 1 on cuda, a shared-memory stand-in on
             the CPU, plain memory for one rank) or "symmetric" (torch symmetric memory even for
             one rank: a check of that path on a one-GPU host).
+        timeout: seconds a barrier of the CPU stand-in waits for its peers before raising
+            :class:`alltoall_ops.errors.CollectiveTimeout` (default: the library's deadline,
+            :func:`alltoall_ops.set_timeout`). CUDA barriers are device-side and not bounded.
 
     Example::
 
@@ -147,6 +154,7 @@ class SymmBuffers(OpaqueBase):
         capacity: Optional[int] = None,
         overflow: str = "error",
         allocator: str = "auto",
+        timeout: Optional[float] = None,
     ):
         if allocator not in ("auto", "symmetric"):
             raise ValueError(f"allocator: expected 'auto' or 'symmetric', got {allocator!r}")
@@ -163,7 +171,7 @@ class SymmBuffers(OpaqueBase):
         if grp.size == 1 and allocator == "auto":
             segments: _Segments = _LocalSegments(nbytes, device)
         elif device.type == "cpu":
-            segments = _SharedMemorySegments(nbytes, grp)
+            segments = _SharedMemorySegments(nbytes, grp, get_timeout() if timeout is None else timeout)
         else:
             segments = _CudaSymmetricSegments(nbytes, grp, device)
         self._setup(cfg, segments)
@@ -198,16 +206,19 @@ class SymmBuffers(OpaqueBase):
         locals_ = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(world_size)]
         bases = [t.data_ptr() for t in locals_]
         barrier = threading.Barrier(world_size, timeout=timeout)
+        board: list = [None] * world_size
         out = []
-        for cfg, local in zip(cfgs, locals_):
+        for rank, (cfg, local) in enumerate(zip(cfgs, locals_)):
             bufs = cls.__new__(cls)
-            bufs._setup(cfg, _SimulatedSegments(local, bases, barrier))
+            bufs._setup(cfg, _SimulatedSegments(local, bases, barrier, rank, board))
             out.append(bufs)
         return out
 
     def _setup(self, cfg: _Config, segments: _Segments) -> None:
         self._cfg = cfg
         self._segments = segments
+        self._calls = 0  # metadata exchanges so far: every rank's count must agree
+        self._own_error: Optional[str] = None  # this rank's argument error, while it tells its peers
         for field in dataclasses.fields(cfg):
             setattr(self, field.name, getattr(cfg, field.name))
         self.num_local_experts = cfg.num_experts // cfg.world_size
@@ -254,6 +265,10 @@ class SymmBuffers(OpaqueBase):
     # Host-side helpers, used inside the ops only.
     def _barrier(self) -> None:
         self._segments.barrier()
+
+    def _next_call(self) -> int:
+        self._calls += 1
+        return self._calls
 
     def _guard_key(self) -> list:
         return [self.rank, *self._cfg.shared, self.group_name]

@@ -7,13 +7,14 @@ import dataclasses
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
-from .. import layout
+from .. import comm, layout
 from .._compat import is_compiling
+from ..errors import CapacityError, PeerInputError
 from ..groups import LOCAL, Group, process_group, resolve_group
+from ..ops import combine_fields
 from ..validation import check_combine_args, check_dispatch_args
-from .buffers import SymmBuffers
+from .buffers import FAILED, META_EXTRA, SymmBuffers
 from .ops import symm_combine_op, symm_dispatch_op, symm_exchange_meta_op
 
 
@@ -87,45 +88,44 @@ class SymmDispatchHandle(layout.SlotShape):
 _AUTO_BUFFERS: dict[tuple, SymmBuffers] = {}
 
 
-def _max_over_ranks(value: int, grp: Group, device: torch.device) -> int:
-    """Host sync: the largest ``value`` over the group (one small all-reduce)."""
-    if grp.size == 1:
-        return value
-    pg = process_group(grp.name)
-    on = device if dist.get_backend(pg) != "gloo" else torch.device("cpu")
-    t = torch.tensor([value], dtype=torch.int64, device=on)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
-    return int(t)
-
-
-def cached_buffers(x: torch.Tensor, top_k: int, num_experts: int, grp: Group, expert_alignment: int) -> SymmBuffers:
+def cached_buffers(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, grp: Group,
+                   expert_alignment: int) -> SymmBuffers:
     """Eager convenience: buffers cached per (group, H, dtype, device), created sized from the
-    largest T over the ranks and re-created larger when a call needs more. Collective; costs one
-    small all-reduce per call (a host sync), which is why compiled code must pass ``buffers=``."""
+    largest T, K and expert_alignment over the ranks and re-created larger when a call needs
+    more, on every rank alike. Collective: the arguments' checks and the sizes go through one
+    agreement per call (a host sync), which is why compiled code must pass ``buffers=``."""
     if is_compiling():
         raise RuntimeError(
             "dispatch(backend='symm_mem') under torch.compile needs buffers=: create "
             "alltoall_ops.SymmBuffers(max_tokens_per_rank=..., hidden=..., top_k=..., num_experts=..., "
             "dtype=..., device=..., group=...) once, outside the compiled region, and pass it in"
         )
-    T, H = x.shape
-    t_max = _max_over_ranks(T, grp, x.device)
+    num_experts = comm.checked("symm_buffers", grp.name, check_dispatch_args, x, topk_idx, num_experts, grp.size,
+                               expert_alignment)
+    (T, H), K = x.shape, topk_idx.shape[1]
+    sizes = [T, K, expert_alignment]
+    if grp.name != LOCAL:  # equal E, H and dtype; the largest T, K and alignment
+        fields = comm.agree("symm_buffers", grp.name, [num_experts, H, comm.dtype_code(x.dtype), *sizes], equal=3)
+        sizes = [max(row[3 + i] for row in fields) for i in range(3)]
+    t_max, k_max, a_max = sizes
     key = (grp.name, H, x.dtype, x.device)
     bufs = _AUTO_BUFFERS.get(key)
-    if (bufs is None or bufs.max_tokens_per_rank < t_max or bufs.top_k < top_k
-            or bufs.num_experts != num_experts or bufs.expert_alignment < expert_alignment):
-        t_max = max(t_max, 1, bufs.max_tokens_per_rank if bufs is not None else 1)
+    if (bufs is None or bufs.max_tokens_per_rank < t_max or bufs.top_k < k_max
+            or bufs.num_experts != num_experts or bufs.expert_alignment < a_max):
+        if bufs is not None:
+            t_max, k_max, a_max = (max(t_max, bufs.max_tokens_per_rank), max(k_max, bufs.top_k),
+                                   max(a_max, bufs.expert_alignment))
         group = None if grp.name == LOCAL else process_group(grp.name)
-        bufs = SymmBuffers(t_max, H, top_k, num_experts, x.dtype, x.device, group,
-                           expert_alignment=expert_alignment)
+        bufs = SymmBuffers(max(t_max, 1), H, k_max, num_experts, x.dtype, x.device, group, expert_alignment=a_max)
         _AUTO_BUFFERS[key] = bufs
     return bufs
 
 
 def _check_buffers_fit(
-    bufs: SymmBuffers, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, group: Any
-) -> None:
-    """Static checks (shapes, dtypes: the same on every rank of an SPMD program)."""
+    bufs: SymmBuffers, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, group: Any, expert_alignment: int
+) -> int:
+    """The dispatch's checks against its buffers; returns E as an int."""
+    num_experts = check_dispatch_args(x, topk_idx, num_experts, bufs.world_size, expert_alignment)
     if group is not None and resolve_group(group).name != bufs.group_name:
         raise ValueError(
             f"group: the buffers were created for group {bufs.group_name!r}, got group "
@@ -137,9 +137,35 @@ def _check_buffers_fit(
             f"{x.dtype} of shape {tuple(x.shape)} on {x.device}"
         )
     if topk_idx.shape[1] > bufs.top_k:
-        raise ValueError(f"topk_idx: the buffers were sized for top_k = {bufs.top_k}, got K = {topk_idx.shape[1]}")
+        raise CapacityError(f"topk_idx: the buffers were sized for top_k = {bufs.top_k}, got K = {topk_idx.shape[1]}")
     if num_experts != bufs.num_experts:
         raise ValueError(f"num_experts: the buffers were created for E = {bufs.num_experts}, got {num_experts}")
+    if expert_alignment > bufs.expert_alignment:
+        raise CapacityError(
+            f"expert_alignment: the buffers were sized for expert_alignment <= {bufs.expert_alignment}, got "
+            f"{expert_alignment}; create SymmBuffers with expert_alignment={expert_alignment}"
+        )
+    return num_experts
+
+
+def _checked(bufs: SymmBuffers, check, *args):
+    """``check(*args)``; on a group, a rank whose checks raise sends a failure row through the
+    metadata exchange its peers wait in, so every rank raises (its peers a PeerInputError)."""
+    if bufs.world_size == 1 or is_compiling():
+        return check(*args)
+    try:
+        return check(*args)
+    except (TypeError, ValueError) as exc:
+        failure = torch.zeros(bufs.meta_columns, dtype=torch.int64, device=bufs.device)
+        failure[bufs.num_experts + FAILED] = 1
+        bufs._own_error = f"{type(exc).__name__}: {exc}"
+        try:
+            symm_exchange_meta_op(failure, bufs, 0)
+        except PeerInputError:
+            pass  # what the peers raise; this rank raises its own error
+        finally:
+            bufs._own_error = None
+        raise
 
 
 def dispatch(
@@ -149,19 +175,19 @@ def dispatch(
     """``alltoall_ops.dispatch(..., backend="symm_mem")``: routed (C, H), tokens_per_expert (e,),
     handle. The first ``tokens_per_expert.sum()`` rows of routed are the collective backend's
     routed rows; the rest are zero."""
-    if buffers is not None and not isinstance(buffers, SymmBuffers):
-        raise TypeError(f"buffers: expected alltoall_ops.SymmBuffers, got {type(buffers).__name__}")
     if buffers is None:
-        grp = resolve_group(group)
-        check_dispatch_args(x, topk_idx, num_experts, grp.size, expert_alignment)
-        buffers = cached_buffers(x, topk_idx.shape[1], num_experts, grp, expert_alignment)
-    else:
-        check_dispatch_args(x, topk_idx, num_experts, buffers.world_size, expert_alignment)
-    _check_buffers_fit(buffers, x, topk_idx, num_experts, group)
+        buffers = cached_buffers(x, topk_idx, num_experts, resolve_group(group), expert_alignment)
+    elif not isinstance(buffers, SymmBuffers):
+        raise TypeError(f"buffers: expected alltoall_ops.SymmBuffers, got {type(buffers).__name__}")
+    num_experts = _checked(buffers, _check_buffers_fit, buffers, x, topk_idx, num_experts, group, expert_alignment)
     W, e = buffers.world_size, buffers.num_local_experts
     plan = layout.plan_routing(topk_idx, num_experts, W)
-    n_slots = torch.full((1,), topk_idx.numel(), dtype=torch.int64, device=x.device)
-    send_row = torch.cat([plan.send_meta[:, :e].reshape(-1), plan.send_meta[0, e:], n_slots])  # (L,)
+    # (L,): counts, routing status, then N_SLOTS, ALIGNMENT, FAILED (0) and CALL (set by the op).
+    # NB: filled on the device, not copied from the host: eager calls stay CUDA-graph capturable.
+    header = torch.zeros(META_EXTRA - layout.STATUS_COLUMNS, dtype=torch.int64, device=x.device)
+    header[0].fill_(topk_idx.numel())
+    header[1].fill_(expert_alignment)
+    send_row = torch.cat([plan.send_meta[:, :e].reshape(-1), plan.send_meta[0, e:], header])
     meta = symm_exchange_meta_op(send_row, buffers, expert_alignment)
     r = route(meta, topk_idx, plan.position, buffers, expert_alignment)
     routed, row_src = symm_dispatch_op(x, None, plan.position, r.slot_dst, buffers)
@@ -170,9 +196,7 @@ def dispatch(
     return routed, r.tokens_per_expert, handle
 
 
-def combine(expert_out: torch.Tensor, handle: SymmDispatchHandle, topk_weights: Optional[torch.Tensor]) -> torch.Tensor:
-    """``alltoall_ops.combine`` for a symm_mem handle: y (T, H); rows of expert_out that
-    dispatch did not fill are ignored."""
+def _check_combine(expert_out: torch.Tensor, handle: SymmDispatchHandle, topk_weights: Optional[torch.Tensor]) -> None:
     check_combine_args(expert_out, handle, topk_weights)
     bufs = handle.buffers
     if tuple(expert_out.shape) != (bufs.capacity, bufs.hidden) or expert_out.dtype != bufs.dtype:
@@ -180,6 +204,18 @@ def combine(expert_out: torch.Tensor, handle: SymmDispatchHandle, topk_weights: 
             f"expert_out: expected the {bufs.dtype} shape (C, H) = ({bufs.capacity}, {bufs.hidden}) of "
             f"routed, got {expert_out.dtype} of shape {tuple(expert_out.shape)}"
         )
+
+
+def combine(expert_out: torch.Tensor, handle: SymmDispatchHandle, topk_weights: Optional[torch.Tensor]) -> torch.Tensor:
+    """``alltoall_ops.combine`` for a symm_mem handle: y (T, H); rows of expert_out that
+    dispatch did not fill are ignored."""
+    bufs = handle.buffers
+    if comm.debug() and bufs.world_size > 1 and not is_compiling():
+        # Debug mode: the ranks agree on every check (a host exchange) before the payload moves.
+        comm.checked("combine", bufs.group_name, _check_combine, expert_out, handle, topk_weights)
+        comm.agree("combine", bufs.group_name, combine_fields(expert_out, handle.position))
+    else:  # a rank that raises here leaves its peers in the op's barrier until the deadline
+        _check_combine(expert_out, handle, topk_weights)
     save_returned = topk_weights is not None and topk_weights.requires_grad and torch.is_grad_enabled()
     y, _ = symm_combine_op(expert_out, topk_weights, handle.position, handle.slot_dst, handle.row_src,
                            bufs, save_returned)

@@ -8,8 +8,9 @@ from typing import Callable, Optional
 import torch
 
 from .. import layout
+from ..errors import CapacityError, GroupMismatchError, PeerInputError, RoutingError
 from ..ops import accumulation_dtype, comm_op
-from .buffers import META, RECV, RET, TAGS, SymmBuffers
+from .buffers import ALIGNMENT, CALL, FAILED, META, N_SLOTS, RECV, RET, TAGS, SymmBuffers
 from .loader import kernels
 
 
@@ -17,20 +18,39 @@ from .loader import kernels
 # Checks on the exchanged metadata (every rank sees the same metadata, so all agree)
 
 
-def _fail(ok: torch.Tensor, message: Callable[[], str]) -> None:
-    """Raise ``ValueError(message())`` where ``ok`` is False. CPU: at once. CUDA: no host sync, a
+def _fail(ok: torch.Tensor, kind: type, message: Callable[[], str]) -> None:
+    """Raise ``kind(message())`` where ``ok`` is False. CPU: at once. CUDA: no host sync, a
     device-side assert (``torch._assert_async``) that surfaces at the next synchronisation."""
     if ok.device.type == "cpu":
         if not bool(ok):
-            raise ValueError(message())
+            raise kind(message())
     else:
-        torch._assert_async(ok, "alltoall_ops symm_mem: routing check failed (bad expert ids, "
-                                "T * K above the buffers' max_tokens_per_rank * top_k, or overflow)")
+        torch._assert_async(ok, f"alltoall_ops symm_mem: {kind.__name__} (a rank rejected its arguments, ranks "
+                                "out of step or disagreeing on expert_alignment, bad expert ids, T * K above "
+                                "the buffers' max_tokens_per_rank * top_k, or overflow)")
 
 
-def _check_meta(meta: torch.Tensor, bufs: SymmBuffers, expert_alignment: int) -> None:
+def _check_meta(meta: torch.Tensor, bufs: SymmBuffers, expert_alignment: int, call: int) -> None:
+    """Every rank's metadata row (W, L), checked in the order: a rank's failure flag, the call
+    numbers, the alignments, the expert ids, T * K, and the capacity (unless overflow='drop')."""
     E, W, C = bufs.num_experts, bufs.world_size, bufs.capacity
-    counts, status, n_slots = meta[:, :E], meta[:, E : E + layout.STATUS_COLUMNS], meta[:, -1]
+    counts, status, extra = meta[:, :E], meta[:, E : E + layout.STATUS_COLUMNS], meta[:, E:]
+    n_slots = extra[:, N_SLOTS]
+    failed = extra[:, FAILED]
+
+    def peer_failed() -> str:
+        messages = bufs._segments.gather_objects(bufs._own_error)  # every rank takes this path
+        s = int(torch.nonzero(failed)[0])
+        return (f"alltoall_ops.dispatch (symm_mem, rank {bufs.rank} of {W}): rank {s} rejected its arguments: "
+                f"{messages[s] or 'see its error'}")
+
+    _fail((failed == 0).all(), PeerInputError, peer_failed)
+    _fail((extra[:, CALL] == call).all(), GroupMismatchError, lambda: (
+        f"alltoall_ops.dispatch (symm_mem): the ranks are out of step: their calls on these buffers are "
+        f"{extra[:, CALL].tolist()} (by rank); every rank must call dispatch the same number of times"))
+    _fail((extra[:, ALIGNMENT] == expert_alignment).all(), GroupMismatchError, lambda: (
+        f"alltoall_ops.dispatch (symm_mem): the ranks disagree on expert_alignment: "
+        f"{extra[:, ALIGNMENT].tolist()} (by rank); every rank must pass the same"))
 
     def bad_ids() -> str:
         s = int(torch.nonzero(status[:, 0] > 0)[0])
@@ -38,7 +58,7 @@ def _check_meta(meta: torch.Tensor, bufs: SymmBuffers, expert_alignment: int) ->
         return (f"topk_idx on rank {s} of the group holds {num_bad} expert id(s) outside "
                 f"[-1, {E}) (min {lo}, max {hi}); expected -1 or a global expert id")
 
-    _fail((status[:, 0] == 0).all(), bad_ids)
+    _fail((status[:, 0] == 0).all(), RoutingError, bad_ids)
 
     def too_many_slots() -> str:
         s = int(torch.nonzero(n_slots > bufs.max_slots)[0])
@@ -46,7 +66,7 @@ def _check_meta(meta: torch.Tensor, bufs: SymmBuffers, expert_alignment: int) ->
                 f"max_tokens_per_rank * top_k = {bufs.max_slots}; create SymmBuffers with a larger "
                 f"max_tokens_per_rank")
 
-    _fail((n_slots <= bufs.max_slots).all(), too_many_slots)
+    _fail((n_slots <= bufs.max_slots).all(), CapacityError, too_many_slots)
     if bufs.overflow == "drop":
         return
     padded = (counts.sum(0) + expert_alignment - 1) // expert_alignment * expert_alignment  # (E,)
@@ -59,7 +79,7 @@ def _check_meta(meta: torch.Tensor, bufs: SymmBuffers, expert_alignment: int) ->
                 f"create SymmBuffers with a larger capacity (default: the worst case), or with "
                 f"overflow='drop' to drop the rows past C and count them")
 
-    _fail((needed <= C).all(), overflow)
+    _fail((needed <= C).all(), CapacityError, overflow)
 
 
 # --------------------------------------------------------------------------------------------
@@ -71,14 +91,19 @@ def _check_meta(meta: torch.Tensor, bufs: SymmBuffers, expert_alignment: int) ->
 def symm_exchange_meta_op(send_row: torch.Tensor, buffers: SymmBuffers, expert_alignment: int) -> torch.Tensor:
     """(L,) int64 metadata row of this rank -> (W, L), row s from rank s (an all-gather).
 
-    Checks every rank's row (expert ids, T * K, and without overflow='drop' the capacity) and
-    raises on all ranks alike."""
+    The op numbers its calls on ``buffers`` (column CALL of the rows sent; zero in the output).
+    Checks every rank's row
+    (see ``_check_meta``) and raises on all ranks alike."""
     k = kernels()
+    call = buffers._next_call()
+    row = send_row.clone()
+    row[buffers.num_experts + CALL].fill_(call)
     buffers._barrier()
-    k.put_meta(send_row.contiguous(), buffers.table[META], buffers.rank)
+    k.put_meta(row, buffers.table[META], buffers.rank)
     buffers._barrier()
     meta = buffers.meta.clone()
-    _check_meta(meta, buffers, expert_alignment)
+    _check_meta(meta, buffers, expert_alignment, call)
+    meta[:, buffers.num_experts + CALL] = 0  # checked; the output depends on the arguments only
     return meta
 
 
@@ -126,15 +151,22 @@ def _(x, scale, position, slot_dst, buffers):
 
 
 def _symm_dispatch_setup_context(ctx, inputs, output):
-    _, _, ctx.position, _, ctx.buffers = inputs
-    ctx.save_for_backward(inputs[3], output[1])  # slot_dst, row_src
+    x, scale, ctx.position, slot_dst, ctx.buffers = inputs
+    scale_needs_grad = scale is not None and scale.requires_grad
+    # slot_dst, row_src; scale and, for scale's gradient, x
+    ctx.save_for_backward(slot_dst, output[1], scale, x if scale_needs_grad else None)
 
 
 def _symm_dispatch_backward(ctx, grad_routed, _grad_row_src):
-    # The adjoint of dispatch is combine with unit weights.
-    slot_dst, row_src = ctx.saved_tensors
-    grad_x, _ = symm_combine_op(grad_routed, None, ctx.position, slot_dst, row_src, ctx.buffers, False)
-    return grad_x, None, None, None, None
+    # The adjoint of dispatch is combine, weighted by the same per-slot scale. Built from the ops
+    # themselves (like the local backend), so double backward is exact too.
+    slot_dst, row_src, scale, x = ctx.saved_tensors
+    grad_x, returned = symm_combine_op(
+        grad_routed, scale, ctx.position, slot_dst, row_src, ctx.buffers, x is not None
+    )
+    # d scale[t, k] = <x[t], grad_routed[row of slot (t, k)]>: the returned rows are those rows.
+    grad_scale = None if x is None else symm_weight_grad_op(x, returned, ctx.position, scale)
+    return grad_x, grad_scale, None, None, None
 
 
 symm_dispatch_op.register_autograd(_symm_dispatch_backward, setup_context=_symm_dispatch_setup_context)
@@ -181,18 +213,24 @@ def _(expert_out, weights, position, slot_dst, row_src, buffers, save_returned):
 
 
 def _symm_combine_setup_context(ctx, inputs, output):
-    _, weights, ctx.position, _, _, ctx.buffers, save_returned = inputs
-    ctx.save_for_backward(weights, inputs[3], output[1] if save_returned else None)
-    ctx.mark_non_differentiable(output[1])  # an auxiliary output, kept for the weights' gradient
+    _, weights, ctx.position, _, _, ctx.buffers, ctx.save_returned = inputs
+    ctx.set_materialize_grads(False)  # `returned` gets a gradient only in double backward
+    ctx.save_for_backward(weights, inputs[3], output[1] if ctx.save_returned else None)
 
 
-def _symm_combine_backward(ctx, grad_y, _grad_returned):
+def _symm_combine_backward(ctx, grad_y, grad_returned):
     weights, slot_dst, returned = ctx.saved_tensors
     grad_expert_out = grad_weights = None
-    if ctx.needs_input_grad[0]:
+    if ctx.needs_input_grad[0] and grad_y is not None:
         # The adjoint of combine is dispatch with each slot's row scaled by its weight.
         grad_expert_out, _ = symm_dispatch_op(grad_y, weights, ctx.position, slot_dst, ctx.buffers)
-    if ctx.needs_input_grad[1]:
+    if ctx.needs_input_grad[0] and grad_returned is not None and ctx.save_returned:
+        # returned[position[t, k]] is the row of slot (t, k): dispatch the returned rows' gradient
+        # back to those rows, as N "tokens" of K = 1 taken in slot order.
+        by_slot = grad_returned.index_select(0, ctx.position.reshape(-1))  # (N, H)
+        grad_rows, _ = symm_dispatch_op(by_slot, None, ctx.position.reshape(-1, 1), slot_dst, ctx.buffers)
+        grad_expert_out = grad_rows if grad_expert_out is None else grad_expert_out + grad_rows
+    if ctx.needs_input_grad[1] and grad_y is not None:
         if returned is None:
             raise RuntimeError(
                 "symm_combine: topk_weights need a gradient, but the op was called with "
@@ -220,3 +258,29 @@ def symm_weight_grad_op(
 @symm_weight_grad_op.register_fake
 def _(grad_y, returned, position, weights):
     return weights.new_empty(position.shape)
+
+
+def _symm_weight_grad_setup_context(ctx, inputs, output):
+    grad_y, returned, ctx.position, _ = inputs
+    ctx.save_for_backward(grad_y, returned)
+
+
+def _symm_weight_grad_backward(ctx, grad_grad_w):
+    # grad_w is bilinear in (grad_y, returned) and local: its backward is plain torch (gathers, a
+    # sum over k, an index_add), differentiable again. weights only give the dtype: no gradient.
+    grad_y, returned = ctx.saved_tensors
+    T, K = ctx.position.shape
+    slots = ctx.position.reshape(-1)  # (N,) row of returned of each slot t * K + k
+    acc = accumulation_dtype(returned.dtype, grad_y.dtype, grad_grad_w.dtype)
+    gg = grad_grad_w.to(acc)[:, :, None]  # (T, K, 1)
+    grad_grad_y = grad_returned = None
+    if ctx.needs_input_grad[0]:
+        slot_rows = returned.index_select(0, slots).view(T, K, -1).to(acc)  # (T, K, H)
+        grad_grad_y = (gg * slot_rows).sum(1).to(grad_y.dtype)  # (T, H)
+    if ctx.needs_input_grad[1]:
+        per_slot = (gg * grad_y.to(acc)[:, None, :]).reshape(T * K, -1)  # (N, H)
+        grad_returned = torch.zeros_like(returned).index_add(0, slots, per_slot.to(returned.dtype))
+    return grad_grad_y, grad_returned, None, None
+
+
+symm_weight_grad_op.register_autograd(_symm_weight_grad_backward, setup_context=_symm_weight_grad_setup_context)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from ..groups import Group, process_group
 from .loader import kernels
 
@@ -29,6 +30,10 @@ class _Segments:
         """A host-level barrier for set-up, before any op runs."""
         self.barrier()
 
+    def gather_objects(self, obj: Any) -> list:
+        """Every rank's ``obj``, by rank (a host exchange, for error messages only)."""
+        return [obj]
+
 
 class _LocalSegments(_Segments):
     """One rank: plain device memory, nothing to wait for."""
@@ -43,8 +48,9 @@ class _SharedMemorySegments(_Segments):
     (``/dev/shm`` where it exists), every peer maps it, and the file is unlinked once all have.
     Barriers go through the process group."""
 
-    def __init__(self, nbytes: int, group: Group):
+    def __init__(self, nbytes: int, group: Group, timeout: float):
         self._pg = process_group(group.name)
+        self._timeout = timeout
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         name = os.path.join(folder, f"alltoall_ops_{uuid.uuid4().hex}_{group.rank}")
         self.local = torch.from_file(name, shared=True, size=nbytes, dtype=torch.uint8)
@@ -63,7 +69,11 @@ class _SharedMemorySegments(_Segments):
         self.bases = [t.data_ptr() for t in self._peers]
 
     def barrier(self) -> None:
-        dist.barrier(group=self._pg)
+        comm.run("symm_mem barrier", self._pg.group_name, lambda pg: dist.barrier(group=pg, async_op=True),
+                 timeout=self._timeout)
+
+    def gather_objects(self, obj: Any) -> list:
+        return comm.gather_objects("symm_mem", self._pg.group_name, obj)
 
 
 class _CudaSymmetricSegments(_Segments):
@@ -90,6 +100,9 @@ class _CudaSymmetricSegments(_Segments):
         torch.cuda.synchronize(self.local.device)
         dist.barrier(group=self._pg)
 
+    def gather_objects(self, obj: Any) -> list:
+        return comm.gather_objects("symm_mem", self._pg.group_name, obj)
+
 
 class _SimulatedSegments(_Segments):
     """Simulated peers: every rank's segment on one device of one process, one thread per rank.
@@ -98,12 +111,21 @@ class _SimulatedSegments(_Segments):
     one device stream runs queued work in order, so no host-device sync is needed (CUDA graph
     capture works when every thread queues onto the capturing stream)."""
 
-    def __init__(self, local: torch.Tensor, bases: list[int], barrier: threading.Barrier):
+    def __init__(self, local: torch.Tensor, bases: list[int], barrier: threading.Barrier, rank: int,
+                 board: list):
         self.local, self.bases = local, bases
         self._barrier = barrier
+        self._rank, self._board = rank, board  # board: one slot per rank, shared by the threads
 
     def barrier(self) -> None:
         self._barrier.wait()
+
+    def gather_objects(self, obj: Any) -> list:
+        self._board[self._rank] = obj
+        self._barrier.wait()
+        out = list(self._board)
+        self._barrier.wait()  # every thread has read the board before it is written again
+        return out
 
     def setup_barrier(self) -> None:
         pass  # all segments are set up by one thread

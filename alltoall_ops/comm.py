@@ -1,0 +1,223 @@
+"""Every host-issued collective of the library goes through here:
+
+- ``run``: one collective, waited for within the library's deadline (:func:`set_timeout`), its
+  errors re-raised as ``alltoall_ops.<op> on group <name> (rank r of W): ...`` with the original
+  as ``__cause__`` (:class:`CollectiveError`, :class:`CollectiveTimeout`);
+- ``agree``: the *header agreement* that starts each op on a process group: one all-gather of a
+  fixed-size int64 header per rank (op, call number, failure flag, the op's shared fields), so
+  that every rank raises the same error, before any payload moves, when a rank rejected its
+  own arguments (:class:`PeerInputError` on its peers), the ranks are out of step, or they
+  disagree on a field (:class:`GroupMismatchError`).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from datetime import timedelta
+from typing import Callable, Optional, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .errors import CollectiveError, CollectiveTimeout, GroupMismatchError, PeerInputError
+from ._compat import is_compiling
+from .groups import LOCAL, process_group
+
+T = TypeVar("T")
+
+_timeout_s = float(os.environ.get("ALLTOALL_OPS_TIMEOUT", "600"))
+
+
+def set_timeout(seconds: float) -> None:
+    """The library's deadline for one collective or barrier (default 600 s, or the environment
+    variable ``ALLTOALL_OPS_TIMEOUT``). Past it the op raises :class:`CollectiveTimeout`; the
+    group is then unusable (peers may be inside the collective) and must be re-created."""
+    global _timeout_s
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(f"seconds: expected a positive number, got {seconds!r}")
+    _timeout_s = float(seconds)
+
+
+def get_timeout() -> float:
+    """The library's deadline in seconds (see :func:`set_timeout`)."""
+    return _timeout_s
+
+
+def where(op: str, pg: dist.ProcessGroup) -> str:
+    """``alltoall_ops.<op> on group <name> (rank r of W)``: the prefix of every fault message."""
+    return f"alltoall_ops.{op} on group {pg.group_name!r} (rank {pg.rank()} of {pg.size()})"
+
+
+def debug() -> bool:
+    """``ALLTOALL_OPS_DEBUG=1``: ops that exchange nothing before their payload (symm_mem
+    combine) also start with an agreement, so a rank's bad arguments raise on every rank."""
+    return os.environ.get("ALLTOALL_OPS_DEBUG", "0") == "1"
+
+
+def run(op: str, group_name: str, start: Callable[[dist.ProcessGroup], Optional[dist.Work]],
+        timeout: Optional[float] = None) -> None:
+    """Run ``start(pg)`` (a collective issued with ``async_op=True``) for ``op`` and wait for it.
+
+    On the CPU (gloo) the wait is bounded by ``timeout`` (default: the library's deadline).
+    NCCL collectives are stream-ordered: the host does not wait here, and a stalled peer
+    surfaces through the process group's own timeout (its watchdog)."""
+    pg = process_group(group_name)
+    deadline_s = _timeout_s if timeout is None else timeout
+    try:
+        work = start(pg)
+        if work is not None:
+            if dist.get_backend(pg) == "gloo":
+                work.wait(timeout=timedelta(seconds=deadline_s))
+            else:
+                work.wait()
+    except RuntimeError as exc:  # gloo and NCCL errors (DistBackendError included)
+        if isinstance(exc, CollectiveError):
+            raise
+        timed_out = "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
+        kind = CollectiveTimeout if timed_out else CollectiveError
+        deadline = f" (deadline {deadline_s:g} s)" if timed_out else ""
+        raise kind(f"{where(op, pg)}: {'timed out' if timed_out else 'failed'}{deadline}: {exc}") from exc
+
+
+def all_to_all(op: str, group_name: str, out: torch.Tensor, send: torch.Tensor,
+               out_splits: Optional[list[int]] = None, in_splits: Optional[list[int]] = None) -> None:
+    """``dist.all_to_all_single`` of ``send`` into ``out`` (rows split by the given sizes, equal
+    splits when None) under :func:`run`."""
+    run(op, group_name, lambda pg: dist.all_to_all_single(
+        out, send.contiguous(), out_splits, in_splits, group=pg, async_op=True))
+
+
+def device_of(pg: dist.ProcessGroup) -> torch.device:
+    """Where the group's collectives take small tensors: the CPU for gloo, else this rank's GPU."""
+    if dist.get_backend(pg) == "gloo":
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+# --------------------------------------------------------------------------------------------
+# The header agreement
+
+FIELDS: dict[str, tuple[str, ...]] = {
+    "dispatch": ("num_experts", "hidden size", "dtype", "top_k", "expert_alignment"),
+    "combine": ("hidden size", "dtype", "top_k"),
+    "exchange_counts": ("length of tokens_per_expert_global",),
+    "symm_buffers": ("num_experts", "hidden size", "dtype", "tokens", "top_k", "expert_alignment"),
+    "seq_to_head": ("dtype", "ndim", "seq_dim", "head_dim", "shape"),
+    "head_to_seq": ("dtype", "ndim", "seq_dim", "head_dim", "shape"),
+}
+"""The fields every rank of the group must agree on, per op that starts with an agreement."""
+
+_OPS = tuple(FIELDS)
+_FIXED = 4  # op code, call number, failure flag, number of fields
+_MAX_FIELDS = 8
+HEADER_LEN = _FIXED + _MAX_FIELDS
+
+_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
+           torch.float8_e5m2, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+
+_calls: collections.Counter = collections.Counter()  # group name -> agreements so far
+
+
+def header(op: str, *fields: int) -> list[int]:
+    """``[op code, *fields]``: an agreement's header as an op argument (see ``exchange_counts``)."""
+    return [_OPS.index(op), *fields]
+
+
+def op_name(code: int) -> str:
+    return _OPS[code]
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A small int naming ``dtype`` in a header (the same on every rank and torch version)."""
+    return _DTYPES.index(dtype) + 1 if dtype in _DTYPES else 100 + torch.empty((), dtype=dtype).element_size()
+
+
+def shape_code(shape: Sequence[int]) -> int:
+    """One int64 fingerprint of a shape (equal shapes, equal codes)."""
+    code = len(shape)
+    for size in shape:
+        code = (code * 1_000_003 + int(size)) % (1 << 62)
+    return code
+
+
+def _describe(field: str, value: int) -> str:
+    if field == "dtype":
+        return str(_DTYPES[value - 1]) if 0 < value <= len(_DTYPES) else f"a dtype of {value - 100} bytes"
+    if field == "shape":
+        return f"shape fingerprint {value}"
+    return str(value)
+
+
+def agree(op: str, group_name: str, fields: Sequence[int], problem: Optional[BaseException] = None,
+          shapes: Optional[Sequence[int]] = None, equal: Optional[int] = None) -> list[list[int]]:
+    """Collective: check that every rank of the group starts ``op`` with the same ``fields`` (in
+    the order of ``FIELDS[op]``; only the first ``equal`` of them when given) and that none
+    rejected its own arguments (``problem``). Returns every rank's fields, by rank.
+
+    Raises on every rank alike: ``problem`` itself on the ranks that had one, else
+    :class:`PeerInputError` with the first failed rank's error; :class:`GroupMismatchError` when
+    ranks are in different ops or calls, or disagree on a field. ``shapes``: this rank's shape
+    behind a ``shape`` field, for the message (exchanged only when the fingerprints differ)."""
+    pg = process_group(group_name)
+    names = FIELDS[op]
+    values = [0] * len(names) if problem is not None else [int(v) for v in fields]
+    call = _calls[group_name]
+    _calls[group_name] += 1
+    header = [_OPS.index(op), call, int(problem is not None), len(names)] + values
+    header += [0] * (HEADER_LEN - len(header))
+    send = torch.tensor(header, dtype=torch.int64, device=device_of(pg))
+    gathered = torch.empty(pg.size(), HEADER_LEN, dtype=torch.int64, device=send.device)
+    run(op, group_name, lambda g: dist.all_gather(list(gathered.unbind(0)), send, group=g, async_op=True))
+    rows = gathered.tolist()  # Host sync: (W, HEADER_LEN)
+    failed = [r for r, row in enumerate(rows) if row[2]]
+    if failed:
+        mine = None if problem is None else f"{type(problem).__name__}: {problem}"
+        messages = gather_objects(op, group_name, mine)
+        if problem is not None:
+            raise problem
+        others = f" (ranks {failed} all failed)" if len(failed) > 1 else ""
+        raise PeerInputError(f"{where(op, pg)}: rank {failed[0]} rejected its arguments{others}: "
+                             f"{messages[failed[0]]}")
+    steps = {(row[0], row[1]) for row in rows}
+    if len(steps) > 1:
+        per_rank = ", ".join(f"rank {r} is in {_OPS[row[0]]} (call {row[1]})" for r, row in enumerate(rows))
+        raise GroupMismatchError(f"{where(op, pg)}: the ranks are out of step: {per_rank}; every rank "
+                                 "must call the library's ops in the same order")
+    for i, name in enumerate(names[:equal]):
+        seen = [row[_FIXED + i] for row in rows]
+        if len(set(seen)) > 1:
+            if name == "shape" and shapes is not None:
+                per_rank = gather_objects(op, group_name, tuple(int(s) for s in shapes))
+            else:
+                per_rank = [_describe(name, v) for v in seen]
+            listed = ", ".join(f"rank {r} has {v}" for r, v in enumerate(per_rank))
+            raise GroupMismatchError(f"{where(op, pg)}: the ranks disagree on {name}: {listed}; every rank "
+                                     "must pass the same")
+    return [row[_FIXED : _FIXED + len(names)] for row in rows]
+
+
+def checked(op: str, group_name: str, check: Callable[..., T], *args) -> T:
+    """``check(*args)``: the argument checks of ``op``. On a group, a rank whose checks raise
+    takes part in ``op``'s agreement with its error, so its peers (waiting there) raise too.
+
+    Under torch.compile the checks run at trace time, where no collective can: they raise on
+    this rank only, and its peers' next collective ends at the library's deadline."""
+    if group_name == LOCAL or is_compiling():
+        return check(*args)
+    try:
+        return check(*args)
+    except (TypeError, ValueError) as exc:
+        agree(op, group_name, (), problem=exc)  # raises on every rank
+        raise
+
+
+def gather_objects(op: str, group_name: str, obj) -> list:
+    """Every rank's ``obj``, by rank (only on the failure path: all ranks take it together)."""
+    pg = process_group(group_name)
+    out: list = [None] * pg.size()
+    try:
+        dist.all_gather_object(out, obj, group=pg)
+    except RuntimeError as exc:
+        raise CollectiveError(f"{where(op, pg)}: failed while gathering the ranks' errors: {exc}") from exc
+    return out

@@ -1,0 +1,280 @@
+"""The Triton kernels' launchers with strided inputs, and dropped (-1) slots whose routing weight
+is NaN or inf, on every backend.
+
+Without CUDA the kernels run on CPU tensors in Triton's interpreter; ``_rows_by_kernels(True)``
+sends the local and collective backends through them, as CUDA tensors are (symm_mem on the CPU
+always takes them). Values are fp64: a strided input gives the contiguous result bit for bit (the
+local weights' gradient, a torch dot product over H, to a few ulps).
+
+Functions run on ranks are module-level (they travel to the pool's processes by reference)."""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+from unittest import mock
+
+import pytest
+import torch
+
+import alltoall_ops as a2a
+from alltoall_ops import layout, symm_mem
+from alltoall_ops.ops import dispatch_op
+from alltoall_ops.reference import reference_combine, reference_dispatch
+
+E, H, K, T = 4, 6, 3, 7
+FP64_TOL = dict(rtol=1e-12, atol=1e-12)  # only summation order may differ from the reference
+
+needs_interpreter = pytest.mark.skipif(
+    not symm_mem.kernels().interpreting(), reason="the kernels run on CPU tensors only in Triton's interpreter"
+)
+
+
+def _rows_by_kernels(on: bool):
+    """Move rows of CPU tensors with this package's Triton kernels (the CUDA path), or torch ops."""
+    return mock.patch.object(symm_mem.loader, "use_kernels", lambda t: True) if on else contextlib.nullcontext()
+
+
+def strided(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a non-contiguous view: every other element of the last dim of a tensor
+    twice as wide, whose other elements (NaN, or -1 for integers) show up if read."""
+    fill = float("nan") if t.is_floating_point() else -1
+    return torch.stack([t, torch.full_like(t, fill)], dim=-1)[..., 0]
+
+
+def column_major(t: torch.Tensor) -> torch.Tensor:
+    """(a, b) -> the same values with strides (1, a)."""
+    return t.t().contiguous().t()
+
+
+def _inputs(rank: int, T: int, bad: float = 0.0):
+    """x (T, H), topk_idx (T, K) with -1 slots (token 0: a padding token, every slot -1),
+    weights (T, K) equal to ``bad`` on every -1 slot, grad_y (T, H); fp64."""
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(T, H, generator=g, dtype=torch.float64)
+    topk_idx = torch.randint(-1, E, (T, K), generator=g)
+    topk_idx[:1] = -1
+    weights = torch.rand(T, K, generator=g, dtype=torch.float64).masked_fill(topk_idx < 0, bad)
+    grad_y = torch.randn(T, H, generator=g, dtype=torch.float64)
+    return x, topk_idx, weights, grad_y
+
+
+def _expert(routed: torch.Tensor, layout_of=lambda t: t) -> torch.Tensor:
+    """Row-wise; padding rows become 0.5, which combine must ignore. ``layout_of=column_major``:
+    a non-contiguous output, and a non-contiguous gradient into ``routed`` in backward."""
+    return layout_of(torch.tanh(layout_of(routed)) + 0.5)
+
+
+def _step(x, topk_idx, weights, grad_y, *, strided_inputs=False, **dispatch_kwargs) -> dict:
+    """dispatch -> expert -> combine -> backward: y and every gradient. ``strided_inputs``: the
+    weights, expert outputs and grad_y reach combine / backward as non-contiguous views."""
+    x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_()
+    routed, tokens_per_expert, handle = a2a.dispatch(x, topk_idx, num_experts=E, **dispatch_kwargs)
+    expert_out = _expert(routed, column_major if strided_inputs else lambda t: t)
+    expert_out.retain_grad()
+    y = a2a.combine(expert_out, handle, strided(weights) if strided_inputs else weights)
+    y.backward(column_major(grad_y) if strided_inputs else grad_y)
+    return dict(y=y.detach(), grad_x=x.grad, grad_w=weights.grad, grad_expert_out=expert_out.grad)
+
+
+def _reference_y(world_size: int, alignment: int) -> list[torch.Tensor]:
+    """Every rank's y from ``alltoall_ops.reference``, with the -1 slots' weights 0."""
+    xs, idxs, ws, _ = zip(*(_inputs(r, T) for r in range(world_size)))
+    expert_outs = [_expert(routed) for routed, _ in reference_dispatch(xs, idxs, E, alignment)]
+    return reference_combine(expert_outs, idxs, E, ws, alignment, acc_dtype=torch.float64)
+
+
+def _assert_dropped_slots_add_nothing(got: dict, zeroed: dict, y_ref: torch.Tensor) -> None:
+    """``got``: a step with NaN / inf weights on the -1 slots; ``zeroed``: the same with 0 there."""
+    for name, value in got.items():
+        assert torch.isfinite(value).all(), name
+        assert torch.equal(value, zeroed[name]), name
+    torch.testing.assert_close(got["y"], y_ref, **FP64_TOL)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers called directly: a strided input gives the contiguous result; a strided output raises
+
+
+def _launcher_cases() -> dict:
+    """name -> (run, inputs): ``run(*inputs)`` calls the launcher and returns what it wrote."""
+    k = symm_mem.kernels()
+    f64 = dict(dtype=torch.float64)
+    g = torch.Generator().manual_seed(1)
+    N = T * K
+    x = torch.randn(T, H, generator=g, **f64)
+    scale = torch.randn(T, K, generator=g, **f64)
+    dst = torch.randperm(N, generator=g)
+    dst[::4] = -1  # slots that send nothing
+    position = torch.randperm(N, generator=g).view(T, K)
+    ret = torch.randn(N, H, generator=g, **f64)
+
+    def put_rows(src, dst, scale, tag_index):  # one local destination, then a pointer table with tags
+        out, buf, tags = torch.zeros(N, H, **f64), torch.zeros(N, H, **f64), torch.full((N,), -1)
+        k.put_rows(src, dst, N, out=out, top_k=K, scale=scale, acc_dtype=torch.float64)
+        table, tags_table = torch.tensor([buf.data_ptr()]), torch.tensor([tags.data_ptr()])
+        k.put_rows(src, dst, N, table, top_k=K, scale=scale, tags_table=tags_table, tag_index=tag_index,
+                   acc_dtype=torch.float64)
+        return out, buf, tags
+
+    def put_meta(row):  # row 1 of two peers' (W, L) buffers
+        metas = torch.zeros(2, 2, row.numel(), dtype=torch.int64)
+        k.put_meta(row, torch.tensor([m.data_ptr() for m in metas]), 1)
+        return (metas,)
+
+    def dispatch_copy_out(recv):
+        tags = torch.arange(N).masked_fill(dst < 0, -1)
+        out, row_src = torch.empty(N, H, **f64), torch.empty(N, dtype=torch.int64)
+        k.dispatch_copy_out(recv, tags, out, row_src)
+        return out, row_src, tags
+
+    def combine_reduce(ret, position, slot_dst, weights):
+        y, returned = torch.empty(T, H, **f64), torch.zeros(N, H, **f64)
+        k.combine_reduce(ret, position, slot_dst, weights, y, returned, torch.float64)
+        return y, returned
+
+    def combine_weight_grad(grad_y, returned, position):
+        grad_w = torch.empty(T, K, **f64)
+        k.combine_weight_grad(grad_y, returned, position, grad_w, torch.float64)
+        return (grad_w,)
+
+    return dict(
+        put_rows=(put_rows, (x, dst, scale, dst.flip(0))),
+        put_meta=(put_meta, (torch.arange(5),)),
+        dispatch_copy_out=(dispatch_copy_out, (x.repeat(K, 1),)),
+        combine_reduce=(combine_reduce, (ret, position, dst, scale)),
+        combine_weight_grad=(combine_weight_grad, (x, ret, position)),
+        plan_slots=(partial(k.plan_slots, num_experts=E, world_size=2),
+                    (torch.randint(-1, E, (T, K), generator=g),)),
+    )
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    "launcher", ["put_rows", "put_meta", "dispatch_copy_out", "combine_reduce", "combine_weight_grad", "plan_slots"]
+)
+def test_launcher_reads_strided_inputs(launcher):
+    run, inputs = _launcher_cases()[launcher]
+    expected = run(*inputs)
+    for i in range(len(inputs)):  # one input strided at a time
+        got = run(*(strided(a) if j == i else a for j, a in enumerate(inputs)))
+        for a, b in zip(got, expected):
+            assert torch.equal(a, b), f"input {i} strided"
+
+
+@needs_interpreter
+def test_launchers_reject_strided_outputs():
+    k = symm_mem.kernels()
+    x, w = torch.randn(4, H), torch.rand(2, 2)
+    position = torch.arange(4).view(2, 2)
+    with pytest.raises(ValueError, match="put_rows: out must be contiguous"):
+        k.put_rows(x, torch.arange(4), 4, out=strided(torch.empty(4, H)))
+    for i, name in enumerate(("tags", "out", "row_src")):
+        outs = [torch.full((4,), -1), torch.empty(4, H), torch.empty(4, dtype=torch.int64)]
+        outs[i] = strided(outs[i])
+        with pytest.raises(ValueError, match=f"dispatch_copy_out: {name} must be contiguous"):
+            k.dispatch_copy_out(x, *outs)
+    with pytest.raises(ValueError, match="combine_reduce: y must be contiguous"):
+        k.combine_reduce(x, position, None, w, strided(torch.empty(2, H)), None, torch.float32)
+    with pytest.raises(ValueError, match="combine_reduce: returned must be contiguous"):
+        k.combine_reduce(x, position, None, w, torch.empty(2, H), strided(torch.empty(4, H)), torch.float32)
+    with pytest.raises(ValueError, match="combine_weight_grad: grad_w must be contiguous"):
+        k.combine_weight_grad(x[:2], x, position, strided(torch.empty(2, 2)), torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# dispatch -> combine -> backward on the kernel path with strided weights, expert outputs, grads
+
+
+@needs_interpreter
+@pytest.mark.parametrize("alignment", [1, 3])
+@pytest.mark.parametrize("backend", ["local", "symm_mem"])
+def test_strided_inputs_on_the_kernel_path(backend, alignment):
+    x, topk_idx, weights, grad_y = _inputs(0, T)
+    kwargs = dict(backend=backend, expert_alignment=alignment)
+    if backend == "symm_mem":
+        kwargs["buffers"] = a2a.SymmBuffers(T, H, K, E, dtype=torch.float64, device="cpu", expert_alignment=3)
+    with _rows_by_kernels(True):
+        expected = _step(x, topk_idx, weights, grad_y, **kwargs)
+        got = _step(x, topk_idx, weights, grad_y, strided_inputs=True, **kwargs)
+    for name in ("y", "grad_x", "grad_expert_out"):
+        assert torch.equal(got[name], expected[name]), name
+    # A dot product over H, which torch (the local weights' gradient) sums in a layout-dependent order.
+    torch.testing.assert_close(got["grad_w"], expected["grad_w"], **FP64_TOL)
+    torch.testing.assert_close(got["y"], _reference_y(1, alignment)[0], **FP64_TOL)
+
+
+# --------------------------------------------------------------------------------------------
+# A -1 slot adds nothing to y, also with a NaN / inf weight; its weight's gradient is 0
+
+BAD = [float("nan"), float("inf"), -float("inf")]
+
+
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=needs_interpreter)])
+@pytest.mark.parametrize("alignment", [1, 4])
+@pytest.mark.parametrize("bad", BAD)
+def test_dropped_slots_local(bad, alignment, kernels):
+    x, topk_idx, weights, grad_y = _inputs(0, T, bad)
+    with _rows_by_kernels(kernels):
+        got = _step(x, topk_idx, weights, grad_y, backend="local", expert_alignment=alignment)
+        zeroed = _step(*_inputs(0, T), backend="local", expert_alignment=alignment)
+        with torch.no_grad():  # the weights need no gradient: no returned rows are saved
+            routed, _, handle = a2a.dispatch(x, topk_idx, num_experts=E, expert_alignment=alignment)
+            y = a2a.combine(_expert(routed), handle, weights)
+    _assert_dropped_slots_add_nothing(got, zeroed, _reference_y(1, alignment)[0])
+    assert torch.equal(y, got["y"])
+    assert not got["grad_w"][topk_idx < 0].any()
+
+
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=needs_interpreter)])
+@pytest.mark.parametrize("alignment", [1, 4])
+def test_dropped_slots_dispatch_scale(alignment, kernels):
+    """dispatch's scale (combine's weights in combine's backward): a NaN on a -1 slot gives a
+    finite x.grad and a zero scale gradient there."""
+    x, topk_idx, _, _ = _inputs(0, T)
+    plan = layout.plan_routing(topk_idx, E, 1)
+    scale = torch.rand(T, K, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    grads = []
+    for bad in (float("nan"), 0.0):
+        xr = x.clone().requires_grad_()
+        scale = scale.detach().masked_fill(topk_idx < 0, bad).requires_grad_()
+        with _rows_by_kernels(kernels):
+            routed = dispatch_op(xr, scale, plan.order, plan.position, plan.send_meta, plan.send_meta,
+                                 alignment, "", None)
+            routed.backward(torch.ones_like(routed))
+        grads.append((xr.grad, scale.grad))
+    for got, zeroed in zip(*grads):
+        assert torch.isfinite(got).all() and torch.equal(got, zeroed)
+    assert not grads[0][1][topk_idx < 0].any()
+
+
+def run_dropped_slots_collective(rank: int, world_size: int, kernels: bool) -> None:
+    for alignment in (1, 4):
+        y_ref = _reference_y(world_size, alignment)[rank]
+        for bad in BAD:
+            x, topk_idx, weights, grad_y = _inputs(rank, T, bad)
+            with _rows_by_kernels(kernels):
+                got = _step(x, topk_idx, weights, grad_y, backend="collective", expert_alignment=alignment)
+                zeroed = _step(*_inputs(rank, T), backend="collective", expert_alignment=alignment)
+            _assert_dropped_slots_add_nothing(got, zeroed, y_ref)
+
+
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=needs_interpreter)])
+def test_dropped_slots_collective(pool2, kernels):
+    pool2.run(run_dropped_slots_collective, kernels)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_dropped_slots_symm_mem(world_size):
+    for alignment in (1, 4):
+        buffers = a2a.SymmBuffers.simulated(world_size, T, H, K, E, dtype=torch.float64, device="cpu",
+                                            expert_alignment=alignment)
+        y_ref = _reference_y(world_size, alignment)
+        for bad in BAD:
+            def rank_fn(rank, bufs, bad=bad):
+                run = partial(_step, backend="symm_mem", expert_alignment=alignment, buffers=bufs)
+                return run(*_inputs(rank, T, bad)), run(*_inputs(rank, T))
+
+            for rank, (got, zeroed) in enumerate(symm_mem.run_simulated(rank_fn, buffers)):
+                _assert_dropped_slots_add_nothing(got, zeroed, y_ref[rank])
