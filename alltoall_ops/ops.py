@@ -27,6 +27,12 @@ def comm_op(name: str, **kwargs) -> Callable:
 
     def register(fn: Callable):
         op = torch.library.custom_op(f"alltoall_ops::{name}", mutates_args=(), **kwargs)(fn)
+        # NB: with mutates_args=() the op is pure to dead-code elimination (FX's and inductor's):
+        # on a rank with no tokens, where its outputs feed only zero-element work, the call was
+        # dropped and the peers waited forever. Both the overload and its packet are marked, as
+        # graphs may hold either.
+        torch.fx.node.has_side_effect(op._opoverload)
+        torch.fx.node.has_side_effect(getattr(torch.ops.alltoall_ops, name))
         _COMM_OPS.append(op)
         return op
 

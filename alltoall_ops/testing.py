@@ -17,6 +17,7 @@ import dataclasses
 import multiprocessing as mp
 import os
 import queue
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -38,14 +39,15 @@ class RankError:
 
 
 class RankFailures(RuntimeError):
-    """Some ranks raised or timed out. ``errors``: rank -> RankError; ``silent``: timed-out ranks."""
+    """Some ranks raised, timed out or died. ``errors``: rank -> RankError; ``silent``: ranks that
+    did not answer (timed out or died)."""
 
     def __init__(self, errors: dict[int, RankError], silent: list[int]):
         self.errors = errors
         self.silent = silent
         parts = [f"rank {r} raised {e.type_name}: {e.message}\n{e.traceback}" for r, e in sorted(errors.items())]
         if silent:
-            parts.append(f"ranks {silent} did not answer in time (killed)")
+            parts.append(f"ranks {silent} did not answer in time, or died (killed)")
         super().__init__("\n".join(parts))
 
 
@@ -114,12 +116,14 @@ class DistributedPool:
         for q in self._tasks:
             q.put((fn, args, kwargs))
         answers: dict[int, tuple[bool, Any]] = {}
-        try:
-            while len(answers) < self.world_size:
-                rank, ok, value = self._results.get(timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while len(answers) < self.world_size and time.monotonic() < deadline:
+            try:  # NB: short polls, so that a rank that died is noticed at once
+                rank, ok, value = self._results.get(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
                 answers[rank] = (ok, value)
-        except queue.Empty:
-            pass
+            except queue.Empty:
+                if all(not self._procs[r].is_alive() for r in range(self.world_size) if r not in answers):
+                    break  # every rank still owing an answer has died
         silent = [r for r in range(self.world_size) if r not in answers]
         errors = {r: v for r, (ok, v) in answers.items() if not ok}
         if silent:

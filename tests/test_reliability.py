@@ -1,0 +1,345 @@
+"""Ranks that disagree, one bad rank, and faults, on real gloo ranks: every rank gets a clear
+error (which type, which text: asserted per rank) or the right result, never a hang.
+
+Each case is a function every rank runs; ``bad`` is True on the one rank that differs. After an
+error the group must still be in step: a healthy round trip follows on the same processes.
+Faults (a peer that raises elsewhere, stalls or dies) run on a fresh pool with a short library
+deadline, since the group is unusable afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import alltoall_ops as a2a
+from alltoall_ops.errors import (CapacityError, CollectiveError, CollectiveTimeout, GroupMismatchError,
+                                 PeerInputError)
+from alltoall_ops.testing import DistributedPool, RankFailures
+
+E, H, T, K = 4, 3, 5, 2
+CASE_DEADLINE_S = 60.0
+
+
+def _inputs(rank: int, T: int = T, H: int = H, K: int = K, dtype: torch.dtype = torch.float32):
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    idx = torch.randint(-1, E, (T, K), generator=g)
+    w = torch.rand(T, K, generator=g)
+    return x, idx, w
+
+
+def _buffers(alignment: int = 1) -> a2a.SymmBuffers:
+    return a2a.SymmBuffers(T, H, K, E, dtype=torch.float32, device="cpu", expert_alignment=alignment)
+
+
+def _round_trip(rank: int, **kwargs):
+    x, idx, w = _inputs(rank)
+    routed, _, handle = a2a.dispatch(x, idx, num_experts=E, **kwargs)
+    return routed, handle, w
+
+
+def _healthy(rank: int) -> None:
+    """A checked round trip: the group is in step after the previous case."""
+    x, idx, w = _inputs(rank)
+    routed, handle, _ = _round_trip(rank)
+    torch.testing.assert_close(a2a.combine(routed, handle, w), x * (w * (idx >= 0)).sum(1, keepdim=True))
+
+
+# --------------------------------------------------------------------------------------------
+# Cases: name -> fn(rank, bad). Disagreements: every rank's own arguments are fine.
+
+
+def _disagree_num_experts(rank, bad):
+    x, idx, _ = _inputs(rank)
+    a2a.dispatch(x, idx, num_experts=8 if bad else E)
+
+
+def _disagree_hidden(rank, bad):
+    x, idx, _ = _inputs(rank, H=H + 1 if bad else H)
+    a2a.dispatch(x, idx, num_experts=E)
+
+
+def _disagree_dtype(rank, bad):
+    x, idx, _ = _inputs(rank, dtype=torch.float16 if bad else torch.bfloat16)
+    a2a.dispatch(x, idx, num_experts=E)
+
+
+def _disagree_top_k(rank, bad):
+    x, idx, _ = _inputs(rank, K=K + 1 if bad else K)
+    a2a.dispatch(x, idx, num_experts=E)
+
+
+def _disagree_alignment(rank, bad):
+    x, idx, _ = _inputs(rank)
+    a2a.dispatch(x, idx, num_experts=E, expert_alignment=2 if bad else 1)
+
+
+def _disagree_expert_out_dtype(rank, bad):
+    routed, handle, w = _round_trip(rank)
+    a2a.combine(routed.double() if bad else routed, handle)
+
+
+def _disagree_counts_length(rank, bad):
+    a2a.exchange_counts(torch.ones(6 if bad else 4, dtype=torch.int64))
+
+
+def _disagree_ulysses_shard(rank, bad):
+    a2a.seq_to_head(torch.randn(1, 3 if bad else 2, 4, 2))
+
+
+def _out_of_step(rank, bad):
+    if bad:  # an extra call the others do not make
+        a2a.exchange_counts(torch.ones(E, dtype=torch.int64))
+    x, idx, _ = _inputs(rank)
+    a2a.dispatch(x, idx, num_experts=E)
+
+
+def _disagree_symm_alignment(rank, bad):
+    x, idx, _ = _inputs(rank)
+    a2a.dispatch(x, idx, num_experts=E, expert_alignment=2 if bad else 1, buffers=_buffers(alignment=2))
+
+
+# One bad rank: its own arguments are wrong.
+
+
+def _bad_x_1d(rank, bad):
+    x, idx, _ = _inputs(rank)
+    a2a.dispatch(x[0] if bad else x, idx, num_experts=E)
+
+
+def _bad_x_3d(rank, bad):
+    x, idx, _ = _inputs(rank)
+    a2a.dispatch(x[None] if bad else x, idx, num_experts=E)
+
+
+def _bad_topk_idx_float(rank, bad):
+    x, idx, _ = _inputs(rank)
+    a2a.dispatch(x, idx.float() if bad else idx, num_experts=E)
+
+
+def _bad_token_count(rank, bad):
+    x, idx, _ = _inputs(rank)
+    a2a.dispatch(x, idx[:-1] if bad else idx, num_experts=E)
+
+
+def _bad_alignment_zero(rank, bad):
+    x, idx, _ = _inputs(rank)
+    a2a.dispatch(x, idx, num_experts=E, expert_alignment=0 if bad else 1)
+
+
+def _bad_num_experts_indivisible(rank, bad):
+    x, idx, _ = _inputs(rank)
+    a2a.dispatch(x, idx, num_experts=3 if bad else E)
+
+
+def _bad_weights_shape(rank, bad):
+    routed, handle, w = _round_trip(rank)
+    a2a.combine(routed, handle, w[:, :1] if bad else w)
+
+
+def _bad_counts_dtype(rank, bad):
+    counts = torch.ones(E, dtype=torch.int64)
+    a2a.exchange_counts(counts.float() if bad else counts)
+
+
+def _bad_ulysses_heads(rank, bad):
+    a2a.seq_to_head(torch.randn(1, 2, 3 if bad else 4, 2))
+
+
+def _bad_symm_topk_idx_float(rank, bad):
+    x, idx, _ = _inputs(rank)
+    a2a.dispatch(x, idx.float() if bad else idx, num_experts=E, buffers=_buffers())
+
+
+def _bad_symm_x_3d(rank, bad):
+    x, idx, _ = _inputs(rank)
+    a2a.dispatch(x[None] if bad else x, idx, num_experts=E, buffers=_buffers())
+
+
+def _bad_symm_alignment_above_buffers(rank, bad):
+    x, idx, _ = _inputs(rank)
+    a2a.dispatch(x, idx, num_experts=E, expert_alignment=4 if bad else 2, buffers=_buffers(alignment=2))
+
+
+def _bad_symm_cached_topk_idx_float(rank, bad):
+    x, idx, _ = _inputs(rank)
+    a2a.dispatch(x, idx.float() if bad else idx, num_experts=E, backend="symm_mem")
+
+
+def _bad_symm_combine_debug_mode(rank, bad):
+    routed, handle, w = _round_trip(rank, buffers=_buffers())
+    os.environ["ALLTOALL_OPS_DEBUG"] = "1"
+    try:
+        a2a.combine(routed[:, :1] if bad else routed, handle, w)
+    finally:
+        del os.environ["ALLTOALL_OPS_DEBUG"]
+
+
+# name -> (case, type on the differing rank, type on the others, text in every message)
+DISAGREE = {
+    "num_experts": (_disagree_num_experts, GroupMismatchError, GroupMismatchError, "num_experts"),
+    "hidden": (_disagree_hidden, GroupMismatchError, GroupMismatchError, "hidden size"),
+    "dtype": (_disagree_dtype, GroupMismatchError, GroupMismatchError, "torch.float16"),
+    "top_k": (_disagree_top_k, GroupMismatchError, GroupMismatchError, "top_k"),
+    "alignment": (_disagree_alignment, GroupMismatchError, GroupMismatchError, "expert_alignment"),
+    "expert_out_dtype": (_disagree_expert_out_dtype, GroupMismatchError, GroupMismatchError, "torch.float64"),
+    "counts_length": (_disagree_counts_length, GroupMismatchError, GroupMismatchError, "length"),
+    "ulysses_shard": (_disagree_ulysses_shard, GroupMismatchError, GroupMismatchError, "(1, 3, 4, 2)"),
+    "out_of_step": (_out_of_step, GroupMismatchError, GroupMismatchError, "out of step"),
+    "symm_alignment": (_disagree_symm_alignment, GroupMismatchError, GroupMismatchError, "expert_alignment"),
+}
+BAD_RANK = {
+    "x_1d": (_bad_x_1d, TypeError, PeerInputError, "x:"),
+    "x_3d": (_bad_x_3d, TypeError, PeerInputError, "x:"),
+    "topk_idx_float": (_bad_topk_idx_float, TypeError, PeerInputError, "topk_idx"),
+    "token_count": (_bad_token_count, ValueError, PeerInputError, "topk_idx"),
+    "alignment_zero": (_bad_alignment_zero, ValueError, PeerInputError, "expert_alignment"),
+    "num_experts_indivisible": (_bad_num_experts_indivisible, ValueError, PeerInputError, "num_experts"),
+    "weights_shape": (_bad_weights_shape, ValueError, PeerInputError, "topk_weights"),
+    "counts_dtype": (_bad_counts_dtype, TypeError, PeerInputError, "tokens_per_expert_global"),
+    "ulysses_heads": (_bad_ulysses_heads, ValueError, PeerInputError, "heads"),
+    "symm_topk_idx_float": (_bad_symm_topk_idx_float, TypeError, PeerInputError, "topk_idx"),
+    "symm_x_3d": (_bad_symm_x_3d, TypeError, PeerInputError, "x:"),
+    "symm_alignment_above_buffers": (_bad_symm_alignment_above_buffers, CapacityError, PeerInputError,
+                                     "expert_alignment"),
+    "symm_cached_topk_idx_float": (_bad_symm_cached_topk_idx_float, TypeError, PeerInputError, "topk_idx"),
+    "symm_combine_debug_mode": (_bad_symm_combine_debug_mode, ValueError, PeerInputError, "expert_out"),
+}
+CASES = {**DISAGREE, **BAD_RANK}
+
+
+def run_case(rank: int, world_size: int, name: str, bad_rank: int) -> None:
+    CASES[name][0](rank, rank == bad_rank)
+
+
+def healthy(rank: int, world_size: int) -> None:
+    _healthy(rank)
+
+
+def _expect(pool, name: str, bad_rank: int) -> None:
+    _, bad_type, peer_type, text = CASES[name]
+    with pytest.raises(RankFailures) as info:
+        pool.run(run_case, name, bad_rank, timeout=CASE_DEADLINE_S)
+    failures = info.value
+    assert failures.silent == [] and sorted(failures.errors) == list(range(pool.world_size)), str(failures)
+    for rank, err in failures.errors.items():
+        expected = bad_type if rank == bad_rank else peer_type
+        assert err.type_name == expected.__name__, f"rank {rank}: {err.type_name}: {err.message}"
+        assert text in err.message, f"rank {rank}: {err.message!r} does not mention {text!r}"
+        if expected is PeerInputError:  # told which rank failed, with its own message
+            assert f"rank {bad_rank} rejected its arguments" in err.message, err.message
+            assert failures.errors[bad_rank].message in err.message
+    pool.run(healthy, timeout=CASE_DEADLINE_S)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_two_ranks(pool2, name):
+    _expect(pool2, name, bad_rank=1)
+
+
+@pytest.mark.parametrize("name", ["dtype", "top_k", "out_of_step", "topk_idx_float", "weights_shape",
+                                  "symm_alignment_above_buffers"])
+def test_four_ranks(pool4, name):
+    _expect(pool4, name, bad_rank=2)
+
+
+def test_messages_name_every_rank(pool2):
+    with pytest.raises(RankFailures) as info:
+        pool2.run(run_case, "ulysses_shard", 1, timeout=CASE_DEADLINE_S)
+    for err in info.value.errors.values():  # the shapes, not fingerprints
+        assert "rank 0 has (1, 2, 4, 2), rank 1 has (1, 3, 4, 2)" in err.message, err.message
+        assert "alltoall_ops.seq_to_head on group" in err.message
+    with pytest.raises(RankFailures) as info:
+        pool2.run(run_case, "dtype", 0, timeout=CASE_DEADLINE_S)
+    for err in info.value.errors.values():
+        assert "rank 0 has torch.float16, rank 1 has torch.bfloat16" in err.message, err.message
+    pool2.run(healthy, timeout=CASE_DEADLINE_S)
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration hazards and integer-likes (every rank alike)
+
+
+def cached_buffers_grow_on_one_rank(rank: int, world_size: int) -> list:
+    seen = []
+    for k, alignment in ((1, 1), (2, 3)):  # rank 1's K is larger; both grow on the second call
+        x, idx, w = _inputs(rank, T=T + rank, K=k + rank)
+        routed, _, handle = a2a.dispatch(x, idx, num_experts=E, backend="symm_mem", expert_alignment=alignment)
+        y = a2a.combine(routed, handle, w)
+        torch.testing.assert_close(y, x * (w * (idx >= 0)).sum(1, keepdim=True))
+        bufs = handle.buffers
+        seen.append((bufs.max_tokens_per_rank, bufs.top_k, bufs.expert_alignment))
+    return seen
+
+
+def test_cached_symm_buffers_agree_on_the_largest_sizes(pool2):
+    assert pool2.run(cached_buffers_grow_on_one_rank, timeout=CASE_DEADLINE_S) == [[(T + 1, 2, 1), (T + 1, 3, 3)]] * 2
+
+
+def integer_likes(rank: int, world_size: int) -> None:
+    import numpy as np
+
+    x, idx, w = _inputs(rank)
+    routed, _, handle = a2a.dispatch(x, idx, num_experts=np.int64(E), expert_alignment=np.int32(2))
+    torch.testing.assert_close(a2a.combine(routed, handle, w), x * (w * (idx >= 0)).sum(1, keepdim=True))
+    with pytest.raises(ValueError, match=r"expert_alignment: expected at most 65536, got 1099511627776"):
+        a2a.dispatch(x, idx, num_experts=E, expert_alignment=2**40)
+
+
+def test_integer_likes_and_huge_alignment(pool2):
+    pool2.run(integer_likes, timeout=CASE_DEADLINE_S)
+
+
+# --------------------------------------------------------------------------------------------
+# Faults: a short deadline, a fresh pool each (the group is unusable afterwards)
+
+DEADLINE_S = 3.0
+
+
+def fault(rank: int, world_size: int, kind: str) -> None:
+    """Rank 1 misbehaves before (or, for symm_combine_bad_rank, in) a dispatch / combine."""
+    a2a.set_timeout(DEADLINE_S)
+    x, idx, w = _inputs(rank)
+    if rank == 1 and kind == "raises_elsewhere":
+        raise KeyError("user code on rank 1 failed before its dispatch")
+    if rank == 1 and kind == "dies":
+        os._exit(3)
+    if rank == 1 and kind == "stalls":
+        time.sleep(3 * DEADLINE_S)
+    if kind == "symm_combine_bad_rank":  # no exchange before combine's payload (debug mode off)
+        routed, handle, _ = _round_trip(rank, buffers=_buffers())
+        a2a.combine(routed[:, :1] if rank == 1 else routed, handle, w)
+    a2a.dispatch(x, idx, num_experts=E)
+
+
+# kind -> rank 0's error type and text; rank 1's error type (None: it died)
+FAULTS = {
+    "raises_elsewhere": (CollectiveTimeout, "alltoall_ops.dispatch on group", "KeyError"),
+    "stalls": (CollectiveTimeout, "alltoall_ops.dispatch on group", CollectiveError.__name__),
+    "dies": (CollectiveError, "alltoall_ops.dispatch on group", None),
+    "symm_combine_bad_rank": (CollectiveTimeout, "alltoall_ops.symm_mem barrier on group", "ValueError"),
+}
+
+
+@pytest.mark.parametrize("kind", list(FAULTS))
+def test_faults_end_within_the_deadline(kind):
+    peer_type, text, bad_type = FAULTS[kind]
+    with DistributedPool(2) as pool:
+        with pytest.raises(RankFailures) as info:
+            pool.run(fault, kind, timeout=CASE_DEADLINE_S)
+    failures = info.value
+    err = failures.errors[0]
+    assert err.type_name in (peer_type.__name__, *(c.__name__ for c in peer_type.__subclasses__())), err
+    assert text in err.message and "(rank 0 of 2)" in err.message, err.message
+    if peer_type is CollectiveTimeout:  # the library's deadline, not gloo's 60 s
+        assert f"timed out (deadline {DEADLINE_S:g} s)" in err.message, err.message
+    if bad_type is None:
+        assert failures.silent == [1] or 1 not in failures.errors, str(failures)
+    else:
+        assert issubclass(CollectiveTimeout, CollectiveError)
+        bad = failures.errors[1]
+        assert bad.type_name == bad_type or (bad_type == "CollectiveError" and bad.type_name == "CollectiveTimeout"), bad
