@@ -13,7 +13,8 @@ region's address on every rank, and the kernels write peers' regions through it:
     recv  (C, H)        rows dispatched to this rank, expert-major (written by the senders)
     tags  (C,)  int64   source code ``src_rank * N_max + send_position`` of each received row, -1 none
     ret   (N_max, H)    this rank's slots coming back from combine, in send order
-    meta  (W, L) int64  row s: rank s's counts per global expert, its routing status, its N
+    meta  (W, L) int64  row s: rank s's counts per global expert, its routing status, its N,
+                        alignment, failure flag and call number (``buffers.META_EXTRA`` columns)
 
 One call of an op (``entry barrier; write peers; barrier; read own buffers into fresh
 tensors``) leaves nothing behind that a later call could overwrite: every returned tensor is a
