@@ -90,7 +90,9 @@ def dispatch(
     return routed, tokens_per_expert, handle
 
 
-def _check_dispatch(x, topk_idx, num_experts, group: Group, backend: str, expert_alignment, buffers) -> tuple[Group, int]:
+def _check_dispatch(
+    x, topk_idx, num_experts, group: Group, backend: str, expert_alignment, buffers
+) -> tuple[Group, int]:
     """The checks of a non-symm_mem dispatch; returns the backend's group and E as an int."""
     if buffers is not None:
         raise ValueError(f"buffers: only backend='symm_mem' uses buffers, got backend={backend!r}")

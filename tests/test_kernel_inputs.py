@@ -272,7 +272,7 @@ def test_dropped_slots_symm_mem(world_size):
                                             expert_alignment=alignment)
         y_ref = _reference_y(world_size, alignment)
         for bad in BAD:
-            def rank_fn(rank, bufs, bad=bad):
+            def rank_fn(rank, bufs, bad=bad, alignment=alignment):
                 run = partial(_step, backend="symm_mem", expert_alignment=alignment, buffers=bufs)
                 return run(*_inputs(rank, T, bad)), run(*_inputs(rank, T))
 

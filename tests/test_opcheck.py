@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from alltoall_ops import layout
+from alltoall_ops import comm, layout
 from alltoall_ops.groups import LOCAL
 
 OPS = torch.ops.alltoall_ops
@@ -35,8 +35,9 @@ def opcheck_all(rank: int, world_size: int, group_name: str | None, configs=CONF
         w = torch.rand(T, K, generator=g, dtype=torch.float64, requires_grad=True) if weighted else None
         torch.library.opcheck(OPS.plan_routing.default, (idx, E, world_size))
         plan = layout.plan_routing(idx, E, world_size)
-        torch.library.opcheck(OPS.exchange_counts.default, (plan.send_meta, group_name))
-        recv_meta = OPS.exchange_counts(plan.send_meta, group_name)
+        header = comm.header("exchange_counts", E)
+        torch.library.opcheck(OPS.exchange_counts.default, (plan.send_meta, group_name, header))
+        recv_meta = OPS.exchange_counts(plan.send_meta, group_name, header)
         recv_counts, _ = layout.split_meta(recv_meta)
         R = int(layout.padded_tokens_per_expert(recv_counts, alignment).sum())
         layout_args = (plan.order, plan.position, plan.send_meta, recv_meta, alignment, group_name)

@@ -340,6 +340,6 @@ def test_faults_end_within_the_deadline(kind):
     if bad_type is None:
         assert failures.silent == [1] or 1 not in failures.errors, str(failures)
     else:
-        assert issubclass(CollectiveTimeout, CollectiveError)
-        bad = failures.errors[1]
-        assert bad.type_name == bad_type or (bad_type == "CollectiveError" and bad.type_name == "CollectiveTimeout"), bad
+        bad = failures.errors[1]  # a stalled rank's own late collective fails or times out
+        late_types = ("CollectiveError", "CollectiveTimeout") if bad_type == "CollectiveError" else (bad_type,)
+        assert bad.type_name in late_types, bad

@@ -703,7 +703,7 @@ def test_second_order_gradients_simulated_two_ranks():
         for i, name in enumerate(("x", "weights", "grad_y")):
             numeric = (plus[rank][i] - minus[rank][i]) / (2 * eps)
             torch.testing.assert_close(analytic[rank][i], numeric, rtol=1e-6, atol=1e-7,
-                                       msg=lambda m: f"rank {rank}, H v for {name}: {m}")
+                                       msg=lambda m, rank=rank, name=name: f"rank {rank}, H v for {name}: {m}")
 
 
 def test_opcheck_second_order_paths():

@@ -109,8 +109,9 @@ def opcheck_cuda():
     w = torch.rand(33, 2, device=DEVICE, requires_grad=True)
     plan = layout.plan_routing(idx, 8, 1)
     ops = torch.ops.alltoall_ops
-    recv = ops.exchange_counts(plan.send_meta, "")
-    torch.library.opcheck(ops.exchange_counts.default, (plan.send_meta, ""))
+    header = a2a.comm.header("exchange_counts", 8)
+    recv = ops.exchange_counts(plan.send_meta, "", header)
+    torch.library.opcheck(ops.exchange_counts.default, (plan.send_meta, "", header))
     args = (plan.order, plan.position, plan.send_meta, recv, 4, "")
     torch.library.opcheck(ops.dispatch.default, (x, None, *args, None))
     routed = ops.dispatch(x, None, *args, None)

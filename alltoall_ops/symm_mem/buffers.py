@@ -128,9 +128,10 @@ class SymmBuffers(OpaqueBase):
         allocator: "auto" (CUDA symmetric memory for W > 1 on cuda, a shared-memory stand-in on
             the CPU, plain memory for one rank) or "symmetric" (torch symmetric memory even for
             one rank: a check of that path on a one-GPU host).
-        timeout: seconds a barrier of the CPU stand-in waits for its peers before raising
-            :class:`alltoall_ops.errors.CollectiveTimeout` (default: the library's deadline,
-            :func:`alltoall_ops.set_timeout`). CUDA barriers are device-side and not bounded.
+        timeout: seconds a barrier waits for its peers (default: the library's deadline,
+            :func:`alltoall_ops.set_timeout`). Past it the CPU stand-in raises
+            :class:`alltoall_ops.errors.CollectiveTimeout`; the CUDA barrier kernel traps (a CUDA
+            error at the next sync; the context is then unusable).
 
     Example::
 
@@ -168,12 +169,13 @@ class SymmBuffers(OpaqueBase):
         _, nbytes = cfg.region_offsets()
         if allocator == "symmetric" and device.type != "cuda":
             raise ValueError("allocator='symmetric' (torch symmetric memory) needs a cuda device")
+        timeout = get_timeout() if timeout is None else timeout
         if grp.size == 1 and allocator == "auto":
             segments: _Segments = _LocalSegments(nbytes, device)
         elif device.type == "cpu":
-            segments = _SharedMemorySegments(nbytes, grp, get_timeout() if timeout is None else timeout)
+            segments = _SharedMemorySegments(nbytes, grp, timeout)
         else:
-            segments = _CudaSymmetricSegments(nbytes, grp, device)
+            segments = _CudaSymmetricSegments(nbytes, grp, device, timeout)
         self._setup(cfg, segments)
 
     @classmethod

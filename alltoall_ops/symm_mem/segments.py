@@ -80,9 +80,10 @@ class _CudaSymmetricSegments(_Segments):
     """CUDA symmetric memory (one process per GPU): ``empty`` + ``rendezvous``; barriers are a
     kernel on the signal pads."""
 
-    def __init__(self, nbytes: int, group: Group, device: torch.device):
+    def __init__(self, nbytes: int, group: Group, device: torch.device, timeout: float):
         import torch.distributed._symmetric_memory as symm_mem
 
+        self._timeout = timeout
         if hasattr(symm_mem, "enable_symm_mem_for_group"):  # required on torch 2.11
             symm_mem.enable_symm_mem_for_group(group.name)
         self._rank = group.rank
@@ -94,7 +95,7 @@ class _CudaSymmetricSegments(_Segments):
         self.pads_table = torch.tensor(list(self._handle.signal_pad_ptrs), dtype=torch.int64, device=device)
 
     def barrier(self) -> None:
-        kernels().barrier(self.pads_table, self._rank)
+        kernels().barrier(self.pads_table, self._rank, self._timeout)
 
     def setup_barrier(self) -> None:
         torch.cuda.synchronize(self.local.device)
