@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+from typing import Optional
 
 import torch
 import triton
@@ -20,6 +21,16 @@ def interpreting() -> bool:
     """True when this package's kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when
     they were imported): on CPU tensors, one program after another."""
     return _INTERPRETED
+
+
+def require_contiguous(launcher: str, **outputs: Optional[torch.Tensor]) -> None:
+    """Raise ``ValueError`` for each given tensor that a kernel would write as if contiguous."""
+    for name, t in outputs.items():
+        if t is not None and not t.is_contiguous():
+            raise ValueError(
+                f"{launcher}: {name} must be contiguous (the kernel writes it in place), got shape "
+                f"{tuple(t.shape)} with strides {t.stride()}"
+            )
 
 
 LAUNCH_LOCK = threading.RLock()

@@ -22,8 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import LAUNCH_LOCK, cast_rne, row_blocks, tl_acc_dtype, upcast
-from .symm_dispatch import require_contiguous
+from ._config import LAUNCH_LOCK, cast_rne, require_contiguous, row_blocks, tl_acc_dtype, upcast
 
 
 @triton.jit

@@ -25,17 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import LAUNCH_LOCK, cast_rne, row_blocks, tl_acc_dtype, upcast
-
-
-def require_contiguous(launcher: str, **outputs: Optional[torch.Tensor]) -> None:
-    """Raise ``ValueError`` for each given tensor that a kernel would write as if contiguous."""
-    for name, t in outputs.items():
-        if t is not None and not t.is_contiguous():
-            raise ValueError(
-                f"{launcher}: {name} must be contiguous (the kernel writes it in place), got shape "
-                f"{tuple(t.shape)} with strides {t.stride()}"
-            )
+from ._config import LAUNCH_LOCK, cast_rne, require_contiguous, row_blocks, tl_acc_dtype, upcast
 
 
 @triton.jit
