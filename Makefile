@@ -19,15 +19,15 @@ test: install
 	$(PY) -m pytest -q -x --durations=15
 
 demo: install
-	$(PY) -m alltoall_ops.demo --world-size $(WORLD_SIZE)
+	$(PY) -m examples.demo --world-size $(WORLD_SIZE)
 
 bench: install
 	$(PY) -m pip install -q -e ".[bench]" "$(TORCH_DEV_CONSTRAINT)"
-	$(PY) -m alltoall_ops.bench --out results
+	$(PY) -m benchmarks.bench --out results
 
 lint: install
 	$(PY) -m pip install -q ruff
-	$(VENV)/bin/ruff check alltoall_ops tests
+	$(VENV)/bin/ruff check alltoall_ops tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,16 +1,25 @@
 """alltoall_ops: torch.compile-first all-to-all ops for MoE expert parallelism.
 
-Importing the package registers every op under ``torch.ops.alltoall_ops``.
+Importing the package registers every op under ``torch.ops.alltoall_ops``. Events worth knowing
+(buffer creation and sizes, the backend chosen, kernels vs torch ops, the Triton interpreter on
+machines without CUDA) go to ``logging.getLogger("alltoall_ops")``.
 """
 
+# NB: the kernel loader first: without CUDA it enables Triton's interpreter before anything
+# imports triton (see alltoall_ops/kernels/loader.py for why it must be process-wide).
+from .kernels import loader as _loader  # noqa: F401  (isort: skip)
+
 from . import errors
-from .api import DispatchHandle, combine, dispatch, exchange_counts
+from .api import combine, dispatch, exchange_counts
+from .backends import DispatchHandle
+from .backends.symm_mem import SymmBuffers
 from .checkpoint import sac_policy
-from .comm import get_timeout, set_timeout
+from .comm import communication_ops, get_timeout, set_timeout
 from .groups import warmup
-from .ops import communication_ops
-from .symm_mem import SymmBuffers
 from .ulysses import head_to_seq, seq_to_head, ulysses_attention
 
-__all__ = ["DispatchHandle", "SymmBuffers", "combine", "communication_ops", "dispatch", "errors", "exchange_counts",
-           "get_timeout", "head_to_seq", "sac_policy", "seq_to_head", "set_timeout", "ulysses_attention", "warmup"]
+__version__ = "0.1.0"
+
+__all__ = ["DispatchHandle", "SymmBuffers", "__version__", "combine", "communication_ops", "dispatch", "errors",
+           "exchange_counts", "get_timeout", "head_to_seq", "sac_policy", "seq_to_head", "set_timeout",
+           "ulysses_attention", "warmup"]

@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .ops import communication_ops
+from .comm import communication_ops
 
 _FUNCTIONAL_ALL_TO_ALL = ("all_to_all_single",)
 

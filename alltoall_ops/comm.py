@@ -7,7 +7,9 @@
   fixed-size int64 header per rank (op, call number, failure flag, the op's shared fields), so
   that every rank raises the same error, before any payload moves, when a rank rejected its
   own arguments (:class:`PeerInputError` on its peers), the ranks are out of step, or they
-  disagree on a field (:class:`GroupMismatchError`).
+  disagree on a field (:class:`GroupMismatchError`);
+- ``comm_op``: the one registry of the library's custom ops that communicate (every backend's),
+  which the selective-checkpointing policy and the graph summaries read.
 """
 
 from __future__ import annotations
@@ -25,6 +27,31 @@ from ._compat import is_compiling
 from .groups import LOCAL, process_group
 
 T = TypeVar("T")
+
+_COMM_OPS: list = []
+
+
+def comm_op(name: str, **kwargs) -> Callable:
+    """``torch.library.custom_op("alltoall_ops::<name>")`` for an op that communicates, recorded in
+    the registry :func:`communication_ops` reads."""
+
+    def register(fn: Callable):
+        op = torch.library.custom_op(f"alltoall_ops::{name}", mutates_args=(), **kwargs)(fn)
+        # NB: with mutates_args=() the op is pure to dead-code elimination (FX's and inductor's):
+        # on a rank with no tokens, where its outputs feed only zero-element work, the call was
+        # dropped and the peers waited forever. Both the overload and its packet are marked, as
+        # graphs may hold either.
+        torch.fx.node.has_side_effect(op._opoverload)
+        torch.fx.node.has_side_effect(getattr(torch.ops.alltoall_ops, name))
+        _COMM_OPS.append(op)
+        return op
+
+    return register
+
+
+def communication_ops() -> tuple[torch._ops.OpOverload, ...]:
+    """Every op of this library that communicates (all backends)."""
+    return tuple(op._opoverload for op in _COMM_OPS)
 
 _timeout_s = float(os.environ.get("ALLTOALL_OPS_TIMEOUT", "600"))
 
@@ -117,6 +144,16 @@ _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.fl
            torch.float8_e5m2, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 
 _calls: collections.Counter = collections.Counter()  # group name -> agreements so far
+
+
+def dispatch_fields(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, expert_alignment: int) -> list[int]:
+    """What the ranks of a dispatch agree on (``FIELDS["dispatch"]``): E, H, dtype, K, alignment."""
+    return [num_experts, x.shape[1], dtype_code(x.dtype), topk_idx.shape[1], expert_alignment]
+
+
+def combine_fields(expert_out: torch.Tensor, top_k: int) -> list[int]:
+    """What the ranks of a combine agree on (``FIELDS["combine"]``): H, dtype, K."""
+    return [expert_out.shape[1], dtype_code(expert_out.dtype), top_k]
 
 
 def header(op: str, *fields: int) -> list[int]:

@@ -12,9 +12,6 @@ LOCAL = ""
 """Group name of the local backend: one rank, no communication."""
 
 
-BACKENDS = ("auto", "local", "collective", "symm_mem")
-
-
 @dataclasses.dataclass(frozen=True)
 class Group:
     """A resolved communication group: its registered name (``LOCAL`` for no group), rank, size."""
@@ -56,25 +53,9 @@ def process_group(name: str) -> dist.ProcessGroup:
     return _resolve_process_group(name)
 
 
-def pick_backend(backend: str, group: Group) -> Group:
-    """Apply ``backend=`` ("auto" | "local" | "collective" | "symm_mem") to a resolved group.
-
-    "local" and "auto" at one rank drop the group (no communication at all); "symm_mem" keeps
-    it (its buffers hold their own group)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    if backend == "local" and group.size != 1:
-        raise ValueError(
-            f"backend='local' needs a group of one rank, got a group of {group.size} ranks"
-        )
-    if backend == "collective" and group.name == LOCAL:
-        raise ValueError(
-            "backend='collective' needs an initialised process group (torch.distributed is not "
-            "initialised and no group was given)"
-        )
-    if backend in ("auto", "local") and group.size == 1:
-        return Group(LOCAL, 0, 1)
-    return group
+def communication_group(group: Group) -> Group:
+    """The group an op communicates over: none (``LOCAL``) for a group of one rank."""
+    return Group(LOCAL, 0, 1) if group.size == 1 else group
 
 
 def _groups_to_warm(mesh_or_groups: Any) -> list[dist.ProcessGroup]:

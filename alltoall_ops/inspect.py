@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from .ops import communication_ops
+from .comm import communication_ops
 
 
 @dataclasses.dataclass

@@ -1,5 +1,7 @@
-"""Routing layout maths, with no communication: the ``alltoall_ops::plan_routing`` op (two
-Triton kernels on CUDA, plain torch ops elsewhere) and pure, traceable tensor functions.
+"""The routing maths, once, for every backend; no communication: the
+``alltoall_ops::plan_routing`` op (two Triton kernels on CUDA, plain torch ops elsewhere), pure
+traceable tensor functions (padding, block starts, expert-major rows, each slot's destination
+row) and the one host read of a dispatch's split sizes.
 
 Shape legend (used across the package):
     T  local tokens          H  hidden size          K  top-k slots per token
@@ -18,8 +20,14 @@ Layout conventions:
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence, TypeVar
 
 import torch
+
+from .errors import RoutingError
+from .kernels import loader
+
+IntOrTensor = TypeVar("IntOrTensor", int, torch.Tensor)
 
 STATUS_COLUMNS = 3
 """Extra columns of a routing-metadata matrix: (number of bad expert ids, min id, max id)."""
@@ -41,27 +49,13 @@ class RoutingPlan:
     send_meta: torch.Tensor
 
 
-class SlotShape:
-    """(T, K) of a per-call handle that holds ``position`` (T, K)."""
-
-    position: torch.Tensor
-
-    @property
-    def num_tokens(self) -> int:
-        return self.position.shape[0]
-
-    @property
-    def top_k(self) -> int:
-        return self.position.shape[1]
-
-
 def plan_routing(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> RoutingPlan:
     """Sort the (T, K) slots of ``topk_idx`` into send order and count them per expert.
 
     Out-of-range ids are treated as dropped here and reported in the status columns, so that
     the metadata exchange can tell every rank about them before any payload moves. One op
     (``alltoall_ops::plan_routing``): on CUDA two kernel launches and no sort (up to
-    ``kernels.routing.MAX_SLOTS`` slots; a stable sort above)."""
+    ``kernels.routing_plan.MAX_SLOTS`` slots; a stable sort above)."""
     order, position, send_meta = plan_routing_op(topk_idx, num_experts, world_size)
     return RoutingPlan(order=order, position=position, send_meta=send_meta)
 
@@ -71,11 +65,10 @@ def plan_routing_op(
     topk_idx: torch.Tensor, num_experts: int, world_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(T, K) integer expert ids -> order (N,), position (T, K), send_meta (W, e + STATUS_COLUMNS)."""
-    from .symm_mem import loader
 
     if loader.use_kernels(topk_idx):
-        kernels = loader.kernels()
-        if topk_idx.numel() <= kernels.routing.MAX_SLOTS:
+        kernels = loader.load()
+        if topk_idx.numel() <= kernels.routing_plan.MAX_SLOTS:
             return kernels.plan_slots(topk_idx, num_experts, world_size)
     return _plan_routing_torch(topk_idx, num_experts, world_size)
 
@@ -92,7 +85,7 @@ def _(topk_idx, num_experts, world_size):
 
 def _plan_routing_torch(topk_idx: torch.Tensor, num_experts: int, world_size: int):
     """plan_routing_op in torch ops: a stable sort of the slots by expert (the reference of the
-    Triton kernels in ``kernels/routing.py``)."""
+    Triton kernels in ``kernels/routing_plan.py``)."""
     T, K = topk_idx.shape
     N = T * K
     e = num_experts // world_size
@@ -123,12 +116,34 @@ def split_meta(meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return meta[:, :-STATUS_COLUMNS], meta[:, -STATUS_COLUMNS:]
 
 
+def round_up(n: IntOrTensor, multiple: int) -> IntOrTensor:
+    """``n`` (an int or an integer tensor) rounded up to a multiple of ``multiple``: the size of
+    an expert's row group padded to ``expert_alignment``."""
+    return (n + multiple - 1) // multiple * multiple
+
+
+def exclusive_cumsum(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum of the entries before each entry along ``dim`` (the start of each block)."""
+    return t.cumsum(dim) - t
+
+
 def padded_tokens_per_expert(recv_counts: torch.Tensor, expert_alignment: int) -> torch.Tensor:
     """(W, e) rows received from each rank per local expert -> (e,) rows per expert, padded."""
     per_expert = recv_counts.sum(0)
-    if expert_alignment == 1:
-        return per_expert
-    return (per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
+    return per_expert if expert_alignment == 1 else round_up(per_expert, expert_alignment)
+
+
+def block_starts(counts: torch.Tensor, num_local_experts: int, expert_alignment: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each (source rank, expert) block of rows starts in its owner's expert-major output.
+
+    counts: (W, G) rows each source rank s sends to each expert g of one or more owners
+    (G = owners * e, owner of g = g // e). Returns ``starts`` (W, G), the first row of block
+    (s, g) on g's owner (its expert group's start, plus the rows of g from lower ranks), and
+    ``padded`` (G,), each expert's group size padded to ``expert_alignment``."""
+    padded = round_up(counts.sum(0), expert_alignment)  # (G,)
+    expert_start = exclusive_cumsum(padded.view(-1, num_local_experts), 1).view(-1)  # (G,)
+    return expert_start + exclusive_cumsum(counts, 0), padded
 
 
 def expert_of_rows(tokens_per_expert: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -144,12 +159,63 @@ def expert_major_rows(recv_counts: torch.Tensor, expert_alignment: int) -> torch
     recv_counts: (W, e). Returns (sum(recv_counts),) int64, a injection into
     [0, padded_tokens_per_expert(recv_counts).sum()); rows it misses are padding.
     """
-    padded = padded_tokens_per_expert(recv_counts, expert_alignment)  # (e,)
-    expert_start = torch.cumsum(padded, 0) - padded  # (e,)
-    earlier_ranks = torch.cumsum(recv_counts, 0) - recv_counts  # (W, e)
-    block_dst = expert_start + earlier_ranks  # (W, e) first expert-major row of block (s, j)
+    starts, _ = block_starts(recv_counts, recv_counts.shape[1], expert_alignment)  # (W, e)
     flat = recv_counts.reshape(-1)  # rank-major block sizes, (W * e,)
-    block_src = torch.cumsum(flat, 0) - flat
     total = int(flat.sum())
-    shift = torch.repeat_interleave(block_dst.reshape(-1) - block_src, flat, output_size=total)
+    shift = torch.repeat_interleave(starts.reshape(-1) - exclusive_cumsum(flat, 0), flat, output_size=total)
     return shift + torch.arange(total, device=recv_counts.device)
+
+
+def slot_rows(counts: torch.Tensor, rank: int, topk_idx: torch.Tensor, position: torch.Tensor,
+              num_local_experts: int, expert_alignment: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each slot of this rank lands, from every rank's counts: no host sync.
+
+    counts: (W, E), ``counts[s, g]`` slots rank s sends to global expert g; topk_idx, position:
+    (T, K) of this rank (``position`` from :func:`plan_routing`). Returns ``expert`` (N,), each
+    slot's expert clamped into [0, E) (check validity separately), and ``row`` (N,), its row in
+    the expert-major output of the expert's owner: block start + (send position - the first
+    send position of that expert here)."""
+    E = counts.shape[1]
+    starts, _ = block_starts(counts, num_local_experts, expert_alignment)  # (W, E)
+    first_position = exclusive_cumsum(counts[rank], 0)  # (E,) of this rank's slots of expert g
+    expert = topk_idx.reshape(-1).to(torch.int64).clamp(0, E - 1)  # (N,)
+    row = (starts[rank] - first_position).index_select(0, expert) + position.reshape(-1)
+    return expert, row
+
+
+def bad_ids_error(rank: int, status: Sequence[int], num_experts: int) -> RoutingError:
+    """The error for rank ``rank``'s routing status (num_bad, min id, max id) with num_bad > 0."""
+    num_bad, lo, hi = status
+    return RoutingError(
+        f"topk_idx on rank {rank} of the group holds {num_bad} expert id(s) outside "
+        f"[-1, {num_experts}) (min {lo}, max {hi}); expected -1 or a global expert id"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSplits:
+    """A dispatch's split sizes as Python ints (from :func:`read_splits`)."""
+
+    send_splits: list[int]  # rows sent to each rank
+    recv_splits: list[int]  # rows received from each rank
+    num_valid: int  # valid slots of this rank (= sum(send_splits))
+    num_rows: int  # rows of the expert-major output, padding included
+
+
+def read_splits(send_meta: torch.Tensor, recv_meta: torch.Tensor, expert_alignment: int) -> HostSplits:
+    """Host sync: read both metadata matrices (W, e + STATUS_COLUMNS), derive the split sizes on
+    the host, and check every rank's routing status.
+
+    Raises :class:`RoutingError` (on every rank alike, since all see the same statuses) if any
+    rank's ``topk_idx`` held expert ids outside [-1, E)."""
+    W, S = send_meta.shape[0], STATUS_COLUMNS
+    # NB: one small copy and plain Python sums: on a slow host each extra tensor op costs more
+    # than the arithmetic on W * (e + S) ints.
+    host = torch.cat([send_meta, recv_meta]).tolist()  # (2W, e + S)
+    send_counts, recv_counts = [row[:-S] for row in host[:W]], [row[:-S] for row in host[W:]]
+    for src, row in enumerate(host[W:]):
+        if row[-S]:
+            raise bad_ids_error(src, row[-S:], W * len(send_counts[0]))
+    num_rows = sum(round_up(sum(col), expert_alignment) for col in zip(*recv_counts))
+    send_splits = [sum(c) for c in send_counts]
+    return HostSplits(send_splits, [sum(c) for c in recv_counts], sum(send_splits), num_rows)

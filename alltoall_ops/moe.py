@@ -29,10 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import backends
 from .api import combine, dispatch
-from .groups import pick_backend, resolve_group
+from .groups import resolve_group
 from .layout import expert_of_rows
-from .ops import accumulation_dtype
+from .rows import accumulation_dtype
 
 ACTIVATIONS = ("swiglu", "gelu")
 EXPERT_IMPLS = ("auto", "masked", "grouped_mm")
@@ -160,7 +161,8 @@ class MoE(_ExpertParams):
         expert_alignment: int = 1, expert_impl: str = "auto", buffers: Any = None,
         device=None, dtype=None,
     ):
-        grp = pick_backend(backend, resolve_group(group))
+        grp = resolve_group(group)
+        backends.choose(backend, grp, buffers)
         if num_experts % grp.size != 0:
             raise ValueError(
                 f"num_experts: expected a multiple of the group size {grp.size}, got {num_experts}"

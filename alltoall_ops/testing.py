@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .ops import communication_ops
+from .comm import communication_ops
 
 GLOO_TIMEOUT_S = 60.0
 
@@ -163,8 +163,3 @@ class CommOpCounter(TorchDispatchMode):
             self.ops.append(func.name())
         return func(*args, **(kwargs or {}))
 
-
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0, **kwargs: Any) -> list[Any]:
-    """One-shot :meth:`DistributedPool.run` on a fresh pool."""
-    with DistributedPool(world_size) as pool:
-        return pool.run(fn, *args, timeout=timeout, **kwargs)

@@ -19,8 +19,8 @@ from typing import Any, Optional
 import torch
 
 from . import comm
-from .groups import LOCAL, pick_backend, process_group, resolve_group
-from .ops import comm_op
+from .groups import LOCAL, communication_group, process_group, resolve_group
+from .comm import comm_op
 
 
 def _group_size(group_name: str) -> int:
@@ -165,7 +165,7 @@ def seq_to_head(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: 
         seq_dim, head_dim: the sequence and head dims of ``x`` (different).
 
     Returns a new tensor; :func:`head_to_seq` with the same dims is its inverse."""
-    grp = pick_backend("auto", resolve_group(group))
+    grp = communication_group(resolve_group(group))
     seq_dim, head_dim = comm.checked("seq_to_head", grp.name, _check_args, "seq_to_head", x, grp.size, seq_dim,
                                      head_dim)
     return seq_to_head_op(x, grp.name, seq_dim, head_dim)
@@ -174,7 +174,7 @@ def seq_to_head(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: 
 def head_to_seq(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: int = 2) -> torch.Tensor:
     """Head shard -> sequence shard: (B, S, Hh/W, D) -> (B, S/W, Hh, D); the inverse of
     :func:`seq_to_head`. S must be divisible by W; arguments as for :func:`seq_to_head`."""
-    grp = pick_backend("auto", resolve_group(group))
+    grp = communication_group(resolve_group(group))
     seq_dim, head_dim = comm.checked("head_to_seq", grp.name, _check_args, "head_to_seq", x, grp.size, seq_dim,
                                      head_dim)
     return head_to_seq_op(x, grp.name, seq_dim, head_dim)
@@ -200,7 +200,7 @@ def ulysses_attention(
     q, k: (B, S/W, Hh, Dqk); v: (B, S/W, Hh, Dv); Hh divisible by W. Returns (B, S/W, Hh, Dv),
     this rank's chunk of ``scaled_dot_product_attention`` over the gathered sequence (causal
     masking is by global position, since the sequence is gathered in rank order)."""
-    comm.checked("seq_to_head", pick_backend("auto", resolve_group(group)).name, _check_qkv, q, k, v)
+    comm.checked("seq_to_head", communication_group(resolve_group(group)).name, _check_qkv, q, k, v)
     q, k, v = (seq_to_head(t, group, seq_dim=1, head_dim=2).transpose(1, 2) for t in (q, k, v))
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
     return head_to_seq(out.transpose(1, 2), group, seq_dim=1, head_dim=2)

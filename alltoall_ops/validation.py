@@ -78,17 +78,17 @@ def check_dispatch_args(
 
 
 def check_combine_args(expert_out: torch.Tensor, handle, topk_weights: Optional[torch.Tensor]) -> None:
+    """Raise on a bad combine argument (``handle``: a ``DispatchHandle``)."""
     _require_float_matrix("expert_out", expert_out, "(R, H)")
-    if not hasattr(handle, "position"):
-        raise TypeError(f"handle: expected the DispatchHandle returned by dispatch, got {type(handle).__name__}")
-    if expert_out.device != handle.position.device:
-        raise ValueError(f"expert_out: expected device {handle.position.device}, got {expert_out.device}")
+    position = handle.position_TK
+    if expert_out.device != position.device:
+        raise ValueError(f"expert_out: expected device {position.device}, got {expert_out.device}")
     if topk_weights is None:
         return
     _require_float_matrix("topk_weights", topk_weights, "(T, K)")
-    if tuple(topk_weights.shape) != tuple(handle.position.shape):
+    if tuple(topk_weights.shape) != tuple(position.shape):
         raise ValueError(
-            f"topk_weights: expected shape (T, K) = {tuple(handle.position.shape)} of the dispatch, "
+            f"topk_weights: expected shape (T, K) = {tuple(position.shape)} of the dispatch, "
             f"got {_describe(topk_weights)}"
         )
     if topk_weights.device != expert_out.device:

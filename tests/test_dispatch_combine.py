@@ -289,7 +289,7 @@ def identity_round_trip(rank: int, world_size: int, case: Case, seed: int) -> tu
     valid = (idx >= 0).to(w.dtype)
     torch.testing.assert_close(y, x * (w * valid).sum(1, keepdim=True), **FP64_TOL)
     torch.testing.assert_close(alltoall_ops.combine(routed, handle), x * valid.sum(1, keepdim=True), **FP64_TOL)
-    received = int(handle.recv_meta[:, : case.e].sum())  # real (non-padding) rows of routed
+    received = int(handle.route.recv_meta_WL[:, : case.e].sum())  # real (non-padding) rows of routed
     assert received <= routed.shape[0] < received + case.e * case.alignment
     return int((idx >= 0).sum()), received
 
@@ -353,11 +353,11 @@ def row_path(request, monkeypatch):
     """How dispatch / combine move rows: torch ops (CPU tensors), or this package's Triton
     kernels, which CUDA tensors take, here run on the CPU in Triton's interpreter."""
     if request.param == "kernels":
-        from alltoall_ops import symm_mem
+        from alltoall_ops.kernels import loader
 
-        if not symm_mem.kernels().interpreting():
+        if not loader.load().interpreting():
             pytest.skip("the kernels run on CPU tensors only in Triton's interpreter")
-        monkeypatch.setattr(symm_mem.loader, "use_kernels", lambda t: True)
+        monkeypatch.setattr(loader, "use_kernels", lambda t: True)
     return request.param
 
 
@@ -415,11 +415,11 @@ def test_local_backend_reads_metadata_once_per_step(monkeypatch):
     """One rank without padding: only the forward dispatch reads the counts on the host (the one
     sync of a step, to size its output); combine and both backward ops need R alone. With
     padding every op reads them."""
-    from alltoall_ops import ops
+    from alltoall_ops import layout
 
     reads = []
-    read_splits = ops._read_splits
-    monkeypatch.setattr(ops, "_read_splits", lambda *args: reads.append(args) or read_splits(*args))
+    read_splits = layout.read_splits
+    monkeypatch.setattr(layout, "read_splits", lambda *args: reads.append(args) or read_splits(*args))
     g = torch.Generator().manual_seed(3)
     x = torch.randn(7, 4, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.rand(7, 2, generator=g, dtype=torch.float64, requires_grad=True)

@@ -18,21 +18,23 @@ import pytest
 import torch
 
 import alltoall_ops as a2a
-from alltoall_ops import layout, symm_mem
-from alltoall_ops.ops import dispatch_op
+from alltoall_ops import layout
+from alltoall_ops.backends import symm_mem
+from alltoall_ops.kernels import loader
+from alltoall_ops.backends.collective import dispatch_op
 from alltoall_ops.reference import reference_combine, reference_dispatch
 
 E, H, K, T = 4, 6, 3, 7
 FP64_TOL = dict(rtol=1e-12, atol=1e-12)  # only summation order may differ from the reference
 
 needs_interpreter = pytest.mark.skipif(
-    not symm_mem.kernels().interpreting(), reason="the kernels run on CPU tensors only in Triton's interpreter"
+    not loader.load().interpreting(), reason="the kernels run on CPU tensors only in Triton's interpreter"
 )
 
 
 def _rows_by_kernels(on: bool):
     """Move rows of CPU tensors with this package's Triton kernels (the CUDA path), or torch ops."""
-    return mock.patch.object(symm_mem.loader, "use_kernels", lambda t: True) if on else contextlib.nullcontext()
+    return mock.patch.object(loader, "use_kernels", lambda t: True) if on else contextlib.nullcontext()
 
 
 def strided(t: torch.Tensor) -> torch.Tensor:
@@ -98,7 +100,7 @@ def _assert_dropped_slots_add_nothing(got: dict, zeroed: dict, y_ref: torch.Tens
 
 def _launcher_cases() -> dict:
     """name -> (run, inputs): ``run(*inputs)`` calls the launcher and returns what it wrote."""
-    k = symm_mem.kernels()
+    k = loader.load()
     f64 = dict(dtype=torch.float64)
     g = torch.Generator().manual_seed(1)
     N = T * K
@@ -122,28 +124,28 @@ def _launcher_cases() -> dict:
         k.put_meta(row, torch.tensor([m.data_ptr() for m in metas]), 1)
         return (metas,)
 
-    def dispatch_copy_out(recv):
+    def copy_out(recv):
         tags = torch.arange(N).masked_fill(dst < 0, -1)
         out, row_src = torch.empty(N, H, **f64), torch.empty(N, dtype=torch.int64)
-        k.dispatch_copy_out(recv, tags, out, row_src)
+        k.copy_out(recv, tags, out, row_src)
         return out, row_src, tags
 
-    def combine_reduce(ret, position, slot_dst, weights):
+    def topk_reduce(ret, position, slot_dst, weights):
         y, returned = torch.empty(T, H, **f64), torch.zeros(N, H, **f64)
-        k.combine_reduce(ret, position, slot_dst, weights, y, returned, torch.float64)
+        k.topk_reduce(ret, position, slot_dst, weights, y, returned, torch.float64)
         return y, returned
 
-    def combine_weight_grad(grad_y, returned, position):
+    def weight_grad(grad_y, returned, position):
         grad_w = torch.empty(T, K, **f64)
-        k.combine_weight_grad(grad_y, returned, position, grad_w, torch.float64)
+        k.weight_grad(grad_y, returned, position, grad_w, torch.float64)
         return (grad_w,)
 
     return dict(
         put_rows=(put_rows, (x, dst, scale, dst.flip(0))),
         put_meta=(put_meta, (torch.arange(5),)),
-        dispatch_copy_out=(dispatch_copy_out, (x.repeat(K, 1),)),
-        combine_reduce=(combine_reduce, (ret, position, dst, scale)),
-        combine_weight_grad=(combine_weight_grad, (x, ret, position)),
+        copy_out=(copy_out, (x.repeat(K, 1),)),
+        topk_reduce=(topk_reduce, (ret, position, dst, scale)),
+        weight_grad=(weight_grad, (x, ret, position)),
         plan_slots=(partial(k.plan_slots, num_experts=E, world_size=2),
                     (torch.randint(-1, E, (T, K), generator=g),)),
     )
@@ -151,7 +153,7 @@ def _launcher_cases() -> dict:
 
 @needs_interpreter
 @pytest.mark.parametrize(
-    "launcher", ["put_rows", "put_meta", "dispatch_copy_out", "combine_reduce", "combine_weight_grad", "plan_slots"]
+    "launcher", ["put_rows", "put_meta", "copy_out", "topk_reduce", "weight_grad", "plan_slots"]
 )
 def test_launcher_reads_strided_inputs(launcher):
     run, inputs = _launcher_cases()[launcher]
@@ -164,7 +166,7 @@ def test_launcher_reads_strided_inputs(launcher):
 
 @needs_interpreter
 def test_launchers_reject_strided_outputs():
-    k = symm_mem.kernels()
+    k = loader.load()
     x, w = torch.randn(4, H), torch.rand(2, 2)
     position = torch.arange(4).view(2, 2)
     with pytest.raises(ValueError, match="put_rows: out must be contiguous"):
@@ -172,14 +174,14 @@ def test_launchers_reject_strided_outputs():
     for i, name in enumerate(("tags", "out", "row_src")):
         outs = [torch.full((4,), -1), torch.empty(4, H), torch.empty(4, dtype=torch.int64)]
         outs[i] = strided(outs[i])
-        with pytest.raises(ValueError, match=f"dispatch_copy_out: {name} must be contiguous"):
-            k.dispatch_copy_out(x, *outs)
-    with pytest.raises(ValueError, match="combine_reduce: y must be contiguous"):
-        k.combine_reduce(x, position, None, w, strided(torch.empty(2, H)), None, torch.float32)
-    with pytest.raises(ValueError, match="combine_reduce: returned must be contiguous"):
-        k.combine_reduce(x, position, None, w, torch.empty(2, H), strided(torch.empty(4, H)), torch.float32)
-    with pytest.raises(ValueError, match="combine_weight_grad: grad_w must be contiguous"):
-        k.combine_weight_grad(x[:2], x, position, strided(torch.empty(2, 2)), torch.float32)
+        with pytest.raises(ValueError, match=f"copy_out: {name} must be contiguous"):
+            k.copy_out(x, *outs)
+    with pytest.raises(ValueError, match="topk_reduce: y must be contiguous"):
+        k.topk_reduce(x, position, None, w, strided(torch.empty(2, H)), None, torch.float32)
+    with pytest.raises(ValueError, match="topk_reduce: returned must be contiguous"):
+        k.topk_reduce(x, position, None, w, torch.empty(2, H), strided(torch.empty(4, H)), torch.float32)
+    with pytest.raises(ValueError, match="weight_grad: grad_w must be contiguous"):
+        k.weight_grad(x[:2], x, position, strided(torch.empty(2, 2)), torch.float32)
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from alltoall_ops import layout, symm_mem
+from alltoall_ops import layout
+from alltoall_ops.kernels import loader
 
 LAYOUT_EXAMPLES = settings(max_examples=40)  # pure, millisecond-cheap functions
 
@@ -87,13 +88,13 @@ def test_plan_routing_status_clean_for_valid_ids(case):
 
 
 needs_interpreter = pytest.mark.skipif(
-    not symm_mem.kernels().interpreting(), reason="the kernels run on CPU tensors only in Triton's interpreter"
+    not loader.load().interpreting(), reason="the kernels run on CPU tensors only in Triton's interpreter"
 )
 
 
 def _assert_kernels_match_torch(topk_idx: torch.Tensor, E: int, W: int) -> None:
     want = layout._plan_routing_torch(topk_idx, E, W)
-    got = symm_mem.kernels().plan_slots(topk_idx, E, W)
+    got = loader.load().plan_slots(topk_idx, E, W)
     for name, g, w in zip(("order", "position", "send_meta"), got, want):
         assert g.dtype == w.dtype and g.shape == w.shape, name
         assert torch.equal(g, w), (name, g, w)
@@ -168,11 +169,11 @@ def test_expert_major_rows_example():
 def test_plan_routing_uses_the_kernels_up_to_max_slots(monkeypatch):
     """The op picks the kernels for tensors that use them (CUDA; here patched) up to MAX_SLOTS
     slots and the sort path above; both give the same plan."""
-    kernels = symm_mem.kernels()
+    kernels = loader.load()
     calls = []
     plan_slots = kernels.plan_slots
-    monkeypatch.setattr(symm_mem.loader, "use_kernels", lambda t: True)
-    monkeypatch.setattr(kernels.routing, "MAX_SLOTS", 40)
+    monkeypatch.setattr(loader, "use_kernels", lambda t: True)
+    monkeypatch.setattr(kernels.routing_plan, "MAX_SLOTS", 40)
     monkeypatch.setattr(kernels, "plan_slots", lambda *args: calls.append(args[0].numel()) or plan_slots(*args))
     for T in (20, 21):  # K = 2: 40 slots, then 42
         topk_idx = torch.randint(-1, 8, (T, 2), generator=torch.Generator().manual_seed(T))

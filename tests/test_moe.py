@@ -18,7 +18,7 @@ from expecttest import TestCase
 
 from alltoall_ops.inspect import compiled_graphs
 from alltoall_ops.moe import DenseMoE, MoE
-from alltoall_ops.symm_mem import SymmBuffers
+from alltoall_ops import SymmBuffers
 
 H, F, E, K = 16, 24, 8, 2
 FP64_TOL = {"rtol": 1e-10, "atol": 1e-12}  # only summation order differs from the reference
@@ -161,7 +161,7 @@ def test_grouped_mm_matches_masked_fp32():
 
 
 def test_demo_single_process_passes(capsys):
-    from alltoall_ops import demo
+    from examples import demo
 
     argv = ["--world-size", "1", "--steps", "2", "--compile-backend", "none", "--dtype", "float64"]
     assert demo.main(argv) == 0
@@ -170,7 +170,7 @@ def test_demo_single_process_passes(capsys):
 
 
 def test_demo_two_ranks_with_ulysses_attention(pool2):
-    from alltoall_ops import demo
+    from examples import demo
 
     args = demo.parse_args(["--world-size", "2", "--steps", "2", "--ulysses", "--heads", "4"])
     assert pool2.run(demo._spawned_rank, args) == [True, True]
@@ -178,7 +178,7 @@ def test_demo_two_ranks_with_ulysses_attention(pool2):
 
 def test_demo_fails_on_a_wrong_expert(monkeypatch, capsys):
     """The demo's check can fail: an expert output off by 0.1% must be reported and exit 1."""
-    from alltoall_ops import demo
+    from examples import demo
 
     experts = MoE.experts
     monkeypatch.setattr(MoE, "experts", lambda self, x, t: experts(self, x, t) * 1.001)
@@ -262,11 +262,11 @@ class TestCompiledGraphs(TestCase):
     def test_summary_single_process(self):
         self.assertExpectedInline(summary_of(0, 1), """\
 forward 0:
-  alltoall_ops.dispatch(scale=None, expert_alignment=1, group_name='', num_rows=None)
-  alltoall_ops.combine(weights=<tensor>, expert_alignment=1, group_name='', save_returned=True)
+  alltoall_ops.dispatch(scale_TK=None, expert_alignment=1, group_name='', num_rows=None)
+  alltoall_ops.combine(weights_TK=<tensor>, expert_alignment=1, group_name='', save_returned=True)
 backward 0:
-  alltoall_ops.dispatch(scale=<tensor>, expert_alignment=1, group_name='', num_rows=<symbolic>)
-  alltoall_ops.combine(weights=None, expert_alignment=1, group_name='', save_returned=False)""")
+  alltoall_ops.dispatch(scale_TK=<tensor>, expert_alignment=1, group_name='', num_rows=<symbolic>)
+  alltoall_ops.combine(weights_TK=None, expert_alignment=1, group_name='', save_returned=False)""")
 
     def test_summary_two_ranks(self):
         summaries = self.pool2.run(summary_of)
@@ -274,8 +274,8 @@ backward 0:
         self.assertExpectedInline(summaries[0], """\
 forward 0:
   alltoall_ops.exchange_counts(group_name='0', header=[0, 8, 16, 1, 2, 1])
-  alltoall_ops.dispatch(scale=None, expert_alignment=1, group_name='0', num_rows=None)
-  alltoall_ops.combine(weights=<tensor>, expert_alignment=1, group_name='0', save_returned=True)
+  alltoall_ops.dispatch(scale_TK=None, expert_alignment=1, group_name='0', num_rows=None)
+  alltoall_ops.combine(weights_TK=<tensor>, expert_alignment=1, group_name='0', save_returned=True)
 backward 0:
-  alltoall_ops.dispatch(scale=<tensor>, expert_alignment=1, group_name='0', num_rows=<symbolic>)
-  alltoall_ops.combine(weights=None, expert_alignment=1, group_name='0', save_returned=False)""")
+  alltoall_ops.dispatch(scale_TK=<tensor>, expert_alignment=1, group_name='0', num_rows=<symbolic>)
+  alltoall_ops.combine(weights_TK=None, expert_alignment=1, group_name='0', save_returned=False)""")

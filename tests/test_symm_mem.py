@@ -26,13 +26,16 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 import alltoall_ops as a2a
 from alltoall_ops.testing import CommOpCounter
-from alltoall_ops import symm_mem
+from alltoall_ops.backends import symm_mem
+from alltoall_ops.backends.symm_mem import backend as symm_backend
+from alltoall_ops.backends.symm_mem import ops as symm_ops
+from alltoall_ops.kernels import loader
 from alltoall_ops.inspect import CompiledGraphs, capturing_backend
 
 # Triton decides at import whether kernels run compiled or in its interpreter, for the whole
 # process: without CUDA this package sets TRITON_INTERPRET=1. (The GPU path: test_symm_mem_gpu.py.)
 pytestmark = pytest.mark.skipif(
-    not symm_mem.kernels().interpreting(),
+    not loader.load().interpreting(),
     reason="the CPU path runs Triton's interpreter: set TRITON_INTERPRET=1 (automatic without CUDA)",
 )
 
@@ -119,8 +122,8 @@ def test_bf16_products_round_like_torch():
     bufs = a2a.SymmBuffers(T, H, k, 1, dtype=torch.bfloat16, device="cpu")
     topk_idx = torch.zeros(T, k, dtype=torch.int64)
     _, _, h = a2a.dispatch(x, topk_idx, num_experts=1, buffers=bufs)
-    routed, _ = symm_mem.symm_dispatch_op(x, scale, h.position, h.slot_dst, bufs)
-    slots = torch.argsort(h.position.reshape(-1))  # one rank, no padding: row i carries send position i
+    routed, _ = symm_ops.symm_dispatch_op(x, scale, h.position_TK, h.slot_dst_N, bufs)
+    slots = torch.argsort(h.position_TK.reshape(-1))  # one rank, no padding: row i carries send position i
     expected = (x.float()[slots // k] * scale.reshape(-1)[slots, None]).to(torch.bfloat16)
     torch.testing.assert_close(routed, expected, rtol=0, atol=0, equal_nan=True)
 
@@ -155,7 +158,7 @@ def run_against_collective(rank: int, world_size: int) -> list[int]:
         again = _step(*args, backend="symm_mem", expert_alignment=alignment, buffers=bufs[dtype])
         for name in ("routed", "y", "grad_x", "grad_w"):  # deterministic: bit for bit
             assert torch.equal(again[name], symm[name]), name
-        assert not symm["handle"].dropped.any()
+        assert not symm["handle"].dropped_W.any()
         capacities.append(bufs[dtype].capacity)
     return capacities
 
@@ -245,7 +248,7 @@ def run_drop(rank: int, world_size: int, capacity: int) -> list[int]:
         len([1 for s in range(world_size) for (t, k) in dropped[s] if int(gathered[s][t, k]) // (E // world_size) == d])
         for d in range(world_size)
     ]
-    assert symm["handle"].dropped.tolist() == per_rank
+    assert symm["handle"].dropped_W.tolist() == per_rank
     return per_rank
 
 
@@ -508,7 +511,7 @@ def test_dispatch_and_combine_compiled_apart_never_copy_the_buffers(monkeypatch)
 
 
 def run_cached(rank: int, world_size: int) -> list[tuple[int, int]]:
-    symm_mem._AUTO_BUFFERS.clear()
+    symm_backend._AUTO_BUFFERS.clear()
     seen = []
     for seed, T in ((30, 3 + rank), (31, 3), (32, 9 if rank == 1 else 2)):
         args = _inputs(seed, rank, T, torch.float32, torch.float32)
@@ -580,15 +583,15 @@ def test_opcheck():
     tests = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
     bufs, x, weights, grad_y, routed, h = _one_rank_call()
     x, w = x.requires_grad_(), weights.requires_grad_()
-    ops = symm_mem
+    ops = symm_ops
     cases = [
-        (ops.symm_exchange_meta_op, (h.meta[0].clone(), bufs, 1)),
-        (ops.symm_dispatch_op, (x, None, h.position, h.slot_dst, bufs)),
-        (ops.symm_dispatch_op, (x, w.detach(), h.position, h.slot_dst, bufs)),
-        (ops.symm_combine_op, (routed.requires_grad_(), w, h.position, h.slot_dst, h.row_src, bufs, True)),
-        (ops.symm_combine_op, (routed, None, h.position, h.slot_dst, h.row_src, bufs, False)),
+        (ops.symm_exchange_meta_op, (h.meta_WL[0].clone(), bufs, 1)),
+        (ops.symm_dispatch_op, (x, None, h.position_TK, h.slot_dst_N, bufs)),
+        (ops.symm_dispatch_op, (x, w.detach(), h.position_TK, h.slot_dst_N, bufs)),
+        (ops.symm_combine_op, (routed.requires_grad_(), w, h.position_TK, h.slot_dst_N, h.row_src_C, bufs, True)),
+        (ops.symm_combine_op, (routed, None, h.position_TK, h.slot_dst_N, h.row_src_C, bufs, False)),
         (ops.symm_weight_grad_op,
-         (grad_y, torch.randn(routed.shape[0], H, dtype=torch.float64), h.position, w.detach())),
+         (grad_y, torch.randn(routed.shape[0], H, dtype=torch.float64), h.position_TK, w.detach())),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=tests)
@@ -599,7 +602,7 @@ def test_opcheck():
 def test_weights_gradient_needs_save_returned():
     bufs, _, weights, grad_y, routed, h = _one_rank_call()
     w = weights.requires_grad_()
-    y, _ = symm_mem.symm_combine_op(routed, w, h.position, h.slot_dst, h.row_src, bufs, False)
+    y, _ = symm_ops.symm_combine_op(routed, w, h.position_TK, h.slot_dst_N, h.row_src_C, bufs, False)
     with pytest.raises(RuntimeError, match="save_returned=False"):
         torch.autograd.grad(y, w, grad_y)
 
@@ -710,11 +713,11 @@ def test_opcheck_second_order_paths():
     # The autograd paths that only double backward takes: dispatch's scale, weight_grad's inputs.
     tests = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
     bufs, x, weights, grad_y, routed, h = _one_rank_call()
-    returned = torch.randn(h.position.numel(), H, dtype=torch.float64)
+    returned = torch.randn(h.position_TK.numel(), H, dtype=torch.float64)
     cases = [
-        (symm_mem.symm_dispatch_op, (x.requires_grad_(), weights.requires_grad_(), h.position, h.slot_dst, bufs)),
-        (symm_mem.symm_weight_grad_op,
-         (grad_y.requires_grad_(), returned.requires_grad_(), h.position, weights.detach())),
+        (symm_ops.symm_dispatch_op, (x.requires_grad_(), weights.requires_grad_(), h.position_TK, h.slot_dst_N, bufs)),
+        (symm_ops.symm_weight_grad_op,
+         (grad_y.requires_grad_(), returned.requires_grad_(), h.position_TK, weights.detach())),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=tests)

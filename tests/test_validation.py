@@ -71,7 +71,7 @@ def _case(name: str, rank: int):
         alltoall_ops.combine(routed.long(), handle, w)
     elif name == "handle_not_a_handle":
         routed, handle, _ = _round_trip(rank)
-        alltoall_ops.combine(routed, (handle.order, handle.position), w)
+        alltoall_ops.combine(routed, (handle.route.order_N, handle.position_TK), w)
     elif name == "counts_ndim":
         alltoall_ops.exchange_counts(torch.ones(2, 2, dtype=torch.int64))
     elif name == "counts_dtype":

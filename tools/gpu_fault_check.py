@@ -18,21 +18,21 @@ import time
 import torch
 
 import alltoall_ops as a2a
-from alltoall_ops.symm_mem import kernels
+from alltoall_ops.kernels import loader
 
 
 def _stuck_barrier() -> None:
     """Child: a one-rank barrier whose own flag is already set, so the release never succeeds."""
     pad = torch.ones(1, dtype=torch.int32, device="cuda")
     table = torch.tensor([pad.data_ptr()], dtype=torch.int64, device="cuda")
-    kernels().barrier(table, 0, 1.0)
+    loader.load().barrier(table, 0, 1.0)
     torch.cuda.synchronize()
 
 
 def check_barrier() -> bool:
     pad = torch.zeros(1, dtype=torch.int32, device="cuda")
     table = torch.tensor([pad.data_ptr()], dtype=torch.int64, device="cuda")
-    kernels().barrier(table, 0, 1.0)
+    loader.load().barrier(table, 0, 1.0)
     torch.cuda.synchronize()
     ok = int(pad) == 0
     start = time.monotonic()

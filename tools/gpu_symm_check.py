@@ -31,7 +31,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import alltoall_ops as a2a
-from alltoall_ops import symm_mem
+from alltoall_ops.backends import symm_mem
+from alltoall_ops.backends.symm_mem import backend as symm_backend
+from alltoall_ops.backends.symm_mem import ops as symm_ops
+from alltoall_ops.kernels import loader
 from alltoall_ops.testing import DistributedPool
 
 DEVICE = torch.device(os.environ.get("GPU_SYMM_DEVICE", "cuda:0"))  # "cpu": a dry run (interpreter)
@@ -85,13 +88,13 @@ def symm_rank(rank: int, bufs: symm_mem.SymmBuffers, inputs: tuple) -> dict:
     A = bufs.expert_alignment
     routed, tpe, h = a2a.dispatch(x, topk_idx, num_experts=bufs.num_experts, expert_alignment=A, buffers=bufs)
     out = routed * 2 + 1
-    args = (h.position, h.slot_dst, h.row_src, bufs)
-    y, returned = symm_mem.symm_combine_op(out, weights, *args, True)
-    y1, _ = symm_mem.symm_combine_op(out, None, *args, False)
-    grad_out, _ = symm_mem.symm_dispatch_op(grad_y, weights, h.position, h.slot_dst, bufs)  # combine's adjoint
-    grad_x, _ = symm_mem.symm_combine_op(grad_out * 2, None, *args, False)  # dispatch's adjoint
-    grad_w = symm_mem.symm_weight_grad_op(grad_y, returned, h.position, weights)
-    return dict(routed=routed, tpe=tpe, y=y, y1=y1, grad_x=grad_x, grad_w=grad_w, dropped=h.dropped)
+    args = (h.position_TK, h.slot_dst_N, h.row_src_C, bufs)
+    y, returned = symm_ops.symm_combine_op(out, weights, *args, True)
+    y1, _ = symm_ops.symm_combine_op(out, None, *args, False)
+    grad_out, _ = symm_ops.symm_dispatch_op(grad_y, weights, h.position_TK, h.slot_dst_N, bufs)  # combine's adjoint
+    grad_x, _ = symm_ops.symm_combine_op(grad_out * 2, None, *args, False)  # dispatch's adjoint
+    grad_w = symm_ops.symm_weight_grad_op(grad_y, returned, h.position_TK, weights)
+    return dict(routed=routed, tpe=tpe, y=y, y1=y1, grad_x=grad_x, grad_w=grad_w, dropped=h.dropped_W)
 
 
 def compare(gpu: dict, ref: dict, capacity: int) -> str:
@@ -253,7 +256,7 @@ def check_overflow_assert() -> str:
 def check_barrier_streams() -> str:
     """The signal-pad barrier kernel with two 'ranks' on two streams of one GPU: a write queued
     before the barrier on stream 0 is seen by a read queued after it on stream 1."""
-    k = symm_mem.kernels()
+    k = loader.load()
     W = 2
     pads = torch.zeros(W, W, dtype=torch.int32, device=DEVICE)
     table = torch.tensor([pads[r].data_ptr() for r in range(W)], dtype=torch.int64, device=DEVICE)
@@ -293,8 +296,8 @@ def check_bf16_rounding() -> str:
     scale = scale.to(DEVICE)
     bufs = a2a.SymmBuffers(T, H, k, 1, dtype=torch.bfloat16, device=DEVICE)
     _, _, h = a2a.dispatch(x, torch.zeros(T, k, dtype=torch.int64, device=DEVICE), num_experts=1, buffers=bufs)
-    routed, _ = symm_mem.symm_dispatch_op(x, scale, h.position, h.slot_dst, bufs)
-    order = torch.argsort(h.position.reshape(-1))  # send position i holds slot order[i]
+    routed, _ = symm_ops.symm_dispatch_op(x, scale, h.position_TK, h.slot_dst_N, bufs)
+    order = torch.argsort(h.position_TK.reshape(-1))  # send position i holds slot order[i]
     expected = (x.float()[order // k] * scale.reshape(-1)[order, None]).to(torch.bfloat16)
     torch.testing.assert_close(routed, expected, rtol=0, atol=0, equal_nan=True)
     return f"{routed.numel()} products bit-equal to torch's, special values included"

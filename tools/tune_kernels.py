@@ -6,9 +6,9 @@ configuration's time against the byte floor (the measured copy bandwidth), best 
 Kernels (bf16, H = 7168, K = 8, E = 256, fresh random top-k routing):
 - ``put_rows`` (dispatch, every backend): x (T, H) -> (T*K, H) rows in send order, each token
   read once; bytes (T + T*K) * H * 2.
-- ``combine_reduce``: (T*K, H) rows -> (T, H) weighted top-k sums; same bytes.
-- ``dispatch_copy_out``: (C, H) receive buffer -> routed rows, C = T*K; bytes 2 * C * H * 2.
-- ``combine_weight_grad``: reads grad_y (T, H) and (T*K, H) rows; bytes (T + T*K) * H * 2.
+- ``topk_reduce``: (T*K, H) rows -> (T, H) weighted top-k sums; same bytes.
+- ``copy_out``: (C, H) receive buffer -> routed rows, C = T*K; bytes 2 * C * H * 2.
+- ``weight_grad``: reads grad_y (T, H) and (T*K, H) rows; bytes (T + T*K) * H * 2.
 - ``plan_slots`` (the layout: routing -> order, positions, counts), checked against its torch
   implementation, timed eagerly and replayed from a CUDA graph (device time), against torch's
   path (a stable sort and some 20 small ops); swept over slots per program and warps.
@@ -25,8 +25,9 @@ import torch
 import triton.testing
 
 from alltoall_ops import layout
-from alltoall_ops.kernels import _config, routing
-from alltoall_ops.symm_mem import kernels
+from alltoall_ops.kernels import _config
+from alltoall_ops.kernels import routing_plan as routing
+from alltoall_ops.kernels import loader
 
 H, K, E = 7168, 8, 256
 
@@ -92,7 +93,7 @@ def main() -> None:
     parser.add_argument("--layout-only", action="store_true", help="only the plan_slots sweep")
     args = parser.parse_args()
     dev = torch.device("cuda")
-    k = kernels()
+    k = loader.load()
     big = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
     bandwidth = 2 * big.numel() / (median_us(lambda: big.clone()) * 1e-6)
     del big
@@ -125,7 +126,7 @@ def main() -> None:
 
         y = x.new_empty(T, H)
         ret = torch.randn(N, H, device=dev).bfloat16()
-        sweep("combine_reduce", lambda: k.combine_reduce(ret, plan.position, None, weights, y, None, torch.float32),
+        sweep("topk_reduce", lambda: k.topk_reduce(ret, plan.position, None, weights, y, None, torch.float32),
               nbytes, bandwidth, itertools.product([1, 2, 4], widths, warps), args.top)
 
         tags = torch.full((N,), -1, dtype=torch.int64, device=dev)
@@ -133,13 +134,13 @@ def main() -> None:
 
         def copy_out():
             tags[::2] = 1  # half the rows arrived
-            k.dispatch_copy_out(ret, tags, send, row_src)
+            k.copy_out(ret, tags, send, row_src)
 
-        sweep("dispatch_copy_out", copy_out, 2 * N * H * 2, bandwidth,
+        sweep("copy_out", copy_out, 2 * N * H * 2, bandwidth,
               itertools.product([2, 4, 8], [2048, 4096], warps), args.top)
         grad_w = torch.empty(T, K, device=dev)
-        sweep("combine_weight_grad",
-              lambda: k.combine_weight_grad(x, ret, plan.position, grad_w, torch.float32),
+        sweep("weight_grad",
+              lambda: k.weight_grad(x, ret, plan.position, grad_w, torch.float32),
               nbytes, bandwidth, itertools.product([1, 2, 4], [2048, 4096], warps), args.top)
     print("\nbest:", {n: _config.GPU_BLOCKS[n] for n in _config.GPU_BLOCKS})
 

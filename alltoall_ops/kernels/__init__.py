@@ -1,26 +1,21 @@
-"""Triton kernels (``pip install alltoall_ops[triton]``): the ``symm_mem`` backend's, and on CUDA
-the routing layout, row puts and top-k reduction of every backend.
+"""Triton kernels (``pip install alltoall_ops[triton]``), one file per job, each pairing a
+``_name_kernel`` (``triton.jit``) with its launcher ``name``:
 
-Each file pairs a ``_name_kernel`` (``triton.jit``) with its launcher ``name``. The kernels
-address peer memory through a pointer table: an int64 tensor holding one base address per rank,
-cast to a typed pointer inside the kernel, so the same kernels serve CUDA symmetric memory,
-the CPU shared-memory stand-in (Triton interpreter) and simulated peers in one process.
+    routing_plan.py  ``plan_slots``: the send order of every slot, without a sort (layout)
+    row_put.py       ``put_rows`` / ``put_meta``: rows and metadata into local or peer buffers;
+                     ``copy_out``: the receiver's copy of its buffer into fresh tensors
+    topk_reduce.py   ``topk_reduce``: each token's weighted sum over its top-k slots (combine)
+    weight_grad.py   ``weight_grad``: the gradient of the routing weights / dispatch scale
+    barrier.py       ``barrier``: the symm_mem backend's signal-pad barrier, with a deadline
+    _config.py       launch blocks per kernel, shared helpers (exact casts)
 
-Importing this package needs Triton; on a machine without CUDA the caller must set
-``TRITON_INTERPRET=1`` first (``alltoall_ops.symm_mem`` does).
+Kernels address peer memory through a pointer table: an int64 tensor holding one base address
+per rank, cast to a typed pointer inside the kernel, so the same kernels serve CUDA symmetric
+memory, the CPU shared-memory stand-in (Triton's interpreter) and simulated peers.
+
+Nothing here imports Triton until a kernel is needed: :func:`loader.load` does.
 """
 
-from __future__ import annotations
+from .loader import load, use_kernels
 
-import triton
-
-from ._config import interpreting, row_blocks
-from .barrier import barrier
-from .routing import plan_slots
-from .symm_combine import combine_reduce, combine_weight_grad
-from .symm_dispatch import dispatch_copy_out, put_meta, put_rows
-
-__all__ = [
-    "barrier", "combine_reduce", "combine_weight_grad", "dispatch_copy_out", "interpreting",
-    "plan_slots", "put_meta", "put_rows", "row_blocks", "triton",
-]
+__all__ = ["load", "use_kernels"]

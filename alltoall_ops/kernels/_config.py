@@ -53,9 +53,9 @@ class RowBlocks:
 
 GPU_BLOCKS: dict[str, tuple[int, int, int]] = {
     "put_rows": (1, 4096, 4),
-    "combine_reduce": (2, 1024, 8),
-    "dispatch_copy_out": (2, 2048, 8),
-    "combine_weight_grad": (1, 4096, 8),
+    "topk_reduce": (2, 1024, 8),
+    "copy_out": (2, 2048, 8),
+    "weight_grad": (1, 4096, 8),
 }
 """(BLOCK_R, BLOCK_H for 2-byte elements, num_warps) of each kernel on a GPU; measured on one H200
 with ``tools/tune_kernels.py`` (docs/benchmarks.md has the sweep). Wider elements get

@@ -1,8 +1,8 @@
 """Benchmark of dispatch / combine against plain PyTorch and the byte floor (``make bench``).
 
-    python -m alltoall_ops.bench [--out results] [--shapes 4096 128] [--skip 'symm.w8*' '*.compile']
-    python -m alltoall_ops.bench --smoke                  # CPU: tiny shapes, labelled; times mean nothing
-    python -m alltoall_ops.bench --replot results/bench_gpu.json   # markdown + PNG from saved numbers
+    python -m benchmarks.bench [--out results] [--shapes 4096 128] [--skip 'symm.w8*' '*.compile']
+    python -m benchmarks.bench --smoke                    # CPU: tiny shapes, labelled; times mean nothing
+    python -m benchmarks.bench --replot results/bench_gpu.json     # markdown + PNG from saved numbers
 
 For each shape (T, H, K, E), bf16, with fresh random top-k routing (K distinct experts per token,
 softmax weights), rows of (impl, op); ``--skip`` takes these names (shell patterns):
@@ -63,8 +63,10 @@ from typing import Callable, Optional
 
 import torch
 
-from . import api, layout, moe
-from .symm_mem import SymmBuffers, run_simulated
+import alltoall_ops as a2a
+from alltoall_ops import SymmBuffers, layout
+from alltoall_ops.backends.symm_mem import run_simulated
+from alltoall_ops.moe import MoE
 
 SHAPES = ((4096, 7168, 8, 256), (128, 7168, 8, 256), (8192, 7168, 8, 256), (16384, 4096, 8, 128))
 """The issue's shapes, the decode shape second (run in this order: a --deadline-s cut drops the last)."""
@@ -128,11 +130,11 @@ def torch_combine(expert_out: torch.Tensor, order: torch.Tensor, weights: torch.
 
 
 def ours_dispatch(x, topk_idx, num_experts: int):
-    return api.dispatch(x, topk_idx, num_experts=num_experts, backend="local")
+    return a2a.dispatch(x, topk_idx, num_experts=num_experts, backend="local")
 
 
 def ours_combine(expert_out, handle, weights):
-    return api.combine(expert_out, handle, weights)
+    return a2a.combine(expert_out, handle, weights)
 
 
 def ours_layout(topk_idx, num_experts: int):
@@ -413,13 +415,13 @@ def bench_shape(b: Bench, shape) -> None:
     def symm_setup() -> dict:
         if not symm:
             bufs = SymmBuffers(T, H, K, E, dtype=DTYPE, device=dev)
-            s_routed, s_tpe, s_handle = api.dispatch(x, topk_idx, num_experts=E, buffers=bufs)
+            s_routed, s_tpe, s_handle = a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs)
             check_routed("symm W=1 dispatch vs local", s_routed, s_tpe, routed, tpe)
             R = int(tpe.sum())
             s_routed[:R] += row_offsets(R, 0, s_routed)  # expert outputs that differ per row
             local_out = routed.clone()
             local_out += row_offsets(R, 0, local_out)
-            s_y = api.combine(s_routed, s_handle, weights)
+            s_y = a2a.combine(s_routed, s_handle, weights)
             differ = check_y("symm W=1 combine vs local", s_y, ours_combine(local_out, handle, weights))
             b.note(f"{shape} symm W=1 (C={bufs.capacity}) = local backend: routed exact; y: {differ} "
                    f"elements differ in bf16 rounding")
@@ -430,14 +432,14 @@ def bench_shape(b: Bench, shape) -> None:
         s = symm_setup()
         bufs = s["bufs"]
         b.measure(shape, "symm.w1", "dispatch",
-                  lambda: api.dispatch(x, topk_idx, num_experts=E, buffers=bufs), nbytes)
-        b.measure(shape, "symm.w1", "combine", lambda: api.combine(s["routed"], s["handle"], weights), nbytes)
+                  lambda: a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs), nbytes)
+        b.measure(shape, "symm.w1", "combine", lambda: a2a.combine(s["routed"], s["handle"], weights), nbytes)
 
     def symm_compiled():
         s = symm_setup()
         bufs = s["bufs"]
-        sd = compile_fn(lambda x, i: api.dispatch(x, i, num_experts=E, buffers=bufs), backend, fullgraph=True)
-        sc = compile_fn(lambda out, h, w: api.combine(out, h, w), backend, fullgraph=True)
+        sd = compile_fn(lambda x, i: a2a.dispatch(x, i, num_experts=E, buffers=bufs), backend, fullgraph=True)
+        sc = compile_fn(lambda out, h, w: a2a.combine(out, h, w), backend, fullgraph=True)
         r, t, h = b.first_call(f"{shape} symm.w1.compile dispatch", lambda: sd(x, topk_idx))
         check_routed("compiled symm W=1 dispatch", r, t, routed, tpe)
         yc = b.first_call(f"{shape} symm.w1.compile combine", lambda: sc(s["routed"], h, weights))
@@ -447,8 +449,8 @@ def bench_shape(b: Bench, shape) -> None:
 
     def symm_step(x, topk_idx, weights, bufs):
         """One symm_mem dispatch + combine (identity experts): the step the graph rows replay."""
-        r, _, h = api.dispatch(x, topk_idx, num_experts=E, buffers=bufs)
-        return api.combine(r, h, weights)
+        r, _, h = a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs)
+        return a2a.combine(r, h, weights)
 
     def symm_graph():
         bufs = symm_setup()["bufs"]
@@ -492,7 +494,7 @@ def bench_moe(b: Bench, shape=MOE_SHAPE) -> None:
     dev = b.device
     torch._dynamo.reset()
     torch.manual_seed(T + H)
-    layer = moe.MoE(H, F, E, K, backend="local", device=dev, dtype=DTYPE)
+    layer = MoE(H, F, E, K, backend="local", device=dev, dtype=DTYPE)
     x = tokens(T, H, dev, seed=T + F).requires_grad_()
     grad_y = tokens(T, H, dev, seed=T + F + 1)
     key, nbytes = (T, H, K, E), 4 * (T + T * K) * H * 2
@@ -533,14 +535,14 @@ def peer_reference(xs, idxs, ws, E: int):
     every destination rank's expert-major layout, in rank order. Combine's expert outputs are
     the routed rows plus :func:`row_offsets` of each destination rank."""
     W = len(xs)
-    routed, tpe, handle = api.dispatch(torch.cat(xs), torch.cat(idxs), num_experts=E, backend="local")
+    routed, tpe, handle = a2a.dispatch(torch.cat(xs), torch.cat(idxs), num_experts=E, backend="local")
     tpe = tpe.view(W, E // W)
     R = tpe.sum(1).tolist()
     starts = [sum(R[:d]) for d in range(W)]
     expert_out = routed.clone()
     for d in range(W):
         expert_out[starts[d] : starts[d] + R[d]] += row_offsets(R[d], d, expert_out)
-    y = api.combine(expert_out, handle, torch.cat(ws))
+    y = a2a.combine(expert_out, handle, torch.cat(ws))
     return routed, tpe, R, starts, y
 
 
@@ -581,10 +583,10 @@ def bench_peers(b: Bench, shape, W: int) -> None:
                                  capacity=C if capped else None, overflow="error")
 
     def dispatch(r: int, bb: SymmBuffers):
-        return api.dispatch(xs[r], idxs[r], num_experts=E, buffers=bb)
+        return a2a.dispatch(xs[r], idxs[r], num_experts=E, buffers=bb)
 
     def combine_all(outs, stream=None):
-        return run_simulated(lambda r, bb: api.combine(outs[r][0], outs[r][2], ws[r]), bufs, stream=stream)
+        return run_simulated(lambda r, bb: a2a.combine(outs[r][0], outs[r][2], ws[r]), bufs, stream=stream)
 
     def check_dispatch(what: str, outs) -> None:
         """Every rank's rows against the reference; then each rank's routed rows get their
@@ -762,7 +764,7 @@ def main(argv=None) -> int:
     if args.replot:
         return replot(args.replot)
     if not torch.cuda.is_available() and not args.smoke:
-        print("alltoall_ops.bench: no CUDA device here; nothing to measure. "
+        print("benchmarks.bench: no CUDA device here; nothing to measure. "
               "Run it on a GPU host, or pass --smoke for a tiny CPU run (its times mean nothing).")
         return 0
     unknown = [p for p in args.skip if not any(fnmatch.fnmatchcase(n, p) for k in IMPLS for n in aliases(k))]
@@ -776,7 +778,7 @@ def main(argv=None) -> int:
 
     name = torch.cuda.get_device_name() if b.cuda else f"CPU smoke ({platform.processor() or 'cpu'})"
     given = sys.argv[1:] if argv is None else argv
-    command = "python -m alltoall_ops.bench " + " ".join(shlex.quote(a) for a in given)
+    command = "python -m benchmarks.bench " + " ".join(shlex.quote(a) for a in given)
     header = (f"{name}; torch {torch.__version__}, triton {triton.__version__}; "
               f"copy bandwidth {b.bandwidth / 1e12:.3f} TB/s (read + write); bf16; command: `{command}`")
     meta = {"device": name, "torch": torch.__version__, "triton": triton.__version__, "command": command,

@@ -7,11 +7,12 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import layout
-from ..errors import CapacityError, GroupMismatchError, PeerInputError, RoutingError
-from ..ops import accumulation_dtype, comm_op
+from ... import layout
+from ...comm import comm_op
+from ...errors import CapacityError, GroupMismatchError, PeerInputError, RoutingError
+from ...kernels import loader
+from ...rows import accumulation_dtype
 from .buffers import ALIGNMENT, CALL, FAILED, META, N_SLOTS, RECV, RET, TAGS, SymmBuffers
-from .loader import kernels
 
 
 # --------------------------------------------------------------------------------------------
@@ -54,9 +55,7 @@ def _check_meta(meta: torch.Tensor, bufs: SymmBuffers, expert_alignment: int, ca
 
     def bad_ids() -> str:
         s = int(torch.nonzero(status[:, 0] > 0)[0])
-        num_bad, lo, hi = status[s].tolist()
-        return (f"topk_idx on rank {s} of the group holds {num_bad} expert id(s) outside "
-                f"[-1, {E}) (min {lo}, max {hi}); expected -1 or a global expert id")
+        return str(layout.bad_ids_error(s, status[s].tolist(), E))
 
     _fail((status[:, 0] == 0).all(), RoutingError, bad_ids)
 
@@ -69,8 +68,7 @@ def _check_meta(meta: torch.Tensor, bufs: SymmBuffers, expert_alignment: int, ca
     _fail((n_slots <= bufs.max_slots).all(), CapacityError, too_many_slots)
     if bufs.overflow == "drop":
         return
-    padded = (counts.sum(0) + expert_alignment - 1) // expert_alignment * expert_alignment  # (E,)
-    needed = padded.view(W, -1).sum(1)  # (W,) rows each rank must receive
+    needed = layout.round_up(counts.sum(0), expert_alignment).view(W, -1).sum(1)  # (W,) rows each rank receives
 
     def overflow() -> str:
         r = int(torch.nonzero(needed > C)[0])
@@ -94,7 +92,7 @@ def symm_exchange_meta_op(send_row: torch.Tensor, buffers: SymmBuffers, expert_a
     The op numbers its calls on ``buffers`` (column CALL of the rows sent; zero in the output).
     Checks every rank's row
     (see ``_check_meta``) and raises on all ranks alike."""
-    k = kernels()
+    k = loader.load()
     call = buffers._next_call()
     row = send_row.clone()
     row[buffers.num_experts + CALL].fill_(call)
@@ -127,19 +125,19 @@ def symm_dispatch_op(
     ``slot_dst[t * K + k]``, tagged with its send position ``position[t, k]``. routed: rows
     received, zero where none; row_src: each row's source code (``rank * N_max + position``),
     -1 where none."""
-    k = kernels()
+    k = loader.load()
     K = position.shape[1]
     acc = accumulation_dtype(x.dtype, *(() if scale is None else (scale.dtype,)))
     buffers._barrier()
     k.put_rows(
-        x.contiguous(), slot_dst, buffers.capacity, buffers.table[RECV],
-        top_k=K, scale=None if scale is None else scale.contiguous(), tags_table=buffers.table[TAGS],
+        x, slot_dst, buffers.capacity, buffers.table[RECV],
+        top_k=K, scale=scale, tags_table=buffers.table[TAGS],
         tag_index=position.reshape(-1), tag_base=buffers.rank * buffers.max_slots, acc_dtype=acc,
     )
     buffers._barrier()
     routed = x.new_empty(buffers.capacity, x.shape[1])
     row_src = torch.empty(buffers.capacity, dtype=torch.int64, device=x.device)
-    k.dispatch_copy_out(buffers.recv, buffers.tags, routed, row_src)
+    k.copy_out(buffers.recv, buffers.tags, routed, row_src)
     return routed, row_src
 
 
@@ -188,17 +186,17 @@ def symm_combine_op(
     row of slot (t, k), in k order, accumulated in fp32 (fp64) and rounded once. returned:
     every slot's row in send order (zero for unsent slots), when ``save_returned``, for the
     weights' gradient."""
-    k = kernels()
+    k = loader.load()
     T, K = position.shape
     buffers._barrier()
-    k.put_rows(expert_out.contiguous(), row_src, buffers.max_slots, buffers.table[RET])
+    k.put_rows(expert_out, row_src, buffers.max_slots, buffers.table[RET])
     buffers._barrier()
     H = expert_out.shape[1]
     y = expert_out.new_empty(T, H)
     returned = expert_out.new_empty(T * K if save_returned else 0, H)
     acc = accumulation_dtype(expert_out.dtype, *(() if weights is None else (weights.dtype,)))
-    k.combine_reduce(
-        buffers.ret, position, slot_dst, None if weights is None else weights.contiguous(), y,
+    k.topk_reduce(
+        buffers.ret, position, slot_dst, weights, y,
         returned if save_returned else None, acc,
     )
     return y, returned
@@ -251,7 +249,7 @@ def symm_weight_grad_op(
     Local: no communication."""
     grad_w = torch.empty(position.shape, dtype=weights.dtype, device=grad_y.device)
     acc = accumulation_dtype(returned.dtype, weights.dtype, grad_y.dtype)
-    kernels().combine_weight_grad(grad_y.contiguous(), returned, position, grad_w, acc)
+    loader.load().weight_grad(grad_y, returned, position, grad_w, acc)
     return grad_w
 
 

@@ -11,7 +11,7 @@ Reference semantics (``tables[r]`` is rank r's buffer)::
                     tables[peer][row] = src[i // K] * (scale.flat[i] if scale else 1)
                     tags[peer][row] = tag_base + (tag_index[i] if tag_index else i)  # when tags
     put_meta:   for peer in range(W): meta[peer][rank] = send_row
-    dispatch_copy_out:  out[d] = recv[d] if tags[d] >= 0 else 0; row_src[d] = tags[d]; tags[d] = -1
+    copy_out:  out[d] = recv[d] if tags[d] >= 0 else 0; row_src[d] = tags[d]; tags[d] = -1
 
 The kernels index every tensor as contiguous: the launchers copy strided inputs (``.contiguous()``,
 a no-op for contiguous ones) and raise ``ValueError`` for a strided tensor they write into.
@@ -130,7 +130,7 @@ def put_meta(send_row: torch.Tensor, meta_table: torch.Tensor, rank: int) -> Non
 
 
 @triton.jit
-def _dispatch_copy_out_kernel(
+def _copy_out_kernel(
     recv_ptr, tags_ptr, out_ptr, row_src_ptr, n_rows, H,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
@@ -150,7 +150,7 @@ def _dispatch_copy_out_kernel(
     tl.store(tags_ptr + o_r, tl.full([BLOCK_R], -1, tl.int64), mask=m_r)
 
 
-def dispatch_copy_out(
+def copy_out(
     recv: torch.Tensor, tags: torch.Tensor, out: torch.Tensor, row_src: torch.Tensor
 ) -> None:
     """Copy the received rows (C, H) out of this rank's buffer into ``out``, zero where no row
@@ -158,11 +158,11 @@ def dispatch_copy_out(
     C, H = recv.shape
     if C == 0:
         return
-    require_contiguous("dispatch_copy_out", tags=tags, out=out, row_src=row_src)
+    require_contiguous("copy_out", tags=tags, out=out, row_src=row_src)
     recv = recv.contiguous()
-    blocks = row_blocks("dispatch_copy_out", C, H, recv.element_size())
+    blocks = row_blocks("copy_out", C, H, recv.element_size())
     with LAUNCH_LOCK:  # NB: one program per row block across all of H (see the kernel)
-        _dispatch_copy_out_kernel[blocks.grid(C, H)[:1]](
+        _copy_out_kernel[blocks.grid(C, H)[:1]](
             recv, tags, out, row_src, C, H, BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H,
             num_warps=blocks.num_warps,
         )

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import comm
-from ..groups import Group, process_group
-from .loader import kernels
+from ... import comm
+from ...groups import Group, process_group
+from ...kernels import loader
 
 
 class _Segments:
@@ -95,7 +95,7 @@ class _CudaSymmetricSegments(_Segments):
         self.pads_table = torch.tensor(list(self._handle.signal_pad_ptrs), dtype=torch.int64, device=device)
 
     def barrier(self) -> None:
-        kernels().barrier(self.pads_table, self._rank, self._timeout)
+        loader.load().barrier(self.pads_table, self._rank, self._timeout)
 
     def setup_barrier(self) -> None:
         torch.cuda.synchronize(self.local.device)

@@ -1,10 +1,10 @@
 """The ``symm_mem`` backend: dispatch / combine through peer-addressable buffers and Triton
 kernels, with no host sync, so a dispatch + combine step captures in a CUDA graph.
 
-Modules: ``loader`` (the lazily imported Triton kernels; sets ``TRITON_INTERPRET=1`` without
-CUDA), ``segments`` (the allocators), ``buffers`` (``SymmBuffers``, ``run_simulated``), ``ops``
-(the custom ops, their fakes and autograd), ``entry`` (routing, ``SymmDispatchHandle``, the
-``dispatch`` / ``combine`` called by :mod:`alltoall_ops.api`). See docs/symm_mem.md.
+Modules: ``segments`` (the allocators), ``buffers`` (``SymmBuffers``, ``run_simulated``), ``ops``
+(the custom ops, their fakes and autograd, the checks of the exchanged metadata), ``backend``
+(the routing on the device, ``SymmMemHandle``, cached eager buffers, ``SymmMemBackend``). The
+kernels are in :mod:`alltoall_ops.kernels`. See docs/symm_mem.md.
 
 Every rank holds one :class:`SymmBuffers` (created collectively, once). Its segment, which every
 peer can write, holds four regions; a (4, W) int64 *pointer table* on the device gives each
@@ -33,15 +33,7 @@ expert's group padded). ``capacity=`` may set a smaller C; more rows than C is *
 """
 
 
-# NB: loader first: it sets TRITON_INTERPRET=1 without CUDA, before anything imports triton.
-from .loader import kernels
-from .buffers import META, META_EXTRA, OVERFLOW_MODES, RECV, RET, TAGS, SymmBuffers, run_simulated
-from .ops import symm_combine_op, symm_dispatch_op, symm_exchange_meta_op, symm_weight_grad_op
-from .entry import _AUTO_BUFFERS as _AUTO_BUFFERS  # the eager cache (tests clear it)
-from .entry import SymmDispatchHandle, SymmRoute, cached_buffers, combine, dispatch, route
+from .backend import SymmMemBackend, SymmMemHandle
+from .buffers import SymmBuffers, run_simulated
 
-__all__ = [
-    "META", "META_EXTRA", "OVERFLOW_MODES", "RECV", "RET", "TAGS", "SymmBuffers", "SymmDispatchHandle",
-    "SymmRoute", "cached_buffers", "combine", "dispatch", "kernels", "route", "run_simulated",
-    "symm_combine_op", "symm_dispatch_op", "symm_exchange_meta_op", "symm_weight_grad_op",
-]
+__all__ = ["SymmBuffers", "SymmMemBackend", "SymmMemHandle", "run_simulated"]

@@ -1,7 +1,7 @@
 """Multi-GPU correctness check and benchmark, one process per GPU (torchrun, NCCL).
 
-    torchrun --nproc-per-node W -m alltoall_ops.bench_multigpu [--check] [--bench] [--out results]
-    torchrun --nproc-per-node W -m alltoall_ops.bench_multigpu --vdev2d    # torch's all_to_all_vdev_2d
+    torchrun --nproc-per-node W -m benchmarks.bench_multigpu [--check] [--bench] [--out results]
+    torchrun --nproc-per-node W -m benchmarks.bench_multigpu --vdev2d    # torch's all_to_all_vdev_2d
 
 ``--check``: collective and symm_mem backends (real CUDA symmetric memory) on fp64 / bf16 inputs
 against the plain-PyTorch reference of the gathered global view: dispatch, combine and their

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import threading
 import uuid
 from typing import Any, Callable, Optional, Sequence
@@ -11,12 +12,14 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import layout
-from .._compat import OpaqueBase, register_reference_type
-from ..comm import get_timeout
-from ..groups import Group, process_group, resolve_group
-from .loader import _check_kernels_run_on
+from ... import layout
+from ..._compat import OpaqueBase, register_reference_type
+from ...comm import get_timeout
+from ...groups import Group, process_group, resolve_group
+from ...kernels.loader import check_kernels_run_on
 from .segments import _CudaSymmetricSegments, _LocalSegments, _Segments, _SharedMemorySegments, _SimulatedSegments
+
+logger = logging.getLogger(__name__)
 
 RECV, TAGS, RET, META = range(4)
 """Rows of the pointer table: the regions of a segment."""
@@ -29,10 +32,6 @@ buffers' call number (ranks out of step see different ones)."""
 
 _REGION_ALIGN = 256
 OVERFLOW_MODES = ("error", "drop")
-
-
-def _round_up(n: int, m: int) -> int:
-    return (n + m - 1) // m * m
 
 
 # --------------------------------------------------------------------------------------------
@@ -69,7 +68,7 @@ class _Config:
         offsets, total = [], 0
         for size in sizes:
             offsets.append(total)
-            total += _round_up(max(size, 1), _REGION_ALIGN)
+            total += layout.round_up(max(size, 1), _REGION_ALIGN)
         return offsets, total
 
 
@@ -163,7 +162,7 @@ class SymmBuffers(OpaqueBase):
         device = _default_device(device)
         cfg = _make_config(grp.rank, grp.size, grp.name, max_tokens_per_rank, hidden, top_k,
                            num_experts, dtype, device, expert_alignment, capacity, overflow)
-        _check_kernels_run_on(device)
+        check_kernels_run_on(device)
         if grp.size > 1:
             _check_same_config(cfg, grp)
         _, nbytes = cfg.region_offsets()
@@ -197,7 +196,7 @@ class SymmBuffers(OpaqueBase):
         """Buffers of ``world_size`` simulated ranks in this process, on one device: run rank r's
         calls with ``buffers[r]`` in its own thread (see :func:`run_simulated`)."""
         device = _default_device(device)
-        _check_kernels_run_on(device)
+        check_kernels_run_on(device)
         name = f"simulated-{uuid.uuid4().hex[:8]}"
         cfgs = [
             _make_config(r, world_size, name, max_tokens_per_rank, hidden, top_k, num_experts,
@@ -226,7 +225,7 @@ class SymmBuffers(OpaqueBase):
         self.num_local_experts = cfg.num_experts // cfg.world_size
         self.max_slots = cfg.max_tokens_per_rank * cfg.top_k  # N_max
         self.meta_columns = cfg.num_experts + META_EXTRA  # L
-        offsets, _ = cfg.region_offsets()
+        offsets, segment_bytes = cfg.region_offsets()
         C, H, W = cfg.capacity, cfg.hidden, cfg.world_size
 
         def region(i: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -245,6 +244,7 @@ class SymmBuffers(OpaqueBase):
             [[base + off for base in segments.bases] for off in offsets], dtype=torch.int64, device=cfg.device
         )  # (4, W)
         segments.setup_barrier()  # every rank's tags are -1 before any peer writes
+        logger.info("%r: %.1f MiB per rank (%s)", self, segment_bytes / 2**20, type(segments).__name__)
 
     # NB: a handle to memory that peers write: a copy would read buffers nobody writes. Graph
     # modules deep-copy their attributes (seen with AOTAutograd's dynamic-shape path), so copies

@@ -1,9 +1,9 @@
 """Train a small MoE block with expert parallelism under torch.compile, checked step by step
 against a dense single-process reference.
 
-    python -m alltoall_ops.demo                       # 4 spawned CPU ranks (gloo), aot_eager
-    python -m alltoall_ops.demo --world-size 1 --device cuda --compile-backend inductor
-    torchrun --nproc-per-node 4 -m alltoall_ops.demo --device cuda   # launcher's ranks, NCCL
+    python -m examples.demo                           # 4 spawned CPU ranks (gloo), aot_eager
+    python -m examples.demo --world-size 1 --device cuda --compile-backend inductor
+    torchrun --nproc-per-node 4 -m examples.demo --device cuda        # launcher's ranks, NCCL
 
 The block is ``x + MoE(RMSNorm(x))`` (:class:`Block`); with ``--ulysses`` it starts with
 ``x + attention(x)``, causal self-attention over the ranks' shards of one sequence, run
@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .inspect import CompiledGraphs, capturing_backend
-from .moe import DenseMoE, MoE
-from .ulysses import ulysses_attention
+from alltoall_ops import ulysses_attention
+from alltoall_ops.inspect import CompiledGraphs, capturing_backend
+from alltoall_ops.moe import DenseMoE, MoE
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2}
@@ -38,7 +38,7 @@ TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m alltoall_ops.demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m examples.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=int, default=4, help="ranks to spawn (ignored under torchrun)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--backend", choices=("auto", "local", "collective"), default="auto",
@@ -319,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         print("--device cuda with several ranks: launch with torchrun --nproc-per-node W", file=sys.stderr)
         return 2
-    from . import demo  # noqa: PLW0406  (ranks find the entry point by its module name, also under -m)
-    from .testing import DistributedPool, RankFailures
+    from alltoall_ops.testing import DistributedPool, RankFailures
+    from examples import demo  # ranks find the entry point by its module name, also under -m
 
     with DistributedPool(args.world_size) as pool:
         try:

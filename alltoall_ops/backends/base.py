@@ -1,0 +1,97 @@
+"""The backend interface, the dispatch handle every backend returns, and the registry by name.
+
+A backend is one module: a :class:`Backend` subclass registered with :func:`register`, and a
+:class:`DispatchHandle` subclass whose ``combine`` undoes its ``dispatch``. ``alltoall_ops``'s
+public ``dispatch`` / ``combine`` resolve the group, :func:`choose` a backend and call it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar, Optional
+
+import torch
+
+from .._compat import is_compiling
+from ..groups import Group
+
+logger = logging.getLogger(__name__)
+
+
+class DispatchHandle:
+    """What ``combine`` needs to undo one ``dispatch``; each backend has its own kind.
+
+    Every handle has ``position_TK`` (T, K) int64, each slot's send position, ``num_rows`` (R,
+    the rows of ``routed``) and ``expert_alignment``. Handles hold tensors, ints and (symm_mem)
+    an opaque buffers object, so they pass through compiled graphs."""
+
+    position_TK: torch.Tensor
+    num_rows: int
+    expert_alignment: int
+
+    @property
+    def num_tokens(self) -> int:
+        """T of the dispatch."""
+        return self.position_TK.shape[0]
+
+    @property
+    def top_k(self) -> int:
+        """K of the dispatch."""
+        return self.position_TK.shape[1]
+
+    def combine(self, expert_out_RH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor]) -> torch.Tensor:
+        """(R, H) expert outputs -> (T, H), see :func:`alltoall_ops.combine`."""
+        raise NotImplementedError
+
+
+def save_returned(topk_weights_TK: Optional[torch.Tensor]) -> bool:
+    """Whether combine keeps the returned rows (N, H): for the weights' gradient only."""
+    return topk_weights_TK is not None and topk_weights_TK.requires_grad and torch.is_grad_enabled()
+
+
+class Backend:
+    """How dispatch moves rows. Subclasses set ``name`` and implement ``dispatch``."""
+
+    name: ClassVar[str]
+
+    def check_group(self, group: Group, buffers: Any) -> None:
+        """Raise ``ValueError`` if this backend cannot serve ``group`` (with ``buffers``)."""
+        if buffers is not None:
+            raise ValueError(f"buffers: only backend='symm_mem' uses buffers, got backend={self.name!r}")
+
+    def dispatch(
+        self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int, group: Group, expert_alignment: int,
+        buffers: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        """routed (R, H), tokens_per_expert (e,), handle: see :func:`alltoall_ops.dispatch`."""
+        raise NotImplementedError
+
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> Backend:
+    """Make ``backend`` available as ``backend=<its name>``."""
+    if backend.name in _REGISTRY or backend.name == "auto":
+        raise ValueError(f"backend name {backend.name!r} is taken")
+    _REGISTRY[backend.name] = backend
+    return backend
+
+
+def names() -> tuple[str, ...]:
+    """Every accepted ``backend=`` value, "auto" first."""
+    return ("auto", *_REGISTRY)
+
+
+def choose(name: str, group: Group, buffers: Any = None) -> Backend:
+    """The backend ``backend=name`` selects for ``group``. "auto": "symm_mem" when ``buffers`` is
+    given, else "local" on a group of one rank (or none), else "collective"."""
+    if name == "auto":
+        name = "symm_mem" if buffers is not None else "local" if group.size == 1 else "collective"
+    if name not in _REGISTRY:
+        raise ValueError(f"backend: expected one of {names()}, got {name!r}")
+    backend = _REGISTRY[name]
+    backend.check_group(group, buffers)
+    if not is_compiling() and logger.isEnabledFor(logging.DEBUG):
+        logger.debug("backend %r on group %r (%d ranks)", name, group.name or "(none)", group.size)
+    return backend

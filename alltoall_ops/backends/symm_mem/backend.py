@@ -1,0 +1,212 @@
+"""The ``symm_mem`` backend: the routing on the device, :class:`SymmMemHandle`, buffers cached
+for eager calls, and :class:`SymmMemBackend` (see the package docstring and docs/symm_mem.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from ... import comm, layout
+from ..._compat import is_compiling
+from ...errors import CapacityError, PeerInputError
+from ...groups import LOCAL, Group, process_group
+from ...validation import check_combine_args, check_dispatch_args
+from ..base import Backend, DispatchHandle, save_returned
+from .buffers import FAILED, META_EXTRA, SymmBuffers
+from .ops import symm_combine_op, symm_dispatch_op, symm_exchange_meta_op
+
+
+# --------------------------------------------------------------------------------------------
+# Routing on the device (plain tensor maths, traced by torch.compile)
+
+
+@dataclasses.dataclass(frozen=True)
+class SymmRoute:
+    """slot_dst: (N,) int64, destination code ``rank * C + row`` of each slot t * K + k, -1 where
+    nothing is sent (a dropped slot, or a row past capacity); tokens_per_expert: (e,) rows of
+    ``routed`` per local expert (padding included, cut at C); dropped: (W,) valid slots that
+    did not fit in each rank's capacity."""
+
+    slot_dst: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    dropped: torch.Tensor
+
+
+def route(meta_WL: torch.Tensor, topk_idx_TK: torch.Tensor, position_TK: torch.Tensor, bufs: SymmBuffers,
+          expert_alignment: int) -> SymmRoute:
+    """Where every slot of this rank lands, from the exchanged metadata (W, L): the collective
+    backend's expert-major, source-rank, send-order layout (``layout.slot_rows``), cut at C."""
+    W, E, e, C = bufs.world_size, bufs.num_experts, bufs.num_local_experts, bufs.capacity
+    counts_WE = meta_WL[:, :E]  # counts[s, g]: slots rank s sends to expert g
+    expert_N, row_N = layout.slot_rows(counts_WE, bufs.rank, topk_idx_TK, position_TK, e, expert_alignment)
+    g_N = topk_idx_TK.reshape(-1)
+    valid_N = (g_N >= 0) & (g_N < E) & (position_TK.reshape(-1) < bufs.max_slots)
+    slot_dst_N = torch.where(valid_N & (row_N < C), (expert_N // e) * C + row_N, torch.full_like(row_N, -1))
+    starts_WE, padded_E = layout.block_starts(counts_WE, e, expert_alignment)
+    own_start_e = layout.exclusive_cumsum(padded_E.view(W, e)[bufs.rank], 0)
+    tokens_per_expert_e = torch.minimum(padded_E.view(W, e)[bufs.rank], (C - own_start_e).clamp(min=0))
+    past_WE = (starts_WE + counts_WE - C).clamp(min=0)  # rows of block (s, g) past C
+    dropped_W = torch.minimum(past_WE, counts_WE).sum(0).view(W, e).sum(1)
+    return SymmRoute(slot_dst_N, tokens_per_expert_e, dropped_W)
+
+
+# --------------------------------------------------------------------------------------------
+# Public entry points (called by alltoall_ops.dispatch / combine)
+
+
+@dataclasses.dataclass(frozen=True)
+class SymmMemHandle(DispatchHandle):
+    """What ``combine`` needs to undo one symm_mem ``dispatch``; tensors, ints and the buffers.
+
+    position_TK: each slot's send position; meta_WL: every rank's counts; slot_dst_N:
+    destination of each slot; row_src_C: source of each routed row; dropped_W: slots past each
+    rank's capacity (overflow='drop'); num_rows: C."""
+
+    position_TK: torch.Tensor
+    meta_WL: torch.Tensor
+    slot_dst_N: torch.Tensor
+    row_src_C: torch.Tensor
+    dropped_W: torch.Tensor
+    buffers: SymmBuffers
+    num_rows: int
+    expert_alignment: int
+
+    def combine(self, expert_out_CH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor]) -> torch.Tensor:
+        """y (T, H); rows of expert_out that dispatch did not fill are ignored."""
+        bufs = self.buffers
+        if comm.debug() and bufs.world_size > 1 and not is_compiling():
+            # Debug mode: the ranks agree on every check (a host exchange) before the payload moves.
+            comm.checked("combine", bufs.group_name, _check_combine, expert_out_CH, self, topk_weights_TK)
+            comm.agree("combine", bufs.group_name, comm.combine_fields(expert_out_CH, self.top_k))
+        else:  # a rank that raises here leaves its peers in the op's barrier until the deadline
+            _check_combine(expert_out_CH, self, topk_weights_TK)
+        y_TH, _ = symm_combine_op(expert_out_CH, topk_weights_TK, self.position_TK, self.slot_dst_N, self.row_src_C,
+                                  bufs, save_returned(topk_weights_TK))
+        return y_TH
+
+
+_AUTO_BUFFERS: dict[tuple, SymmBuffers] = {}
+
+
+def cached_buffers(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, grp: Group,
+                   expert_alignment: int) -> SymmBuffers:
+    """Eager convenience: buffers cached per (group, H, dtype, device), created sized from the
+    largest T, K and expert_alignment over the ranks and re-created larger when a call needs
+    more, on every rank alike. Collective: the arguments' checks and the sizes go through one
+    agreement per call (a host sync), which is why compiled code must pass ``buffers=``."""
+    if is_compiling():
+        raise RuntimeError(
+            "dispatch(backend='symm_mem') under torch.compile needs buffers=: create "
+            "alltoall_ops.SymmBuffers(max_tokens_per_rank=..., hidden=..., top_k=..., num_experts=..., "
+            "dtype=..., device=..., group=...) once, outside the compiled region, and pass it in"
+        )
+    num_experts = comm.checked("symm_buffers", grp.name, check_dispatch_args, x, topk_idx, num_experts, grp.size,
+                               expert_alignment)
+    (T, H), K = x.shape, topk_idx.shape[1]
+    sizes = [T, K, expert_alignment]
+    if grp.name != LOCAL:  # equal E, H and dtype; the largest T, K and alignment
+        fields = comm.agree("symm_buffers", grp.name, [num_experts, H, comm.dtype_code(x.dtype), *sizes], equal=3)
+        sizes = [max(row[3 + i] for row in fields) for i in range(3)]
+    t_max, k_max, a_max = sizes
+    key = (grp.name, H, x.dtype, x.device)
+    bufs = _AUTO_BUFFERS.get(key)
+    if (bufs is None or bufs.max_tokens_per_rank < t_max or bufs.top_k < k_max
+            or bufs.num_experts != num_experts or bufs.expert_alignment < a_max):
+        if bufs is not None:
+            t_max, k_max, a_max = (max(t_max, bufs.max_tokens_per_rank), max(k_max, bufs.top_k),
+                                   max(a_max, bufs.expert_alignment))
+        group = None if grp.name == LOCAL else process_group(grp.name)
+        bufs = SymmBuffers(max(t_max, 1), H, k_max, num_experts, x.dtype, x.device, group, expert_alignment=a_max)
+        _AUTO_BUFFERS[key] = bufs
+    return bufs
+
+
+def _check_buffers_fit(
+    bufs: SymmBuffers, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, group: Group, expert_alignment: int
+) -> int:
+    """The dispatch's checks against its buffers; returns E as an int."""
+    num_experts = check_dispatch_args(x, topk_idx, num_experts, bufs.world_size, expert_alignment)
+    if group.name != bufs.group_name:
+        raise ValueError(
+            f"group: the buffers were created for group {bufs.group_name!r}, got group "
+            f"{group.name!r}; pass group=None or the buffers' group"
+        )
+    if x.dtype != bufs.dtype or x.shape[1] != bufs.hidden or x.device != bufs.device:
+        raise ValueError(
+            f"x: the buffers hold {bufs.dtype} rows of H = {bufs.hidden} on {bufs.device}, got "
+            f"{x.dtype} of shape {tuple(x.shape)} on {x.device}"
+        )
+    if topk_idx.shape[1] > bufs.top_k:
+        raise CapacityError(f"topk_idx: the buffers were sized for top_k = {bufs.top_k}, got K = {topk_idx.shape[1]}")
+    if num_experts != bufs.num_experts:
+        raise ValueError(f"num_experts: the buffers were created for E = {bufs.num_experts}, got {num_experts}")
+    if expert_alignment > bufs.expert_alignment:
+        raise CapacityError(
+            f"expert_alignment: the buffers were sized for expert_alignment <= {bufs.expert_alignment}, got "
+            f"{expert_alignment}; create SymmBuffers with expert_alignment={expert_alignment}"
+        )
+    return num_experts
+
+
+def _checked(bufs: SymmBuffers, check, *args):
+    """``check(*args)``; on a group, a rank whose checks raise sends a failure row through the
+    metadata exchange its peers wait in, so every rank raises (its peers a PeerInputError)."""
+    if bufs.world_size == 1 or is_compiling():
+        return check(*args)
+    try:
+        return check(*args)
+    except (TypeError, ValueError) as exc:
+        failure = torch.zeros(bufs.meta_columns, dtype=torch.int64, device=bufs.device)
+        failure[bufs.num_experts + FAILED] = 1
+        bufs._own_error = f"{type(exc).__name__}: {exc}"
+        try:
+            symm_exchange_meta_op(failure, bufs, 0)
+        except PeerInputError:
+            pass  # what the peers raise; this rank raises its own error
+        finally:
+            bufs._own_error = None
+        raise
+
+
+def _check_combine(expert_out: torch.Tensor, handle: SymmMemHandle, topk_weights: Optional[torch.Tensor]) -> None:
+    check_combine_args(expert_out, handle, topk_weights)
+    bufs = handle.buffers
+    if tuple(expert_out.shape) != (bufs.capacity, bufs.hidden) or expert_out.dtype != bufs.dtype:
+        raise ValueError(
+            f"expert_out: expected the {bufs.dtype} shape (C, H) = ({bufs.capacity}, {bufs.hidden}) of "
+            f"routed, got {expert_out.dtype} of shape {tuple(expert_out.shape)}"
+        )
+
+
+class SymmMemBackend(Backend):
+    """Peer-addressable buffers and Triton kernels: no host sync, CUDA-graph capturable."""
+
+    name = "symm_mem"
+
+    def check_group(self, group: Group, buffers) -> None:
+        if buffers is not None and not isinstance(buffers, SymmBuffers):
+            raise TypeError(f"buffers: expected alltoall_ops.SymmBuffers, got {type(buffers).__name__}")
+
+    def dispatch(self, x_TH, topk_idx_TK, num_experts, group, expert_alignment, buffers):
+        """routed (C, H), tokens_per_expert (e,), handle. The first ``tokens_per_expert.sum()``
+        rows of routed are the collective backend's routed rows; the rest are zero."""
+        bufs = buffers
+        if bufs is None:
+            bufs = cached_buffers(x_TH, topk_idx_TK, num_experts, group, expert_alignment)
+        E = _checked(bufs, _check_buffers_fit, bufs, x_TH, topk_idx_TK, num_experts, group, expert_alignment)
+        W, e = bufs.world_size, bufs.num_local_experts
+        plan = layout.plan_routing(topk_idx_TK, E, W)
+        # (L,): counts, routing status, then N_SLOTS, ALIGNMENT, FAILED (0) and CALL (set by the op).
+        # NB: filled on the device, not copied from the host: eager calls stay CUDA-graph capturable.
+        header = torch.zeros(META_EXTRA - layout.STATUS_COLUMNS, dtype=torch.int64, device=x_TH.device)
+        header[0].fill_(topk_idx_TK.numel())
+        header[1].fill_(expert_alignment)
+        send_row_L = torch.cat([plan.send_meta[:, :e].reshape(-1), plan.send_meta[0, e:], header])
+        meta_WL = symm_exchange_meta_op(send_row_L, bufs, expert_alignment)
+        r = route(meta_WL, topk_idx_TK, plan.position, bufs, expert_alignment)
+        routed_CH, row_src_C = symm_dispatch_op(x_TH, None, plan.position, r.slot_dst, bufs)
+        handle = SymmMemHandle(plan.position, meta_WL, r.slot_dst, row_src_C, r.dropped, bufs, bufs.capacity,
+                               expert_alignment)
+        return routed_CH, r.tokens_per_expert, handle
