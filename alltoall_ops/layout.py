@@ -166,20 +166,18 @@ def expert_major_rows(recv_counts: torch.Tensor, expert_alignment: int) -> torch
     return shift + torch.arange(total, device=recv_counts.device)
 
 
-def slot_rows(counts: torch.Tensor, rank: int, topk_idx: torch.Tensor, position: torch.Tensor,
-              num_local_experts: int, expert_alignment: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where each slot of this rank lands, from every rank's counts: no host sync.
+def slot_rows(starts_E: torch.Tensor, send_counts_E: torch.Tensor, topk_idx: torch.Tensor, position: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each slot of this rank lands, with no host sync.
 
-    counts: (W, E), ``counts[s, g]`` slots rank s sends to global expert g; topk_idx, position:
-    (T, K) of this rank (``position`` from :func:`plan_routing`). Returns ``expert`` (N,), each
-    slot's expert clamped into [0, E) (check validity separately), and ``row`` (N,), its row in
-    the expert-major output of the expert's owner: block start + (send position - the first
-    send position of that expert here)."""
-    E = counts.shape[1]
-    starts, _ = block_starts(counts, num_local_experts, expert_alignment)  # (W, E)
-    first_position = exclusive_cumsum(counts[rank], 0)  # (E,) of this rank's slots of expert g
-    expert = topk_idx.reshape(-1).to(torch.int64).clamp(0, E - 1)  # (N,)
-    row = (starts[rank] - first_position).index_select(0, expert) + position.reshape(-1)
+    starts_E: (E,) this rank's row of :func:`block_starts` over all experts' owners;
+    send_counts_E: (E,) slots this rank sends to each expert; topk_idx, position: (T, K) of this
+    rank (``position`` from :func:`plan_routing`). Returns ``expert`` (N,), each slot's expert
+    clamped into [0, E) (check validity separately), and ``row`` (N,), its row in the expert
+    owner's expert-major output: block start + (send position - first send position of that
+    expert here)."""
+    expert = topk_idx.reshape(-1).to(torch.int64).clamp(0, starts_E.shape[0] - 1)  # (N,)
+    row = (starts_E - exclusive_cumsum(send_counts_E, 0)).index_select(0, expert) + position.reshape(-1)
     return expert, row
 
 

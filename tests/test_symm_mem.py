@@ -386,11 +386,11 @@ class TestCompiled(TestCase):
         self.assertExpectedInline(summary, """\
 forward 0:
   alltoall_ops.symm_exchange_meta(buffers=<opaque SymmBuffers>, expert_alignment=2)
-  alltoall_ops.symm_dispatch(scale=None, buffers=<opaque SymmBuffers>)
-  alltoall_ops.symm_combine(weights=<tensor>, buffers=<opaque SymmBuffers>, save_returned=True)
+  alltoall_ops.symm_dispatch(scale_TK=None, buffers=<opaque SymmBuffers>)
+  alltoall_ops.symm_combine(weights_TK=<tensor>, buffers=<opaque SymmBuffers>, save_returned=True)
 backward 0:
-  alltoall_ops.symm_dispatch(scale=<tensor>, buffers=<opaque SymmBuffers>)
-  alltoall_ops.symm_combine(weights=None, buffers=<opaque SymmBuffers>, save_returned=False)""")
+  alltoall_ops.symm_dispatch(scale_TK=<tensor>, buffers=<opaque SymmBuffers>)
+  alltoall_ops.symm_combine(weights_TK=None, buffers=<opaque SymmBuffers>, save_returned=False)""")
 
     def test_buffers_of_other_sizes_recompile(self):
         torch._dynamo.reset()

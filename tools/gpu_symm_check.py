@@ -32,7 +32,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import alltoall_ops as a2a
 from alltoall_ops.backends import symm_mem
-from alltoall_ops.backends.symm_mem import backend as symm_backend
 from alltoall_ops.backends.symm_mem import ops as symm_ops
 from alltoall_ops.kernels import loader
 from alltoall_ops.testing import DistributedPool

@@ -40,13 +40,14 @@ def route(meta_WL: torch.Tensor, topk_idx_TK: torch.Tensor, position_TK: torch.T
     backend's expert-major, source-rank, send-order layout (``layout.slot_rows``), cut at C."""
     W, E, e, C = bufs.world_size, bufs.num_experts, bufs.num_local_experts, bufs.capacity
     counts_WE = meta_WL[:, :E]  # counts[s, g]: slots rank s sends to expert g
-    expert_N, row_N = layout.slot_rows(counts_WE, bufs.rank, topk_idx_TK, position_TK, e, expert_alignment)
+    starts_WE, padded_E = layout.block_starts(counts_WE, e, expert_alignment)
+    expert_N, row_N = layout.slot_rows(starts_WE[bufs.rank], counts_WE[bufs.rank], topk_idx_TK, position_TK)
     g_N = topk_idx_TK.reshape(-1)
     valid_N = (g_N >= 0) & (g_N < E) & (position_TK.reshape(-1) < bufs.max_slots)
     slot_dst_N = torch.where(valid_N & (row_N < C), (expert_N // e) * C + row_N, torch.full_like(row_N, -1))
-    starts_WE, padded_E = layout.block_starts(counts_WE, e, expert_alignment)
-    own_start_e = layout.exclusive_cumsum(padded_E.view(W, e)[bufs.rank], 0)
-    tokens_per_expert_e = torch.minimum(padded_E.view(W, e)[bufs.rank], (C - own_start_e).clamp(min=0))
+    padded_We = padded_E.view(W, e)  # group sizes on each owner
+    own_start_e = layout.exclusive_cumsum(padded_We[bufs.rank], 0)
+    tokens_per_expert_e = torch.minimum(padded_We[bufs.rank], (C - own_start_e).clamp(min=0))
     past_WE = (starts_WE + counts_WE - C).clamp(min=0)  # rows of block (s, g) past C
     dropped_W = torch.minimum(past_WE, counts_WE).sum(0).view(W, e).sum(1)
     return SymmRoute(slot_dst_N, tokens_per_expert_e, dropped_W)

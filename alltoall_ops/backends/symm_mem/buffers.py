@@ -123,7 +123,7 @@ class SymmBuffers(OpaqueBase):
         capacity: C, rows of ``routed``; default ``W * T_max * K + e * (expert_alignment - 1)``,
             which no routing can exceed.
         overflow: "error" (a routing that needs more than C rows on some rank raises on every
-            rank) or "drop" (rows past C are not delivered, counted in ``handle.dropped``).
+            rank) or "drop" (rows past C are not delivered, counted in ``handle.dropped_W``).
         allocator: "auto" (CUDA symmetric memory for W > 1 on cuda, a shared-memory stand-in on
             the CPU, plain memory for one rank) or "symmetric" (torch symmetric memory even for
             one rank: a check of that path on a one-GPU host).

@@ -31,11 +31,11 @@ def _fail(ok: torch.Tensor, kind: type, message: Callable[[], str]) -> None:
                                 "the buffers' max_tokens_per_rank * top_k, or overflow)")
 
 
-def _check_meta(meta: torch.Tensor, bufs: SymmBuffers, expert_alignment: int, call: int) -> None:
+def _check_meta(meta_WL: torch.Tensor, bufs: SymmBuffers, expert_alignment: int, call: int) -> None:
     """Every rank's metadata row (W, L), checked in the order: a rank's failure flag, the call
     numbers, the alignments, the expert ids, T * K, and the capacity (unless overflow='drop')."""
     E, W, C = bufs.num_experts, bufs.world_size, bufs.capacity
-    counts, status, extra = meta[:, :E], meta[:, E : E + layout.STATUS_COLUMNS], meta[:, E:]
+    counts, status, extra = meta_WL[:, :E], meta_WL[:, E : E + layout.STATUS_COLUMNS], meta_WL[:, E:]
     n_slots = extra[:, N_SLOTS]
     failed = extra[:, FAILED]
 
@@ -86,85 +86,85 @@ def _check_meta(meta: torch.Tensor, bufs: SymmBuffers, expert_alignment: int, ca
 
 
 @comm_op("symm_exchange_meta")
-def symm_exchange_meta_op(send_row: torch.Tensor, buffers: SymmBuffers, expert_alignment: int) -> torch.Tensor:
-    """(L,) int64 metadata row of this rank -> (W, L), row s from rank s (an all-gather).
+def symm_exchange_meta_op(send_row_L: torch.Tensor, buffers: SymmBuffers, expert_alignment: int) -> torch.Tensor:
+    """(L,) int64 metadata row of this rank -> meta (W, L), row s from rank s (an all-gather).
 
     The op numbers its calls on ``buffers`` (column CALL of the rows sent; zero in the output).
     Checks every rank's row
     (see ``_check_meta``) and raises on all ranks alike."""
     k = loader.load()
     call = buffers._next_call()
-    row = send_row.clone()
-    row[buffers.num_experts + CALL].fill_(call)
+    row_L = send_row_L.clone()
+    row_L[buffers.num_experts + CALL].fill_(call)
     buffers._barrier()
-    k.put_meta(row, buffers.table[META], buffers.rank)
+    k.put_meta(row_L, buffers.table[META], buffers.rank)
     buffers._barrier()
-    meta = buffers.meta.clone()
-    _check_meta(meta, buffers, expert_alignment, call)
-    meta[:, buffers.num_experts + CALL] = 0  # checked; the output depends on the arguments only
-    return meta
+    meta_WL = buffers.meta.clone()
+    _check_meta(meta_WL, buffers, expert_alignment, call)
+    meta_WL[:, buffers.num_experts + CALL] = 0  # checked; the output depends on the arguments only
+    return meta_WL
 
 
 @symm_exchange_meta_op.register_fake
-def _(send_row, buffers, expert_alignment):
+def _(send_row_L, buffers, expert_alignment):
     # NB: one row from each of the W ranks.
-    return send_row.new_empty(buffers.world_size, send_row.shape[0])
+    return send_row_L.new_empty(buffers.world_size, send_row_L.shape[0])
 
 
 @comm_op("symm_dispatch")
 def symm_dispatch_op(
-    x: torch.Tensor,
-    scale: Optional[torch.Tensor],
-    position: torch.Tensor,
-    slot_dst: torch.Tensor,
+    x_TH: torch.Tensor,
+    scale_TK: Optional[torch.Tensor],
+    position_TK: torch.Tensor,
+    slot_dst_N: torch.Tensor,
     buffers: SymmBuffers,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(T, H) rows -> routed (C, H), row_src (C,) int64.
 
-    Slot (t, k) carries row ``x[t]`` (times ``scale[t, k]`` in fp32, rounded once) to
-    ``slot_dst[t * K + k]``, tagged with its send position ``position[t, k]``. routed: rows
+    Slot (t, k) carries row ``x_TH[t]`` (times ``scale_TK[t, k]`` in fp32, rounded once) to
+    ``slot_dst_N[t * K + k]``, tagged with its send position ``position_TK[t, k]``. routed: rows
     received, zero where none; row_src: each row's source code (``rank * N_max + position``),
     -1 where none."""
     k = loader.load()
-    K = position.shape[1]
-    acc = accumulation_dtype(x.dtype, *(() if scale is None else (scale.dtype,)))
+    K = position_TK.shape[1]
+    acc = accumulation_dtype(x_TH.dtype, *(() if scale_TK is None else (scale_TK.dtype,)))
     buffers._barrier()
     k.put_rows(
-        x, slot_dst, buffers.capacity, buffers.table[RECV],
-        top_k=K, scale=scale, tags_table=buffers.table[TAGS],
-        tag_index=position.reshape(-1), tag_base=buffers.rank * buffers.max_slots, acc_dtype=acc,
+        x_TH, slot_dst_N, buffers.capacity, buffers.table[RECV],
+        top_k=K, scale=scale_TK, tags_table=buffers.table[TAGS],
+        tag_index=position_TK.reshape(-1), tag_base=buffers.rank * buffers.max_slots, acc_dtype=acc,
     )
     buffers._barrier()
-    routed = x.new_empty(buffers.capacity, x.shape[1])
-    row_src = torch.empty(buffers.capacity, dtype=torch.int64, device=x.device)
-    k.copy_out(buffers.recv, buffers.tags, routed, row_src)
-    return routed, row_src
+    routed_CH = x_TH.new_empty(buffers.capacity, x_TH.shape[1])
+    row_src_C = torch.empty(buffers.capacity, dtype=torch.int64, device=x_TH.device)
+    k.copy_out(buffers.recv, buffers.tags, routed_CH, row_src_C)
+    return routed_CH, row_src_C
 
 
 @symm_dispatch_op.register_fake
-def _(x, scale, position, slot_dst, buffers):
+def _(x_TH, scale_TK, position_TK, slot_dst_N, buffers):
     # NB: fixed capacity C, so no data-dependent size: the graph never waits for the counts.
     C = buffers.capacity
-    return x.new_empty(C, x.shape[1]), x.new_empty(C, dtype=torch.int64)
+    return x_TH.new_empty(C, x_TH.shape[1]), x_TH.new_empty(C, dtype=torch.int64)
 
 
 def _symm_dispatch_setup_context(ctx, inputs, output):
-    x, scale, ctx.position, slot_dst, ctx.buffers = inputs
-    scale_needs_grad = scale is not None and scale.requires_grad
-    # slot_dst, row_src; scale and, for scale's gradient, x
-    ctx.save_for_backward(slot_dst, output[1], scale, x if scale_needs_grad else None)
+    x_TH, scale_TK, ctx.position_TK, slot_dst_N, ctx.buffers = inputs
+    scale_needs_grad = scale_TK is not None and scale_TK.requires_grad
+    # slot_dst_N, row_src_C; scale_TK and, for scale_TK's gradient, x_TH
+    ctx.save_for_backward(slot_dst_N, output[1], scale_TK, x_TH if scale_needs_grad else None)
 
 
-def _symm_dispatch_backward(ctx, grad_routed, _grad_row_src):
+def _symm_dispatch_backward(ctx, grad_routed_CH, _grad_row_src_C):
     # The adjoint of dispatch is combine, weighted by the same per-slot scale. Built from the ops
     # themselves (like the local backend), so double backward is exact too.
-    slot_dst, row_src, scale, x = ctx.saved_tensors
-    grad_x, returned = symm_combine_op(
-        grad_routed, scale, ctx.position, slot_dst, row_src, ctx.buffers, x is not None
+    slot_dst_N, row_src_C, scale_TK, x_TH = ctx.saved_tensors
+    grad_x_TH, returned_NH = symm_combine_op(
+        grad_routed_CH, scale_TK, ctx.position_TK, slot_dst_N, row_src_C, ctx.buffers, x_TH is not None
     )
     # d scale[t, k] = <x[t], grad_routed[row of slot (t, k)]>: the returned rows are those rows.
-    grad_scale = None if x is None else symm_weight_grad_op(x, returned, ctx.position, scale)
-    return grad_x, grad_scale, None, None, None
+    grad_scale_TK = None if x_TH is None else symm_weight_grad_op(x_TH, returned_NH, ctx.position_TK, scale_TK)
+    return grad_x_TH, grad_scale_TK, None, None, None
 
 
 symm_dispatch_op.register_autograd(_symm_dispatch_backward, setup_context=_symm_dispatch_setup_context)
@@ -172,70 +172,70 @@ symm_dispatch_op.register_autograd(_symm_dispatch_backward, setup_context=_symm_
 
 @comm_op("symm_combine")
 def symm_combine_op(
-    expert_out: torch.Tensor,
-    weights: Optional[torch.Tensor],
-    position: torch.Tensor,
-    slot_dst: torch.Tensor,
-    row_src: torch.Tensor,
+    expert_out_CH: torch.Tensor,
+    weights_TK: Optional[torch.Tensor],
+    position_TK: torch.Tensor,
+    slot_dst_N: torch.Tensor,
+    row_src_C: torch.Tensor,
     buffers: SymmBuffers,
     save_returned: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(C, H) expert outputs in dispatch order -> y (T, H), returned (N, H) or (0, H).
 
-    Row d goes back to its source (``row_src[d]``); then y[t] = sum_k weights[t, k] *
+    Row d goes back to its source (``row_src_C[d]``); then y[t] = sum_k weights_TK[t, k] *
     row of slot (t, k), in k order, accumulated in fp32 (fp64) and rounded once. returned:
     every slot's row in send order (zero for unsent slots), when ``save_returned``, for the
     weights' gradient."""
     k = loader.load()
-    T, K = position.shape
+    T, K = position_TK.shape
     buffers._barrier()
-    k.put_rows(expert_out, row_src, buffers.max_slots, buffers.table[RET])
+    k.put_rows(expert_out_CH, row_src_C, buffers.max_slots, buffers.table[RET])
     buffers._barrier()
-    H = expert_out.shape[1]
-    y = expert_out.new_empty(T, H)
-    returned = expert_out.new_empty(T * K if save_returned else 0, H)
-    acc = accumulation_dtype(expert_out.dtype, *(() if weights is None else (weights.dtype,)))
+    H = expert_out_CH.shape[1]
+    y_TH = expert_out_CH.new_empty(T, H)
+    returned_NH = expert_out_CH.new_empty(T * K if save_returned else 0, H)
+    acc = accumulation_dtype(expert_out_CH.dtype, *(() if weights_TK is None else (weights_TK.dtype,)))
     k.topk_reduce(
-        buffers.ret, position, slot_dst, weights, y,
-        returned if save_returned else None, acc,
+        buffers.ret, position_TK, slot_dst_N, weights_TK, y_TH,
+        returned_NH if save_returned else None, acc,
     )
-    return y, returned
+    return y_TH, returned_NH
 
 
 @symm_combine_op.register_fake
-def _(expert_out, weights, position, slot_dst, row_src, buffers, save_returned):
-    # NB: static shapes: T and K from position.
-    T, K = position.shape
-    H = expert_out.shape[1]
-    return expert_out.new_empty(T, H), expert_out.new_empty(T * K if save_returned else 0, H)
+def _(expert_out_CH, weights_TK, position_TK, slot_dst_N, row_src_C, buffers, save_returned):
+    # NB: static shapes: T and K from position_TK.
+    T, K = position_TK.shape
+    H = expert_out_CH.shape[1]
+    return expert_out_CH.new_empty(T, H), expert_out_CH.new_empty(T * K if save_returned else 0, H)
 
 
 def _symm_combine_setup_context(ctx, inputs, output):
-    _, weights, ctx.position, _, _, ctx.buffers, ctx.save_returned = inputs
-    ctx.set_materialize_grads(False)  # `returned` gets a gradient only in double backward
-    ctx.save_for_backward(weights, inputs[3], output[1] if ctx.save_returned else None)
+    _, weights_TK, ctx.position_TK, slot_dst_N, _, ctx.buffers, ctx.save_returned = inputs
+    ctx.set_materialize_grads(False)  # `returned_NH` gets a gradient only in double backward
+    ctx.save_for_backward(weights_TK, slot_dst_N, output[1] if ctx.save_returned else None)
 
 
-def _symm_combine_backward(ctx, grad_y, grad_returned):
-    weights, slot_dst, returned = ctx.saved_tensors
-    grad_expert_out = grad_weights = None
-    if ctx.needs_input_grad[0] and grad_y is not None:
+def _symm_combine_backward(ctx, grad_y_TH, grad_returned_NH):
+    weights_TK, slot_dst_N, returned_NH = ctx.saved_tensors
+    grad_expert_out_CH = grad_weights_TK = None
+    if ctx.needs_input_grad[0] and grad_y_TH is not None:
         # The adjoint of combine is dispatch with each slot's row scaled by its weight.
-        grad_expert_out, _ = symm_dispatch_op(grad_y, weights, ctx.position, slot_dst, ctx.buffers)
-    if ctx.needs_input_grad[0] and grad_returned is not None and ctx.save_returned:
+        grad_expert_out_CH, _ = symm_dispatch_op(grad_y_TH, weights_TK, ctx.position_TK, slot_dst_N, ctx.buffers)
+    if ctx.needs_input_grad[0] and grad_returned_NH is not None and ctx.save_returned:
         # returned[position[t, k]] is the row of slot (t, k): dispatch the returned rows' gradient
         # back to those rows, as N "tokens" of K = 1 taken in slot order.
-        by_slot = grad_returned.index_select(0, ctx.position.reshape(-1))  # (N, H)
-        grad_rows, _ = symm_dispatch_op(by_slot, None, ctx.position.reshape(-1, 1), slot_dst, ctx.buffers)
-        grad_expert_out = grad_rows if grad_expert_out is None else grad_expert_out + grad_rows
-    if ctx.needs_input_grad[1] and grad_y is not None:
-        if returned is None:
+        by_slot_NH = grad_returned_NH.index_select(0, ctx.position_TK.reshape(-1))
+        grad_rows_CH, _ = symm_dispatch_op(by_slot_NH, None, ctx.position_TK.reshape(-1, 1), slot_dst_N, ctx.buffers)
+        grad_expert_out_CH = grad_rows_CH if grad_expert_out_CH is None else grad_expert_out_CH + grad_rows_CH
+    if ctx.needs_input_grad[1] and grad_y_TH is not None:
+        if returned_NH is None:
             raise RuntimeError(
                 "symm_combine: topk_weights need a gradient, but the op was called with "
                 "save_returned=False; alltoall_ops.combine sets it when the weights require grad"
             )
-        grad_weights = symm_weight_grad_op(grad_y, returned, ctx.position, weights)
-    return grad_expert_out, grad_weights, None, None, None, None, None
+        grad_weights_TK = symm_weight_grad_op(grad_y_TH, returned_NH, ctx.position_TK, weights_TK)
+    return grad_expert_out_CH, grad_weights_TK, None, None, None, None, None
 
 
 symm_combine_op.register_autograd(_symm_combine_backward, setup_context=_symm_combine_setup_context)
@@ -243,42 +243,42 @@ symm_combine_op.register_autograd(_symm_combine_backward, setup_context=_symm_co
 
 @torch.library.custom_op("alltoall_ops::symm_weight_grad", mutates_args=())
 def symm_weight_grad_op(
-    grad_y: torch.Tensor, returned: torch.Tensor, position: torch.Tensor, weights: torch.Tensor
+    grad_y_TH: torch.Tensor, returned_NH: torch.Tensor, position_TK: torch.Tensor, weights_TK: torch.Tensor
 ) -> torch.Tensor:
-    """grad_w (T, K) = <grad_y[t], returned[position[t, k]]> in fp32 (fp64), in weights' dtype.
-    Local: no communication."""
-    grad_w = torch.empty(position.shape, dtype=weights.dtype, device=grad_y.device)
-    acc = accumulation_dtype(returned.dtype, weights.dtype, grad_y.dtype)
-    loader.load().weight_grad(grad_y, returned, position, grad_w, acc)
-    return grad_w
+    """grad_w (T, K) = <grad_y_TH[t], returned_NH[position_TK[t, k]]> in fp32 (fp64), in
+    weights_TK's dtype. Local: no communication."""
+    grad_w_TK = torch.empty(position_TK.shape, dtype=weights_TK.dtype, device=grad_y_TH.device)
+    acc = accumulation_dtype(returned_NH.dtype, weights_TK.dtype, grad_y_TH.dtype)
+    loader.load().weight_grad(grad_y_TH, returned_NH, position_TK, grad_w_TK, acc)
+    return grad_w_TK
 
 
 @symm_weight_grad_op.register_fake
-def _(grad_y, returned, position, weights):
-    return weights.new_empty(position.shape)
+def _(grad_y_TH, returned_NH, position_TK, weights_TK):
+    return weights_TK.new_empty(position_TK.shape)
 
 
 def _symm_weight_grad_setup_context(ctx, inputs, output):
-    grad_y, returned, ctx.position, _ = inputs
-    ctx.save_for_backward(grad_y, returned)
+    grad_y_TH, returned_NH, ctx.position_TK, _ = inputs
+    ctx.save_for_backward(grad_y_TH, returned_NH)
 
 
-def _symm_weight_grad_backward(ctx, grad_grad_w):
+def _symm_weight_grad_backward(ctx, grad_grad_w_TK):
     # grad_w is bilinear in (grad_y, returned) and local: its backward is plain torch (gathers, a
     # sum over k, an index_add), differentiable again. weights only give the dtype: no gradient.
-    grad_y, returned = ctx.saved_tensors
-    T, K = ctx.position.shape
-    slots = ctx.position.reshape(-1)  # (N,) row of returned of each slot t * K + k
-    acc = accumulation_dtype(returned.dtype, grad_y.dtype, grad_grad_w.dtype)
-    gg = grad_grad_w.to(acc)[:, :, None]  # (T, K, 1)
-    grad_grad_y = grad_returned = None
+    grad_y_TH, returned_NH = ctx.saved_tensors
+    T, K = ctx.position_TK.shape
+    slots_N = ctx.position_TK.reshape(-1)  # row of returned_NH of each slot t * K + k
+    acc = accumulation_dtype(returned_NH.dtype, grad_y_TH.dtype, grad_grad_w_TK.dtype)
+    gg_TK1 = grad_grad_w_TK.to(acc)[:, :, None]
+    grad_grad_y_TH = grad_returned_NH = None
     if ctx.needs_input_grad[0]:
-        slot_rows = returned.index_select(0, slots).view(T, K, -1).to(acc)  # (T, K, H)
-        grad_grad_y = (gg * slot_rows).sum(1).to(grad_y.dtype)  # (T, H)
+        slot_rows_TKH = returned_NH.index_select(0, slots_N).view(T, K, -1).to(acc)
+        grad_grad_y_TH = (gg_TK1 * slot_rows_TKH).sum(1).to(grad_y_TH.dtype)
     if ctx.needs_input_grad[1]:
-        per_slot = (gg * grad_y.to(acc)[:, None, :]).reshape(T * K, -1)  # (N, H)
-        grad_returned = torch.zeros_like(returned).index_add(0, slots, per_slot.to(returned.dtype))
-    return grad_grad_y, grad_returned, None, None
+        per_slot_NH = (gg_TK1 * grad_y_TH.to(acc)[:, None, :]).reshape(T * K, -1)
+        grad_returned_NH = torch.zeros_like(returned_NH).index_add(0, slots_N, per_slot_NH.to(returned_NH.dtype))
+    return grad_grad_y_TH, grad_returned_NH, None, None
 
 
 symm_weight_grad_op.register_autograd(_symm_weight_grad_backward, setup_context=_symm_weight_grad_setup_context)
