@@ -7,7 +7,7 @@ Example::
     print(graphs.summary())
     # forward 0:
     #   alltoall_ops.exchange_counts(group_name='0')
-    #   alltoall_ops.dispatch(scale=None, expert_alignment=1, group_name='0', num_rows=None)
+    #   alltoall_ops.dispatch(scale_TK=None, expert_alignment=1, group_name='0', num_rows=None)
     #   ...
 """
 
