@@ -27,7 +27,7 @@ bench: install
 
 lint: install
 	$(PY) -m pip install -q ruff
-	$(VENV)/bin/ruff check alltoall_ops tests benchmarks examples
+	$(VENV)/bin/ruff check alltoall_ops tests benchmarks examples tools
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

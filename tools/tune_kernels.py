@@ -86,62 +86,68 @@ def sweep_layout(T: int) -> None:
     routing.GPU_BLOCK_S, routing.GPU_NUM_WARPS = results[0][2], results[0][3]
 
 
+def copy_bandwidth(dev: torch.device) -> float:
+    """Bytes per second of a 1 GiB device copy (read + write)."""
+    big = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    return 2 * big.numel() / (median_us(lambda: big.clone()) * 1e-6)
+
+
+def sweep_rows(T: int, bandwidth: float, top: int) -> None:
+    """Sweep the row kernels' launch blocks at T tokens (H, K, E of this module)."""
+    dev, k = torch.device("cuda"), loader.load()
+    rows, widths, warps = [1, 2, 4, 8], [1024, 2048, 4096], [4, 8]
+    N = T * K
+    print(f"\n===== T = {T}, H = {H}, K = {K}, E = {E}")
+    x = torch.randn(T, H, device=dev).bfloat16()
+    weights, topk_idx = torch.randn(T, E, device=dev).softmax(-1).topk(K, dim=-1)
+    plan = layout.plan_routing(topk_idx, E, 1)
+    position = plan.position.reshape(-1)
+    send = x.new_empty(N, H)
+    nbytes = (T + N) * H * 2
+    ref = x.index_select(0, plan.order // K)
+    floor = nbytes / bandwidth * 1e6
+    us = median_us(lambda: x.index_select(0, plan.order // K))
+    print(f"torch index_select (send order): {us:.1f} us  x{us / floor:.2f}")
+
+    def put_rows():
+        k.put_rows(x, position, N, out=send, top_k=K)
+
+    put_rows()
+    assert torch.equal(send, ref), "put_rows != index_select"
+    sweep("put_rows", put_rows, nbytes, bandwidth, itertools.product(rows, widths, warps), top)
+
+    y = x.new_empty(T, H)
+    ret = torch.randn(N, H, device=dev).bfloat16()
+    sweep("topk_reduce", lambda: k.topk_reduce(ret, plan.position, None, weights, y, None, torch.float32),
+          nbytes, bandwidth, itertools.product([1, 2, 4], widths, warps), top)
+
+    tags = torch.full((N,), -1, dtype=torch.int64, device=dev)
+    row_src = torch.empty_like(tags)
+
+    def copy_out():
+        tags[::2] = 1  # half the rows arrived
+        k.copy_out(ret, tags, send, row_src)
+
+    sweep("copy_out", copy_out, 2 * N * H * 2, bandwidth, itertools.product([2, 4, 8], [2048, 4096], warps), top)
+    grad_w = torch.empty(T, K, device=dev)
+    sweep("weight_grad", lambda: k.weight_grad(x, ret, plan.position, grad_w, torch.float32),
+          nbytes, bandwidth, itertools.product([1, 2, 4], [2048, 4096], warps), top)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--top", type=int, default=6)
     parser.add_argument("--layout-only", action="store_true", help="only the plan_slots sweep")
     args = parser.parse_args()
-    dev = torch.device("cuda")
-    k = loader.load()
-    big = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    bandwidth = 2 * big.numel() / (median_us(lambda: big.clone()) * 1e-6)
-    del big
+    bandwidth = copy_bandwidth(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write)")
-    rows, widths, warps = [1, 2, 4, 8], [1024, 2048, 4096], [4, 8]
     for T in (128, 8192):
         sweep_layout(T)
     if args.layout_only:
         return
     for T in args.tokens:
-        N = T * K
-        print(f"\n===== T = {T}, H = {H}, K = {K}, E = {E}")
-        x = torch.randn(T, H, device=dev).bfloat16()
-        weights, topk_idx = torch.randn(T, E, device=dev).softmax(-1).topk(K, dim=-1)
-        plan = layout.plan_routing(topk_idx, E, 1)
-        position = plan.position.reshape(-1)
-        send = x.new_empty(N, H)
-        nbytes = (T + N) * H * 2
-        ref = x.index_select(0, plan.order // K)
-        floor = nbytes / bandwidth * 1e6
-        us = median_us(lambda: x.index_select(0, plan.order // K))
-        print(f"torch index_select (send order): {us:.1f} us  x{us / floor:.2f}")
-
-        def put_rows():
-            k.put_rows(x, position, N, out=send, top_k=K)
-
-        put_rows()
-        assert torch.equal(send, ref), "put_rows != index_select"
-        sweep("put_rows", put_rows, nbytes, bandwidth, itertools.product(rows, widths, warps), args.top)
-
-        y = x.new_empty(T, H)
-        ret = torch.randn(N, H, device=dev).bfloat16()
-        sweep("topk_reduce", lambda: k.topk_reduce(ret, plan.position, None, weights, y, None, torch.float32),
-              nbytes, bandwidth, itertools.product([1, 2, 4], widths, warps), args.top)
-
-        tags = torch.full((N,), -1, dtype=torch.int64, device=dev)
-        row_src = torch.empty_like(tags)
-
-        def copy_out():
-            tags[::2] = 1  # half the rows arrived
-            k.copy_out(ret, tags, send, row_src)
-
-        sweep("copy_out", copy_out, 2 * N * H * 2, bandwidth,
-              itertools.product([2, 4, 8], [2048, 4096], warps), args.top)
-        grad_w = torch.empty(T, K, device=dev)
-        sweep("weight_grad",
-              lambda: k.weight_grad(x, ret, plan.position, grad_w, torch.float32),
-              nbytes, bandwidth, itertools.product([1, 2, 4], [2048, 4096], warps), args.top)
+        sweep_rows(T, bandwidth, args.top)
     print("\nbest:", {n: _config.GPU_BLOCKS[n] for n in _config.GPU_BLOCKS})
 
 
