@@ -128,7 +128,7 @@ def exclusive_cumsum(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def padded_tokens_per_expert(recv_counts: torch.Tensor, expert_alignment: int) -> torch.Tensor:
-    """(W, e) rows received from each rank per local expert -> (e,) rows per expert, padded."""
+    """(W, G) rows from each rank per expert (G = e for one receiver) -> (G,) rows per expert, padded."""
     per_expert = recv_counts.sum(0)
     return per_expert if expert_alignment == 1 else round_up(per_expert, expert_alignment)
 
@@ -141,7 +141,7 @@ def block_starts(counts: torch.Tensor, num_local_experts: int, expert_alignment:
     (G = owners * e, owner of g = g // e). Returns ``starts`` (W, G), the first row of block
     (s, g) on g's owner (its expert group's start, plus the rows of g from lower ranks), and
     ``padded`` (G,), each expert's group size padded to ``expert_alignment``."""
-    padded = round_up(counts.sum(0), expert_alignment)  # (G,)
+    padded = padded_tokens_per_expert(counts, expert_alignment)  # (G,)
     expert_start = exclusive_cumsum(padded.view(-1, num_local_experts), 1).view(-1)  # (G,)
     return expert_start + exclusive_cumsum(counts, 0), padded
 

@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import comm, layout
-from ..groups import Group
+from ..groups import LOCAL, Group
 from ..rows import rows_in_send_order, slot_dot, weighted_slot_sum
 from ..validation import check_combine_args, check_combine_rows, check_dispatch_args
 from .base import Backend, DispatchHandle, save_returned
@@ -284,7 +284,7 @@ class CollectiveBackend(Backend):
 
     def check_group(self, group: Group, buffers) -> None:
         super().check_group(group, buffers)
-        if group.size == 1 and not group.name:
+        if group.name == LOCAL:
             raise ValueError(
                 "backend='collective' needs an initialised process group (torch.distributed is not "
                 "initialised and no group was given)"

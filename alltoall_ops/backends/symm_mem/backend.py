@@ -46,7 +46,7 @@ def route(meta_WL: torch.Tensor, topk_idx_TK: torch.Tensor, position_TK: torch.T
     valid_N = (g_N >= 0) & (g_N < E) & (position_TK.reshape(-1) < bufs.max_slots)
     slot_dst_N = torch.where(valid_N & (row_N < C), (expert_N // e) * C + row_N, torch.full_like(row_N, -1))
     padded_We = padded_E.view(W, e)  # group sizes on each owner
-    own_start_e = layout.exclusive_cumsum(padded_We[bufs.rank], 0)
+    own_start_e = starts_WE[0].view(W, e)[bufs.rank]  # source rank 0's blocks start their expert groups
     tokens_per_expert_e = torch.minimum(padded_We[bufs.rank], (C - own_start_e).clamp(min=0))
     past_WE = (starts_WE + counts_WE - C).clamp(min=0)  # rows of block (s, g) past C
     dropped_W = torch.minimum(past_WE, counts_WE).sum(0).view(W, e).sum(1)

@@ -68,7 +68,7 @@ def _check_meta(meta_WL: torch.Tensor, bufs: SymmBuffers, expert_alignment: int,
     _fail((n_slots <= bufs.max_slots).all(), CapacityError, too_many_slots)
     if bufs.overflow == "drop":
         return
-    needed = layout.round_up(counts.sum(0), expert_alignment).view(W, -1).sum(1)  # (W,) rows each rank receives
+    needed = layout.padded_tokens_per_expert(counts, expert_alignment).view(W, -1).sum(1)  # (W,) rows each rank gets
 
     def overflow() -> str:
         r = int(torch.nonzero(needed > C)[0])
