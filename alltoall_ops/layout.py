@@ -153,17 +153,17 @@ def expert_of_rows(tokens_per_expert: torch.Tensor, num_rows: int) -> torch.Tens
     return torch.searchsorted(torch.cumsum(tokens_per_expert, 0), rows, right=True)
 
 
-def expert_major_rows(recv_counts: torch.Tensor, expert_alignment: int) -> torch.Tensor:
+def expert_major_rows(recv_counts: torch.Tensor, expert_alignment: int, num_received: int) -> torch.Tensor:
     """Destination row in the expert-major output of each rank-major received row.
 
-    recv_counts: (W, e). Returns (sum(recv_counts),) int64, a injection into
-    [0, padded_tokens_per_expert(recv_counts).sum()); rows it misses are padding.
+    recv_counts: (W, e); num_received: its sum (known on the host: no sync here). Returns
+    (num_received,) int64, an injection into [0, padded_tokens_per_expert(recv_counts).sum());
+    rows it misses are padding.
     """
     starts, _ = block_starts(recv_counts, recv_counts.shape[1], expert_alignment)  # (W, e)
     flat = recv_counts.reshape(-1)  # rank-major block sizes, (W * e,)
-    total = int(flat.sum())
-    shift = torch.repeat_interleave(starts.reshape(-1) - exclusive_cumsum(flat, 0), flat, output_size=total)
-    return shift + torch.arange(total, device=recv_counts.device)
+    shift = torch.repeat_interleave(starts.reshape(-1) - exclusive_cumsum(flat, 0), flat, output_size=num_received)
+    return shift + torch.arange(num_received, device=recv_counts.device)
 
 
 def slot_rows(starts_E: torch.Tensor, send_counts_E: torch.Tensor, topk_idx: torch.Tensor, position: torch.Tensor
@@ -192,28 +192,45 @@ def bad_ids_error(rank: int, status: Sequence[int], num_experts: int) -> Routing
 
 @dataclasses.dataclass(frozen=True)
 class HostSplits:
-    """A dispatch's split sizes as Python ints (from :func:`read_splits`)."""
+    """A dispatch's split sizes as Python ints, from the (2W + 2,) int64 CPU tensor that
+    :func:`read_splits_op` returns (reading it is no device sync)."""
 
     send_splits: list[int]  # rows sent to each rank
     recv_splits: list[int]  # rows received from each rank
     num_valid: int  # valid slots of this rank (= sum(send_splits))
     num_rows: int  # rows of the expert-major output, padding included
 
+    @classmethod
+    def of(cls, splits_S: torch.Tensor) -> HostSplits:
+        *sizes, num_valid, num_rows = splits_S.tolist()
+        W = len(sizes) // 2
+        return cls(sizes[:W], sizes[W:], num_valid, num_rows)
 
-def read_splits(send_meta: torch.Tensor, recv_meta: torch.Tensor, expert_alignment: int) -> HostSplits:
-    """Host sync: read both metadata matrices (W, e + STATUS_COLUMNS), derive the split sizes on
-    the host, and check every rank's routing status.
 
+@torch.library.custom_op("alltoall_ops::read_splits", mutates_args=())
+def read_splits_op(send_meta_WL: torch.Tensor, recv_meta_WL: torch.Tensor, expert_alignment: int) -> torch.Tensor:
+    """The host sync of a dispatch (one per MoE layer and step): read both metadata matrices
+    (W, e + STATUS_COLUMNS), check every rank's routing status, derive the split sizes.
+
+    Returns splits_S (2W + 2,) int64 on the CPU: rows sent to each rank, rows received from each
+    rank, this rank's valid slots, rows of the expert-major output (see :class:`HostSplits`);
+    the later ops of the layer (combine, both backward ops) read it instead of the device.
     Raises :class:`RoutingError` (on every rank alike, since all see the same statuses) if any
     rank's ``topk_idx`` held expert ids outside [-1, E)."""
-    W, S = send_meta.shape[0], STATUS_COLUMNS
+    W, S = send_meta_WL.shape[0], STATUS_COLUMNS
     # NB: one small copy and plain Python sums: on a slow host each extra tensor op costs more
-    # than the arithmetic on W * (e + S) ints.
-    host = torch.cat([send_meta, recv_meta]).tolist()  # (2W, e + S)
-    send_counts, recv_counts = [row[:-S] for row in host[:W]], [row[:-S] for row in host[W:]]
-    for src, row in enumerate(host[W:]):
+    # than the arithmetic on W * (e + S) ints. One rank receives what it sends: one matrix.
+    host = (recv_meta_WL if W == 1 else torch.cat([send_meta_WL, recv_meta_WL])).tolist()
+    send_counts, recv_counts = [row[:-S] for row in host[:W]], [row[:-S] for row in host[-W:]]
+    for src, row in enumerate(host[-W:]):
         if row[-S]:
             raise bad_ids_error(src, row[-S:], W * len(send_counts[0]))
     num_rows = sum(round_up(sum(col), expert_alignment) for col in zip(*recv_counts))
     send_splits = [sum(c) for c in send_counts]
-    return HostSplits(send_splits, [sum(c) for c in recv_counts], sum(send_splits), num_rows)
+    return torch.tensor(send_splits + [sum(c) for c in recv_counts] + [sum(send_splits), num_rows])
+
+
+@read_splits_op.register_fake
+def _(send_meta_WL, recv_meta_WL, expert_alignment):
+    # NB: on the CPU whatever the metadata's device: later ops read it without a device sync.
+    return torch.empty(2 * send_meta_WL.shape[0] + 2, dtype=torch.int64, device="cpu")

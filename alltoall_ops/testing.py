@@ -13,6 +13,8 @@ raise too, naming the silent ranks. Nothing hangs.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
@@ -20,11 +22,14 @@ import queue
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .comm import communication_ops
+from .layout import HostSplits
 
 GLOO_TIMEOUT_S = 60.0
 
@@ -163,3 +168,114 @@ class CommOpCounter(TorchDispatchMode):
             self.ops.append(func.name())
         return func(*args, **(kwargs or {}))
 
+
+
+_READS = ("tolist", "item", "numpy", "__bool__", "__int__", "__float__", "__index__")
+_COLLECTIVES = ("all_to_all_single", "all_gather", "all_gather_into_tensor", "all_reduce", "broadcast",
+                "all_gather_object", "barrier", "send", "recv", "reduce_scatter_tensor")
+
+
+class HostTraffic:
+    """What a step costs besides its kernels, counted while the context is active (eager or
+    compiled code)::
+
+        with HostTraffic() as traffic:
+            layer(x).sum().backward()
+        traffic.reads        # host reads of tensor data (on a GPU each is a device sync)
+        traffic.collectives  # Counter of host-issued torch.distributed calls, by name
+
+    A read is a call of ``Tensor.tolist``, ``item``, ``numpy``, ``bool()``, ``int()``, ``float()``
+    or ``operator.index`` on a tensor. Reads of the CPU split sizes that the dispatch's one
+    device read produced (``layout.HostSplits.of``) are not counted: they never wait for a
+    device."""
+
+    def __init__(self):
+        self.reads = 0
+        self.collectives: collections.Counter = collections.Counter()
+        self._host_only = False  # inside HostSplits.of
+        self._saved: dict = {}
+
+    def _patch(self, owner, name: str, wrap: Callable) -> None:
+        self._saved[(owner, name)] = vars(owner).get(name)  # None: inherited
+        setattr(owner, name, wrap(getattr(owner, name)))
+
+    def _read(self, original):
+        def read(t, *args, **kwargs):
+            self.reads += not self._host_only
+            return original(t, *args, **kwargs)
+        return read
+
+    def _collective(self, name: str):
+        def wrap(original):
+            def collective(*args, **kwargs):
+                self.collectives[name] += 1
+                return original(*args, **kwargs)
+            return collective
+        return wrap
+
+    def _host_splits(self, original):
+        def of(splits_S):
+            self._host_only = True
+            try:
+                return original(splits_S)
+            finally:
+                self._host_only = False
+        return staticmethod(of)
+
+    def __enter__(self) -> "HostTraffic":
+        for name in _READS:
+            self._patch(torch.Tensor, name, self._read)
+        for name in _COLLECTIVES:
+            self._patch(dist, name, self._collective(name))
+        self._patch(HostSplits, "of", self._host_splits)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for (owner, name), own in self._saved.items():
+            if own is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, own)
+        self._saved.clear()
+
+
+@contextlib.contextmanager
+def debug_mode() -> Iterator[None]:
+    """``ALLTOALL_OPS_DEBUG=1`` inside the block (see ``alltoall_ops.comm.debug``), restored after."""
+    before = os.environ.get("ALLTOALL_OPS_DEBUG")
+    os.environ["ALLTOALL_OPS_DEBUG"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["ALLTOALL_OPS_DEBUG"]
+        else:
+            os.environ["ALLTOALL_OPS_DEBUG"] = before
+
+
+@contextlib.contextmanager
+def nan_unwritten_rows() -> Iterator[list[int]]:
+    """Inside the block (this process, every thread), symm_mem's copy-out pre-fills its outputs
+    with NaN, so the rows it does not write (routed's past ``tokens_per_expert.sum()``, and the
+    same rows of combine's backward) hold NaN: expert code that lets them reach a result or a
+    gradient shows it. Yields the number of such rows of each call (a host read per call)::
+
+        with nan_unwritten_rows() as unwritten:
+            layer(x).sum().backward()      # y and every gradient free of NaN
+        assert min(unwritten) > 0          # the rows were there
+    """
+    from .kernels import loader
+
+    k = loader.load()
+    copy_out, unwritten = k.copy_out, []
+
+    def nan_prefilled(recv, tags, num_routed, out, row_src):
+        out.fill_(float("nan"))
+        copy_out(recv, tags, num_routed, out, row_src)
+        unwritten.append(out.shape[0] - int(num_routed))
+
+    k.copy_out = nan_prefilled
+    try:
+        yield unwritten
+    finally:
+        k.copy_out = copy_out

@@ -411,26 +411,6 @@ def test_second_order_gradients_local(row_path):
     assert torch.autograd.gradgradcheck(layer, (x, weights, expert_w))
 
 
-def test_local_backend_reads_metadata_once_per_step(monkeypatch):
-    """One rank without padding: only the forward dispatch reads the counts on the host (the one
-    sync of a step, to size its output); combine and both backward ops need R alone. With
-    padding every op reads them."""
-    from alltoall_ops import layout
-
-    reads = []
-    read_splits = layout.read_splits
-    monkeypatch.setattr(layout, "read_splits", lambda *args: reads.append(args) or read_splits(*args))
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(7, 4, generator=g, dtype=torch.float64, requires_grad=True)
-    w = torch.rand(7, 2, generator=g, dtype=torch.float64, requires_grad=True)
-    topk_idx = torch.randint(-1, 4, (7, 2), generator=g)
-    for alignment, expected_reads in ((1, 1), (2, 4)):
-        reads.clear()
-        routed, _, handle = alltoall_ops.dispatch(x, topk_idx, num_experts=4, expert_alignment=alignment)
-        alltoall_ops.combine(routed * 2, handle, w).sum().backward()
-        assert len(reads) == expected_reads, alignment
-
-
 def test_local_combine_checks_rows_against_the_handle():
     x = torch.randn(5, 3)
     routed, _, handle = alltoall_ops.dispatch(x, torch.tensor([[0, 1]] * 5), num_experts=2)

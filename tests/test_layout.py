@@ -133,7 +133,7 @@ def test_padded_tokens_per_expert(case):
 def test_expert_major_rows(case):
     counts, align = case
     W, e = counts.shape
-    rows = layout.expert_major_rows(counts, align).tolist()
+    rows = layout.expert_major_rows(counts, align, int(counts.sum())).tolist()
     padded = layout.padded_tokens_per_expert(counts, align).tolist()
     total = sum(padded)
 
@@ -162,7 +162,7 @@ def test_expert_major_rows_example():
     # gets 3 + 0 rows -> 4.  Rank-major arrivals: (s0,e0) (s0,e1)x3 (s1,e0)x2.
     counts = torch.tensor([[1, 3], [2, 0]])
     assert layout.padded_tokens_per_expert(counts, 4).tolist() == [4, 4]
-    assert layout.expert_major_rows(counts, 4).tolist() == [0, 4, 5, 6, 1, 2]
+    assert layout.expert_major_rows(counts, 4, 6).tolist() == [0, 4, 5, 6, 1, 2]
 
 
 @needs_interpreter

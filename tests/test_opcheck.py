@@ -20,7 +20,8 @@ CONFIGS = [(6, 2, 1, True), (5, 3, 4, False), (0, 2, 2, True)]
 
 
 def opcheck_all(rank: int, world_size: int, group_name: str | None, configs=CONFIGS) -> list[str]:
-    """opcheck plan_routing, exchange_counts, dispatch and combine on small random inputs of this rank.
+    """opcheck plan_routing, exchange_counts, read_splits, dispatch and combine on small random
+    inputs of this rank.
 
     group_name None: the default process group. Returns a description of each checked config."""
     if group_name is None:
@@ -40,7 +41,10 @@ def opcheck_all(rank: int, world_size: int, group_name: str | None, configs=CONF
         recv_meta = OPS.exchange_counts(plan.send_meta, group_name, header)
         recv_counts, _ = layout.split_meta(recv_meta)
         R = int(layout.padded_tokens_per_expert(recv_counts, alignment).sum())
-        layout_args = (plan.order, plan.position, plan.send_meta, recv_meta, alignment, group_name)
+        torch.library.opcheck(OPS.read_splits.default, (plan.send_meta, recv_meta, alignment))
+        splits = OPS.read_splits(plan.send_meta, recv_meta, alignment)
+        assert splits.device.type == "cpu" and layout.HostSplits.of(splits).num_rows == R
+        layout_args = (plan.order, plan.position, recv_meta, splits, alignment, group_name)
 
         # dispatch: forward (R data-dependent) and as combine's backward uses it (R known, scaled).
         torch.library.opcheck(OPS.dispatch.default, (x, None, *layout_args, None))

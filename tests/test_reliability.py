@@ -18,7 +18,7 @@ import torch
 import alltoall_ops as a2a
 from alltoall_ops.errors import (CapacityError, CollectiveError, CollectiveTimeout, GroupMismatchError,
                                  PeerInputError)
-from alltoall_ops.testing import DistributedPool, RankFailures
+from alltoall_ops.testing import DistributedPool, RankFailures, debug_mode
 
 E, H, T, K = 4, 3, 5, 2
 CASE_DEADLINE_S = 60.0
@@ -78,11 +78,6 @@ def _disagree_alignment(rank, bad):
     a2a.dispatch(x, idx, num_experts=E, expert_alignment=2 if bad else 1)
 
 
-def _disagree_expert_out_dtype(rank, bad):
-    routed, handle, w = _round_trip(rank)
-    a2a.combine(routed.double() if bad else routed, handle)
-
-
 def _disagree_counts_length(rank, bad):
     a2a.exchange_counts(torch.ones(6 if bad else 4, dtype=torch.int64))
 
@@ -136,9 +131,16 @@ def _bad_num_experts_indivisible(rank, bad):
     a2a.dispatch(x, idx, num_experts=3 if bad else E)
 
 
-def _bad_weights_shape(rank, bad):
+def _bad_expert_out_dtype_debug_mode(rank, bad):
     routed, handle, w = _round_trip(rank)
-    a2a.combine(routed, handle, w[:, :1] if bad else w)
+    with debug_mode():
+        a2a.combine(routed.double() if bad else routed, handle)
+
+
+def _bad_weights_shape_debug_mode(rank, bad):
+    routed, handle, w = _round_trip(rank)
+    with debug_mode():
+        a2a.combine(routed, handle, w[:, :1] if bad else w)
 
 
 def _bad_counts_dtype(rank, bad):
@@ -172,11 +174,8 @@ def _bad_symm_cached_topk_idx_float(rank, bad):
 
 def _bad_symm_combine_debug_mode(rank, bad):
     routed, handle, w = _round_trip(rank, buffers=_buffers())
-    os.environ["ALLTOALL_OPS_DEBUG"] = "1"
-    try:
+    with debug_mode():
         a2a.combine(routed[:, :1] if bad else routed, handle, w)
-    finally:
-        del os.environ["ALLTOALL_OPS_DEBUG"]
 
 
 # name -> (case, type on the differing rank, type on the others, text in every message)
@@ -186,7 +185,6 @@ DISAGREE = {
     "dtype": (_disagree_dtype, GroupMismatchError, GroupMismatchError, "torch.float16"),
     "top_k": (_disagree_top_k, GroupMismatchError, GroupMismatchError, "top_k"),
     "alignment": (_disagree_alignment, GroupMismatchError, GroupMismatchError, "expert_alignment"),
-    "expert_out_dtype": (_disagree_expert_out_dtype, GroupMismatchError, GroupMismatchError, "torch.float64"),
     "counts_length": (_disagree_counts_length, GroupMismatchError, GroupMismatchError, "length"),
     "ulysses_shard": (_disagree_ulysses_shard, GroupMismatchError, GroupMismatchError, "(1, 3, 4, 2)"),
     "out_of_step": (_out_of_step, GroupMismatchError, GroupMismatchError, "out of step"),
@@ -199,7 +197,8 @@ BAD_RANK = {
     "token_count": (_bad_token_count, ValueError, PeerInputError, "topk_idx"),
     "alignment_zero": (_bad_alignment_zero, ValueError, PeerInputError, "expert_alignment"),
     "num_experts_indivisible": (_bad_num_experts_indivisible, ValueError, PeerInputError, "num_experts"),
-    "weights_shape": (_bad_weights_shape, ValueError, PeerInputError, "topk_weights"),
+    "expert_out_dtype_debug_mode": (_bad_expert_out_dtype_debug_mode, ValueError, PeerInputError, "torch.float64"),
+    "weights_shape_debug_mode": (_bad_weights_shape_debug_mode, ValueError, PeerInputError, "topk_weights"),
     "counts_dtype": (_bad_counts_dtype, TypeError, PeerInputError, "tokens_per_expert_global"),
     "ulysses_heads": (_bad_ulysses_heads, ValueError, PeerInputError, "heads"),
     "symm_topk_idx_float": (_bad_symm_topk_idx_float, TypeError, PeerInputError, "topk_idx"),
@@ -241,7 +240,7 @@ def test_two_ranks(pool2, name):
     _expect(pool2, name, bad_rank=1)
 
 
-@pytest.mark.parametrize("name", ["dtype", "top_k", "out_of_step", "topk_idx_float", "weights_shape",
+@pytest.mark.parametrize("name", ["dtype", "top_k", "out_of_step", "topk_idx_float", "weights_shape_debug_mode",
                                   "symm_alignment_above_buffers"])
 def test_four_ranks(pool4, name):
     _expect(pool4, name, bad_rank=2)
@@ -310,8 +309,8 @@ def fault(rank: int, world_size: int, kind: str) -> None:
         os._exit(3)
     if rank == 1 and kind == "stalls":
         time.sleep(3 * DEADLINE_S)
-    if kind == "symm_combine_bad_rank":  # no exchange before combine's payload (debug mode off)
-        routed, handle, _ = _round_trip(rank, buffers=_buffers())
+    if kind in ("combine_bad_rank", "symm_combine_bad_rank"):  # no exchange before combine's payload
+        routed, handle, _ = _round_trip(rank, buffers=_buffers() if kind.startswith("symm") else None)
         a2a.combine(routed[:, :1] if rank == 1 else routed, handle, w)
     a2a.dispatch(x, idx, num_experts=E)
 
@@ -321,6 +320,8 @@ FAULTS = {
     "raises_elsewhere": (CollectiveTimeout, "alltoall_ops.dispatch on group", "KeyError"),
     "stalls": (CollectiveTimeout, "alltoall_ops.dispatch on group", CollectiveError.__name__),
     "dies": (CollectiveError, "alltoall_ops.dispatch on group", None),
+    # the peer's payload exchange ends at the deadline, or earlier when gloo sees the pair broken
+    "combine_bad_rank": (CollectiveError, "alltoall_ops.combine on group", "ValueError"),
     "symm_combine_bad_rank": (CollectiveTimeout, "alltoall_ops.symm_mem barrier on group", "ValueError"),
 }
 

@@ -12,8 +12,10 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
+from .. import comm
 from .._compat import is_compiling
 from ..groups import Group
+from ..validation import check_combine_args, check_combine_rows
 
 logger = logging.getLogger(__name__)
 
@@ -22,12 +24,15 @@ class DispatchHandle:
     """What ``combine`` needs to undo one ``dispatch``; each backend has its own kind.
 
     Every handle has ``position_TK`` (T, K) int64, each slot's send position, ``num_rows`` (R,
-    the rows of ``routed``) and ``expert_alignment``. Handles hold tensors, ints and (symm_mem)
-    an opaque buffers object, so they pass through compiled graphs."""
+    the rows of ``routed``), ``expert_alignment``, ``group_name`` and ``world_size``. Handles
+    hold tensors, ints and (symm_mem) an opaque buffers object, so they pass through compiled
+    graphs."""
 
     position_TK: torch.Tensor
     num_rows: int
     expert_alignment: int
+    group_name: str
+    world_size: int
 
     @property
     def num_tokens(self) -> int:
@@ -42,6 +47,26 @@ class DispatchHandle:
     def combine(self, expert_out_RH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor]) -> torch.Tensor:
         """(R, H) expert outputs -> (T, H), see :func:`alltoall_ops.combine`."""
         raise NotImplementedError
+
+    def check_combine(self, expert_out_RH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor]) -> None:
+        """Raise on a bad combine argument (this rank's own checks; no communication)."""
+        check_combine_args(expert_out_RH, self, topk_weights_TK)
+        check_combine_rows(expert_out_RH, self.num_rows)
+
+    def check_combine_everywhere(self, expert_out_RH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor]) -> None:
+        """:meth:`check_combine`, before combine moves anything.
+
+        Combine starts with no exchange of its own (its split sizes are the dispatch's), so a
+        rank whose checks raise leaves its peers in the payload exchange until the library's
+        deadline. Debug mode (``ALLTOALL_OPS_DEBUG=1``, eager, W > 1) adds one header agreement:
+        then every rank raises (its peers a PeerInputError), and ranks that pass expert outputs
+        of different hidden sizes or dtypes raise a GroupMismatchError instead of exchanging
+        mismatched rows."""
+        if self.world_size > 1 and comm.debug() and not is_compiling():
+            comm.checked("combine", self.group_name, self.check_combine, expert_out_RH, topk_weights_TK)
+            comm.agree("combine", self.group_name, comm.combine_fields(expert_out_RH, self.top_k))
+        else:
+            self.check_combine(expert_out_RH, topk_weights_TK)
 
 
 def save_returned(topk_weights_TK: Optional[torch.Tensor]) -> bool:

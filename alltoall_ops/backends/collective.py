@@ -2,10 +2,12 @@
 style all-to-alls (NCCL on GPUs, gloo on CPUs), and its custom ops, which the ``local`` backend
 runs on a group of one rank (no exchange).
 
-A dispatch reads its split sizes on the host once per op (``layout.read_splits``). Its routing
-layout travels as a :class:`Route` (the ops' arguments after the payload):
-    order_N (N,), position_TK (T, K), send_meta_WL / recv_meta_WL (W, e + STATUS_COLUMNS), all
-    int64, expert_alignment, group_name. W = send_meta_WL.shape[0]; W == 1 exchanges nothing.
+A dispatch reads its split sizes on the host once (``layout.read_splits_op``, the one device
+sync of a layer step); combine and both backward ops reuse them from a small CPU tensor. Its
+routing layout travels as a :class:`Route` (the ops' arguments after the payload):
+    order_N (N,), position_TK (T, K), recv_meta_WL (W, e + STATUS_COLUMNS), all int64 on the
+    payload's device; splits_S (2W + 2,) int64 on the CPU (``layout.HostSplits``);
+    expert_alignment, group_name. W = recv_meta_WL.shape[0]; W == 1 exchanges nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from .. import comm, layout
 from ..groups import LOCAL, Group
 from ..rows import rows_in_send_order, slot_dot, weighted_slot_sum
-from ..validation import check_combine_args, check_combine_rows, check_dispatch_args
+from ..validation import check_dispatch_args
 from .base import Backend, DispatchHandle, save_returned
 
 
@@ -27,16 +29,24 @@ class Route(NamedTuple):
 
     order_N: torch.Tensor
     position_TK: torch.Tensor
-    send_meta_WL: torch.Tensor
     recv_meta_WL: torch.Tensor
+    splits_S: torch.Tensor
     expert_alignment: int
     group_name: str
 
 
-def _rows_are_send_order(send_meta_WL: torch.Tensor, expert_alignment: int) -> bool:
-    """One rank without padding: the routed rows are the valid slots in send order, and their
-    number R is all the layout a call needs."""
-    return send_meta_WL.shape[0] == 1 and expert_alignment == 1
+def _rows_are_send_order(recv_meta_WL: torch.Tensor, expert_alignment: int) -> bool:
+    """One rank without padding: the routed rows are the valid slots in send order."""
+    return recv_meta_WL.shape[0] == 1 and expert_alignment == 1
+
+
+def _expert_major_rows(recv_meta_WL: torch.Tensor, splits: layout.HostSplits, expert_alignment: int):
+    """(sum(recv_splits),) expert-major row of each rank-major received row, or None where the
+    two orders coincide (one rank, no padding)."""
+    if _rows_are_send_order(recv_meta_WL, expert_alignment):
+        return None
+    recv_counts_We, _ = layout.split_meta(recv_meta_WL)
+    return layout.expert_major_rows(recv_counts_We, expert_alignment, sum(splits.recv_splits))
 
 
 # --------------------------------------------------------------------------------------------
@@ -75,8 +85,8 @@ def dispatch_op(
     scale_TK: Optional[torch.Tensor],
     order_N: torch.Tensor,
     position_TK: torch.Tensor,
-    send_meta_WL: torch.Tensor,
     recv_meta_WL: torch.Tensor,
+    splits_S: torch.Tensor,
     expert_alignment: int,
     group_name: str,
     num_rows: Optional[int],
@@ -84,30 +94,26 @@ def dispatch_op(
     """(T, H) tokens -> (R, H) rows grouped by local expert, then source rank, then token.
 
     scale_TK: multiplies each slot's row (in fp32, rounded once) before sending.
-    num_rows: R when already known (it is in backward), else None. Padding rows are zero."""
-    if num_rows is not None and _rows_are_send_order(send_meta_WL, expert_alignment):
-        # One rank, no padding, R known: the valid slots' rows in send order, no host sync.
-        return rows_in_send_order(x_TH, scale_TK, order_N, position_TK, num_rows)
-    splits = layout.read_splits(send_meta_WL, recv_meta_WL, expert_alignment)
-    if num_rows is not None and num_rows != splits.num_rows:
-        raise ValueError(f"dispatch: expected {num_rows} routed rows, the layout gives {splits.num_rows}")
+    num_rows: R when the caller knows it (in backward: sizes the fake), else None. Padding rows
+    are zero. No host sync: the split sizes come from splits_S (on the CPU)."""
+    splits = layout.HostSplits.of(splits_S)
     send_VH = rows_in_send_order(x_TH, scale_TK, order_N, position_TK, splits.num_valid)
-    recv_counts_We, _ = layout.split_meta(recv_meta_WL)
-    if recv_counts_We.shape[0] == 1:
+    if recv_meta_WL.shape[0] == 1:
         received_H = send_VH  # one rank: what it sends is what it receives
     else:
         received_H = x_TH.new_empty(sum(splits.recv_splits), x_TH.shape[1])  # rank-major
         comm.all_to_all("dispatch", group_name, received_H, send_VH, splits.recv_splits, splits.send_splits)
-    if splits.num_rows == received_H.shape[0] and recv_counts_We.shape[0] == 1:
-        return received_H  # one rank, no padding: rank-major is expert-major
+    expert_major_R = _expert_major_rows(recv_meta_WL, splits, expert_alignment)
+    if expert_major_R is None:
+        return received_H
     routed_RH = x_TH.new_zeros(splits.num_rows, x_TH.shape[1])
-    routed_RH.index_copy_(0, layout.expert_major_rows(recv_counts_We, expert_alignment), received_H)
+    routed_RH.index_copy_(0, expert_major_R, received_H)
     return routed_RH
 
 
 @dispatch_op.register_fake
-def _(x_TH, scale_TK, order_N, position_TK, send_meta_WL, recv_meta_WL, expert_alignment, group_name, num_rows):
-    # NB: R depends on what the peers send, known only once the metadata is read on the host.
+def _(x_TH, scale_TK, order_N, position_TK, recv_meta_WL, splits_S, expert_alignment, group_name, num_rows):
+    # NB: R depends on what the peers send: in splits_S, whose values the trace does not see.
     if num_rows is None:
         num_rows = torch.library.get_ctx().new_dynamic_size()
     return x_TH.new_empty(num_rows, x_TH.shape[1])
@@ -140,8 +146,8 @@ def combine_op(
     weights_TK: Optional[torch.Tensor],
     order_N: torch.Tensor,
     position_TK: torch.Tensor,
-    send_meta_WL: torch.Tensor,
     recv_meta_WL: torch.Tensor,
+    splits_S: torch.Tensor,
     expert_alignment: int,
     group_name: str,
     save_returned: bool,
@@ -150,40 +156,19 @@ def combine_op(
 
     y[t] = sum_k weights[t, k] * expert_out[row of slot (t, k)] (fp32 accumulation).
     returned: with ``save_returned``, (N, H), each valid slot's row in send order and zero rows
-    after them (for the weights' gradient); else (0, H).
-
-    One rank without padding (local backend, expert_alignment 1): expert_out's rows are the
-    valid slots in send order, and the handle has checked their number, so nothing is read on
-    the host (no sync)."""
+    after them (for the weights' gradient); else (0, H). No host sync (splits_S is on the CPU)
+    and no exchange but the rows' own: the caller has checked expert_out's rows against R."""
     H = expert_out_RH.shape[1]
     nothing_returned = expert_out_RH.new_empty(0, H)
-    one_rank = send_meta_WL.shape[0] == 1
-    expert_major_R = None  # one rank, no padding: expert-major is rank-major
-    if _rows_are_send_order(send_meta_WL, expert_alignment):
-        num_valid = expert_out_RH.shape[0]
-    else:
-        splits = layout.read_splits(send_meta_WL, recv_meta_WL, expert_alignment)
-        problem = None
-        if expert_out_RH.shape[0] != splits.num_rows:
-            problem = ValueError(
-                f"combine: expert_out has {expert_out_RH.shape[0]} rows but its handle's dispatch "
-                f"returned {splits.num_rows}; pass the expert outputs of that same dispatch"
-            )
-        if one_rank:
-            if problem is not None:
-                raise problem
-        else:
-            comm.agree("combine", group_name, comm.combine_fields(expert_out_RH, position_TK.shape[1]), problem)
-        recv_counts_We, _ = layout.split_meta(recv_meta_WL)
-        if splits.num_rows != sum(splits.recv_splits) or not one_rank:
-            expert_major_R = layout.expert_major_rows(recv_counts_We, expert_alignment)
-        num_valid = splits.num_valid
+    one_rank = recv_meta_WL.shape[0] == 1
+    splits = layout.HostSplits.of(splits_S)
+    expert_major_R = _expert_major_rows(recv_meta_WL, splits, expert_alignment)
     if one_rank and expert_major_R is None and not save_returned:
         # The expert outputs already are the valid slots' rows in send order: nothing moves.
-        return weighted_slot_sum(expert_out_RH, position_TK, weights_TK, num_valid), nothing_returned
+        return weighted_slot_sum(expert_out_RH, position_TK, weights_TK, splits.num_valid), nothing_returned
     returned_NH = expert_out_RH.new_empty(order_N.shape[0], H)
-    returned_NH[num_valid:].zero_()  # dropped slots read zero rows
-    received_VH = returned_NH[:num_valid]
+    returned_NH[splits.num_valid:].zero_()  # dropped slots read zero rows
+    received_VH = returned_NH[:splits.num_valid]
     if one_rank:  # gather straight into the returned rows
         if expert_major_R is None:
             received_VH.copy_(expert_out_RH)
@@ -192,12 +177,12 @@ def combine_op(
     else:
         rank_major = expert_out_RH if expert_major_R is None else expert_out_RH.index_select(0, expert_major_R)
         comm.all_to_all("combine", group_name, received_VH, rank_major, splits.send_splits, splits.recv_splits)
-    y_TH = weighted_slot_sum(returned_NH, position_TK, weights_TK, num_valid)
+    y_TH = weighted_slot_sum(returned_NH, position_TK, weights_TK, splits.num_valid)
     return y_TH, returned_NH if save_returned else nothing_returned
 
 
 @combine_op.register_fake
-def _(expert_out_RH, weights_TK, order_N, position_TK, send_meta_WL, recv_meta_WL, expert_alignment, group_name,
+def _(expert_out_RH, weights_TK, order_N, position_TK, recv_meta_WL, splits_S, expert_alignment, group_name,
       save_returned):
     # NB: both shapes are static: T from position, N from order (0 rows when not saved).
     H = expert_out_RH.shape[1]
@@ -243,10 +228,13 @@ combine_op.register_autograd(_combine_backward, setup_context=_combine_setup_con
 
 @dataclasses.dataclass(frozen=True)
 class RouteHandle(DispatchHandle):
-    """The handle of the ``local`` and ``collective`` backends: the dispatch's :class:`Route` and R."""
+    """The handle of the ``local`` and ``collective`` backends: the dispatch's :class:`Route`, R,
+    and the hidden size and dtype of the routed rows (which every rank agreed on)."""
 
     route: Route
     num_rows: int
+    hidden_size: int
+    dtype: torch.dtype
 
     @property
     def position_TK(self) -> torch.Tensor:
@@ -260,25 +248,42 @@ class RouteHandle(DispatchHandle):
     def group_name(self) -> str:
         return self.route.group_name
 
+    @property
+    def world_size(self) -> int:
+        return self.route.recv_meta_WL.shape[0]
+
+    def check_combine(self, expert_out_RH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor]) -> None:
+        super().check_combine(expert_out_RH, topk_weights_TK)
+        # NB: rows like the dispatched ones on every rank: the payload exchange's sizes agree
+        # without an exchange of its own.
+        if self.world_size > 1 and (expert_out_RH.shape[1], expert_out_RH.dtype) != (self.hidden_size, self.dtype):
+            raise ValueError(
+                f"expert_out: expected rows of the dispatched hidden size {self.hidden_size} and dtype {self.dtype} "
+                f"(on a group every rank's rows must match), got {expert_out_RH.dtype} of shape "
+                f"{tuple(expert_out_RH.shape)}"
+            )
+
     def combine(self, expert_out_RH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor]) -> torch.Tensor:
-        comm.checked("combine", self.group_name, check_combine_args, expert_out_RH, self, topk_weights_TK)
-        if self.route.send_meta_WL.shape[0] == 1:  # peers check the rows inside the op, agreeing on the verdict
-            check_combine_rows(expert_out_RH, self.num_rows)
+        self.check_combine_everywhere(expert_out_RH, topk_weights_TK)
         y_TH, _ = combine_op(expert_out_RH, topk_weights_TK, *self.route, save_returned(topk_weights_TK))
         return y_TH
 
 
-def dispatch_route(x_TH: torch.Tensor, route: Route) -> tuple[torch.Tensor, torch.Tensor, RouteHandle]:
-    """Dispatch ``x_TH`` along ``route`` (its recv_meta exchanged): routed (R, H),
-    tokens_per_expert (e,), handle."""
+def dispatch_route(x_TH: torch.Tensor, plan: layout.RoutingPlan, recv_meta_WL: torch.Tensor, expert_alignment: int,
+                   group_name: str) -> tuple[torch.Tensor, torch.Tensor, RouteHandle]:
+    """Dispatch ``x_TH`` along ``plan`` once its counts are exchanged (``recv_meta_WL``):
+    routed (R, H), tokens_per_expert (e,), handle. The layer's one host sync: the split sizes."""
+    splits_S = layout.read_splits_op(plan.send_meta, recv_meta_WL, expert_alignment)
+    route = Route(plan.order, plan.position, recv_meta_WL, splits_S, expert_alignment, group_name)
     routed_RH = dispatch_op(x_TH, None, *route, None)
-    recv_counts_We, _ = layout.split_meta(route.recv_meta_WL)
-    tokens_per_expert_e = layout.padded_tokens_per_expert(recv_counts_We, route.expert_alignment)
-    return routed_RH, tokens_per_expert_e, RouteHandle(route, routed_RH.shape[0])
+    recv_counts_We, _ = layout.split_meta(recv_meta_WL)
+    tokens_per_expert_e = layout.padded_tokens_per_expert(recv_counts_We, expert_alignment)
+    return routed_RH, tokens_per_expert_e, RouteHandle(route, routed_RH.shape[0], x_TH.shape[1], x_TH.dtype)
 
 
 class CollectiveBackend(Backend):
-    """All-to-alls over a process group: one host read of the split sizes per op."""
+    """All-to-alls over a process group: per layer step one header agreement and one read of
+    the split sizes, both in the forward dispatch."""
 
     name = "collective"
 
@@ -296,7 +301,6 @@ class CollectiveBackend(Backend):
         plan = layout.plan_routing(topk_idx_TK, E, group.size)
         fields = comm.dispatch_fields(x_TH, topk_idx_TK, E, expert_alignment)
         recv_meta_WL = exchange_counts_op(plan.send_meta, group.name, comm.header("dispatch", *fields))
-        route = Route(plan.order, plan.position, plan.send_meta, recv_meta_WL, expert_alignment, group.name)
-        return dispatch_route(x_TH, route)
+        return dispatch_route(x_TH, plan, recv_meta_WL, expert_alignment, group.name)
 
 

@@ -1,7 +1,7 @@
 """The ``local`` backend: one rank, no process group, no communication. Dispatch sorts the
 slots into expert-major rows and combine gathers them back, through the collective backend's
-ops on a group of one (they exchange nothing there, and without padding read nothing on the
-host once R is known)."""
+ops on a group of one (they exchange nothing there; the dispatch reads its split sizes on the
+host once, as on a group)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from .. import layout
 from ..groups import LOCAL, Group
 from ..validation import check_dispatch_args
 from .base import Backend
-from .collective import Route, dispatch_route
+from .collective import dispatch_route
 
 
 class LocalBackend(Backend):
@@ -24,7 +24,6 @@ class LocalBackend(Backend):
         E = check_dispatch_args(x_TH, topk_idx_TK, num_experts, 1, expert_alignment)
         plan = layout.plan_routing(topk_idx_TK, E, 1)
         # One rank receives what it sends: the send counts are the received ones.
-        route = Route(plan.order, plan.position, plan.send_meta, plan.send_meta, expert_alignment, LOCAL)
-        return dispatch_route(x_TH, route)
+        return dispatch_route(x_TH, plan, plan.send_meta, expert_alignment, LOCAL)
 
 

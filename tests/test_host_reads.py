@@ -1,0 +1,77 @@
+"""Host reads and collectives per MoE layer step (forward dispatch, combine, backward of both),
+counted from outside the library (:class:`alltoall_ops.testing.HostTraffic`).
+
+The forward dispatch reads its split sizes once (the layer's one device sync on a GPU); combine,
+both backward ops and the expert_out row check reuse them. On a group the dispatch also starts
+with its header agreement (one all-gather, read before the counts exchange whose sizes it
+guards). Combine moves nothing but its rows, unless debug mode asks for its agreement.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import alltoall_ops as a2a
+from alltoall_ops.testing import HostTraffic
+
+E, T, H, K = 4, 9, 6, 2
+
+
+def _step(rank: int, alignment: int, layer=None):
+    """One layer step: route, dispatch, a per-row expert, combine, backward; returns the traffic."""
+    g = torch.Generator().manual_seed(7 + rank)  # fresh inputs per rank
+    x = torch.randn(T, H, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(T, K, generator=g, dtype=torch.float64, requires_grad=True)
+    topk_idx = torch.randint(-1, E, (T, K), generator=g)
+
+    def moe(x, w):
+        routed, _, handle = a2a.dispatch(x, topk_idx, num_experts=E, expert_alignment=alignment)
+        return a2a.combine(torch.tanh(routed) * 2, handle, w)
+
+    fn = moe if layer is None else layer(moe)
+    fn(x, w)  # warm-up (compilation, buffers)
+    with HostTraffic() as traffic:
+        fn(x, w).sum().backward()
+    assert x.grad is not None and w.grad is not None
+    return traffic.reads, dict(traffic.collectives)
+
+
+@pytest.mark.parametrize("alignment", [1, 3])
+def test_one_rank_reads_once_and_exchanges_nothing(alignment):
+    assert _step(0, alignment) == (1, {})
+
+
+def test_one_rank_compiled_reads_once():
+    compiled = lambda fn: torch.compile(fn, backend="aot_eager", fullgraph=True)  # noqa: E731
+    assert _step(0, 2, compiled) == (1, {})
+
+
+def test_the_counter_sees_reads_outside_the_library():
+    with HostTraffic() as traffic:
+        float(torch.ones(()))
+        bool(torch.ones(()) > 0)
+    assert traffic.reads == 2
+
+
+def _group_step(rank: int, world_size: int, alignment: int, debug: bool):
+    os.environ["ALLTOALL_OPS_DEBUG"] = "1" if debug else "0"
+    try:
+        return _step(rank, alignment)
+    finally:
+        del os.environ["ALLTOALL_OPS_DEBUG"]
+
+
+@pytest.mark.parametrize("alignment", [1, 2])
+def test_two_ranks_read_the_splits_once(pool2, alignment):
+    # header agreement (all_gather) + its read; counts (all_to_all) + the split read;
+    # 4 payload all-to-alls: dispatch, combine, and their adjoints in backward
+    expected = (2, {"all_gather": 1, "all_to_all_single": 5})
+    assert pool2.run(_group_step, alignment, False) == [expected] * 2
+
+
+def test_debug_mode_adds_the_combine_agreement(pool2):
+    expected = (3, {"all_gather": 2, "all_to_all_single": 5})
+    assert pool2.run(_group_step, 1, True) == [expected] * 2
