@@ -77,8 +77,8 @@ def where(op: str, pg: dist.ProcessGroup) -> str:
 
 
 def debug() -> bool:
-    """``ALLTOALL_OPS_DEBUG=1``: ops that exchange nothing before their payload (symm_mem
-    combine) also start with an agreement, so a rank's bad arguments raise on every rank."""
+    """``ALLTOALL_OPS_DEBUG=1``: ops that exchange nothing before their payload (``combine`` on
+    every backend) also start with an agreement, so a rank's bad arguments raise on every rank."""
     return os.environ.get("ALLTOALL_OPS_DEBUG", "0") == "1"
 
 
