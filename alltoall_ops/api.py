@@ -41,7 +41,8 @@ def dispatch(
     Returns:
         routed: (R, H) received rows, grouped by local expert, then source rank, then source
             token order; padding rows are zero. With "symm_mem", R is the buffers' fixed
-            capacity C and rows past ``tokens_per_expert.sum()`` are zero.
+            capacity C and rows past ``tokens_per_expert.sum()`` are unspecified (not written,
+            may hold NaN): keep them out of every result and gradient (combine ignores them).
         tokens_per_expert: (e,) int64 rows of ``routed`` per local expert, padding included.
         handle: a :class:`DispatchHandle` for :func:`combine`.
 

@@ -222,7 +222,9 @@ class MoE(_ExpertParams):
 
         x_RH (R, H); tokens_per_expert_e (e,) int64 rows of each local expert, in order from
         row 0, summing to R or less (symm_mem: R is the fixed capacity; later rows belong to no
-        expert). Returns (R, H). Zero rows (padding) stay zero: the experts have no biases."""
+        expert and may hold anything, NaN included: they never reach the result or a gradient).
+        Returns (R, H): zero rows (padding) stay zero, the experts have no biases; rows past the
+        last group are no expert's output (combine ignores them)."""
         if self._use_grouped_mm(x_RH):
             offsets_e = torch.cumsum(tokens_per_expert_e, 0, dtype=torch.int32)
 
@@ -233,8 +235,10 @@ class MoE(_ExpertParams):
             return matmul(_activate(matmul(x_RH, self.w_up), gate_RF), self.w_down)
 
         # "masked": expert_R1[r] is the local expert of row r (e for rows past the last group);
-        # each expert runs on every row and keeps its own.
+        # each expert runs on every row and keeps its own. Rows of no expert are zeroed first:
+        # the weights' gradient x^T @ grad would turn their 0 * NaN into NaN.
         expert_R1 = expert_of_rows(tokens_per_expert_e, x_RH.shape[0]).unsqueeze(1)
+        x_RH = torch.where(expert_R1 < self.num_local_experts, x_RH, 0)
         y_RH = torch.zeros_like(x_RH)
         for j in range(self.num_local_experts):
             y_RH = torch.where(expert_R1 == j, self.expert_mlp(x_RH, j), y_RH)

@@ -31,7 +31,7 @@ captured outputs) and are labelled ``symm.w1.eager(cpu)`` / ``symm.wW.eager(cpu)
 
 Checks before timing: local == argsort reference (routed exactly, y within bf16 rounding);
 compiled == eager; symm W=1 == local (first ``tokens_per_expert.sum()`` rows exactly, the rest
-zero, y within bf16 rounding); symm W>1 == what the collective backend gives (computed in one
+unspecified, y within bf16 rounding); symm W>1 == what the collective backend gives (computed in one
 process: the local backend on all ranks' tokens concatenated, whose expert-major rows are every
 destination rank's rows in rank order), eagerly and again from the graph replay; combine is
 checked with expert outputs that differ per row.
@@ -157,15 +157,14 @@ def row_offsets(num_rows: int, rank: int, like: torch.Tensor) -> torch.Tensor:
 
 def check_routed(what: str, routed: torch.Tensor, tpe: torch.Tensor, ref_rows: torch.Tensor,
                  ref_tpe: torch.Tensor) -> None:
-    """tokens_per_expert equal; the first R rows equal the reference exactly; the rest zero."""
+    """tokens_per_expert equal; the first R rows equal the reference exactly (symm_mem: the rows
+    past them are unspecified, not written by the copy-out, and not checked)."""
     R = int(ref_tpe.sum())
     if not torch.equal(tpe.cpu(), ref_tpe.cpu()):
         raise AssertionError(f"{what}: tokens_per_expert {tpe.tolist()} != reference {ref_tpe.tolist()}")
     if routed.shape[0] < R or not torch.equal(routed[:R], ref_rows):
         raise AssertionError(f"{what}: routed rows differ from the reference ({routed.shape[0]} rows, "
                              f"R = {R})")
-    if bool(routed[R:].any()):
-        raise AssertionError(f"{what}: rows past tokens_per_expert.sum() = {R} are not zero")
 
 
 def check_y(what: str, y: torch.Tensor, y_ref: torch.Tensor) -> int:

@@ -8,6 +8,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
+from alltoall_ops import testing
 from alltoall_ops.testing import DistributedPool
 
 settings.register_profile(
@@ -61,3 +62,10 @@ def pool(request):
     """The session's pool of ``request.param`` ranks; use as
     ``@pytest.mark.parametrize("pool", [1, 2, 4], indirect=True)``."""
     return request.getfixturevalue(f"pool{request.param}")
+
+
+@pytest.fixture
+def unwritten_as_nan():
+    """:func:`alltoall_ops.testing.nan_unwritten_rows` for the whole test: yields its list."""
+    with testing.nan_unwritten_rows() as unwritten:
+        yield unwritten

@@ -76,7 +76,8 @@ def _step(x, topk_idx, weights, grad_y, *, strided_inputs=False, **dispatch_kwar
     expert_out.retain_grad()
     y = a2a.combine(expert_out, handle, strided(weights) if strided_inputs else weights)
     y.backward(column_major(grad_y) if strided_inputs else grad_y)
-    return dict(y=y.detach(), grad_x=x.grad, grad_w=weights.grad, grad_expert_out=expert_out.grad)
+    R = int(tokens_per_expert.sum())  # symm_mem: the rows past it are unspecified, in the gradient too
+    return dict(y=y.detach(), grad_x=x.grad, grad_w=weights.grad, grad_expert_out=expert_out.grad[:R])
 
 
 def _reference_y(world_size: int, alignment: int) -> list[torch.Tensor]:
@@ -127,7 +128,7 @@ def _launcher_cases() -> dict:
     def copy_out(recv):
         tags = torch.arange(N).masked_fill(dst < 0, -1)
         out, row_src = torch.empty(N, H, **f64), torch.empty(N, dtype=torch.int64)
-        k.copy_out(recv, tags, out, row_src)
+        k.copy_out(recv, tags, torch.tensor([N]), out, row_src)
         return out, row_src, tags
 
     def topk_reduce(ret, position, slot_dst, weights):
@@ -175,7 +176,7 @@ def test_launchers_reject_strided_outputs():
         outs = [torch.full((4,), -1), torch.empty(4, H), torch.empty(4, dtype=torch.int64)]
         outs[i] = strided(outs[i])
         with pytest.raises(ValueError, match=f"copy_out: {name} must be contiguous"):
-            k.copy_out(x, *outs)
+            k.copy_out(x, outs[0], torch.tensor([4]), *outs[1:])
     with pytest.raises(ValueError, match="topk_reduce: y must be contiguous"):
         k.topk_reduce(x, position, None, w, strided(torch.empty(2, H)), None, torch.float32)
     with pytest.raises(ValueError, match="topk_reduce: returned must be contiguous"):
@@ -241,8 +242,8 @@ def test_dropped_slots_dispatch_scale(alignment, kernels):
         xr = x.clone().requires_grad_()
         scale = scale.detach().masked_fill(topk_idx < 0, bad).requires_grad_()
         with _rows_by_kernels(kernels):
-            routed = dispatch_op(xr, scale, plan.order, plan.position, plan.send_meta, plan.send_meta,
-                                 alignment, "", None)
+            splits = layout.read_splits_op(plan.send_meta, plan.send_meta, alignment)
+            routed = dispatch_op(xr, scale, plan.order, plan.position, plan.send_meta, splits, alignment, "", None)
             routed.backward(torch.ones_like(routed))
         grads.append((xr.grad, scale.grad))
     for got, zeroed in zip(*grads):

@@ -47,14 +47,15 @@ def make_tokens(seed: int, tokens: tuple[int, ...], dtype=torch.float64, positiv
     return x.to(dtype), g.to(dtype)
 
 
-def ep_vs_dense(rank, world_size, tokens, seed, activation="swiglu", alignment=1, backend="auto", skew=False):
+def ep_vs_dense(rank, world_size, tokens, seed, activation="swiglu", alignment=1, backend="auto", skew=False,
+                expert_impl="auto"):
     """Forward and gradients of rank ``rank``'s MoE block against the dense block's on the
     tokens of all ranks; the loss is sum over ranks of <y_r, g_r>. Returns (T_r, R_r)."""
     dense = make_dense(seed, activation, skew=skew)
     buffers = None
     if backend == "symm_mem":  # collective: every rank creates its buffers
         buffers = SymmBuffers(max(tokens), H, K, E, dtype=torch.float64, device="cpu", expert_alignment=alignment)
-    moe = MoE.from_dense(dense, backend=backend, expert_alignment=alignment, buffers=buffers)
+    moe = MoE.from_dense(dense, backend=backend, expert_alignment=alignment, buffers=buffers, expert_impl=expert_impl)
     x_all, g_all = make_tokens(seed, tokens, positive=skew)
     start = sum(tokens[:rank])
     rows = slice(start, start + tokens[rank])
@@ -121,6 +122,14 @@ def test_two_ranks_symm_mem_match_dense(pool2):
     results = pool2.run(ep_vs_dense, (6, 0), 40, alignment=2, backend="symm_mem")
     assert [t for t, _ in results] == [6, 0]
     assert sum(r for _, r in results) == 6 * K
+
+
+def test_symm_mem_masked_experts_ignore_unwritten_rows(unwritten_as_nan):
+    """symm_mem leaves routed's rows past tokens_per_expert.sum() unwritten (NaN here, the
+    fixture), and the same rows of the experts' output gradient: the "masked" experts run on
+    every row, yet neither y nor a gradient (x, router, experts' weights) may see them."""
+    assert ep_vs_dense(0, 1, (13,), 3, alignment=4, backend="symm_mem", expert_impl="masked") == (13, 13 * K)
+    assert min(unwritten_as_nan) > 0
 
 
 @pytest.mark.parametrize(

@@ -25,12 +25,13 @@ from hypothesis import strategies as st
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import alltoall_ops as a2a
-from alltoall_ops.testing import CommOpCounter
+from alltoall_ops.testing import CommOpCounter, nan_unwritten_rows
 from alltoall_ops.backends import symm_mem
 from alltoall_ops.backends.symm_mem import backend as symm_backend
 from alltoall_ops.backends.symm_mem import ops as symm_ops
 from alltoall_ops.kernels import loader
 from alltoall_ops.inspect import CompiledGraphs, capturing_backend
+from alltoall_ops.layout import expert_of_rows
 
 # Triton decides at import whether kernels run compiled or in its interpreter, for the whole
 # process: without CUDA this package sets TRITON_INTERPRET=1. (The GPU path: test_symm_mem_gpu.py.)
@@ -53,9 +54,21 @@ def _inputs(seed: int, rank: int, T: int, dtype: torch.dtype, w_dtype: torch.dty
 
 
 def _expert(routed: torch.Tensor) -> torch.Tensor:
-    # Row-wise, so a row's output depends on that row only; padding rows become 0.5, which
-    # combine must ignore.
+    # Row-wise, so a row's output depends on that row only; padding rows become 0.5, and rows
+    # past tokens_per_expert.sum() (unspecified with symm_mem) anything: combine must ignore both.
     return torch.tanh(routed) + 0.5
+
+
+def _scaled_tanh(routed: torch.Tensor, tokens_per_expert: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """tanh(row * scale[expert of the row]) on the rows of a local expert, zero on the rest; scale:
+    (e, H). Masked on both sides, as an expert step must be: symm_mem's rows past
+    tokens_per_expert.sum() (routed's, and those of combine's backward) are unspecified, and
+    reach neither the output nor scale's gradient."""
+    e = scale.shape[0]
+    expert_R = expert_of_rows(tokens_per_expert, routed.shape[0])  # e past the groups
+    mine_R1 = (expert_R < e)[:, None]
+    rows_RH = torch.where(mine_R1, routed, 0)
+    return torch.where(mine_R1, torch.tanh(rows_RH * scale[expert_R.clamp(max=e - 1)]), 0)
 
 
 def _step(x, topk_idx, weights, grad_y, *, backend, expert_alignment=1, buffers=None, num_experts=E):
@@ -75,8 +88,10 @@ def _assert_same_as_collective(symm: dict, coll: dict, capacity: int) -> None:
     assert torch.equal(symm["tokens_per_expert"], coll["tokens_per_expert"])
     R = int(coll["tokens_per_expert"].sum())
     assert symm["routed"].shape[0] == capacity >= R
+    # Rows [0, R), padding (zero) included, are the collective backend's; the rest unspecified.
     assert torch.equal(symm["routed"][:R], coll["routed"]), "routed rows differ from the collective backend"
-    assert not symm["routed"][R:].any(), "rows past tokens_per_expert.sum() must be zero"
+    assert symm["handle"].num_routed_1.tolist() == [R]
+    assert (symm["handle"].row_src_C[R:] == -1).all(), "rows past tokens_per_expert.sum() have no source"
     assert torch.equal(symm["y"], coll["y"])
     assert torch.equal(symm["grad_x"], coll["grad_x"])
     _assert_weight_grad_close(symm["grad_w"], coll["grad_w"])
@@ -122,7 +137,7 @@ def test_bf16_products_round_like_torch():
     bufs = a2a.SymmBuffers(T, H, k, 1, dtype=torch.bfloat16, device="cpu")
     topk_idx = torch.zeros(T, k, dtype=torch.int64)
     _, _, h = a2a.dispatch(x, topk_idx, num_experts=1, buffers=bufs)
-    routed, _ = symm_ops.symm_dispatch_op(x, scale, h.position_TK, h.slot_dst_N, bufs)
+    routed, _ = symm_ops.symm_dispatch_op(x, scale, h.position_TK, h.slot_dst_N, h.num_routed_1, bufs)
     slots = torch.argsort(h.position_TK.reshape(-1))  # one rank, no padding: row i carries send position i
     expected = (x.float()[slots // k] * scale.reshape(-1)[slots, None]).to(torch.bfloat16)
     torch.testing.assert_close(routed, expected, rtol=0, atol=0, equal_nan=True)
@@ -156,7 +171,9 @@ def run_against_collective(rank: int, world_size: int) -> list[int]:
         coll = _step(*args, backend="collective", expert_alignment=alignment)
         _assert_same_as_collective(symm, coll, bufs[dtype].capacity)
         again = _step(*args, backend="symm_mem", expert_alignment=alignment, buffers=bufs[dtype])
-        for name in ("routed", "y", "grad_x", "grad_w"):  # deterministic: bit for bit
+        R = int(symm["tokens_per_expert"].sum())
+        assert torch.equal(again["routed"][:R], symm["routed"][:R])  # deterministic: bit for bit
+        for name in ("y", "grad_x", "grad_w"):
             assert torch.equal(again[name], symm[name]), name
         assert not symm["handle"].dropped_W.any()
         capacities.append(bufs[dtype].capacity)
@@ -268,9 +285,7 @@ def _moe_layer(x, topk_idx, weights, scale, backend, bufs):
     routed, tokens_per_expert, handle = a2a.dispatch(
         x, topk_idx, num_experts=E, backend=backend, buffers=bufs if backend == "symm_mem" else None
     )
-    rows = torch.arange(routed.shape[0], device=routed.device)
-    expert_of_row = torch.bucketize(rows, tokens_per_expert.cumsum(0), right=True).clamp(max=scale.shape[0] - 1)
-    return a2a.combine(torch.tanh(routed * scale[expert_of_row]), handle, weights)
+    return a2a.combine(_scaled_tanh(routed, tokens_per_expert, scale), handle, weights)
 
 
 def _two_layers(x, idx1, w1, s1, idx2, w2, s2, backend, bufs):
@@ -317,7 +332,9 @@ def run_two_layers(rank: int, world_size: int) -> dict:
         for name in graphs
     }
     for name, fn in [*variants.items(), *compiled.items()]:
-        y, g, backward_ops = grads(fn, "symm_mem")
+        with nan_unwritten_rows() as unwritten:  # NaN rows past n: the expert step must mask them (_scaled_tanh)
+            y, g, backward_ops = grads(fn, "symm_mem")
+        assert min(unwritten) > 0, name
         assert torch.equal(y, ref_y), name
         for i, (a, b) in enumerate(zip(g, ref_g)):
             if i in (1, 3):  # routing weights
@@ -398,15 +415,16 @@ backward 0:
         same, bigger, same_again = (a2a.SymmBuffers(t, H, K, E, dtype=torch.float32, device="cpu") for t in (5, 7, 5))
 
         def step(x, topk_idx, bufs):
-            routed, _, handle = a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs)
-            return routed, a2a.combine(routed * 2, handle)
+            routed, tokens_per_expert, handle = a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs)
+            return routed, tokens_per_expert, a2a.combine(routed * 2, handle)
 
         graphs = CompiledGraphs()
         compiled = torch.compile(step, backend=capturing_backend(graphs), fullgraph=True)
         compilations = []
         for bufs in (same, bigger, same_again):
-            for a, b in zip(compiled(x, topk_idx, bufs), step(x, topk_idx, bufs)):
-                assert torch.equal(a, b)
+            (routed, tpe, y), (ref_routed, ref_tpe, ref_y) = compiled(x, topk_idx, bufs), step(x, topk_idx, bufs)
+            R = int(ref_tpe.sum())
+            assert torch.equal(tpe, ref_tpe) and torch.equal(routed[:R], ref_routed[:R]) and torch.equal(y, ref_y)
             compilations.append(len(graphs.forward))
         # Sizes are baked into the graph and guarded; the buffers themselves are a graph input.
         assert compilations == [1, 2, 2]
@@ -478,7 +496,7 @@ def test_dispatch_and_combine_compiled_apart_never_copy_the_buffers(monkeypatch)
         else:
             routed, tpe, handle = a2a.dispatch(x, topk_idx, num_experts=E, buffers=b)
             y = a2a.combine(_expert(routed), handle, weights)
-        return routed, tpe, y
+        return routed[: int(tpe.sum())], tpe, y  # rows past tokens_per_expert.sum() are unspecified
 
     outs = []
     for seed in (80, 81):
@@ -554,6 +572,57 @@ def test_simulated_peers_match_processes(pool):
         _assert_same_as_collective(symm, coll, buffers[0].capacity)
 
 
+# --------------------------------------------------------------------------------------------
+# Rows past n = tokens_per_expert.sum(): the copy-out does not write them, nothing reads them
+
+
+@pytest.mark.parametrize("n", [0, 1, 255, 256, 300, 600])
+def test_copy_out_writes_rows_below_n_only(n):
+    # C = 600 rows in the interpreter's blocks of 256: a block that straddles n, and (n < 512)
+    # blocks past n, which skip the row copy. Rows arrive below n only; rows below n that got
+    # none (padding) must come out zero.
+    C, H_ = 600, 5
+    g = torch.Generator().manual_seed(n)
+    recv = torch.randn(C, H_, generator=g, dtype=torch.float64)
+    arrived = (torch.rand(C, generator=g) < 0.7) & (torch.arange(C) < n)
+    tags = torch.where(arrived, torch.randperm(C, generator=g), -1)
+    expected_src = tags.clone()
+    out = torch.full((C, H_), float("nan"), dtype=torch.float64)
+    row_src = torch.full((C,), 12345)
+    loader.load().copy_out(recv, tags, torch.tensor([n]), out, row_src)
+    assert torch.equal(out[:n], torch.where(arrived[:n, None], recv[:n], 0))
+    assert torch.isnan(out[n:]).all(), "rows past n must not be written"
+    assert torch.equal(row_src, expected_src)  # -1 past n
+    assert (tags == -1).all(), "tags not reset for the next call"
+
+
+def test_rows_past_n_are_not_written_and_never_read(pool2, unwritten_as_nan):
+    # The copy-out's outputs start as NaN (the fixture): routed's rows past n, and the same rows
+    # of combine's backward (a dispatch of grad_y), stay NaN. The expert makes them NaN in
+    # expert_out and in the gradient dispatch's backward gets; a second combine gets NaN and inf
+    # there. y and every gradient must still be the collective backend's, bit for bit.
+    W, T = pool2.world_size, 5
+    expected = pool2.run(run_collective, T)
+    buffers = a2a.SymmBuffers.simulated(W, T, H, K, E, dtype=torch.bfloat16, device="cpu", expert_alignment=2)
+
+    def rank_fn(rank, bufs):
+        x, topk_idx, weights, grad_y = _inputs(40, rank, T, torch.bfloat16, torch.float32)
+        out = _step(x, topk_idx, weights, grad_y, backend="symm_mem", expert_alignment=2, buffers=bufs)
+        R = int(out["tokens_per_expert"].sum())
+        expert_out = _expert(out["routed"])
+        expert_out[R:] = float("inf")
+        expert_out[R::2] = float("nan")
+        out["y_nan_inf"] = a2a.combine(expert_out, out["handle"], weights)
+        return out
+
+    for symm, coll in zip(symm_mem.run_simulated(rank_fn, buffers), expected):
+        _assert_same_as_collective(symm, coll, buffers[0].capacity)
+        R = int(coll["tokens_per_expert"].sum())
+        assert torch.isnan(symm["routed"][R:]).all(), "the copy-out wrote rows past tokens_per_expert.sum()"
+        assert torch.equal(symm["y_nan_inf"], coll["y"])
+    assert min(unwritten_as_nan) > 0  # every copy-out, forward and backward, left rows unwritten
+
+
 def test_simulated_rank_error_breaks_the_others_barriers():
     buffers = a2a.SymmBuffers.simulated(2, 3, H, K, E, dtype=torch.float32, device="cpu", timeout=30)
 
@@ -586,10 +655,11 @@ def test_opcheck():
     ops = symm_ops
     cases = [
         (ops.symm_exchange_meta_op, (h.meta_WL[0].clone(), bufs, 1)),
-        (ops.symm_dispatch_op, (x, None, h.position_TK, h.slot_dst_N, bufs)),
-        (ops.symm_dispatch_op, (x, w.detach(), h.position_TK, h.slot_dst_N, bufs)),
-        (ops.symm_combine_op, (routed.requires_grad_(), w, h.position_TK, h.slot_dst_N, h.row_src_C, bufs, True)),
-        (ops.symm_combine_op, (routed, None, h.position_TK, h.slot_dst_N, h.row_src_C, bufs, False)),
+        (ops.symm_dispatch_op, (x, None, h.position_TK, h.slot_dst_N, h.num_routed_1, bufs)),
+        (ops.symm_dispatch_op, (x, w.detach(), h.position_TK, h.slot_dst_N, h.num_routed_1, bufs)),
+        (ops.symm_combine_op,
+         (routed.requires_grad_(), w, h.position_TK, h.slot_dst_N, h.row_src_C, h.num_routed_1, bufs, True)),
+        (ops.symm_combine_op, (routed, None, h.position_TK, h.slot_dst_N, h.row_src_C, h.num_routed_1, bufs, False)),
         (ops.symm_weight_grad_op,
          (grad_y, torch.randn(routed.shape[0], H, dtype=torch.float64), h.position_TK, w.detach())),
     ]
@@ -602,7 +672,7 @@ def test_opcheck():
 def test_weights_gradient_needs_save_returned():
     bufs, _, weights, grad_y, routed, h = _one_rank_call()
     w = weights.requires_grad_()
-    y, _ = symm_ops.symm_combine_op(routed, w, h.position_TK, h.slot_dst_N, h.row_src_C, bufs, False)
+    y, _ = symm_ops.symm_combine_op(routed, w, h.position_TK, h.slot_dst_N, h.row_src_C, h.num_routed_1, bufs, False)
     with pytest.raises(RuntimeError, match="save_returned=False"):
         torch.autograd.grad(y, w, grad_y)
 
@@ -655,14 +725,13 @@ def test_import_without_triton():
 def _second_order_layer(x, weights, topk_idx, bufs, scale):
     """dispatch -> tanh(routed * scale[expert of the row]) -> combine; scale: (e, H), fixed."""
     routed, tokens_per_expert, handle = a2a.dispatch(x, topk_idx, num_experts=E, expert_alignment=2, buffers=bufs)
-    rows = torch.arange(routed.shape[0])
-    expert_of_row = torch.bucketize(rows, tokens_per_expert.cumsum(0), right=True).clamp(max=scale.shape[0] - 1)
-    return a2a.combine(torch.tanh(routed * scale[expert_of_row]), handle, weights)
+    return a2a.combine(_scaled_tanh(routed, tokens_per_expert, scale), handle, weights)
 
 
-def test_second_order_gradients_one_rank():
+def test_second_order_gradients_one_rank(unwritten_as_nan):
     # Double backward reaches dispatch's scale (combine's backward dispatches grad_y scaled by the
-    # weights), combine's returned rows and the weights' gradient op.
+    # weights), combine's returned rows and the weights' gradient op. Rows past
+    # tokens_per_expert.sum() hold NaN (the fixture): no gradient of any order may read them.
     T = 4
     bufs = a2a.SymmBuffers(T, H, K, E, dtype=torch.float64, device="cpu", expert_alignment=2)
     x, topk_idx, weights, _ = _inputs(90, 0, T, torch.float64, torch.float64)
@@ -676,11 +745,12 @@ def test_second_order_gradients_one_rank():
     assert torch.autograd.gradgradcheck(layer, inputs)
 
 
-def test_second_order_gradients_simulated_two_ranks():
+def test_second_order_gradients_simulated_two_ranks(unwritten_as_nan):
     # gradgradcheck perturbs one input element at a time on one rank, which its peer cannot
     # follow. Instead every rank moves its inputs (x, weights, grad_y) along its own direction v
     # at once: the central difference of the first-order gradients of L = sum_r <y_r, grad_y_r>
     # is the Hessian-vector product H v, which double backward gives exactly (H is symmetric).
+    # Rows past tokens_per_expert.sum() hold NaN (the fixture), as in the one-rank test.
     W, T, eps = 2, 4, 1e-6
     bufs = a2a.SymmBuffers.simulated(W, T, H, K, E, dtype=torch.float64, device="cpu",
                                      expert_alignment=2, timeout=60)
@@ -715,7 +785,8 @@ def test_opcheck_second_order_paths():
     bufs, x, weights, grad_y, routed, h = _one_rank_call()
     returned = torch.randn(h.position_TK.numel(), H, dtype=torch.float64)
     cases = [
-        (symm_ops.symm_dispatch_op, (x.requires_grad_(), weights.requires_grad_(), h.position_TK, h.slot_dst_N, bufs)),
+        (symm_ops.symm_dispatch_op,
+         (x.requires_grad_(), weights.requires_grad_(), h.position_TK, h.slot_dst_N, h.num_routed_1, bufs)),
         (symm_ops.symm_weight_grad_op,
          (grad_y.requires_grad_(), returned.requires_grad_(), h.position_TK, weights.detach())),
     ]

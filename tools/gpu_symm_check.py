@@ -87,10 +87,11 @@ def symm_rank(rank: int, bufs: symm_mem.SymmBuffers, inputs: tuple) -> dict:
     A = bufs.expert_alignment
     routed, tpe, h = a2a.dispatch(x, topk_idx, num_experts=bufs.num_experts, expert_alignment=A, buffers=bufs)
     out = routed * 2 + 1
-    args = (h.position_TK, h.slot_dst_N, h.row_src_C, bufs)
+    args = (h.position_TK, h.slot_dst_N, h.row_src_C, h.num_routed_1, bufs)
     y, returned = symm_ops.symm_combine_op(out, weights, *args, True)
     y1, _ = symm_ops.symm_combine_op(out, None, *args, False)
-    grad_out, _ = symm_ops.symm_dispatch_op(grad_y, weights, h.position_TK, h.slot_dst_N, bufs)  # combine's adjoint
+    grad_out, _ = symm_ops.symm_dispatch_op(grad_y, weights, h.position_TK, h.slot_dst_N, h.num_routed_1,
+                                            bufs)  # combine's adjoint
     grad_x, _ = symm_ops.symm_combine_op(grad_out * 2, None, *args, False)  # dispatch's adjoint
     grad_w = symm_ops.symm_weight_grad_op(grad_y, returned, h.position_TK, weights)
     return dict(routed=routed, tpe=tpe, y=y, y1=y1, grad_x=grad_x, grad_w=grad_w, dropped=h.dropped_W)
@@ -103,7 +104,6 @@ def compare(gpu: dict, ref: dict, capacity: int) -> str:
     R = int(ref["tpe"].sum())
     assert g["routed"].shape[0] == capacity >= R
     assert torch.equal(g["routed"][:R], ref["routed"]), "routed rows"
-    assert not g["routed"][R:].any(), "rows past R must be zero"
     assert torch.equal(g["y1"], ref["y1"]), "unweighted combine"
     assert torch.equal(g["grad_x"], ref["grad_x"]), "grad_x"
     # A fused multiply-add skips one fp32 rounding per slot: |dy| <= K * eps32 * sum_k |terms|
@@ -295,7 +295,7 @@ def check_bf16_rounding() -> str:
     scale = scale.to(DEVICE)
     bufs = a2a.SymmBuffers(T, H, k, 1, dtype=torch.bfloat16, device=DEVICE)
     _, _, h = a2a.dispatch(x, torch.zeros(T, k, dtype=torch.int64, device=DEVICE), num_experts=1, buffers=bufs)
-    routed, _ = symm_ops.symm_dispatch_op(x, scale, h.position_TK, h.slot_dst_N, bufs)
+    routed, _ = symm_ops.symm_dispatch_op(x, scale, h.position_TK, h.slot_dst_N, h.num_routed_1, bufs)
     order = torch.argsort(h.position_TK.reshape(-1))  # send position i holds slot order[i]
     expected = (x.float()[order // k] * scale.reshape(-1)[order, None]).to(torch.bfloat16)
     torch.testing.assert_close(routed, expected, rtol=0, atol=0, equal_nan=True)
@@ -323,7 +323,7 @@ def check_symmetric_memory_one_rank() -> str:
             ref_routed, ref_tpe, ref_h = a2a.dispatch(x, topk_idx, num_experts=spec["E"],
                                                       expert_alignment=spec["A"], backend="local")
             R = int(ref_tpe.sum())
-            assert torch.equal(tpe, ref_tpe) and torch.equal(routed[:R], ref_routed) and not routed[R:].any()
+            assert torch.equal(tpe, ref_tpe) and torch.equal(routed[:R], ref_routed)
             assert torch.equal(y1, a2a.combine(ref_routed * 2 + 1, ref_h))
         torch.cuda.synchronize()
         return f"C={bufs.capacity}: 2 routings equal to the local backend (6 barrier kernels per step)"

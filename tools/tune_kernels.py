@@ -7,7 +7,8 @@ Kernels (bf16, H = 7168, K = 8, E = 256, fresh random top-k routing):
 - ``put_rows`` (dispatch, every backend): x (T, H) -> (T*K, H) rows in send order, each token
   read once; bytes (T + T*K) * H * 2.
 - ``topk_reduce``: (T*K, H) rows -> (T, H) weighted top-k sums; same bytes.
-- ``copy_out``: (C, H) receive buffer -> routed rows, C = T*K; bytes 2 * C * H * 2.
+- ``copy_out``: (C, H) receive buffer -> routed rows, C = T*K, all C written (num_routed = C); bytes
+  2 * C * H * 2.
 - ``weight_grad``: reads grad_y (T, H) and (T*K, H) rows; bytes (T + T*K) * H * 2.
 - ``plan_slots`` (the layout: routing -> order, positions, counts), checked against its torch
   implementation, timed eagerly and replayed from a CUDA graph (device time), against torch's
@@ -123,10 +124,11 @@ def sweep_rows(T: int, bandwidth: float, top: int) -> None:
 
     tags = torch.full((N,), -1, dtype=torch.int64, device=dev)
     row_src = torch.empty_like(tags)
+    num_routed = torch.full((1,), N, dtype=torch.int64, device=dev)  # every row written
 
     def copy_out():
         tags[::2] = 1  # half the rows arrived
-        k.copy_out(ret, tags, send, row_src)
+        k.copy_out(ret, tags, num_routed, send, row_src)
 
     sweep("copy_out", copy_out, 2 * N * H * 2, bandwidth, itertools.product([2, 4, 8], [2048, 4096], warps), top)
     grad_w = torch.empty(T, K, device=dev)

@@ -11,7 +11,9 @@ Reference semantics (``tables[r]`` is rank r's buffer)::
                     tables[peer][row] = src[i // K] * (scale.flat[i] if scale else 1)
                     tags[peer][row] = tag_base + (tag_index[i] if tag_index else i)  # when tags
     put_meta:   for peer in range(W): meta[peer][rank] = send_row
-    copy_out:  out[d] = recv[d] if tags[d] >= 0 else 0; row_src[d] = tags[d]; tags[d] = -1
+    copy_out:   for d in range(n):                                           # n = num_routed
+                    out[d] = recv[d] if tags[d] >= 0 else 0; row_src[d] = tags[d]; tags[d] = -1
+                row_src[n:] = -1                                             # out[n:] not written
 
 The kernels index every tensor as contiguous: the launchers copy strided inputs (``.contiguous()``,
 a no-op for contiguous ones) and raise ``ValueError`` for a strided tensor they write into.
@@ -131,30 +133,35 @@ def put_meta(send_row: torch.Tensor, meta_table: torch.Tensor, rank: int) -> Non
 
 @triton.jit
 def _copy_out_kernel(
-    recv_ptr, tags_ptr, out_ptr, row_src_ptr, n_rows, H,
+    recv_ptr, tags_ptr, num_routed_ptr, out_ptr, row_src_ptr, n_rows, H,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     i_r = tl.program_id(0)
     o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     m_r = o_r < n_rows
-    b_tag = tl.load(tags_ptr + o_r, mask=m_r, other=-1)  # [BR] source code of each row, -1: none
-    m_valid = m_r & (b_tag >= 0)
-    for i_h in range(tl.cdiv(H, BLOCK_H)):
-        o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
-        m_h = (o_h < H)[None, :]
-        b_x = tl.load(recv_ptr + o_r[:, None] * H + o_h[None, :], mask=m_valid[:, None] & m_h, other=0)
-        tl.store(out_ptr + o_r[:, None] * H + o_h[None, :], b_x, mask=m_r[:, None] & m_h)
+    n_routed = tl.load(num_routed_ptr)  # rows [0, n_routed) of out are written, the rest left as they are
+    m_routed = m_r & (o_r < n_routed)
+    b_tag = tl.load(tags_ptr + o_r, mask=m_routed, other=-1)  # [BR] source code of each row, -1: none
+    if i_r * BLOCK_R < n_routed:  # NB: a program past n_routed moves no row, only writes row_src
+        m_valid = m_routed & (b_tag >= 0)
+        for i_h in range(tl.cdiv(H, BLOCK_H)):
+            o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
+            m_h = (o_h < H)[None, :]
+            b_x = tl.load(recv_ptr + o_r[:, None] * H + o_h[None, :], mask=m_valid[:, None] & m_h, other=0)
+            tl.store(out_ptr + o_r[:, None] * H + o_h[None, :], b_x, mask=m_routed[:, None] & m_h)
+        # NB: each program owns its rows across all of H, so resetting the tags here cannot race
+        # with another program's read of them. Past n_routed no row arrives: the tags stay -1.
+        tl.store(tags_ptr + o_r, tl.full([BLOCK_R], -1, tl.int64), mask=m_routed)
     tl.store(row_src_ptr + o_r, b_tag, mask=m_r)
-    # NB: each program owns its rows across all of H, so resetting the tags here cannot race
-    # with another program's read of them.
-    tl.store(tags_ptr + o_r, tl.full([BLOCK_R], -1, tl.int64), mask=m_r)
 
 
 def copy_out(
-    recv: torch.Tensor, tags: torch.Tensor, out: torch.Tensor, row_src: torch.Tensor
+    recv: torch.Tensor, tags: torch.Tensor, num_routed: torch.Tensor, out: torch.Tensor, row_src: torch.Tensor
 ) -> None:
-    """Copy the received rows (C, H) out of this rank's buffer into ``out``, zero where no row
-    arrived; ``row_src`` (C,) gets each row's tag; the tags are reset to -1 for the next call."""
+    """Copy the first n = ``num_routed`` rows of this rank's receive buffer recv (C, H) into
+    ``out``, zero where no row arrived; rows [n, C) of ``out`` are not written. ``num_routed``: a
+    one-element int64 tensor on the device (read by the kernel: no host sync). ``row_src`` (C,)
+    gets each row's tag (-1 past n); the tags are reset to -1 for the next call."""
     C, H = recv.shape
     if C == 0:
         return
@@ -163,6 +170,6 @@ def copy_out(
     blocks = row_blocks("copy_out", C, H, recv.element_size())
     with LAUNCH_LOCK:  # NB: one program per row block across all of H (see the kernel)
         _copy_out_kernel[blocks.grid(C, H)[:1]](
-            recv, tags, out, row_src, C, H, BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H,
+            recv, tags, num_routed, out, row_src, C, H, BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H,
             num_warps=blocks.num_warps,
         )

@@ -26,11 +26,13 @@ from .ops import symm_combine_op, symm_dispatch_op, symm_exchange_meta_op
 class SymmRoute:
     """slot_dst: (N,) int64, destination code ``rank * C + row`` of each slot t * K + k, -1 where
     nothing is sent (a dropped slot, or a row past capacity); tokens_per_expert: (e,) rows of
-    ``routed`` per local expert (padding included, cut at C); dropped: (W,) valid slots that
-    did not fit in each rank's capacity."""
+    ``routed`` per local expert (padding included, cut at C); num_routed: (1,) their sum, every
+    row this rank receives lies below it; dropped: (W,) valid slots that did not fit in each
+    rank's capacity."""
 
     slot_dst: torch.Tensor
     tokens_per_expert: torch.Tensor
+    num_routed: torch.Tensor
     dropped: torch.Tensor
 
 
@@ -50,7 +52,7 @@ def route(meta_WL: torch.Tensor, topk_idx_TK: torch.Tensor, position_TK: torch.T
     tokens_per_expert_e = torch.minimum(padded_We[bufs.rank], (C - own_start_e).clamp(min=0))
     past_WE = (starts_WE + counts_WE - C).clamp(min=0)  # rows of block (s, g) past C
     dropped_W = torch.minimum(past_WE, counts_WE).sum(0).view(W, e).sum(1)
-    return SymmRoute(slot_dst_N, tokens_per_expert_e, dropped_W)
+    return SymmRoute(slot_dst_N, tokens_per_expert_e, tokens_per_expert_e.sum().reshape(1), dropped_W)
 
 
 # --------------------------------------------------------------------------------------------
@@ -62,20 +64,23 @@ class SymmMemHandle(DispatchHandle):
     """What ``combine`` needs to undo one symm_mem ``dispatch``; tensors, ints and the buffers.
 
     position_TK: each slot's send position; meta_WL: every rank's counts; slot_dst_N:
-    destination of each slot; row_src_C: source of each routed row; dropped_W: slots past each
-    rank's capacity (overflow='drop'); num_rows: C."""
+    destination of each slot; row_src_C: source of each routed row; num_routed_1: (1,) rows of
+    routed with data, tokens_per_expert.sum(); dropped_W: slots past each rank's capacity
+    (overflow='drop'); num_rows: C."""
 
     position_TK: torch.Tensor
     meta_WL: torch.Tensor
     slot_dst_N: torch.Tensor
     row_src_C: torch.Tensor
+    num_routed_1: torch.Tensor
     dropped_W: torch.Tensor
     buffers: SymmBuffers
     num_rows: int
     expert_alignment: int
 
     def combine(self, expert_out_CH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor]) -> torch.Tensor:
-        """y (T, H); rows of expert_out that dispatch did not fill are ignored."""
+        """y (T, H); rows of expert_out that dispatch did not fill (padding, rows past
+        tokens_per_expert.sum()) are ignored."""
         bufs = self.buffers
         if comm.debug() and bufs.world_size > 1 and not is_compiling():
             # Debug mode: the ranks agree on every check (a host exchange) before the payload moves.
@@ -84,7 +89,7 @@ class SymmMemHandle(DispatchHandle):
         else:  # a rank that raises here leaves its peers in the op's barrier until the deadline
             _check_combine(expert_out_CH, self, topk_weights_TK)
         y_TH, _ = symm_combine_op(expert_out_CH, topk_weights_TK, self.position_TK, self.slot_dst_N, self.row_src_C,
-                                  bufs, save_returned(topk_weights_TK))
+                                  self.num_routed_1, bufs, save_returned(topk_weights_TK))
         return y_TH
 
 
@@ -192,7 +197,8 @@ class SymmMemBackend(Backend):
 
     def dispatch(self, x_TH, topk_idx_TK, num_experts, group, expert_alignment, buffers):
         """routed (C, H), tokens_per_expert (e,), handle. The first ``tokens_per_expert.sum()``
-        rows of routed are the collective backend's routed rows; the rest are zero."""
+        rows of routed are the collective backend's routed rows; the rest are unspecified (not
+        written)."""
         bufs = buffers
         if bufs is None:
             bufs = cached_buffers(x_TH, topk_idx_TK, num_experts, group, expert_alignment)
@@ -207,7 +213,7 @@ class SymmMemBackend(Backend):
         send_row_L = torch.cat([plan.send_meta[:, :e].reshape(-1), plan.send_meta[0, e:], header])
         meta_WL = symm_exchange_meta_op(send_row_L, bufs, expert_alignment)
         r = route(meta_WL, topk_idx_TK, plan.position, bufs, expert_alignment)
-        routed_CH, row_src_C = symm_dispatch_op(x_TH, None, plan.position, r.slot_dst, bufs)
-        handle = SymmMemHandle(plan.position, meta_WL, r.slot_dst, row_src_C, r.dropped, bufs, bufs.capacity,
-                               expert_alignment)
+        routed_CH, row_src_C = symm_dispatch_op(x_TH, None, plan.position, r.slot_dst, r.num_routed, bufs)
+        handle = SymmMemHandle(plan.position, meta_WL, r.slot_dst, row_src_C, r.num_routed, r.dropped, bufs,
+                               bufs.capacity, expert_alignment)
         return routed_CH, r.tokens_per_expert, handle

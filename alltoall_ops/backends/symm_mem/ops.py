@@ -117,14 +117,16 @@ def symm_dispatch_op(
     scale_TK: Optional[torch.Tensor],
     position_TK: torch.Tensor,
     slot_dst_N: torch.Tensor,
+    num_routed_1: torch.Tensor,
     buffers: SymmBuffers,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(T, H) rows -> routed (C, H), row_src (C,) int64.
 
     Slot (t, k) carries row ``x_TH[t]`` (times ``scale_TK[t, k]`` in fp32, rounded once) to
-    ``slot_dst_N[t * K + k]``, tagged with its send position ``position_TK[t, k]``. routed: rows
-    received, zero where none; row_src: each row's source code (``rank * N_max + position``),
-    -1 where none."""
+    ``slot_dst_N[t * K + k]``, tagged with its send position ``position_TK[t, k]``. num_routed_1:
+    (1,) int64 n = tokens_per_expert.sum(), every received row lies below it. routed: rows [0, n)
+    received, zero where none; rows [n, C) unspecified (not written). row_src: each row's source
+    code (``rank * N_max + position``), -1 where none."""
     k = loader.load()
     K = position_TK.shape[1]
     acc = accumulation_dtype(x_TH.dtype, *(() if scale_TK is None else (scale_TK.dtype,)))
@@ -137,34 +139,35 @@ def symm_dispatch_op(
     buffers._barrier()
     routed_CH = x_TH.new_empty(buffers.capacity, x_TH.shape[1])
     row_src_C = torch.empty(buffers.capacity, dtype=torch.int64, device=x_TH.device)
-    k.copy_out(buffers.recv, buffers.tags, routed_CH, row_src_C)
+    k.copy_out(buffers.recv, buffers.tags, num_routed_1, routed_CH, row_src_C)
     return routed_CH, row_src_C
 
 
 @symm_dispatch_op.register_fake
-def _(x_TH, scale_TK, position_TK, slot_dst_N, buffers):
+def _(x_TH, scale_TK, position_TK, slot_dst_N, num_routed_1, buffers):
     # NB: fixed capacity C, so no data-dependent size: the graph never waits for the counts.
     C = buffers.capacity
     return x_TH.new_empty(C, x_TH.shape[1]), x_TH.new_empty(C, dtype=torch.int64)
 
 
 def _symm_dispatch_setup_context(ctx, inputs, output):
-    x_TH, scale_TK, ctx.position_TK, slot_dst_N, ctx.buffers = inputs
+    x_TH, scale_TK, ctx.position_TK, slot_dst_N, num_routed_1, ctx.buffers = inputs
     scale_needs_grad = scale_TK is not None and scale_TK.requires_grad
-    # slot_dst_N, row_src_C; scale_TK and, for scale_TK's gradient, x_TH
-    ctx.save_for_backward(slot_dst_N, output[1], scale_TK, x_TH if scale_needs_grad else None)
+    # slot_dst_N, row_src_C, num_routed_1; scale_TK and, for scale_TK's gradient, x_TH
+    ctx.save_for_backward(slot_dst_N, output[1], num_routed_1, scale_TK, x_TH if scale_needs_grad else None)
 
 
 def _symm_dispatch_backward(ctx, grad_routed_CH, _grad_row_src_C):
     # The adjoint of dispatch is combine, weighted by the same per-slot scale. Built from the ops
     # themselves (like the local backend), so double backward is exact too.
-    slot_dst_N, row_src_C, scale_TK, x_TH = ctx.saved_tensors
+    slot_dst_N, row_src_C, num_routed_1, scale_TK, x_TH = ctx.saved_tensors
     grad_x_TH, returned_NH = symm_combine_op(
-        grad_routed_CH, scale_TK, ctx.position_TK, slot_dst_N, row_src_C, ctx.buffers, x_TH is not None
+        grad_routed_CH, scale_TK, ctx.position_TK, slot_dst_N, row_src_C, num_routed_1, ctx.buffers,
+        x_TH is not None,
     )
     # d scale[t, k] = <x[t], grad_routed[row of slot (t, k)]>: the returned rows are those rows.
     grad_scale_TK = None if x_TH is None else symm_weight_grad_op(x_TH, returned_NH, ctx.position_TK, scale_TK)
-    return grad_x_TH, grad_scale_TK, None, None, None
+    return grad_x_TH, grad_scale_TK, None, None, None, None
 
 
 symm_dispatch_op.register_autograd(_symm_dispatch_backward, setup_context=_symm_dispatch_setup_context)
@@ -177,15 +180,17 @@ def symm_combine_op(
     position_TK: torch.Tensor,
     slot_dst_N: torch.Tensor,
     row_src_C: torch.Tensor,
+    num_routed_1: torch.Tensor,
     buffers: SymmBuffers,
     save_returned: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(C, H) expert outputs in dispatch order -> y (T, H), returned (N, H) or (0, H).
 
-    Row d goes back to its source (``row_src_C[d]``); then y[t] = sum_k weights_TK[t, k] *
-    row of slot (t, k), in k order, accumulated in fp32 (fp64) and rounded once. returned:
-    every slot's row in send order (zero for unsent slots), when ``save_returned``, for the
-    weights' gradient."""
+    Row d goes back to its source (``row_src_C[d]``; rows where it is -1, among them every row
+    past num_routed_1, are not read); then y[t] = sum_k weights_TK[t, k] * row of slot (t, k),
+    in k order, accumulated in fp32 (fp64) and rounded once. returned: every slot's row in send
+    order (zero for unsent slots), when ``save_returned``, for the weights' gradient.
+    num_routed_1: dispatch's, for the backward (a dispatch)."""
     k = loader.load()
     T, K = position_TK.shape
     buffers._barrier()
@@ -203,7 +208,7 @@ def symm_combine_op(
 
 
 @symm_combine_op.register_fake
-def _(expert_out_CH, weights_TK, position_TK, slot_dst_N, row_src_C, buffers, save_returned):
+def _(expert_out_CH, weights_TK, position_TK, slot_dst_N, row_src_C, num_routed_1, buffers, save_returned):
     # NB: static shapes: T and K from position_TK.
     T, K = position_TK.shape
     H = expert_out_CH.shape[1]
@@ -211,22 +216,24 @@ def _(expert_out_CH, weights_TK, position_TK, slot_dst_N, row_src_C, buffers, sa
 
 
 def _symm_combine_setup_context(ctx, inputs, output):
-    _, weights_TK, ctx.position_TK, slot_dst_N, _, ctx.buffers, ctx.save_returned = inputs
+    _, weights_TK, ctx.position_TK, slot_dst_N, _, num_routed_1, ctx.buffers, ctx.save_returned = inputs
     ctx.set_materialize_grads(False)  # `returned_NH` gets a gradient only in double backward
-    ctx.save_for_backward(weights_TK, slot_dst_N, output[1] if ctx.save_returned else None)
+    ctx.save_for_backward(weights_TK, slot_dst_N, num_routed_1, output[1] if ctx.save_returned else None)
 
 
 def _symm_combine_backward(ctx, grad_y_TH, grad_returned_NH):
-    weights_TK, slot_dst_N, returned_NH = ctx.saved_tensors
+    weights_TK, slot_dst_N, num_routed_1, returned_NH = ctx.saved_tensors
     grad_expert_out_CH = grad_weights_TK = None
     if ctx.needs_input_grad[0] and grad_y_TH is not None:
         # The adjoint of combine is dispatch with each slot's row scaled by its weight.
-        grad_expert_out_CH, _ = symm_dispatch_op(grad_y_TH, weights_TK, ctx.position_TK, slot_dst_N, ctx.buffers)
+        grad_expert_out_CH, _ = symm_dispatch_op(grad_y_TH, weights_TK, ctx.position_TK, slot_dst_N, num_routed_1,
+                                                 ctx.buffers)
     if ctx.needs_input_grad[0] and grad_returned_NH is not None and ctx.save_returned:
         # returned[position[t, k]] is the row of slot (t, k): dispatch the returned rows' gradient
         # back to those rows, as N "tokens" of K = 1 taken in slot order.
         by_slot_NH = grad_returned_NH.index_select(0, ctx.position_TK.reshape(-1))
-        grad_rows_CH, _ = symm_dispatch_op(by_slot_NH, None, ctx.position_TK.reshape(-1, 1), slot_dst_N, ctx.buffers)
+        grad_rows_CH, _ = symm_dispatch_op(by_slot_NH, None, ctx.position_TK.reshape(-1, 1), slot_dst_N, num_routed_1,
+                                           ctx.buffers)
         grad_expert_out_CH = grad_rows_CH if grad_expert_out_CH is None else grad_expert_out_CH + grad_rows_CH
     if ctx.needs_input_grad[1] and grad_y_TH is not None:
         if returned_NH is None:
@@ -235,7 +242,7 @@ def _symm_combine_backward(ctx, grad_y_TH, grad_returned_NH):
                 "save_returned=False; alltoall_ops.combine sets it when the weights require grad"
             )
         grad_weights_TK = symm_weight_grad_op(grad_y_TH, returned_NH, ctx.position_TK, weights_TK)
-    return grad_expert_out_CH, grad_weights_TK, None, None, None, None, None
+    return grad_expert_out_CH, grad_weights_TK, None, None, None, None, None, None
 
 
 symm_combine_op.register_autograd(_symm_combine_backward, setup_context=_symm_combine_setup_context)
