@@ -24,6 +24,7 @@ from typing import Sequence, TypeVar
 
 import torch
 
+from ._compat import plain_eager
 from .errors import RoutingError
 from .kernels import loader
 
@@ -54,23 +55,25 @@ def plan_routing(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> R
 
     Out-of-range ids are treated as dropped here and reported in the status columns, so that
     the metadata exchange can tell every rank about them before any payload moves. One op
-    (``alltoall_ops::plan_routing``): on CUDA two kernel launches and no sort (up to
-    ``kernels.routing_plan.MAX_SLOTS`` slots; a stable sort above)."""
-    order, position, send_meta = plan_routing_op(topk_idx, num_experts, world_size)
+    (``alltoall_ops::plan_routing``; called directly in plain eager code): on CUDA two kernel
+    launches and no sort (up to ``kernels.routing_plan.MAX_SLOTS`` slots; a stable sort above)."""
+    op = _plan_routing if plain_eager(topk_idx) else plan_routing_op
+    order, position, send_meta = op(topk_idx, num_experts, world_size)
     return RoutingPlan(order=order, position=position, send_meta=send_meta)
 
 
-@torch.library.custom_op("alltoall_ops::plan_routing", mutates_args=())
-def plan_routing_op(
+def _plan_routing(
     topk_idx: torch.Tensor, num_experts: int, world_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(T, K) integer expert ids -> order (N,), position (T, K), send_meta (W, e + STATUS_COLUMNS)."""
-
     if loader.use_kernels(topk_idx):
         kernels = loader.load()
         if topk_idx.numel() <= kernels.routing_plan.MAX_SLOTS:
             return kernels.plan_slots(topk_idx, num_experts, world_size)
     return _plan_routing_torch(topk_idx, num_experts, world_size)
+
+
+plan_routing_op = torch.library.custom_op("alltoall_ops::plan_routing", mutates_args=())(_plan_routing)
 
 
 @plan_routing_op.register_fake
@@ -193,7 +196,7 @@ def bad_ids_error(rank: int, status: Sequence[int], num_experts: int) -> Routing
 @dataclasses.dataclass(frozen=True)
 class HostSplits:
     """A dispatch's split sizes as Python ints, from the (2W + 2,) int64 CPU tensor that
-    :func:`read_splits_op` returns (reading it is no device sync)."""
+    :func:`read_splits` returns (reading it is no device sync)."""
 
     send_splits: list[int]  # rows sent to each rank
     recv_splits: list[int]  # rows received from each rank
@@ -207,8 +210,7 @@ class HostSplits:
         return cls(sizes[:W], sizes[W:], num_valid, num_rows)
 
 
-@torch.library.custom_op("alltoall_ops::read_splits", mutates_args=())
-def read_splits_op(send_meta_WL: torch.Tensor, recv_meta_WL: torch.Tensor, expert_alignment: int) -> torch.Tensor:
+def read_splits(send_meta_WL: torch.Tensor, recv_meta_WL: torch.Tensor, expert_alignment: int) -> torch.Tensor:
     """The host sync of a dispatch (one per MoE layer and step): read both metadata matrices
     (W, e + STATUS_COLUMNS), check every rank's routing status, derive the split sizes.
 
@@ -216,7 +218,13 @@ def read_splits_op(send_meta_WL: torch.Tensor, recv_meta_WL: torch.Tensor, exper
     rank, this rank's valid slots, rows of the expert-major output (see :class:`HostSplits`);
     the later ops of the layer (combine, both backward ops) read it instead of the device.
     Raises :class:`RoutingError` (on every rank alike, since all see the same statuses) if any
-    rank's ``topk_idx`` held expert ids outside [-1, E)."""
+    rank's ``topk_idx`` held expert ids outside [-1, E). The op ``alltoall_ops::read_splits``,
+    called directly in plain eager code."""
+    op = _read_splits if plain_eager(send_meta_WL, recv_meta_WL) else read_splits_op
+    return op(send_meta_WL, recv_meta_WL, expert_alignment)
+
+
+def _read_splits(send_meta_WL: torch.Tensor, recv_meta_WL: torch.Tensor, expert_alignment: int) -> torch.Tensor:
     W, S = send_meta_WL.shape[0], STATUS_COLUMNS
     # NB: one small copy and plain Python sums: on a slow host each extra tensor op costs more
     # than the arithmetic on W * (e + S) ints. One rank receives what it sends: one matrix.
@@ -225,9 +233,13 @@ def read_splits_op(send_meta_WL: torch.Tensor, recv_meta_WL: torch.Tensor, exper
     for src, row in enumerate(host[-W:]):
         if row[-S]:
             raise bad_ids_error(src, row[-S:], W * len(send_counts[0]))
-    num_rows = sum(round_up(sum(col), expert_alignment) for col in zip(*recv_counts))
+    per_expert = recv_counts[0] if W == 1 else [sum(col) for col in zip(*recv_counts)]
+    num_rows = sum(per_expert) if expert_alignment == 1 else sum(round_up(c, expert_alignment) for c in per_expert)
     send_splits = [sum(c) for c in send_counts]
     return torch.tensor(send_splits + [sum(c) for c in recv_counts] + [sum(send_splits), num_rows])
+
+
+read_splits_op = torch.library.custom_op("alltoall_ops::read_splits", mutates_args=())(_read_splits)
 
 
 @read_splits_op.register_fake

@@ -181,3 +181,35 @@ def test_plan_routing_uses_the_kernels_up_to_max_slots(monkeypatch):
         want = layout._plan_routing_torch(topk_idx, 8, 2)
         assert all(torch.equal(g, w) for g, w in zip((got.order, got.position, got.send_meta), want))
     assert calls == [40]
+
+
+def test_plain_eager_calls_skip_the_dispatcher_but_a_mode_sees_the_ops():
+    """In plain eager code plan_routing / read_splits / dispatch / combine run their bodies
+    directly (host time); under a dispatch mode (SAC, op counters) they are ops, with equal results."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import alltoall_ops
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(5)
+    x, idx = torch.randn(6, 3, generator=g), torch.randint(-1, 4, (6, 2), generator=g)
+
+    def step():
+        routed, tpe, handle = alltoall_ops.dispatch(x, idx, num_experts=4, expert_alignment=2)
+        return routed, tpe, alltoall_ops.combine(routed * 3, handle)
+
+    direct = step()
+    with Ops() as seen:
+        watched = step()
+    ours = {n for n in seen.names if n.startswith("alltoall_ops::")}
+    assert ours == {f"alltoall_ops::{n}" for n in ("plan_routing", "read_splits", "dispatch", "combine")}
+    for a, b in zip(direct, watched):
+        assert torch.equal(a, b)

@@ -112,13 +112,15 @@ def opcheck_cuda():
     header = a2a.comm.header("exchange_counts", 8)
     recv = ops.exchange_counts(plan.send_meta, "", header)
     torch.library.opcheck(ops.exchange_counts.default, (plan.send_meta, "", header))
-    args = (plan.order, plan.position, plan.send_meta, recv, 4, "")
+    torch.library.opcheck(ops.read_splits.default, (plan.send_meta, recv, 4))
+    splits = ops.read_splits(plan.send_meta, recv, 4)
+    args = (plan.order, plan.position, recv, splits, 4, "")
     torch.library.opcheck(ops.dispatch.default, (x, None, *args, None))
     routed = ops.dispatch(x, None, *args, None)
     eo = torch.randn_like(routed, requires_grad=True)
     torch.library.opcheck(ops.combine.default, (eo, w.detach(), *args, False))
     torch.library.opcheck(ops.combine.default, (eo, w, *args, True))
-    return "exchange_counts, dispatch, combine"
+    return "exchange_counts, read_splits, dispatch, combine"
 
 
 @check

@@ -76,7 +76,8 @@ def collective_reference(rank: int, world_size: int, spec: dict, masked: Any = N
     y = a2a.combine(out, handle, weights)
     y1 = a2a.combine(out.detach(), handle)
     grad_x, grad_w = torch.autograd.grad(y, (x, weights), grad_y)
-    y_abs = a2a.combine(out.detach().abs().double(), handle, weights.detach().abs().double())  # sum_k |terms|
+    # sum_k |terms|, the scale of the tolerance (in the dispatched dtype, as combine on a group requires)
+    y_abs = a2a.combine(out.detach().abs(), handle, weights.detach().abs()).double()
     return dict(routed=routed.detach(), tpe=tpe, y=y.detach(), y1=y1, grad_x=grad_x, grad_w=grad_w, y_abs=y_abs)
 
 

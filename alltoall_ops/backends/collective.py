@@ -2,7 +2,7 @@
 style all-to-alls (NCCL on GPUs, gloo on CPUs), and its custom ops, which the ``local`` backend
 runs on a group of one rank (no exchange).
 
-A dispatch reads its split sizes on the host once (``layout.read_splits_op``, the one device
+A dispatch reads its split sizes on the host once (``layout.read_splits``, the one device
 sync of a layer step); combine and both backward ops reuse them from a small CPU tensor. Its
 routing layout travels as a :class:`Route` (the ops' arguments after the payload):
     order_N (N,), position_TK (T, K), recv_meta_WL (W, e + STATUS_COLUMNS), all int64 on the
@@ -265,7 +265,8 @@ class RouteHandle(DispatchHandle):
 
     def combine(self, expert_out_RH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor]) -> torch.Tensor:
         self.check_combine_everywhere(expert_out_RH, topk_weights_TK)
-        y_TH, _ = combine_op(expert_out_RH, topk_weights_TK, *self.route, save_returned(topk_weights_TK))
+        y_TH, _ = comm.call(combine_op, expert_out_RH, topk_weights_TK, *self.route, save_returned(topk_weights_TK),
+                            differentiable=(expert_out_RH, topk_weights_TK))
         return y_TH
 
 
@@ -273,9 +274,9 @@ def dispatch_route(x_TH: torch.Tensor, plan: layout.RoutingPlan, recv_meta_WL: t
                    group_name: str) -> tuple[torch.Tensor, torch.Tensor, RouteHandle]:
     """Dispatch ``x_TH`` along ``plan`` once its counts are exchanged (``recv_meta_WL``):
     routed (R, H), tokens_per_expert (e,), handle. The layer's one host sync: the split sizes."""
-    splits_S = layout.read_splits_op(plan.send_meta, recv_meta_WL, expert_alignment)
+    splits_S = layout.read_splits(plan.send_meta, recv_meta_WL, expert_alignment)
     route = Route(plan.order, plan.position, recv_meta_WL, splits_S, expert_alignment, group_name)
-    routed_RH = dispatch_op(x_TH, None, *route, None)
+    routed_RH = comm.call(dispatch_op, x_TH, None, *route, None, differentiable=(x_TH,))
     recv_counts_We, _ = layout.split_meta(recv_meta_WL)
     tokens_per_expert_e = layout.padded_tokens_per_expert(recv_counts_We, expert_alignment)
     return routed_RH, tokens_per_expert_e, RouteHandle(route, routed_RH.shape[0], x_TH.shape[1], x_TH.dtype)

@@ -78,18 +78,32 @@ class SymmMemHandle(DispatchHandle):
     num_rows: int
     expert_alignment: int
 
+    @property
+    def group_name(self) -> str:
+        return self.buffers.group_name
+
+    @property
+    def world_size(self) -> int:
+        return self.buffers.world_size
+
+    def check_combine(self, expert_out_CH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor]) -> None:
+        check_combine_args(expert_out_CH, self, topk_weights_TK)
+        bufs = self.buffers
+        if tuple(expert_out_CH.shape) != (bufs.capacity, bufs.hidden) or expert_out_CH.dtype != bufs.dtype:
+            raise ValueError(
+                f"expert_out: expected the {bufs.dtype} shape (C, H) = ({bufs.capacity}, {bufs.hidden}) of "
+                f"routed, got {expert_out_CH.dtype} of shape {tuple(expert_out_CH.shape)}"
+            )
+
     def combine(self, expert_out_CH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor]) -> torch.Tensor:
         """y (T, H); rows of expert_out that dispatch did not fill (padding, rows past
         tokens_per_expert.sum()) are ignored."""
         bufs = self.buffers
-        if comm.debug() and bufs.world_size > 1 and not is_compiling():
-            # Debug mode: the ranks agree on every check (a host exchange) before the payload moves.
-            comm.checked("combine", bufs.group_name, _check_combine, expert_out_CH, self, topk_weights_TK)
-            comm.agree("combine", bufs.group_name, comm.combine_fields(expert_out_CH, self.top_k))
-        else:  # a rank that raises here leaves its peers in the op's barrier until the deadline
-            _check_combine(expert_out_CH, self, topk_weights_TK)
-        y_TH, _ = symm_combine_op(expert_out_CH, topk_weights_TK, self.position_TK, self.slot_dst_N, self.row_src_C,
-                                  self.num_routed_1, bufs, save_returned(topk_weights_TK))
+        self.check_combine_everywhere(expert_out_CH, topk_weights_TK)  # without debug mode, a rank that
+        # raises here leaves its peers in the op's barrier until the deadline
+        y_TH, _ = comm.call(symm_combine_op, expert_out_CH, topk_weights_TK, self.position_TK, self.slot_dst_N,
+                            self.row_src_C, self.num_routed_1, bufs, save_returned(topk_weights_TK),
+                            differentiable=(expert_out_CH, topk_weights_TK))
         return y_TH
 
 
@@ -176,16 +190,6 @@ def _checked(bufs: SymmBuffers, check, *args):
         raise
 
 
-def _check_combine(expert_out: torch.Tensor, handle: SymmMemHandle, topk_weights: Optional[torch.Tensor]) -> None:
-    check_combine_args(expert_out, handle, topk_weights)
-    bufs = handle.buffers
-    if tuple(expert_out.shape) != (bufs.capacity, bufs.hidden) or expert_out.dtype != bufs.dtype:
-        raise ValueError(
-            f"expert_out: expected the {bufs.dtype} shape (C, H) = ({bufs.capacity}, {bufs.hidden}) of "
-            f"routed, got {expert_out.dtype} of shape {tuple(expert_out.shape)}"
-        )
-
-
 class SymmMemBackend(Backend):
     """Peer-addressable buffers and Triton kernels: no host sync, CUDA-graph capturable."""
 
@@ -211,9 +215,10 @@ class SymmMemBackend(Backend):
         header[0].fill_(topk_idx_TK.numel())
         header[1].fill_(expert_alignment)
         send_row_L = torch.cat([plan.send_meta[:, :e].reshape(-1), plan.send_meta[0, e:], header])
-        meta_WL = symm_exchange_meta_op(send_row_L, bufs, expert_alignment)
+        meta_WL = comm.call(symm_exchange_meta_op, send_row_L, bufs, expert_alignment)
         r = route(meta_WL, topk_idx_TK, plan.position, bufs, expert_alignment)
-        routed_CH, row_src_C = symm_dispatch_op(x_TH, None, plan.position, r.slot_dst, r.num_routed, bufs)
+        routed_CH, row_src_C = comm.call(symm_dispatch_op, x_TH, None, plan.position, r.slot_dst, r.num_routed, bufs,
+                                         differentiable=(x_TH,))
         handle = SymmMemHandle(plan.position, meta_WL, r.slot_dst, row_src_C, r.num_routed, r.dropped, bufs,
                                bufs.capacity, expert_alignment)
         return routed_CH, r.tokens_per_expert, handle
