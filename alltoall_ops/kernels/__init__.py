@@ -7,6 +7,7 @@
     topk_reduce.py   ``topk_reduce``: each token's weighted sum over its top-k slots (combine)
     weight_grad.py   ``weight_grad``: the gradient of the routing weights / dispatch scale
     barrier.py       ``barrier``: the symm_mem backend's signal-pad barrier, with a deadline
+    meta_check.py    ``check_meta``: the symm_mem backend's metadata checks, one bitmask
     _config.py       launch blocks per kernel, shared helpers (exact casts)
 
 Kernels address peer memory through a pointer table: an int64 tensor holding one base address

@@ -19,45 +19,43 @@ from .buffers import ALIGNMENT, CALL, FAILED, META, N_SLOTS, RECV, RET, TAGS, Sy
 # Checks on the exchanged metadata (every rank sees the same metadata, so all agree)
 
 
-def _fail(ok: torch.Tensor, kind: type, message: Callable[[], str]) -> None:
-    """Raise ``kind(message())`` where ``ok`` is False. CPU: at once. CUDA: no host sync, a
-    device-side assert (``torch._assert_async``) that surfaces at the next synchronisation."""
-    if ok.device.type == "cpu":
-        if not bool(ok):
-            raise kind(message())
-    else:
-        torch._assert_async(ok, f"alltoall_ops symm_mem: {kind.__name__} (a rank rejected its arguments, ranks "
-                                "out of step or disagreeing on expert_alignment, bad expert ids, T * K above "
-                                "the buffers' max_tokens_per_rank * top_k, or overflow)")
+CHECK_COLUMNS = (FAILED, CALL, ALIGNMENT, 0, N_SLOTS)
+"""Columns past the E counts that the checks' kernel reads (``kernels/meta_check.py``): the
+failure flag, the call number, the alignment, the status' count of bad ids, N = T * K."""
+
+CHECK_FAILED = ("alltoall_ops symm_mem: a metadata check failed (a rank rejected its arguments, ranks out of step "
+                "or disagreeing on expert_alignment, bad expert ids, T * K above the buffers' max_tokens_per_rank "
+                "* top_k, or overflow)")
+"""The device-side assert's message on CUDA (torch takes fewer than 255 characters)."""
 
 
 def _check_meta(meta_WL: torch.Tensor, bufs: SymmBuffers, expert_alignment: int, call: int) -> None:
     """Every rank's metadata row (W, L), checked in the order: a rank's failure flag, the call
-    numbers, the alignments, the expert ids, T * K, and the capacity (unless overflow='drop')."""
+    numbers, the alignments, the expert ids, T * K, and the capacity (unless overflow='drop'), by
+    one kernel. CPU: the first failed check raises at once. CUDA: no host sync, a device-side
+    assert (``torch._assert_async``) that surfaces at the next synchronisation."""
     E, W, C = bufs.num_experts, bufs.world_size, bufs.capacity
+    failed_checks_1 = loader.load().check_meta(
+        meta_WL, E, CHECK_COLUMNS, call, expert_alignment, bufs.max_slots, C, bufs.overflow != "drop"
+    )
+    if failed_checks_1.device.type != "cpu":
+        torch._assert_async(failed_checks_1 == 0, CHECK_FAILED)
+        return
+    failed_checks = int(failed_checks_1)
+    if not failed_checks:
+        return
     counts, status, extra = meta_WL[:, :E], meta_WL[:, E : E + layout.STATUS_COLUMNS], meta_WL[:, E:]
     n_slots = extra[:, N_SLOTS]
-    failed = extra[:, FAILED]
 
     def peer_failed() -> str:
         messages = bufs._segments.gather_objects(bufs._own_error)  # every rank takes this path
-        s = int(torch.nonzero(failed)[0])
+        s = int(torch.nonzero(extra[:, FAILED])[0])
         return (f"alltoall_ops.dispatch (symm_mem, rank {bufs.rank} of {W}): rank {s} rejected its arguments: "
                 f"{messages[s] or 'see its error'}")
-
-    _fail((failed == 0).all(), PeerInputError, peer_failed)
-    _fail((extra[:, CALL] == call).all(), GroupMismatchError, lambda: (
-        f"alltoall_ops.dispatch (symm_mem): the ranks are out of step: their calls on these buffers are "
-        f"{extra[:, CALL].tolist()} (by rank); every rank must call dispatch the same number of times"))
-    _fail((extra[:, ALIGNMENT] == expert_alignment).all(), GroupMismatchError, lambda: (
-        f"alltoall_ops.dispatch (symm_mem): the ranks disagree on expert_alignment: "
-        f"{extra[:, ALIGNMENT].tolist()} (by rank); every rank must pass the same"))
 
     def bad_ids() -> str:
         s = int(torch.nonzero(status[:, 0] > 0)[0])
         return str(layout.bad_ids_error(s, status[s].tolist(), E))
-
-    _fail((status[:, 0] == 0).all(), RoutingError, bad_ids)
 
     def too_many_slots() -> str:
         s = int(torch.nonzero(n_slots > bufs.max_slots)[0])
@@ -65,19 +63,28 @@ def _check_meta(meta_WL: torch.Tensor, bufs: SymmBuffers, expert_alignment: int,
                 f"max_tokens_per_rank * top_k = {bufs.max_slots}; create SymmBuffers with a larger "
                 f"max_tokens_per_rank")
 
-    _fail((n_slots <= bufs.max_slots).all(), CapacityError, too_many_slots)
-    if bufs.overflow == "drop":
-        return
-    needed = layout.padded_tokens_per_expert(counts, expert_alignment).view(W, -1).sum(1)  # (W,) rows each rank gets
-
     def overflow() -> str:
+        needed = layout.padded_tokens_per_expert(counts, expert_alignment).view(W, -1).sum(1)  # (W,) rows per rank
         r = int(torch.nonzero(needed > C)[0])
         return (f"symm_mem dispatch overflow: rank {r} must receive {int(needed[r])} rows "
                 f"(expert_alignment={expert_alignment}) but the buffers' capacity is C = {C}; "
                 f"create SymmBuffers with a larger capacity (default: the worst case), or with "
                 f"overflow='drop' to drop the rows past C and count them")
 
-    _fail((needed <= C).all(), CapacityError, overflow)
+    checks: list[tuple[type, Callable[[], str]]] = [  # in the order of the kernel's bits
+        (PeerInputError, peer_failed),
+        (GroupMismatchError, lambda: (
+            f"alltoall_ops.dispatch (symm_mem): the ranks are out of step: their calls on these buffers are "
+            f"{extra[:, CALL].tolist()} (by rank); every rank must call dispatch the same number of times")),
+        (GroupMismatchError, lambda: (
+            f"alltoall_ops.dispatch (symm_mem): the ranks disagree on expert_alignment: "
+            f"{extra[:, ALIGNMENT].tolist()} (by rank); every rank must pass the same")),
+        (RoutingError, bad_ids),
+        (CapacityError, too_many_slots),
+        (CapacityError, overflow),
+    ]
+    kind, message = checks[(failed_checks & -failed_checks).bit_length() - 1]  # the lowest bit set
+    raise kind(message())
 
 
 # --------------------------------------------------------------------------------------------
