@@ -13,6 +13,10 @@ combine only:
 - ``local``: ``alltoall_ops.moe.MoE`` with ``backend="local"`` (one host read per step).
 - ``symm``: ``backend="symm_mem"`` with ``SymmBuffers`` (no host sync; capacity C = T * K).
 
+Suffixes: ``.compile`` (fullgraph), ``.compile.graph`` (``mode="reduce-overhead"``, CUDA graph
+trees), ``.compile.cudagraph`` (the compiled forward captured by hand with ``torch.cuda.graph``
+and replayed: inference).
+
 Before timing, every row's outputs (and gradients) are compared with the eager ``plain`` layer,
 and every ``*.graph`` row is checked for capture: inductor's cudagraph skips, and the CUDA graph
 and kernel launches of a profiled step, are noted; a row that is not captured says so. Each row reports the median time
@@ -34,7 +38,7 @@ from torch.profiler import ProfilerActivity, profile
 import alltoall_ops as a2a
 from alltoall_ops.moe import MoE
 
-from .bench import timer
+from .bench import Captured, timer
 
 MOE_SHAPES = {"decode": (128, 2048, 1408, 64, 6), "train": (4096, 2048, 1408, 64, 6)}
 SMOKE_SHAPES = {"decode": (8, 32, 48, 8, 2), "train": (64, 32, 48, 8, 2)}
@@ -140,6 +144,24 @@ def run_shape(name: str, shape, device: torch.device, backend: str, time_us, row
                 rows.append({"shape": name, "T": T, "impl": row_impl, "op": op, "us": round(us, 1),
                              "host_us": round(host, 1), "first_calls_s": round(compile_s, 1)})
                 print(f"{name:>6} T={T:5d} {row_impl:>20} {op:>8}: {us:9.1f} us  host {host:9.1f} us", flush=True)
+        if device.type == "cuda" and label != "local":
+            # The compiled forward captured by hand (torch.cuda.graph), replayed: inference.
+            compiled = torch.compile(fn, backend=backend, fullgraph=True)
+
+            def forward(stream, compiled=compiled):
+                with torch.no_grad():
+                    return compiled(x)
+
+            captured = Captured(forward, cuda=True)
+            got = captured.run()
+            err = float((got.float() - reference["fwd"].float()).norm() / reference["fwd"].float().norm())
+            if err > 2e-2:
+                raise AssertionError(f"{name} {label}.compile.cudagraph: relative error {err:.3g} against plain eager")
+            us, host = time_us(captured.replay), host_us(captured.replay)
+            rows.append({"shape": name, "T": T, "impl": f"{label}.compile.cudagraph", "op": "fwd",
+                         "us": round(us, 1), "host_us": round(host, 1), "first_calls_s": 0.0})
+            print(f"{name:>6} T={T:5d} {label + '.compile.cudagraph':>20} fwd: {us:9.1f} us  host {host:9.1f} us",
+                  flush=True)
 
 
 def markdown(rows: list, notes: list) -> str:
