@@ -24,6 +24,7 @@ demo: install
 bench: install
 	$(PY) -m pip install -q -e ".[bench]" "$(TORCH_DEV_CONSTRAINT)"
 	$(PY) -m benchmarks.bench --out results
+	$(PY) -m benchmarks.moe_layer --out results/performance
 
 lint: install
 	$(PY) -m pip install -q ruff
