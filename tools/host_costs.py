@@ -1,0 +1,91 @@
+"""Host time of the pieces of one local dispatch / combine on a GPU (a host timer around 200
+calls each), against plain argsort + ``index_select``, and the device syncs of one local MoE
+layer step (CUDA's sync debug mode and ``alltoall_ops.testing.HostTraffic``).
+
+    PYTHONPATH=. python3 tools/host_costs.py
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Callable
+
+import torch
+
+import alltoall_ops as a2a
+from alltoall_ops import layout
+from alltoall_ops.kernels import loader
+from alltoall_ops.moe import MoE
+from alltoall_ops.testing import HostTraffic
+
+H, K, E = 7168, 8, 256
+
+
+def host_us(fn: Callable[[], object], n: int = 200) -> float:
+    """Microseconds of host time per call of fn (n calls, then one synchronisation)."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+def pieces(T: int, dev: torch.device) -> dict[str, float]:
+    kernels = loader.load()
+    x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+    weights, topk_idx = torch.randn(T, E, device=dev).softmax(-1).topk(K, dim=-1)
+    plan = layout.plan_routing(topk_idx, E, 1)
+    out = x.new_empty(T * K, H)
+    routed, _, handle = a2a.dispatch(x, topk_idx, num_experts=E, backend="local")
+
+    def plain_dispatch():
+        order = topk_idx.reshape(-1).argsort(stable=True)
+        return x.index_select(0, order // K)
+
+    return {
+        "torch.empty": host_us(lambda: torch.empty(T * K, H, device=dev, dtype=torch.bfloat16)),
+        "tiny add": host_us(lambda: plan.send_meta.add(0)),
+        "plan_slots (kernels)": host_us(lambda: kernels.plan_slots(topk_idx, E, 1)),
+        "plan_routing op": host_us(lambda: layout.plan_routing_op(topk_idx, E, 1)),
+        "put_rows launcher": host_us(lambda: kernels.put_rows(x, plan.position.reshape(-1), T * K, out=out, top_k=K)),
+        "read_splits (sync)": host_us(lambda: layout.read_splits(plan.send_meta, plan.send_meta, 1)),
+        "meta.tolist (sync)": host_us(lambda: plan.send_meta.tolist()),
+        "local dispatch": host_us(lambda: a2a.dispatch(x, topk_idx, num_experts=E, backend="local")),
+        "local combine": host_us(lambda: a2a.combine(routed, handle, weights)),
+        "plain dispatch": host_us(plain_dispatch),
+    }
+
+
+def syncs_of_a_layer_step(dev: torch.device) -> tuple[int, int]:
+    """(CUDA sync warnings, HostTraffic reads) of one local MoE forward + backward."""
+    layer = MoE(2048, 1408, 64, 6, backend="local", device=dev, dtype=torch.bfloat16)
+    x = torch.randn(4096, 2048, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    layer(x).sum().backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught, HostTraffic() as traffic:
+            warnings.simplefilter("always")
+            layer(x).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchronizing CUDA operation" in str(w.message)]
+    return len(syncs), traffic.reads
+
+
+def main() -> None:
+    dev = torch.device("cuda")
+    for T in (128, 4096):
+        for name, us in pieces(T, dev).items():
+            print(f"T={T:5d} {name:>24}: {us:8.1f} us host")
+    syncs, reads = syncs_of_a_layer_step(dev)
+    print(f"local MoE step (T=4096, fwd + bwd): {syncs} synchronising CUDA calls, {reads} HostTraffic reads")
+
+
+if __name__ == "__main__":
+    main()
