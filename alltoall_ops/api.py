@@ -66,7 +66,8 @@ def combine(
     """Bring expert outputs back and reduce each token's top-k slots.
 
     Args:
-        expert_out: (R, H) rows in the order ``dispatch`` returned them.
+        expert_out: (R, H) rows in the order ``dispatch`` returned them. On a group (W > 1),
+            in the dispatched hidden size and dtype, so that every rank's rows mean the same.
         handle: the :class:`DispatchHandle` of that dispatch.
         topk_weights: (T, K) float router weights, or None for weight 1.
 

@@ -2,9 +2,10 @@
 argument, what was expected and what came, before any communication.
 
 These checks read only shapes, dtypes and Python ints, which SPMD programs share across ranks,
-so every rank raises alike. Checks that need tensor values (expert ids out of range, an
-``expert_out`` of the wrong size for its handle) run inside the ops, where every rank learns
-the verdict through the metadata exchange or one all-reduce."""
+so every rank raises alike. Expert ids out of range need tensor values: they travel with the
+exchanged counts, and every rank raises on the first read of them (``layout.read_splits``).
+Combine's checks are local (its row count against the handle's R): see
+``DispatchHandle.check_combine_everywhere`` for what the peers see."""
 
 from __future__ import annotations
 
@@ -96,8 +97,8 @@ def check_combine_args(expert_out: torch.Tensor, handle, topk_weights: Optional[
 
 
 def check_combine_rows(expert_out: torch.Tensor, num_rows) -> None:
-    """expert_out must have the R rows its dispatch returned (one rank: a host check of two
-    sizes, no sync; under torch.compile a runtime assertion on the symbolic sizes)."""
+    """expert_out must have the R rows its dispatch returned (a host check of two sizes, no
+    sync; under torch.compile a runtime assertion on the symbolic sizes)."""
     rows = expert_out.shape[0]
     if is_compiling():  # NB: dynamo takes only a message without captured values
         torch._check(rows == num_rows, lambda: "combine: expert_out must have the rows its dispatch returned")
