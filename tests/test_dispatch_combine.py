@@ -416,3 +416,15 @@ def test_local_combine_checks_rows_against_the_handle():
     routed, _, handle = alltoall_ops.dispatch(x, torch.tensor([[0, 1]] * 5), num_experts=2)
     with pytest.raises(ValueError, match="expert_out has 9 rows but its handle's dispatch returned 10"):
         alltoall_ops.combine(routed[:-1], handle)
+
+
+def test_local_combine_takes_expert_outputs_of_another_dtype():
+    """One rank exchanges nothing, so expert_out may differ from x in dtype (on a group it may
+    not: every rank's rows must mean the same, see test_reliability)."""
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(6, 3, generator=g), torch.rand(6, 2, generator=g)
+    topk_idx = torch.randint(-1, 4, (6, 2), generator=g)
+    routed, _, handle = alltoall_ops.dispatch(x, topk_idx, num_experts=4)
+    y = alltoall_ops.combine(routed.double() * 2, handle, w.double())
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, (x.double() * 2) * (w.double() * (topk_idx >= 0)).sum(1, keepdim=True))
