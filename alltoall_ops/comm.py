@@ -4,9 +4,10 @@
   errors re-raised as ``alltoall_ops.<op> on group <name> (rank r of W): ...`` with the original
   as ``__cause__`` (:class:`CollectiveError`, :class:`CollectiveTimeout`);
 - ``agree``: the *header agreement* that starts each op on a process group: one all-gather of a
-  fixed-size int64 header per rank (op, call number, failure flag, the op's shared fields), so
-  that every rank raises the same error, before any payload moves, when a rank rejected its
-  own arguments (:class:`PeerInputError` on its peers), the ranks are out of step, or they
+  fixed-size int64 message per rank (op, call number, failure flag, the op's shared fields,
+  and room for a small payload such as a dispatch's counts: ``agree_and_gather``), so that
+  every rank raises the same error, before any payload moves, when a rank rejected its own
+  arguments (:class:`PeerInputError` on its peers), the ranks are out of step, or they
   disagree on a field (:class:`GroupMismatchError`);
 - ``comm_op``: the one registry of the library's custom ops that communicate (every backend's),
   which the selective-checkpointing policy and the graph summaries read.
@@ -153,6 +154,10 @@ _OPS = tuple(FIELDS)
 _FIXED = 4  # op code, call number, failure flag, number of fields
 _MAX_FIELDS = 8
 HEADER_LEN = _FIXED + _MAX_FIELDS
+PAYLOAD_LEN = 1024
+"""int64s of payload every agreement message has room for (e.g. a dispatch's counts, W * L of
+them): messages have one fixed size, so ranks in different ops or calls still pair up."""
+MESSAGE_LEN = HEADER_LEN + PAYLOAD_LEN
 
 _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
            torch.float8_e5m2, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
@@ -210,6 +215,21 @@ def agree(op: str, group_name: str, fields: Sequence[int], problem: Optional[Bas
     :class:`PeerInputError` with the first failed rank's error; :class:`GroupMismatchError` when
     ranks are in different ops or calls, or disagree on a field. ``shapes``: this rank's shape
     behind a ``shape`` field, for the message (exchanged only when the fingerprints differ)."""
+    rows = _agree(op, group_name, fields, problem, shapes, equal, None)
+    return [row[_FIXED : _FIXED + len(FIELDS[op])] for row in rows]
+
+
+def agree_and_gather(op: str, group_name: str, fields: Sequence[int], payload: torch.Tensor) -> list[list[int]]:
+    """:func:`agree`, carrying ``payload`` (at most ``PAYLOAD_LEN`` int64s, on any device: copied
+    into the message on the device, not read first) in the same all-gather. Returns every
+    rank's payload, by rank, read on the host with the agreement: one exchange, one read."""
+    rows = _agree(op, group_name, fields, None, None, None, payload)
+    return [row[HEADER_LEN : HEADER_LEN + payload.numel()] for row in rows]
+
+
+def _agree(op: str, group_name: str, fields: Sequence[int], problem: Optional[BaseException],
+           shapes: Optional[Sequence[int]], equal: Optional[int], payload: Optional[torch.Tensor]) -> list[list[int]]:
+    """The agreement's exchange and checks; returns every rank's message (MESSAGE_LEN ints)."""
     pg = process_group(group_name)
     names = FIELDS[op]
     values = [0] * len(names) if problem is not None else [int(v) for v in fields]
@@ -217,10 +237,15 @@ def agree(op: str, group_name: str, fields: Sequence[int], problem: Optional[Bas
     _calls[group_name] += 1
     header = [_OPS.index(op), call, int(problem is not None), len(names)] + values
     header += [0] * (HEADER_LEN - len(header))
-    send = torch.tensor(header, dtype=torch.int64, device=device_of(pg))
-    gathered = torch.empty(pg.size(), HEADER_LEN, dtype=torch.int64, device=send.device)
+    send = torch.zeros(MESSAGE_LEN, dtype=torch.int64, device=device_of(pg))
+    send[:HEADER_LEN] = torch.tensor(header, dtype=torch.int64)
+    if payload is not None:
+        if payload.numel() > PAYLOAD_LEN:
+            raise ValueError(f"agree: a payload of at most {PAYLOAD_LEN} ints, got {payload.numel()}")
+        send[HEADER_LEN : HEADER_LEN + payload.numel()] = payload.reshape(-1)
+    gathered = torch.empty(pg.size(), MESSAGE_LEN, dtype=torch.int64, device=send.device)
     run(op, group_name, lambda g: dist.all_gather(list(gathered.unbind(0)), send, group=g, async_op=True))
-    rows = gathered.tolist()  # Host sync: (W, HEADER_LEN)
+    rows = gathered.tolist()  # Host sync: (W, MESSAGE_LEN)
     failed = [r for r, row in enumerate(rows) if row[2]]
     if failed:
         mine = None if problem is None else f"{type(problem).__name__}: {problem}"
@@ -245,7 +270,7 @@ def agree(op: str, group_name: str, fields: Sequence[int], problem: Optional[Bas
             listed = ", ".join(f"rank {r} has {v}" for r, v in enumerate(per_rank))
             raise GroupMismatchError(f"{where(op, pg)}: the ranks disagree on {name}: {listed}; every rank "
                                      "must pass the same")
-    return [row[_FIXED : _FIXED + len(names)] for row in rows]
+    return rows
 
 
 def checked(op: str, group_name: str, check: Callable[..., T], *args) -> T:

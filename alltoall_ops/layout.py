@@ -225,12 +225,20 @@ def read_splits(send_meta_WL: torch.Tensor, recv_meta_WL: torch.Tensor, expert_a
 
 
 def _read_splits(send_meta_WL: torch.Tensor, recv_meta_WL: torch.Tensor, expert_alignment: int) -> torch.Tensor:
-    W, S = send_meta_WL.shape[0], STATUS_COLUMNS
+    W = send_meta_WL.shape[0]
     # NB: one small copy and plain Python sums: on a slow host each extra tensor op costs more
     # than the arithmetic on W * (e + S) ints. One rank receives what it sends: one matrix.
     host = (recv_meta_WL if W == 1 else torch.cat([send_meta_WL, recv_meta_WL])).tolist()
-    send_counts, recv_counts = [row[:-S] for row in host[:W]], [row[:-S] for row in host[-W:]]
-    for src, row in enumerate(host[-W:]):
+    return host_splits(host[:W], host[-W:], expert_alignment)
+
+
+def host_splits(send_rows: list[list[int]], recv_rows: list[list[int]], expert_alignment: int) -> torch.Tensor:
+    """The split sizes (2W + 2,) int64 CPU tensor (see :class:`HostSplits`) of both metadata
+    matrices already on the host (W rows of e + STATUS_COLUMNS ints each); raises the
+    :class:`RoutingError` of the first rank whose status reports bad expert ids."""
+    S, W = STATUS_COLUMNS, len(send_rows)
+    send_counts, recv_counts = [row[:-S] for row in send_rows], [row[:-S] for row in recv_rows]
+    for src, row in enumerate(recv_rows):
         if row[-S]:
             raise bad_ids_error(src, row[-S:], W * len(send_counts[0]))
     per_expert = recv_counts[0] if W == 1 else [sum(col) for col in zip(*recv_counts)]

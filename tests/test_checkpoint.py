@@ -110,7 +110,8 @@ def test_policy_marks():
 
 def test_registry_lists_every_comm_op():
     names = {op.name() for op in a2a.communication_ops()}
-    assert {"alltoall_ops::exchange_counts", "alltoall_ops::dispatch", "alltoall_ops::combine"} <= names
+    assert {"alltoall_ops::exchange_counts", "alltoall_ops::exchange_routing", "alltoall_ops::dispatch",
+            "alltoall_ops::combine"} <= names
     # Every op of the namespace that takes a group communicates, so it must be in the registry.
     for name in dir(torch.ops.alltoall_ops):
         packet = getattr(torch.ops.alltoall_ops, name)

@@ -2,9 +2,10 @@
 counted from outside the library (:class:`alltoall_ops.testing.HostTraffic`).
 
 The forward dispatch reads its split sizes once (the layer's one device sync on a GPU); combine,
-both backward ops and the expert_out row check reuse them. On a group the dispatch also starts
-with its header agreement (one all-gather, read before the counts exchange whose sizes it
-guards). Combine moves nothing but its rows, unless debug mode asks for its agreement.
+both backward ops and the expert_out row check reuse them. On a group the counts travel inside
+the dispatch's header agreement (one all-gather, one read), or, when they do not fit its
+payload, in an all-to-all after it (a second read). Combine moves nothing but its rows, unless
+debug mode asks for its agreement.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import alltoall_ops as a2a
+from alltoall_ops import comm
 from alltoall_ops.testing import HostTraffic
 
 E, T, H, K = 4, 9, 6, 2
@@ -56,22 +58,31 @@ def test_the_counter_sees_reads_outside_the_library():
     assert traffic.reads == 2
 
 
-def _group_step(rank: int, world_size: int, alignment: int, debug: bool):
+def _group_step(rank: int, world_size: int, alignment: int, debug: bool, payload_len: int = comm.PAYLOAD_LEN):
     os.environ["ALLTOALL_OPS_DEBUG"] = "1" if debug else "0"
+    comm.PAYLOAD_LEN, before = payload_len, comm.PAYLOAD_LEN
     try:
         return _step(rank, alignment)
     finally:
         del os.environ["ALLTOALL_OPS_DEBUG"]
+        comm.PAYLOAD_LEN = before
 
 
 @pytest.mark.parametrize("alignment", [1, 2])
 def test_two_ranks_read_the_splits_once(pool2, alignment):
-    # header agreement (all_gather) + its read; counts (all_to_all) + the split read;
-    # 4 payload all-to-alls: dispatch, combine, and their adjoints in backward
-    expected = (2, {"all_gather": 1, "all_to_all_single": 5})
+    # the agreement's all-gather carries the counts (one read); 4 payload all-to-alls: dispatch,
+    # combine, and their adjoints in backward
+    expected = (1, {"all_gather": 1, "all_to_all_single": 4})
     assert pool2.run(_group_step, alignment, False) == [expected] * 2
 
 
+def test_counts_too_many_for_the_agreement_move_after_it(pool2):
+    # W * L = 2 * (2 + 3) = 10 counts > 4: the agreement, then an all-to-all of the counts and
+    # a second read
+    expected = (2, {"all_gather": 1, "all_to_all_single": 5})
+    assert pool2.run(_group_step, 1, False, 4) == [expected] * 2
+
+
 def test_debug_mode_adds_the_combine_agreement(pool2):
-    expected = (3, {"all_gather": 2, "all_to_all_single": 5})
+    expected = (2, {"all_gather": 2, "all_to_all_single": 4})
     assert pool2.run(_group_step, 1, True) == [expected] * 2

@@ -20,7 +20,7 @@ CONFIGS = [(6, 2, 1, True), (5, 3, 4, False), (0, 2, 2, True)]
 
 
 def opcheck_all(rank: int, world_size: int, group_name: str | None, configs=CONFIGS) -> list[str]:
-    """opcheck plan_routing, exchange_counts, read_splits, dispatch and combine on small random
+    """opcheck plan_routing, exchange_counts, read_splits, exchange_routing, dispatch and combine on small random
     inputs of this rank.
 
     group_name None: the default process group. Returns a description of each checked config."""
@@ -42,6 +42,10 @@ def opcheck_all(rank: int, world_size: int, group_name: str | None, configs=CONF
         recv_counts, _ = layout.split_meta(recv_meta)
         R = int(layout.padded_tokens_per_expert(recv_counts, alignment).sum())
         torch.library.opcheck(OPS.read_splits.default, (plan.send_meta, recv_meta, alignment))
+        dispatch_header = comm.header("dispatch", E, H, comm.dtype_code(x.dtype), K, alignment)
+        torch.library.opcheck(OPS.exchange_routing.default, (plan.send_meta, group_name, dispatch_header, alignment))
+        recv_meta_2, splits_2 = OPS.exchange_routing(plan.send_meta, group_name, dispatch_header, alignment)
+        assert torch.equal(recv_meta_2, recv_meta) and splits_2.device.type == "cpu"
         splits = OPS.read_splits(plan.send_meta, recv_meta, alignment)
         assert splits.device.type == "cpu" and layout.HostSplits.of(splits).num_rows == R
         layout_args = (plan.order, plan.position, recv_meta, splits, alignment, group_name)

@@ -142,14 +142,14 @@ def test_inductor_train_step_with_a_zero_token_rank(pool2, train_router):
         train_step_compiled_vs_eager, TOKENS_PER_RANK, train_router, timeout=HANG_TIMEOUT_S
     )
     for rank, (forward, backward) in enumerate(forward_backward):
-        assert {"exchange_counts", "dispatch", "combine"} <= set(forward), (rank, forward)
+        assert {"exchange_routing", "dispatch", "combine"} <= set(forward), (rank, forward)
         assert {"dispatch", "combine"} <= set(backward), (rank, backward)
 
 
 def test_inductor_no_grad_residual_with_a_zero_token_rank(pool2):
     codes = pool2.run(no_grad_residual_compiled_vs_eager, TOKENS_PER_RANK, timeout=HANG_TIMEOUT_S)
     for rank, (forward,) in enumerate(codes):
-        assert {"exchange_counts", "dispatch", "combine"} <= set(forward), (rank, forward)
+        assert {"exchange_routing", "dispatch", "combine"} <= set(forward), (rank, forward)
 
 
 # --------------------------------------------------------------------------------------------

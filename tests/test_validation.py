@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import alltoall_ops
 from alltoall_ops.errors import RoutingError
-from alltoall_ops.testing import RankFailures, debug_mode
+from alltoall_ops.testing import HostTraffic, RankFailures, debug_mode
 
 E, H, T, K = 4, 3, 5, 2
 
@@ -135,34 +135,16 @@ def test_structural_error_on_every_rank(pool2, name):
     _expect_all_ranks_raise(pool2, structural_case, name, exc=exc, text=text)
 
 
-class _CountAllToAll:
-    """Counts ``dist.all_to_all_single`` calls (the ops look it up at call time)."""
-
-    def __enter__(self):
-        self.calls = 0
-        self._orig = dist.all_to_all_single
-
-        def counted(*args, **kwargs):
-            self.calls += 1
-            return self._orig(*args, **kwargs)
-
-        dist.all_to_all_single = counted
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_to_all_single = self._orig
-
-
 def bad_expert_id_on_one_rank(rank: int, world_size: int, bad_rank: int, bad_id: int) -> None:
     x, idx, _ = _inputs(rank)
     if rank == bad_rank:
         idx[1, 1] = bad_id
-    with _CountAllToAll() as counter:
+    with HostTraffic() as traffic:
         try:
             alltoall_ops.dispatch(x, idx, num_experts=E)
         finally:
-            # Only the count exchange ran: the payload never moved.
-            assert counter.calls == 1, f"{counter.calls} all-to-alls before the error"
+            # The counts travel in the agreement's all-gather: no all-to-all ran, the payload never moved.
+            assert traffic.collectives == {"all_gather": 1}, traffic.collectives
 
 
 @pytest.mark.parametrize("bad_rank, bad_id", [(0, E), (1, -2), (1, 1000)])

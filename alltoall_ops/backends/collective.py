@@ -2,8 +2,9 @@
 style all-to-alls (NCCL on GPUs, gloo on CPUs), and its custom ops, which the ``local`` backend
 runs on a group of one rank (no exchange).
 
-A dispatch reads its split sizes on the host once (``layout.read_splits``, the one device
-sync of a layer step); combine and both backward ops reuse them from a small CPU tensor. Its
+A dispatch reads its split sizes on the host once (``exchange_routing`` on a group,
+``layout.read_splits`` on one rank: the one device sync of a layer step); combine and both
+backward ops reuse them from a small CPU tensor. Its
 routing layout travels as a :class:`Route` (the ops' arguments after the payload):
     order_N (N,), position_TK (T, K), recv_meta_WL (W, e + STATUS_COLUMNS), all int64 on the
     payload's device; splits_S (2W + 2,) int64 on the CPU (``layout.HostSplits``);
@@ -18,7 +19,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import comm, layout
-from ..groups import LOCAL, Group
+from ..groups import LOCAL, Group, process_group
 from ..rows import rows_in_send_order, slot_dot, weighted_slot_sum
 from ..validation import check_dispatch_args
 from .base import Backend, DispatchHandle, save_returned
@@ -60,6 +61,10 @@ def exchange_counts_op(send_Wc: torch.Tensor, group_name: str, header: list[int]
     header: ``[op code, *fields]`` (``comm.FIELDS``) that every rank must agree on; the ranks
     check it (:func:`comm.agree`) before the counts move, so a disagreement on c is an error
     on every rank, never a mismatched exchange."""
+    return _exchange_counts(send_Wc, group_name, header)
+
+
+def _exchange_counts(send_Wc: torch.Tensor, group_name: str, header: list[int]) -> torch.Tensor:
     recv_Wc = torch.empty_like(send_Wc)
     if send_Wc.shape[0] == 1:
         recv_Wc.copy_(send_Wc)
@@ -73,6 +78,39 @@ def exchange_counts_op(send_Wc: torch.Tensor, group_name: str, header: list[int]
 def _(send_Wc, group_name, header):
     # NB: every rank sends one equal-sized row to every rank, so the shape is the input's.
     return torch.empty_like(send_Wc)
+
+
+@comm.comm_op("exchange_routing")
+def exchange_routing_op(
+    send_meta_WL: torch.Tensor, group_name: str, header: list[int], expert_alignment: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dispatch's metadata exchange on a group, with its header agreement and its one host
+    read: send_meta (W, L), row r for rank r -> recv_meta (W, L) (row s from rank s, on
+    send_meta's device) and splits_S (2W + 2,) on the CPU (``layout.HostSplits``).
+
+    When the W * L counts fit an agreement's payload (``comm.PAYLOAD_LEN``) they travel inside
+    it: one all-gather, one read. Else the agreement, an all-to-all of the counts and a second
+    read (``layout.read_splits``). Raises on every rank alike (see :func:`comm.agree`; bad
+    expert ids: :class:`RoutingError`)."""
+    W, L = send_meta_WL.shape
+    op, fields = comm.op_name(header[0]), header[1:]
+    if W == 1:  # a group of one agrees with itself and receives what it sends
+        return send_meta_WL.clone(), layout.read_splits(send_meta_WL, send_meta_WL, expert_alignment)
+    if W * L > comm.PAYLOAD_LEN:
+        recv_meta_WL = _exchange_counts(send_meta_WL, group_name, header)
+        return recv_meta_WL, layout.read_splits(send_meta_WL, recv_meta_WL, expert_alignment)
+    sent_by_rank = comm.agree_and_gather(op, group_name, fields, send_meta_WL)  # W rows of W * L
+    r = process_group(group_name).rank()
+    send_rows = [sent_by_rank[r][s * L : (s + 1) * L] for s in range(W)]
+    recv_rows = [sent[r * L : (r + 1) * L] for sent in sent_by_rank]
+    recv_meta_WL = torch.tensor(recv_rows, dtype=torch.int64).to(send_meta_WL.device, non_blocking=True)
+    return recv_meta_WL, layout.host_splits(send_rows, recv_rows, expert_alignment)
+
+
+@exchange_routing_op.register_fake
+def _(send_meta_WL, group_name, header, expert_alignment):
+    W = send_meta_WL.shape[0]
+    return torch.empty_like(send_meta_WL), torch.empty(2 * W + 2, dtype=torch.int64, device="cpu")
 
 
 # --------------------------------------------------------------------------------------------
@@ -270,11 +308,10 @@ class RouteHandle(DispatchHandle):
         return y_TH
 
 
-def dispatch_route(x_TH: torch.Tensor, plan: layout.RoutingPlan, recv_meta_WL: torch.Tensor, expert_alignment: int,
-                   group_name: str) -> tuple[torch.Tensor, torch.Tensor, RouteHandle]:
-    """Dispatch ``x_TH`` along ``plan`` once its counts are exchanged (``recv_meta_WL``):
-    routed (R, H), tokens_per_expert (e,), handle. The layer's one host sync: the split sizes."""
-    splits_S = layout.read_splits(plan.send_meta, recv_meta_WL, expert_alignment)
+def dispatch_route(x_TH: torch.Tensor, plan: layout.RoutingPlan, recv_meta_WL: torch.Tensor, splits_S: torch.Tensor,
+                   expert_alignment: int, group_name: str) -> tuple[torch.Tensor, torch.Tensor, RouteHandle]:
+    """Dispatch ``x_TH`` along ``plan`` once its counts are exchanged (``recv_meta_WL``) and
+    its split sizes read (``splits_S``): routed (R, H), tokens_per_expert (e,), handle."""
     route = Route(plan.order, plan.position, recv_meta_WL, splits_S, expert_alignment, group_name)
     routed_RH = comm.call(dispatch_op, x_TH, None, *route, None, differentiable=(x_TH,))
     recv_counts_We, _ = layout.split_meta(recv_meta_WL)
@@ -283,8 +320,8 @@ def dispatch_route(x_TH: torch.Tensor, plan: layout.RoutingPlan, recv_meta_WL: t
 
 
 class CollectiveBackend(Backend):
-    """All-to-alls over a process group: per layer step one header agreement and one read of
-    the split sizes, both in the forward dispatch."""
+    """All-to-alls over a process group: per layer step one host read, in the forward
+    dispatch's metadata exchange (its header agreement carries the counts)."""
 
     name = "collective"
 
@@ -301,7 +338,8 @@ class CollectiveBackend(Backend):
                          expert_alignment)
         plan = layout.plan_routing(topk_idx_TK, E, group.size)
         fields = comm.dispatch_fields(x_TH, topk_idx_TK, E, expert_alignment)
-        recv_meta_WL = exchange_counts_op(plan.send_meta, group.name, comm.header("dispatch", *fields))
-        return dispatch_route(x_TH, plan, recv_meta_WL, expert_alignment, group.name)
+        header = comm.header("dispatch", *fields)
+        recv_meta_WL, splits_S = exchange_routing_op(plan.send_meta, group.name, header, expert_alignment)
+        return dispatch_route(x_TH, plan, recv_meta_WL, splits_S, expert_alignment, group.name)
 
 

@@ -24,6 +24,7 @@ class LocalBackend(Backend):
         E = check_dispatch_args(x_TH, topk_idx_TK, num_experts, 1, expert_alignment)
         plan = layout.plan_routing(topk_idx_TK, E, 1)
         # One rank receives what it sends: the send counts are the received ones.
-        return dispatch_route(x_TH, plan, plan.send_meta, expert_alignment, LOCAL)
+        splits_S = layout.read_splits(plan.send_meta, plan.send_meta, expert_alignment)
+        return dispatch_route(x_TH, plan, plan.send_meta, splits_S, expert_alignment, LOCAL)
 
 
