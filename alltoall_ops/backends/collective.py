@@ -4,8 +4,8 @@ runs on a group of one rank (no exchange).
 
 A dispatch reads its split sizes on the host once (``exchange_routing`` on a group,
 ``layout.read_splits`` on one rank: the one device sync of a layer step); combine and both
-backward ops reuse them from a small CPU tensor. Its
-routing layout travels as a :class:`Route` (the ops' arguments after the payload):
+backward ops reuse them from a small CPU tensor. Its routing layout travels as a
+:class:`Route` (the ops' arguments after the payload):
     order_N (N,), position_TK (T, K), recv_meta_WL (W, e + STATUS_COLUMNS), all int64 on the
     payload's device; splits_S (2W + 2,) int64 on the CPU (``layout.HostSplits``);
     expert_alignment, group_name. W = recv_meta_WL.shape[0]; W == 1 exchanges nothing.
