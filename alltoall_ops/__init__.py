@@ -10,7 +10,7 @@ machines without CUDA) go to ``logging.getLogger("alltoall_ops")``.
 from .kernels import loader as _loader  # noqa: F401  (isort: skip)
 
 from . import errors
-from .api import combine, dispatch, exchange_counts
+from .api import combine, dispatch, dispatch_layout, exchange_counts
 from .backends import DispatchHandle
 from .backends.symm_mem import SymmBuffers
 from .checkpoint import sac_policy
@@ -20,6 +20,7 @@ from .ulysses import head_to_seq, seq_to_head, ulysses_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["DispatchHandle", "SymmBuffers", "__version__", "combine", "communication_ops", "dispatch", "errors",
+__all__ = ["DispatchHandle", "SymmBuffers", "__version__", "combine", "communication_ops", "dispatch",
+           "dispatch_layout", "errors",
            "exchange_counts", "get_timeout", "head_to_seq", "sac_policy", "seq_to_head", "set_timeout",
            "ulysses_attention", "warmup"]

@@ -7,10 +7,11 @@ from typing import Any, Optional
 
 import torch
 
-from . import backends, comm
+from . import backends, comm, layout
 from .backends import DispatchHandle
 from .backends.collective import exchange_counts_op
 from .groups import Group, resolve_group
+from .validation import check_layout_args
 
 
 def dispatch(
@@ -79,6 +80,26 @@ def combine(
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"handle: expected the DispatchHandle returned by dispatch, got {type(handle).__name__}")
     return handle.combine(expert_out, topk_weights)
+
+
+def dispatch_layout(
+    topk_idx: torch.Tensor, *, num_experts: int, group: Any = None, num_nodes: int = 1
+) -> layout.DispatchLayout:
+    """What this rank's routing sends where, before any communication (DeepEP's dispatch
+    layout): tokens per rank (W,), slots per expert (E,), tokens per node (num_nodes,) and
+    is_token_in_rank (T, W) bool; see :class:`alltoall_ops.layout.DispatchLayout`.
+
+    Args:
+        topk_idx: (T, K) integer global expert ids; -1 (and any id outside [0, E)) counts nowhere.
+        num_experts: E, divisible by the group size W; rank r owns experts [r*e, (r+1)*e).
+        group: as in :func:`dispatch`; gives W (nothing is exchanged).
+        num_nodes: nodes the W ranks span, W / num_nodes consecutive ranks each.
+
+    One op (``alltoall_ops::dispatch_layout``), no host sync: usable to size buffers, and under
+    torch.compile or a CUDA graph."""
+    grp = resolve_group(group)
+    E, nodes = check_layout_args(topk_idx, num_experts, grp.size, num_nodes)
+    return layout.DispatchLayout(*layout.dispatch_layout_op(topk_idx, E, grp.size, nodes))
 
 
 def exchange_counts(

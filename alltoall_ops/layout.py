@@ -20,7 +20,7 @@ Layout conventions:
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence, TypeVar
+from typing import NamedTuple, Sequence, TypeVar
 
 import torch
 
@@ -112,6 +112,49 @@ def _plan_routing_torch(topk_idx: torch.Tensor, num_experts: int, world_size: in
         dim=1,
     )
     return order, position.view(T, K), send_meta
+
+
+class DispatchLayout(NamedTuple):
+    """Who receives what from this rank's routing, as DeepEP's ``get_dispatch_layout`` counts it
+    (ids outside [0, E) count nowhere):
+
+    tokens_per_rank: (W,) int64, tokens with at least one of their K experts on rank r;
+    tokens_per_expert: (E,) int64, slots routed to each global expert;
+    tokens_per_node: (num_nodes,) int64, tokens with at least one expert on a rank of node n
+        (ranks [n * W / num_nodes, (n + 1) * W / num_nodes));
+    is_token_in_rank: (T, W) bool, token t goes to rank r (once, however many of r's experts)."""
+
+    tokens_per_rank: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    tokens_per_node: torch.Tensor
+    is_token_in_rank: torch.Tensor
+
+
+@torch.library.custom_op("alltoall_ops::dispatch_layout", mutates_args=())
+def dispatch_layout_op(
+    topk_idx: torch.Tensor, num_experts: int, world_size: int, num_nodes: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(T, K) expert ids -> :class:`DispatchLayout`'s four tensors; torch ops with fixed shapes
+    on every device (no host sync, CUDA-graph capturable)."""
+    T, K = topk_idx.shape
+    E, W = num_experts, world_size
+    idx_TK = topk_idx.to(torch.int64)
+    valid_TK = (idx_TK >= 0) & (idx_TK < E)
+    safe_TK = torch.where(valid_TK, idx_TK, 0)
+    tokens_per_expert_E = torch.zeros(E, dtype=torch.int64, device=topk_idx.device)
+    tokens_per_expert_E.scatter_add_(0, safe_TK.reshape(-1), valid_TK.reshape(-1).to(torch.int64))
+    in_rank_TW = torch.zeros(T, W, dtype=torch.int64, device=topk_idx.device)
+    in_rank_TW.scatter_reduce_(1, safe_TK // (E // W), valid_TK.to(torch.int64), reduce="amax")
+    in_node_TN = in_rank_TW.view(T, num_nodes, W // num_nodes).amax(2)
+    return in_rank_TW.sum(0), tokens_per_expert_E, in_node_TN.sum(0), in_rank_TW.bool()
+
+
+@dispatch_layout_op.register_fake
+def _(topk_idx, num_experts, world_size, num_nodes):
+    new = dict(dtype=torch.int64, device=topk_idx.device)
+    T = topk_idx.shape[0]
+    return (topk_idx.new_empty(world_size, **new), topk_idx.new_empty(num_experts, **new),
+            topk_idx.new_empty(num_nodes, **new), topk_idx.new_empty(T, world_size, dtype=torch.bool))
 
 
 def split_meta(meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

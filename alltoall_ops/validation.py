@@ -78,6 +78,21 @@ def check_dispatch_args(
     return num_experts
 
 
+def check_layout_args(topk_idx: torch.Tensor, num_experts: int, world_size: int, num_nodes: int) -> tuple[int, int]:
+    """Raise on a bad ``dispatch_layout`` argument; return (num_experts, num_nodes) as ints."""
+    _require_tensor("topk_idx", topk_idx)
+    dtype = topk_idx.dtype
+    if topk_idx.ndim != 2 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise TypeError(f"topk_idx: expected a 2-D integer tensor (T, K), got {_describe(topk_idx)}")
+    num_experts = positive_int("num_experts", num_experts)
+    if num_experts % world_size != 0:
+        raise ValueError(f"num_experts: expected a multiple of the group size {world_size}, got {num_experts}")
+    num_nodes = positive_int("num_nodes", num_nodes)
+    if world_size % num_nodes != 0:
+        raise ValueError(f"num_nodes: expected a divisor of the group size {world_size}, got {num_nodes}")
+    return num_experts, num_nodes
+
+
 def check_combine_args(expert_out: torch.Tensor, handle, topk_weights: Optional[torch.Tensor]) -> None:
     """Raise on a bad combine argument (``handle``: a ``DispatchHandle``)."""
     _require_float_matrix("expert_out", expert_out, "(R, H)")
