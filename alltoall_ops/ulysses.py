@@ -14,7 +14,7 @@ than ``seq_dim`` and ``head_dim`` is carried along (so q/k and v may have differ
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -180,11 +180,46 @@ def head_to_seq(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: 
     return head_to_seq_op(x, grp.name, seq_dim, head_dim)
 
 
-def _check_qkv(q, k, v) -> None:
+LAYOUTS = {"bshd": 1, "sbhd": 0}
+"""Layouts of ``ulysses_attention``'s tensors -> their sequence dim (heads are dim 2 in both):
+batch-first (B, S, H, D), and seq-first (S, B, H, D) as DeepSpeed's DistributedAttention takes."""
+
+
+def _check_qkv(q, k, v, world_size: int, layout: str, attn_fn, is_causal: bool, scale) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"ulysses_attention: layout: expected one of {tuple(LAYOUTS)}, got {layout!r}")
+    shape_doc = "(B, S/W, Hh, D)" if layout == "bshd" else "(S/W, B, Hh, D)"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.ndim != 4:
             got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"ulysses_attention: {name}: expected a 4-D tensor (B, S/W, Hh, D), got {got}")
+            raise ValueError(f"ulysses_attention: {name}: expected a 4-D tensor {shape_doc}, got {got}")
+    if k.shape[:3] != v.shape[:3] or q.shape[:2] != k.shape[:2]:
+        raise ValueError(
+            f"ulysses_attention: k, v: expected the batch and sequence dims of q and one head count for k and "
+            f"v, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} ({layout})"
+        )
+    heads_q, heads_kv = q.shape[2], k.shape[2]
+    if heads_kv != heads_q and (heads_q % heads_kv or not (heads_kv % world_size == 0 or world_size % heads_kv == 0)):
+        raise ValueError(
+            f"ulysses_attention: k, v: expected kv heads dividing the {heads_q} q heads, and either divisible "
+            f"by the group size {world_size} (kv heads are split) or dividing it (kv heads are replicated), "
+            f"got {heads_kv}"
+        )
+    if attn_fn is not None and (is_causal or scale is not None):
+        raise ValueError("ulysses_attention: is_causal and scale apply to the default attention; with attn_fn, "
+                         "give them to your attn_fn")
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, is_causal: bool,
+          scale: Optional[float]) -> torch.Tensor:
+    """``scaled_dot_product_attention`` on tensors in ``layout``, k and v heads repeated to q's."""
+    to_bhsd = (0, 2, 1, 3) if layout == "bshd" else (1, 2, 0, 3)
+    back = (0, 2, 1, 3) if layout == "bshd" else (2, 0, 1, 3)
+    q, k, v = (t.permute(to_bhsd) for t in (q, k, v))
+    if k.shape[1] != q.shape[1]:  # GQA / MQA: each kv head serves q.heads / k.heads q heads
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+    return out.permute(back)
 
 
 def ulysses_attention(
@@ -194,13 +229,28 @@ def ulysses_attention(
     group: Any = None,
     is_causal: bool = False,
     scale: Optional[float] = None,
+    *,
+    layout: str = "bshd",
+    attn_fn: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Attention over the whole sequence from sequence shards.
 
-    q, k: (B, S/W, Hh, Dqk); v: (B, S/W, Hh, Dv); Hh divisible by W. Returns (B, S/W, Hh, Dv),
-    this rank's chunk of ``scaled_dot_product_attention`` over the gathered sequence (causal
-    masking is by global position, since the sequence is gathered in rank order)."""
-    comm.checked("seq_to_head", communication_group(resolve_group(group)).name, _check_qkv, q, k, v)
-    q, k, v = (seq_to_head(t, group, seq_dim=1, head_dim=2).transpose(1, 2) for t in (q, k, v))
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
-    return head_to_seq(out.transpose(1, 2), group, seq_dim=1, head_dim=2)
+    q: (B, S/W, Hq, Dqk) (``layout="bshd"``) or (S/W, B, Hq, Dqk) (``"sbhd"``); k: Dqk and v: Dv
+    with Hkv heads: Hkv == Hq, or GQA / MQA with Hq divisible by Hkv and Hkv either divisible by
+    W (kv heads split across ranks like q's) or dividing W (each kv head replicated to the W / Hkv
+    ranks whose q heads use it). Hq divisible by W. Returns (B, S/W, Hq, Dv) in ``layout``: this
+    rank's chunk of attention over the gathered sequence (causal masking is by global position,
+    since the sequence is gathered in rank order).
+
+    attn_fn: the local attention, like DeepSpeed's ``local_attention``: called as
+    ``attn_fn(q, k, v)`` on the full sequence and this rank's heads, in ``layout`` (q with Hq/W
+    heads, k and v with max(Hkv/W, 1)), returning the output in ``layout``. Default:
+    ``scaled_dot_product_attention`` with ``is_causal`` and ``scale``, kv heads repeated for GQA."""
+    grp = communication_group(resolve_group(group))
+    comm.checked("seq_to_head", grp.name, _check_qkv, q, k, v, grp.size, layout, attn_fn, is_causal, scale)
+    seq_dim, head_dim = LAYOUTS[layout], 2
+    if k.shape[head_dim] < grp.size:  # fewer kv heads than ranks: every rank gets its q heads' kv head
+        k, v = (t.repeat_interleave(grp.size // k.shape[head_dim], dim=head_dim) for t in (k, v))
+    q, k, v = (seq_to_head(t, group, seq_dim=seq_dim, head_dim=head_dim) for t in (q, k, v))
+    out = attn_fn(q, k, v) if attn_fn is not None else _sdpa(q, k, v, layout, is_causal, scale)
+    return head_to_seq(out, group, seq_dim=seq_dim, head_dim=head_dim)

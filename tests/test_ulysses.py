@@ -145,6 +145,89 @@ def run_attention(rank, world_size, is_causal, scale, seed):
     return tuple(out.shape)
 
 
+def _dense_gqa(q, k, v, causal_window=None):
+    """Attention over (B, S, Hq, D) with k, v of Hkv heads (each serving Hq / Hkv q heads), in
+    fp64; causal_window: None (no mask) or w (key j visible from query i iff i - w < j <= i)."""
+    g = q.shape[2] // k.shape[2]
+    k, v = (t.repeat_interleave(g, dim=2) for t in (k, v))
+    scores = torch.einsum("bihd,bjhd->bhij", q, k) / q.shape[-1] ** 0.5
+    if causal_window is not None:
+        i, j = torch.arange(q.shape[1])[:, None], torch.arange(q.shape[1])[None, :]
+        scores = scores.masked_fill(~((j <= i) & (j > i - causal_window)), float("-inf"))
+    return torch.einsum("bhij,bjhd->bihd", scores.softmax(-1), v)
+
+
+def run_attention_variants(rank, world_size, heads_q, heads_kv, layout, windowed, seed):
+    """ulysses_attention with GQA / MQA heads, a layout, and (windowed) a user attn_fn with a
+    sliding-window mask, against the dense computation: forward and gradients, fp64."""
+    W, B, S, D = world_size, 2, 2 * world_size, 3
+    q, k, v = (_full(seed + i, (B, S, h, D)) for i, h in enumerate((heads_q, heads_kv, heads_kv)))
+    upstream = _full(seed + 3, (B, S, heads_q, D))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = _dense_gqa(*full, causal_window=2 if windowed else None)
+    ref_grads = torch.autograd.grad(ref, full, upstream)
+    seen = []
+
+    def windowed_attention(q_, k_, v_):  # called on the full sequence and this rank's heads
+        seen.append((tuple(q_.shape), tuple(k_.shape)))
+        if layout == "sbhd":
+            q_, k_, v_ = (t.transpose(0, 1) for t in (q_, k_, v_))
+        out = _dense_gqa(q_, k_, v_, causal_window=2)
+        return out.transpose(0, 1) if layout == "sbhd" else out
+
+    to_layout = (lambda t: t.transpose(0, 1)) if layout == "sbhd" else (lambda t: t)
+    local = [to_layout(_shard(t, 1, rank, W)).clone().requires_grad_() for t in (q, k, v)]
+    out = a2a.ulysses_attention(*local, layout=layout, attn_fn=windowed_attention if windowed else None)
+    torch.testing.assert_close(out, to_layout(_shard(ref, 1, rank, W)), rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad(out, local, to_layout(_shard(upstream, 1, rank, W)))
+    for name, got, want in zip("qkv", grads, ref_grads):
+        torch.testing.assert_close(got, to_layout(_shard(want, 1, rank, W)), rtol=1e-12, atol=1e-12, msg=name)
+    if windowed:  # the user's function saw the full sequence, this rank's q heads and its kv heads
+        kv_local = max(heads_kv // W, 1)
+        full_seq = (B, S, heads_q // W, D) if layout == "bshd" else (S, B, heads_q // W, D)
+        assert seen[0][0] == full_seq and seen[0][1][2] == kv_local, seen
+    return tuple(out.shape)
+
+
+# (Hq, Hkv) per group size: kv heads split (Hkv divisible by W) and replicated (Hkv divides W)
+GQA_HEADS = {1: [(2, 1)], 2: [(4, 2), (4, 1), (2, 2)], 4: [(8, 4), (8, 2), (4, 1)]}
+
+
+@pytest.mark.parametrize("pool", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("layout, windowed", [("bshd", False), ("sbhd", False), ("bshd", True), ("sbhd", True)])
+def test_attention_gqa_layouts_and_attn_fn_match_dense(pool, layout, windowed):
+    W = pool.world_size
+    for heads_q, heads_kv in GQA_HEADS[W]:
+        shapes = pool.run(run_attention_variants, heads_q, heads_kv, layout, windowed, 7 * heads_q + heads_kv)
+        assert shapes == [(2, 2, heads_q, 3)] * W  # B = S/W = 2 in both layouts
+
+
+def attention_errors(rank, world_size):
+    W = world_size
+    q = torch.zeros(1, 2, 2 * W, 3)
+    calls = [
+        (a2a.ulysses_attention, (q, torch.zeros(1, 2, 3, 3), torch.zeros(1, 2, 3, 3)), {}),
+        (a2a.ulysses_attention, (q, q, q), dict(layout="bhsd")),
+        (a2a.ulysses_attention, (q, q[:, :1], q[:, :1]), {}),
+        (a2a.ulysses_attention, (q, q, q), dict(is_causal=True, attn_fn=lambda *t: t[0])),
+    ]
+    errors = _errors(calls)
+    _check_exchange(rank, W, (1, 2 * W, 2 * W, 2), 1, 2, seed=21)  # nothing was sent: still in step
+    return errors
+
+
+@pytest.mark.parametrize("pool", [2, 4], indirect=True)
+def test_attention_errors_on_every_rank(pool):
+    W = pool.world_size
+    errors = pool.run(attention_errors)
+    assert errors[0] == errors[-1]
+    messages = [m for _, m in errors[0]]
+    assert f"expected kv heads dividing the {2 * W} q heads" in messages[0] and "got 3" in messages[0]
+    assert "layout: expected one of ('bshd', 'sbhd'), got 'bhsd'" in messages[1]
+    assert "k, v: expected the batch and sequence dims of q" in messages[2]
+    assert "with attn_fn, give them to your attn_fn" in messages[3]
+
+
 def _errors(fn_args) -> list:
     """(exception type name, message) of each call, which must all raise."""
     got = []
