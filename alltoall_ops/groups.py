@@ -21,12 +21,20 @@ class Group:
     size: int
 
 
+NO_GROUP = Group(LOCAL, 0, 1)
+"""``group=NO_GROUP``: this rank alone, whatever the default process group (e.g. expert
+parallelism off in a multi-rank job)."""
+
+
 def resolve_group(group: Any) -> Group:
     """ProcessGroup, 1-D DeviceMesh, or None (the default group, or no group when torch.distributed
-    is not initialised) -> :class:`Group`."""
+    is not initialised) -> :class:`Group`; a :class:`Group` stays as it is (``NO_GROUP``: one
+    rank, no communication, also under torchrun)."""
+    if isinstance(group, Group):
+        return group
     if group is None:
         if not (dist.is_available() and dist.is_initialized()):
-            return Group(LOCAL, 0, 1)
+            return NO_GROUP
         group = dist.group.WORLD
     # NB: ProcessGroup first: under torch.compile it is an opaque object, and probing it for
     # DeviceMesh attributes with hasattr is a hard error.
@@ -55,7 +63,7 @@ def process_group(name: str) -> dist.ProcessGroup:
 
 def communication_group(group: Group) -> Group:
     """The group an op communicates over: none (``LOCAL``) for a group of one rank."""
-    return Group(LOCAL, 0, 1) if group.size == 1 else group
+    return NO_GROUP if group.size == 1 else group
 
 
 def _groups_to_warm(mesh_or_groups: Any) -> list[dist.ProcessGroup]:
