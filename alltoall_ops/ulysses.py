@@ -199,6 +199,11 @@ def _check_qkv(q, k, v, world_size: int, layout: str, attn_fn, is_causal: bool, 
             f"v, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} ({layout})"
         )
     heads_q, heads_kv = q.shape[2], k.shape[2]
+    if heads_kv != heads_q and heads_q % world_size:
+        raise ValueError(
+            f"ulysses_attention: q: expected heads divisible by the group size {world_size} with GQA / MQA k, v "
+            f"(uneven heads are padded only when k and v have q's {heads_q} heads), got {heads_q}"
+        )
     if heads_kv != heads_q and (heads_q % heads_kv or not (heads_kv % world_size == 0 or world_size % heads_kv == 0)):
         raise ValueError(
             f"ulysses_attention: k, v: expected kv heads dividing the {heads_q} q heads, and either divisible "
@@ -236,11 +241,14 @@ def ulysses_attention(
     """Attention over the whole sequence from sequence shards.
 
     q: (B, S/W, Hq, Dqk) (``layout="bshd"``) or (S/W, B, Hq, Dqk) (``"sbhd"``); k: Dqk and v: Dv
-    with Hkv heads: Hkv == Hq, or GQA / MQA with Hq divisible by Hkv and Hkv either divisible by
-    W (kv heads split across ranks like q's) or dividing W (each kv head replicated to the W / Hkv
-    ranks whose q heads use it). Hq divisible by W. Returns (B, S/W, Hq, Dv) in ``layout``: this
-    rank's chunk of attention over the gathered sequence (causal masking is by global position,
-    since the sequence is gathered in rank order).
+    with Hkv heads: Hkv == Hq, or GQA / MQA with Hq divisible by Hkv and by W, and Hkv either
+    divisible by W (kv heads split across ranks like q's) or dividing W (each kv head replicated to
+    the W / Hkv ranks whose q heads use it). Hkv == Hq not divisible by W: zero heads pad q, k, v
+    up to a multiple of W (the last ranks attend over them; they are dropped from the output).
+    Sequence shards of one length on every rank (else a GroupMismatchError on every rank, naming
+    each rank's shape). Returns (B, S/W, Hq, Dv) in ``layout``: this rank's chunk of attention
+    over the gathered sequence (causal masking is by global position, since the sequence is
+    gathered in rank order).
 
     attn_fn: the local attention, like DeepSpeed's ``local_attention``: called as
     ``attn_fn(q, k, v)`` on the full sequence and this rank's heads, in ``layout`` (q with Hq/W
@@ -249,8 +257,14 @@ def ulysses_attention(
     grp = communication_group(resolve_group(group))
     comm.checked("seq_to_head", grp.name, _check_qkv, q, k, v, grp.size, layout, attn_fn, is_causal, scale)
     seq_dim, head_dim = LAYOUTS[layout], 2
-    if k.shape[head_dim] < grp.size:  # fewer kv heads than ranks: every rank gets its q heads' kv head
+    heads = q.shape[head_dim]
+    if k.shape[head_dim] != heads and k.shape[head_dim] < grp.size:  # GQA, fewer kv heads than ranks:
+        # every rank gets the kv head of its q heads
         k, v = (t.repeat_interleave(grp.size // k.shape[head_dim], dim=head_dim) for t in (k, v))
+    pad = -heads % grp.size  # uneven heads (kv heads == q heads): zero heads up to a multiple of W
+    if pad:
+        q, k, v = (torch.cat([t, t.new_zeros(*t.shape[:2], pad, t.shape[3])], dim=head_dim) for t in (q, k, v))
     q, k, v = (seq_to_head(t, group, seq_dim=seq_dim, head_dim=head_dim) for t in (q, k, v))
     out = attn_fn(q, k, v) if attn_fn is not None else _sdpa(q, k, v, layout, is_causal, scale)
-    return head_to_seq(out, group, seq_dim=seq_dim, head_dim=head_dim)
+    out = head_to_seq(out, group, seq_dim=seq_dim, head_dim=head_dim)
+    return out.narrow(head_dim, 0, heads) if pad else out

@@ -183,14 +183,16 @@ def run_attention_variants(rank, world_size, heads_q, heads_kv, layout, windowed
     for name, got, want in zip("qkv", grads, ref_grads):
         torch.testing.assert_close(got, to_layout(_shard(want, 1, rank, W)), rtol=1e-12, atol=1e-12, msg=name)
     if windowed:  # the user's function saw the full sequence, this rank's q heads and its kv heads
-        kv_local = max(heads_kv // W, 1)
-        full_seq = (B, S, heads_q // W, D) if layout == "bshd" else (S, B, heads_q // W, D)
+        q_local = -(-heads_q // W)  # uneven heads are padded up to a multiple of W
+        kv_local = q_local if heads_kv == heads_q else max(heads_kv // W, 1)
+        full_seq = (B, S, q_local, D) if layout == "bshd" else (S, B, q_local, D)
         assert seen[0][0] == full_seq and seen[0][1][2] == kv_local, seen
     return tuple(out.shape)
 
 
 # (Hq, Hkv) per group size: kv heads split (Hkv divisible by W) and replicated (Hkv divides W)
-GQA_HEADS = {1: [(2, 1)], 2: [(4, 2), (4, 1), (2, 2)], 4: [(8, 4), (8, 2), (4, 1)]}
+# and uneven heads (Hq == Hkv not divisible by W: zero heads pad them)
+GQA_HEADS = {1: [(2, 1)], 2: [(4, 2), (4, 1), (2, 2), (3, 3), (1, 1)], 4: [(8, 4), (8, 2), (4, 1), (5, 5), (2, 2)]}
 
 
 @pytest.mark.parametrize("pool", [1, 2, 4], indirect=True)
@@ -210,6 +212,7 @@ def attention_errors(rank, world_size):
         (a2a.ulysses_attention, (q, q, q), dict(layout="bhsd")),
         (a2a.ulysses_attention, (q, q[:, :1], q[:, :1]), {}),
         (a2a.ulysses_attention, (q, q, q), dict(is_causal=True, attn_fn=lambda *t: t[0])),
+        (a2a.ulysses_attention, (q[:, :, :W + 1], q[:, :, :1], q[:, :, :1]), {}),
     ]
     errors = _errors(calls)
     _check_exchange(rank, W, (1, 2 * W, 2 * W, 2), 1, 2, seed=21)  # nothing was sent: still in step
@@ -226,6 +229,7 @@ def test_attention_errors_on_every_rank(pool):
     assert "layout: expected one of ('bshd', 'sbhd'), got 'bhsd'" in messages[1]
     assert "k, v: expected the batch and sequence dims of q" in messages[2]
     assert "with attn_fn, give them to your attn_fn" in messages[3]
+    assert f"q: expected heads divisible by the group size {W} with GQA / MQA k, v" in messages[4]
 
 
 def _errors(fn_args) -> list:
@@ -261,7 +265,6 @@ def bad_calls(world_size: int, group_name: str):
             (a2a.head_to_seq, (odd_seq,), {}),
             (OPS.seq_to_head, (odd_heads, group_name, 1, 2), {}),
             (OPS.head_to_seq, (odd_seq, group_name, 1, 2), {}),
-            (a2a.ulysses_attention, (odd_heads, odd_heads, odd_heads), {}),
         ]
     return calls
 
@@ -287,7 +290,7 @@ def expected_errors(world_size: int) -> list:
         f"head_to_seq: x: expected sequence length (dim 1) divisible by the group size {W}, "
         f"got {n} (shape (2, {n}, 2, 5))"
     )
-    return EXPECTED_ERRORS + [("ValueError", m) for m in (heads, seq, heads, seq, heads)]
+    return EXPECTED_ERRORS + [("ValueError", m) for m in (heads, seq, heads, seq)]
 
 
 def run_bad_inputs(rank, world_size):
