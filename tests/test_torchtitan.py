@@ -1,7 +1,7 @@
 """``alltoall_ops.torchtitan.TokenDispatcher`` in a layer shaped like torchtitan's MoE (router,
 ``num_tokens_per_expert`` by histc, dispatch, grouped experts, combine with the scores), against
 the dense single-process reference: forward and gradients in fp64 on 1, 2 and 4 gloo ranks,
-eager and compiled (aot_eager, one compilation across routings).
+eager and compiled (aot_eager; inductor on two ranks; one compilation across routings).
 
 torchtitan itself is not installed here: its 0.3.0 wheel imports tyro, datasets, wandb,
 tensorboard and spmd_types at module level, so the layer below follows its documented
@@ -38,7 +38,8 @@ class TitanStyleMoE(torch.nn.Module):
         return self.dispatcher.combine(routed_output_RD, metadata, x_TD)
 
 
-def run_titan_layer(rank: int, world_size: int, alignment: int, compiled: bool, use_mesh: bool) -> int:
+def run_titan_layer(rank: int, world_size: int, alignment: int, compiled: bool, use_mesh: bool,
+                    compiler: str = "aot_eager") -> int:
     """Two steps (two routings) of the layer against the dense reference; returns the frames
     compiled. use_mesh False: expert parallelism off (``ep_mesh=None``), each rank on its own
     tokens with all experts, also inside a multi-rank job."""
@@ -51,7 +52,8 @@ def run_titan_layer(rank: int, world_size: int, alignment: int, compiled: bool, 
     dispatcher = TokenDispatcher(TokenDispatcher.Config(num_experts=E, top_k=K, expert_alignment=alignment))
     dispatcher.wire_meshes(ep_mesh=ep_mesh)
     layer = TitanStyleMoE(local, dispatcher)
-    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(compiler)
     step = torch.compile(layer, backend=counter, fullgraph=True) if compiled else layer
     r = rank if use_mesh else 0
     for seed in (1, 2):  # fresh tokens, so the routing changes between steps
@@ -84,6 +86,10 @@ def test_one_process_without_a_mesh(compiled):
 def test_expert_parallel_ranks(pool, alignment, compiled):
     frames = pool.run(run_titan_layer, alignment, compiled, True)
     assert frames == [1 if compiled else 0] * pool.world_size
+
+
+def test_inductor_two_ranks(pool2):
+    assert pool2.run(run_titan_layer, 2, True, True, "inductor") == [1, 1]
 
 
 def test_no_expert_parallelism_inside_a_multi_rank_job(pool2):
