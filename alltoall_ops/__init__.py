@@ -16,11 +16,12 @@ from .backends.symm_mem import SymmBuffers
 from .checkpoint import sac_policy
 from .comm import communication_ops, get_timeout, set_timeout
 from .groups import warmup
+from .hierarchical import hierarchical_dispatch
 from .ulysses import head_to_seq, seq_to_head, ulysses_attention
 
 __version__ = "0.1.0"
 
 __all__ = ["DispatchHandle", "SymmBuffers", "__version__", "combine", "communication_ops", "dispatch",
-           "dispatch_layout", "errors",
+           "dispatch_layout", "errors", "hierarchical_dispatch",
            "exchange_counts", "get_timeout", "head_to_seq", "sac_policy", "seq_to_head", "set_timeout",
            "ulysses_attention", "warmup"]

@@ -21,7 +21,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "alltoall_ops"
 LAYERS = {
     "errors": 0, "_compat": 0, "groups": 1, "comm": 2, "validation": 2, "kernels": 2, "layout": 3, "rows": 3,
     "backends": 4, "api": 5, "moe": 6, "ulysses": 6, "checkpoint": 6, "inspect": 6, "testing": 6, "reference": 6,
-    "torchtitan": 6,
+    "torchtitan": 6, "hierarchical": 6,
 }
 
 

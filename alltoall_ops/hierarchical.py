@@ -1,0 +1,142 @@
+"""Node-aware two-stage dispatch and combine (DeepEP's normal mode, on this library's ops).
+
+W = N nodes x L ranks; rank (n, l) is global rank n * L + l and owns experts
+[(n * L + l) * e, (n * L + l + 1) * e). Dispatch:
+
+1. across nodes (``node_group``: the N ranks with this rank's local index l): each token goes
+   once to every node that holds one of its experts, to the rank with the same l there, with
+   its top-k ids; a token with several experts on one node crosses the node boundary once;
+2. inside the node (``local_group``: the L ranks of this node): the arrived tokens go to the
+   ranks owning their experts on this node, as the flat dispatch sends them.
+
+Combine undoes it: inside the node each arrived token's weighted top-k sum over this node's
+experts (fp32), then one row back per (token, node), summed at the source. Forward and
+gradients equal the flat dispatch / combine up to the order of the fp32 sums.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .api import combine, dispatch
+from .backends import DispatchHandle
+from .backends.collective import RouteHandle, dispatch_op
+from .groups import LOCAL, Group, process_group, resolve_group
+from .validation import check_dispatch_args
+
+
+def _rows_along(handle: RouteHandle, rows_TC: torch.Tensor) -> torch.Tensor:
+    """Dispatch extra per-token rows (T, C) float along a stage's existing route: (R, C)."""
+    return dispatch_op(rows_TC, None, *handle.route, handle.num_rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class HierarchicalHandle(DispatchHandle):
+    """The two stages' handles: across nodes (``node_stage``) and inside the node (``local_stage``)."""
+
+    node_stage: RouteHandle
+    local_stage: RouteHandle
+
+    @property
+    def position_TK(self) -> torch.Tensor:
+        return self.node_stage.position_TK
+
+    @property
+    def num_rows(self) -> int:
+        return self.local_stage.num_rows
+
+    @property
+    def expert_alignment(self) -> int:
+        return self.local_stage.expert_alignment
+
+    @property
+    def group_name(self) -> str:
+        return self.local_stage.group_name
+
+    @property
+    def world_size(self) -> int:
+        return self.node_stage.world_size * self.local_stage.world_size
+
+    def combine(self, expert_out_RH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor]) -> torch.Tensor:
+        """(R, H) expert outputs -> (T, H): per node, then across nodes."""
+        arrived_weights = None
+        if topk_weights_TK is not None:  # each arrived token's K weights, at its forwarding rank
+            arrived_weights = _rows_along(self.node_stage, topk_weights_TK)
+        partial_AH = combine(expert_out_RH, self.local_stage, arrived_weights)  # this node's share
+        return combine(partial_AH, self.node_stage)  # one row per (token, node), summed
+
+
+def _members(group: Group) -> list[int]:
+    """Global ranks of ``group``'s members, in group order."""
+    if group.name == LOCAL:
+        return [dist.get_rank() if dist.is_initialized() else 0]
+    return dist.get_process_group_ranks(process_group(group.name))
+
+
+def _check_mesh(across: Group, inside: Group) -> None:
+    """Raise ``ValueError`` unless the groups form the N x L layout (rank n * L + l at node n,
+    local index l). Every rank of a misbuilt mesh sees its own groups break the pattern, so all
+    raise alike (e.g. when the node and local groups are swapped)."""
+    N, L, n, lo = across.size, inside.size, across.rank, inside.rank
+    want_across, want_inside = [m * L + lo for m in range(N)], [n * L + j for j in range(L)]
+    got_across, got_inside = _members(across), _members(inside)
+    if (got_across, got_inside) != (want_across, want_inside):
+        raise ValueError(
+            f"node_group, local_group: expected the ranks of this rank's node group {want_across} and local group "
+            f"{want_inside} (rank n * L + l is local rank l of node n), got {got_across} and {got_inside}"
+        )
+
+
+def hierarchical_dispatch(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    *,
+    num_experts: int,
+    node_group: Any,
+    local_group: Any,
+    expert_alignment: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, HierarchicalHandle]:
+    """:func:`alltoall_ops.dispatch` in two stages (module docstring); same returns: routed
+    (R, H) grouped by local expert (then forwarding rank of this node, then arrival order),
+    tokens_per_expert (e,), and a handle for :func:`alltoall_ops.combine`.
+
+    node_group / local_group: this rank's group across nodes (N ranks, ordered by node) and
+    inside its node (L ranks, ordered by local index), e.g. ``mesh["node"]`` and
+    ``mesh["local"]`` of ``init_device_mesh(dev, (N, L), mesh_dim_names=("node", "local"))``."""
+    across, inside = resolve_group(node_group), resolve_group(local_group)
+    N, L = across.size, inside.size
+    E = check_dispatch_args(x, topk_idx, num_experts, N * L, expert_alignment)
+    _check_mesh(across, inside)
+    per_node = E // N
+    idx_TK = topk_idx.to(torch.int64)
+    valid_TK = (idx_TK >= 0) & (idx_TK < E)
+    node_TK = torch.where(valid_TK, idx_TK // per_node, -1)
+    # NB: a token crosses to a node once: its later slots on the same node send nothing.
+    K = node_TK.shape[1]
+    earlier_KK = torch.ones(K, K, dtype=torch.bool, device=node_TK.device).tril(-1)  # [k, j]: j < k
+    earlier_same_TKK = (node_TK[:, :, None] == node_TK[:, None, :]) & earlier_KK
+    first_TK = ~earlier_same_TKK.any(-1)
+    to_node_TK = torch.where(first_TK, node_TK, -1)
+    arrived_AH, _, node_stage = dispatch(x, to_node_TK, num_experts=N, group=node_group)
+    arrived_idx_AK = _rows_along(node_stage, idx_TK.to(torch.float64)).to(torch.int64)
+    on_this_node_AK = (arrived_idx_AK >= 0) & (arrived_idx_AK // per_node == across.rank)
+    local_idx_AK = torch.where(on_this_node_AK, arrived_idx_AK - across.rank * per_node, -1)
+    routed_RH, tokens_per_expert_e, local_stage = dispatch(
+        arrived_AH, local_idx_AK, num_experts=per_node, group=local_group, expert_alignment=expert_alignment)
+    return routed_RH, tokens_per_expert_e, HierarchicalHandle(node_stage, local_stage)
+
+
+def node_crossings(topk_idx: torch.Tensor, num_experts: int, num_nodes: int, ranks_per_node: int,
+                   node: int) -> tuple[int, int]:
+    """Rows this rank (on node ``node``) sends across the node boundary: (flat, two-stage). The
+    flat dispatch sends one row per valid slot (token, expert); the two-stage one per (token,
+    destination node); both count destinations on other nodes only. A host read (reports)."""
+    per_node = num_experts // num_nodes
+    nodes = [[g // per_node for g in row if 0 <= g < num_experts] for row in topk_idx.tolist()]
+    flat = sum(n != node for row in nodes for n in row)
+    staged = sum(len(set(row) - {node}) for row in nodes)
+    return flat, staged

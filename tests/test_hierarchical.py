@@ -1,0 +1,101 @@
+"""``hierarchical_dispatch`` (node-aware two stages) against the flat dispatch / combine on real
+gloo ranks arranged as N nodes x L ranks: tokens per expert and each expert's rows equal, y and
+the gradients of x and the weights equal in fp64, and the rows that cross the node boundary are
+one per (token, other node), fewer than the flat path's one per (token, other rank)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+import alltoall_ops as a2a
+from alltoall_ops import layout
+from alltoall_ops.hierarchical import node_crossings
+
+H, T, K = 5, 7, 3
+
+
+def _inputs(rank: int, E: int, seed: int):
+    g = torch.Generator().manual_seed(seed + rank)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])  # K distinct experts
+    idx[torch.rand(T, K, generator=g) < 0.15] = -1
+    x = torch.randn(T, H, generator=g, dtype=torch.float64)
+    w = torch.rand(T, K, generator=g, dtype=torch.float64)
+    upstream = torch.randn(T, H, generator=g, dtype=torch.float64)
+    return x, idx, w, upstream
+
+
+def _experts(routed_RH: torch.Tensor, tokens_per_expert_e: torch.Tensor) -> torch.Tensor:
+    """Row-wise and different per local expert, so a row at the wrong expert shows."""
+    expert_R = layout.expert_of_rows(tokens_per_expert_e, routed_RH.shape[0])
+    return torch.tanh(routed_RH) * (1.0 + expert_R[:, None].to(routed_RH.dtype))
+
+
+def _step(dispatch_fn, x, idx, w, upstream):
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    routed, tokens_per_expert, handle = dispatch_fn(x, idx)
+    y = a2a.combine(_experts(routed, tokens_per_expert), handle, w)
+    y.backward(upstream)
+    return routed.detach(), tokens_per_expert, handle, y.detach(), x.grad, w.grad
+
+
+def _sent_to_other(handle, same: list[int]) -> int:
+    splits = layout.HostSplits.of(handle.route.splits_S)
+    return sum(n for r, n in enumerate(splits.send_splits) if r not in same)
+
+
+def run_two_stage(rank: int, world_size: int, num_nodes: int, alignment: int, seed: int):
+    N, L = num_nodes, world_size // num_nodes
+    E = 2 * world_size
+    mesh = init_device_mesh("cpu", (N, L), mesh_dim_names=("node", "local"))
+    x, idx, w, upstream = _inputs(rank, E, seed)
+    flat = _step(lambda x_, i_: a2a.dispatch(x_, i_, num_experts=E, expert_alignment=alignment), x, idx, w, upstream)
+    staged = _step(lambda x_, i_: a2a.hierarchical_dispatch(
+        x_, i_, num_experts=E, node_group=mesh["node"], local_group=mesh["local"], expert_alignment=alignment),
+        x, idx, w, upstream)
+    (routed_f, tpe_f, handle_f, *rest_f), (routed_s, tpe_s, handle_s, *rest_s) = flat, staged
+    assert torch.equal(tpe_f, tpe_s)
+    for start, n in zip((torch.cumsum(tpe_f, 0) - tpe_f).tolist(), tpe_f.tolist()):  # each expert's rows, any order
+        group_f, group_s = routed_f[start : start + n], routed_s[start : start + n]
+        assert torch.equal(group_f[group_f[:, 0].argsort()], group_s[group_s[:, 0].argsort()])
+    for name, got, want in zip(("y", "x.grad", "w.grad"), rest_s, rest_f):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=name)
+    node = rank // L
+    flat_rows, staged_rows = node_crossings(idx, E, N, L, node)
+    assert _sent_to_other(handle_f, list(range(node * L, (node + 1) * L))) == flat_rows
+    assert _sent_to_other(handle_s.node_stage, [node]) == staged_rows
+    return flat_rows, staged_rows
+
+
+@pytest.mark.parametrize("pool, num_nodes, alignment", [(4, 2, 1), (4, 2, 3), (4, 4, 1), (4, 1, 2)],
+                         indirect=["pool"])
+def test_equals_flat_and_crosses_nodes_once_per_token(pool, num_nodes, alignment):
+    counts = pool.run(run_two_stage, num_nodes, alignment, 10 * num_nodes + alignment)
+    flat, staged = (sum(c[i] for c in counts) for i in (0, 1))
+    assert staged <= flat
+    if num_nodes == 2:  # 2 ranks per node: some tokens have 2 experts on one other node
+        assert staged < flat, counts
+
+
+def run_swapped_groups(rank: int, world_size: int) -> str:
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("node", "local"))
+    x, idx, _, _ = _inputs(rank, 2 * world_size, 0)
+    with pytest.raises(ValueError) as info:
+        a2a.hierarchical_dispatch(x, idx, num_experts=2 * world_size, node_group=mesh["local"],
+                                  local_group=mesh["node"])
+    return str(info.value)
+
+
+def test_swapped_groups_raise_on_every_rank(pool4):
+    messages = pool4.run(run_swapped_groups)
+    assert all("node_group, local_group: expected the ranks of this rank's node group" in m for m in messages)
+    assert "node group [0, 2] and local group [0, 1]" in messages[0] and "got [0, 1] and [0, 2]" in messages[0]
+
+
+def test_one_process_is_the_flat_path():
+    x, idx = torch.randn(4, 3, dtype=torch.float64), torch.tensor([[0, 1], [1, -1], [0, 0], [-1, -1]])
+    routed, tokens_per_expert, handle = a2a.hierarchical_dispatch(x, idx, num_experts=2, node_group=None,
+                                                                  local_group=None)
+    assert tokens_per_expert.tolist() == [3, 2]
+    torch.testing.assert_close(a2a.combine(routed * 2, handle), 2 * x * (idx >= 0).sum(1, keepdim=True))
