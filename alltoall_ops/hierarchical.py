@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ._compat import is_compiling
 from .api import combine, dispatch
 from .backends import DispatchHandle
 from .backends.collective import RouteHandle, dispatch_op
@@ -110,7 +111,8 @@ def hierarchical_dispatch(
     across, inside = resolve_group(node_group), resolve_group(local_group)
     N, L = across.size, inside.size
     E = check_dispatch_args(x, topk_idx, num_experts, N * L, expert_alignment)
-    _check_mesh(across, inside)
+    if not is_compiling():  # NB: process-group queries do not trace; eager calls check the mesh
+        _check_mesh(across, inside)
     per_node = E // N
     idx_TK = topk_idx.to(torch.int64)
     valid_TK = (idx_TK >= 0) & (idx_TK < E)

@@ -99,3 +99,29 @@ def test_one_process_is_the_flat_path():
                                                                   local_group=None)
     assert tokens_per_expert.tolist() == [3, 2]
     torch.testing.assert_close(a2a.combine(routed * 2, handle), 2 * x * (idx >= 0).sum(1, keepdim=True))
+
+
+def run_compiled(rank: int, world_size: int) -> int:
+    """The two-stage layer under torch.compile (fullgraph, aot_eager) equals eager over two routings."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("node", "local"))
+    node_group, local_group = mesh["node"].get_group(), mesh["local"].get_group()
+    E = 2 * world_size
+
+    def layer(x, idx, w):
+        routed, tokens_per_expert, handle = a2a.hierarchical_dispatch(
+            x, idx, num_experts=E, node_group=node_group, local_group=local_group)
+        return a2a.combine(_experts(routed, tokens_per_expert), handle, w)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, backend=counter, fullgraph=True)
+    for seed in (1, 2):
+        x, idx, w, _ = _inputs(rank, E, seed)
+        torch.testing.assert_close(compiled(x, idx, w), layer(x, idx, w), rtol=1e-12, atol=1e-12)
+    return counter.frame_count
+
+
+def test_compiles_once_over_routings(pool4):
+    assert pool4.run(run_compiled) == [1] * 4
