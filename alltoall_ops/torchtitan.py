@@ -64,8 +64,9 @@ class TokenDispatcher:
         self.ep_mesh: Any = None
 
     def wire_meshes(self, *, ep_mesh: Optional[Any]) -> None:
-        """The expert-parallel mesh (a 1-D DeviceMesh or ProcessGroup); None: this rank alone."""
-        self.ep_mesh = ep_mesh
+        """The expert-parallel mesh (a 1-D DeviceMesh or ProcessGroup); None: this rank alone.
+        A DeviceMesh is kept as its ProcessGroup, which compiled code can take."""
+        self.ep_mesh = ep_mesh.get_group() if hasattr(ep_mesh, "get_group") else ep_mesh
 
     def dispatch(
         self,

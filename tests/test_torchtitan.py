@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch.distributed.device_mesh import init_device_mesh
 
 from alltoall_ops.groups import NO_GROUP
 from alltoall_ops.moe import DenseMoE, MoE
@@ -47,8 +48,8 @@ def run_titan_layer(rank: int, world_size: int, alignment: int, compiled: bool, 
     E = 2 * W
     torch.manual_seed(0)
     dense = DenseMoE(H, F, E, K, dtype=torch.float64)
-    ep_mesh = dist.group.WORLD if use_mesh else None
-    local = MoE.from_dense(dense, group=ep_mesh if use_mesh else NO_GROUP, expert_impl="masked")
+    ep_mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))["ep"] if use_mesh else None
+    local = MoE.from_dense(dense, group=dist.group.WORLD if use_mesh else NO_GROUP, expert_impl="masked")
     dispatcher = TokenDispatcher(TokenDispatcher.Config(num_experts=E, top_k=K, expert_alignment=alignment))
     dispatcher.wire_meshes(ep_mesh=ep_mesh)
     layer = TitanStyleMoE(local, dispatcher)
