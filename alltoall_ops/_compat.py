@@ -6,6 +6,10 @@ Opaque objects (a Python object passed into custom ops, a graph input under torc
 - newer nightlies: base class ``torch._custom_class_base.CustomClassBase`` and
   ``register_custom_class``.
 Keyword arguments that a version does not know are left out rather than failing.
+
+Custom ops: ``custom_op`` registers one and ``call`` runs it, skipping the dispatcher in plain
+eager code (the eager fast path, in one place for the hot-path ops: routing plan, split read,
+and every op that communicates).
 """
 
 from __future__ import annotations
@@ -64,19 +68,37 @@ def is_compiling() -> bool:
     return bool(torch.compiler.is_compiling())
 
 
-def plain_eager(*tensors: Any) -> bool:
-    """True when a custom op without autograd may run its implementation directly: eager (not
-    tracing), no dispatch or function mode and no functorch transform active, plain tensors (no
-    subclass such as FakeTensor or DTensor). Skipping the dispatcher's Python round trip saves
-    about 40 us of host time per call on an H200 host (docs/benchmarks.md)."""
+_IMPLS: dict = {}  # custom op -> its implementation (what the dispatcher calls)
+
+
+def custom_op(name: str, fn: Callable, **kwargs: Any):
+    """``torch.library.custom_op(name, mutates_args=())(fn)``, with ``fn`` remembered for
+    :func:`call`."""
+    import torch
+
+    op = torch.library.custom_op(name, mutates_args=(), **kwargs)(fn)
+    _IMPLS[op] = fn
+    return op
+
+
+def call(op: Any, *args: Any, differentiable: Iterable[Any] = ()) -> Any:
+    """``op(*args)`` for an op made by :func:`custom_op`. In plain eager code where no
+    ``differentiable`` input needs a gradient, its implementation directly: the same work
+    without the dispatcher's and autograd's Python round trip (about 40 us of host time per
+    call on an H200 host, docs/benchmarks.md). Plain eager: not tracing, no dispatch or
+    function mode and no functorch transform active, plain tensors (no subclass such as
+    FakeTensor or DTensor), so that modes (SAC, op counters) and compilers still see the op."""
     import torch
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     # NB: is_compiling first: dynamo cannot trace the mode queries.
-    return (
+    plain = (
         not is_compiling()
-        and all(type(t) is torch.Tensor for t in tensors)
+        and all(type(a) is torch.Tensor for a in args if isinstance(a, torch.Tensor))
         and _get_current_dispatch_mode() is None
         and not torch._C._is_torch_function_mode_enabled()
         and not torch._C._are_functorch_transforms_active()
     )
+    if plain and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)):
+        return _IMPLS[op](*args)
+    return op(*args)

@@ -24,21 +24,20 @@ import torch
 import torch.distributed as dist
 
 from .errors import CollectiveError, CollectiveTimeout, GroupMismatchError, PeerInputError
-from ._compat import is_compiling, plain_eager
+from ._compat import custom_op, is_compiling
 from .groups import LOCAL, process_group
 
 T = TypeVar("T")
 
 _COMM_OPS: list = []
-_IMPLS: dict = {}  # op -> its implementation (what the dispatcher calls)
 
 
 def comm_op(name: str, **kwargs) -> Callable:
-    """``torch.library.custom_op("alltoall_ops::<name>")`` for an op that communicates, recorded in
+    """``_compat.custom_op("alltoall_ops::<name>")`` for an op that communicates, recorded in
     the registry :func:`communication_ops` reads."""
 
     def register(fn: Callable):
-        op = torch.library.custom_op(f"alltoall_ops::{name}", mutates_args=(), **kwargs)(fn)
+        op = custom_op(f"alltoall_ops::{name}", fn, **kwargs)
         # NB: with mutates_args=() the op is pure to dead-code elimination (FX's and inductor's):
         # on a rank with no tokens, where its outputs feed only zero-element work, the call was
         # dropped and the peers waited forever. Both the overload and its packet are marked, as
@@ -46,22 +45,9 @@ def comm_op(name: str, **kwargs) -> Callable:
         torch.fx.node.has_side_effect(op._opoverload)
         torch.fx.node.has_side_effect(getattr(torch.ops.alltoall_ops, name))
         _COMM_OPS.append(op)
-        _IMPLS[op] = fn
         return op
 
     return register
-
-
-def call(op, *args, differentiable: Sequence[Optional[torch.Tensor]] = ()):
-    """``op(*args)`` for an op of :func:`comm_op`. In plain eager code (``_compat.plain_eager``)
-    where no ``differentiable`` input needs a gradient, its implementation directly: the same
-    work without the dispatcher's and autograd's Python round trip (tens of us of host time)."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if plain_eager(*tensors) and not (
-        torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
-    ):
-        return _IMPLS[op](*args)
-    return op(*args)
 
 
 def communication_ops() -> tuple[torch._ops.OpOverload, ...]:

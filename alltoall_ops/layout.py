@@ -24,7 +24,7 @@ from typing import NamedTuple, Sequence, TypeVar
 
 import torch
 
-from ._compat import plain_eager
+from ._compat import call, custom_op
 from .errors import RoutingError
 from .kernels import loader
 
@@ -57,8 +57,7 @@ def plan_routing(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> R
     the metadata exchange can tell every rank about them before any payload moves. One op
     (``alltoall_ops::plan_routing``; called directly in plain eager code): on CUDA two kernel
     launches and no sort (up to ``kernels.routing_plan.MAX_SLOTS`` slots; a stable sort above)."""
-    op = _plan_routing if plain_eager(topk_idx) else plan_routing_op
-    order, position, send_meta = op(topk_idx, num_experts, world_size)
+    order, position, send_meta = call(plan_routing_op, topk_idx, num_experts, world_size)
     return RoutingPlan(order=order, position=position, send_meta=send_meta)
 
 
@@ -73,7 +72,7 @@ def _plan_routing(
     return _plan_routing_torch(topk_idx, num_experts, world_size)
 
 
-plan_routing_op = torch.library.custom_op("alltoall_ops::plan_routing", mutates_args=())(_plan_routing)
+plan_routing_op = custom_op("alltoall_ops::plan_routing", _plan_routing)
 
 
 @plan_routing_op.register_fake
@@ -263,8 +262,7 @@ def read_splits(send_meta_WL: torch.Tensor, recv_meta_WL: torch.Tensor, expert_a
     Raises :class:`RoutingError` (on every rank alike, since all see the same statuses) if any
     rank's ``topk_idx`` held expert ids outside [-1, E). The op ``alltoall_ops::read_splits``,
     called directly in plain eager code."""
-    op = _read_splits if plain_eager(send_meta_WL, recv_meta_WL) else read_splits_op
-    return op(send_meta_WL, recv_meta_WL, expert_alignment)
+    return call(read_splits_op, send_meta_WL, recv_meta_WL, expert_alignment)
 
 
 def _read_splits(send_meta_WL: torch.Tensor, recv_meta_WL: torch.Tensor, expert_alignment: int) -> torch.Tensor:
@@ -290,7 +288,7 @@ def host_splits(send_rows: list[list[int]], recv_rows: list[list[int]], expert_a
     return torch.tensor(send_splits + [sum(c) for c in recv_counts] + [sum(send_splits), num_rows])
 
 
-read_splits_op = torch.library.custom_op("alltoall_ops::read_splits", mutates_args=())(_read_splits)
+read_splits_op = custom_op("alltoall_ops::read_splits", _read_splits)
 
 
 @read_splits_op.register_fake

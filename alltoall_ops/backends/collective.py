@@ -19,6 +19,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import comm, layout
+from .._compat import call
 from ..groups import LOCAL, Group, process_group
 from ..rows import rows_in_send_order, slot_dot, weighted_slot_sum
 from ..validation import check_dispatch_args
@@ -303,7 +304,7 @@ class RouteHandle(DispatchHandle):
 
     def combine(self, expert_out_RH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor]) -> torch.Tensor:
         self.check_combine_everywhere(expert_out_RH, topk_weights_TK)
-        y_TH, _ = comm.call(combine_op, expert_out_RH, topk_weights_TK, *self.route, save_returned(topk_weights_TK),
+        y_TH, _ = call(combine_op, expert_out_RH, topk_weights_TK, *self.route, save_returned(topk_weights_TK),
                             differentiable=(expert_out_RH, topk_weights_TK))
         return y_TH
 
@@ -313,7 +314,7 @@ def dispatch_route(x_TH: torch.Tensor, plan: layout.RoutingPlan, recv_meta_WL: t
     """Dispatch ``x_TH`` along ``plan`` once its counts are exchanged (``recv_meta_WL``) and
     its split sizes read (``splits_S``): routed (R, H), tokens_per_expert (e,), handle."""
     route = Route(plan.order, plan.position, recv_meta_WL, splits_S, expert_alignment, group_name)
-    routed_RH = comm.call(dispatch_op, x_TH, None, *route, None, differentiable=(x_TH,))
+    routed_RH = call(dispatch_op, x_TH, None, *route, None, differentiable=(x_TH,))
     recv_counts_We, _ = layout.split_meta(recv_meta_WL)
     tokens_per_expert_e = layout.padded_tokens_per_expert(recv_counts_We, expert_alignment)
     return routed_RH, tokens_per_expert_e, RouteHandle(route, routed_RH.shape[0], x_TH.shape[1], x_TH.dtype)

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from ... import comm, layout
-from ..._compat import is_compiling
+from ..._compat import call, is_compiling
 from ...errors import CapacityError, PeerInputError
 from ...groups import LOCAL, Group, process_group
 from ...validation import check_combine_args, check_dispatch_args
@@ -101,7 +101,7 @@ class SymmMemHandle(DispatchHandle):
         bufs = self.buffers
         self.check_combine_everywhere(expert_out_CH, topk_weights_TK)  # without debug mode, a rank that
         # raises here leaves its peers in the op's barrier until the deadline
-        y_TH, _ = comm.call(symm_combine_op, expert_out_CH, topk_weights_TK, self.position_TK, self.slot_dst_N,
+        y_TH, _ = call(symm_combine_op, expert_out_CH, topk_weights_TK, self.position_TK, self.slot_dst_N,
                             self.row_src_C, self.num_routed_1, bufs, save_returned(topk_weights_TK),
                             differentiable=(expert_out_CH, topk_weights_TK))
         return y_TH
@@ -215,9 +215,9 @@ class SymmMemBackend(Backend):
         header[0].fill_(topk_idx_TK.numel())
         header[1].fill_(expert_alignment)
         send_row_L = torch.cat([plan.send_meta[:, :e].reshape(-1), plan.send_meta[0, e:], header])
-        meta_WL = comm.call(symm_exchange_meta_op, send_row_L, bufs, expert_alignment)
+        meta_WL = call(symm_exchange_meta_op, send_row_L, bufs, expert_alignment)
         r = route(meta_WL, topk_idx_TK, plan.position, bufs, expert_alignment)
-        routed_CH, row_src_C = comm.call(symm_dispatch_op, x_TH, None, plan.position, r.slot_dst, r.num_routed, bufs,
+        routed_CH, row_src_C = call(symm_dispatch_op, x_TH, None, plan.position, r.slot_dst, r.num_routed, bufs,
                                          differentiable=(x_TH,))
         handle = SymmMemHandle(plan.position, meta_WL, r.slot_dst, row_src_C, r.num_routed, r.dropped, bufs,
                                bufs.capacity, expert_alignment)
