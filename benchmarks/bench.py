@@ -203,6 +203,24 @@ def timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
     return wall
 
 
+def host_us(fn: Callable[[], object], n: int = 20, warmup: int = 1) -> float:
+    """Microseconds of host time to issue one call of fn: ``warmup`` calls and a synchronisation,
+    then n calls timed with perf_counter and no synchronisation among them (equal to the call's
+    time when host-bound)."""
+    cuda = torch.cuda.is_available()
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t0) / n * 1e6
+    if cuda:
+        torch.cuda.synchronize()
+    return us
+
+
 def copy_bandwidth(device: torch.device, time_us) -> float:
     """Bytes read + written per second of a large device-to-device copy."""
     n = (1 << 30) if device.type == "cuda" else (1 << 24)

@@ -38,7 +38,7 @@ from torch.profiler import ProfilerActivity, profile
 import alltoall_ops as a2a
 from alltoall_ops.moe import MoE
 
-from .bench import Captured, timer
+from .bench import Captured, host_us, timer
 
 MOE_SHAPES = {"decode": (128, 2048, 1408, 64, 6), "train": (4096, 2048, 1408, 64, 6)}
 SMOKE_SHAPES = {"decode": (8, 32, 48, 8, 2), "train": (64, 32, 48, 8, 2)}
@@ -68,20 +68,6 @@ def kernels_outside_graphs(step: Callable[[], object]) -> tuple[int, int]:
     kernels = sum(n in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
                   for n in names)
     return graphs, kernels
-
-
-def host_us(step: Callable[[], object], n: int = 20) -> float:
-    """Microseconds of host time to issue one step (no synchronisation inside the n steps)."""
-    step()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        step()
-    us = (time.perf_counter() - t0) / n * 1e6
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return us
 
 
 def run_shape(name: str, shape, device: torch.device, backend: str, time_us, rows: list, notes: list) -> None:

@@ -7,7 +7,6 @@ layer step (CUDA's sync debug mode and ``alltoall_ops.testing.HostTraffic``).
 
 from __future__ import annotations
 
-import time
 import warnings
 from typing import Callable
 
@@ -18,21 +17,14 @@ from alltoall_ops import layout
 from alltoall_ops.kernels import loader
 from alltoall_ops.moe import MoE
 from alltoall_ops.testing import HostTraffic
+from benchmarks.bench import host_us
 
 H, K, E = 7168, 8, 256
 
 
-def host_us(fn: Callable[[], object], n: int = 200) -> float:
-    """Microseconds of host time per call of fn (n calls, then one synchronisation)."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return us
+def timed(fn: Callable[[], object]) -> float:
+    """Host microseconds per call: 20 warm-up calls, then 200 timed ones."""
+    return host_us(fn, n=200, warmup=20)
 
 
 def pieces(T: int, dev: torch.device) -> dict[str, float]:
@@ -48,16 +40,16 @@ def pieces(T: int, dev: torch.device) -> dict[str, float]:
         return x.index_select(0, order // K)
 
     return {
-        "torch.empty": host_us(lambda: torch.empty(T * K, H, device=dev, dtype=torch.bfloat16)),
-        "tiny add": host_us(lambda: plan.send_meta.add(0)),
-        "plan_slots (kernels)": host_us(lambda: kernels.plan_slots(topk_idx, E, 1)),
-        "plan_routing op": host_us(lambda: layout.plan_routing_op(topk_idx, E, 1)),
-        "put_rows launcher": host_us(lambda: kernels.put_rows(x, plan.position.reshape(-1), T * K, out=out, top_k=K)),
-        "read_splits (sync)": host_us(lambda: layout.read_splits(plan.send_meta, plan.send_meta, 1)),
-        "meta.tolist (sync)": host_us(lambda: plan.send_meta.tolist()),
-        "local dispatch": host_us(lambda: a2a.dispatch(x, topk_idx, num_experts=E, backend="local")),
-        "local combine": host_us(lambda: a2a.combine(routed, handle, weights)),
-        "plain dispatch": host_us(plain_dispatch),
+        "torch.empty": timed(lambda: torch.empty(T * K, H, device=dev, dtype=torch.bfloat16)),
+        "tiny add": timed(lambda: plan.send_meta.add(0)),
+        "plan_slots (kernels)": timed(lambda: kernels.plan_slots(topk_idx, E, 1)),
+        "plan_routing op": timed(lambda: layout.plan_routing_op(topk_idx, E, 1)),
+        "put_rows launcher": timed(lambda: kernels.put_rows(x, plan.position.reshape(-1), T * K, out=out, top_k=K)),
+        "read_splits (sync)": timed(lambda: layout.read_splits(plan.send_meta, plan.send_meta, 1)),
+        "meta.tolist (sync)": timed(lambda: plan.send_meta.tolist()),
+        "local dispatch": timed(lambda: a2a.dispatch(x, topk_idx, num_experts=E, backend="local")),
+        "local combine": timed(lambda: a2a.combine(routed, handle, weights)),
+        "plain dispatch": timed(plain_dispatch),
     }
 
 
