@@ -240,10 +240,11 @@ class HostTraffic:
 
 
 @contextlib.contextmanager
-def debug_mode() -> Iterator[None]:
-    """``ALLTOALL_OPS_DEBUG=1`` inside the block (see ``alltoall_ops.comm.debug``), restored after."""
+def debug_mode(enabled: bool = True) -> Iterator[None]:
+    """``ALLTOALL_OPS_DEBUG=1`` (``enabled``) or ``0`` inside the block (see
+    ``alltoall_ops.comm.debug``), restored after."""
     before = os.environ.get("ALLTOALL_OPS_DEBUG")
-    os.environ["ALLTOALL_OPS_DEBUG"] = "1"
+    os.environ["ALLTOALL_OPS_DEBUG"] = "1" if enabled else "0"
     try:
         yield
     finally:

@@ -10,14 +10,12 @@ debug mode asks for its agreement.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 import alltoall_ops as a2a
 from alltoall_ops import comm
-from alltoall_ops.testing import HostTraffic
+from alltoall_ops.testing import HostTraffic, debug_mode
 
 E, T, H, K = 4, 9, 6, 2
 
@@ -59,12 +57,11 @@ def test_the_counter_sees_reads_outside_the_library():
 
 
 def _group_step(rank: int, world_size: int, alignment: int, debug: bool, payload_len: int = comm.PAYLOAD_LEN):
-    os.environ["ALLTOALL_OPS_DEBUG"] = "1" if debug else "0"
     comm.PAYLOAD_LEN, before = payload_len, comm.PAYLOAD_LEN
     try:
-        return _step(rank, alignment)
+        with debug_mode(debug):
+            return _step(rank, alignment)
     finally:
-        del os.environ["ALLTOALL_OPS_DEBUG"]
         comm.PAYLOAD_LEN = before
 
 
