@@ -217,13 +217,13 @@ def _check_qkv(q, k, v, world_size: int, layout: str, attn_fn, is_causal: bool, 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, is_causal: bool,
           scale: Optional[float]) -> torch.Tensor:
-    """``scaled_dot_product_attention`` on tensors in ``layout``, k and v heads repeated to q's."""
+    """``scaled_dot_product_attention`` on tensors in ``layout``; with fewer k, v heads than q's,
+    each serves q.heads / k.heads consecutive q heads (GQA / MQA, no copies of k and v)."""
     to_bhsd = (0, 2, 1, 3) if layout == "bshd" else (1, 2, 0, 3)
     back = (0, 2, 1, 3) if layout == "bshd" else (2, 0, 1, 3)
     q, k, v = (t.permute(to_bhsd) for t in (q, k, v))
-    if k.shape[1] != q.shape[1]:  # GQA / MQA: each kv head serves q.heads / k.heads q heads
-        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=is_causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     return out.permute(back)
 
 
@@ -253,7 +253,7 @@ def ulysses_attention(
     attn_fn: the local attention, like DeepSpeed's ``local_attention``: called as
     ``attn_fn(q, k, v)`` on the full sequence and this rank's heads, in ``layout`` (q with Hq/W
     heads, k and v with max(Hkv/W, 1)), returning the output in ``layout``. Default:
-    ``scaled_dot_product_attention`` with ``is_causal`` and ``scale``, kv heads repeated for GQA."""
+    ``scaled_dot_product_attention`` with ``is_causal`` and ``scale`` (``enable_gqa`` for GQA)."""
     grp = communication_group(resolve_group(group))
     comm.checked("seq_to_head", grp.name, _check_qkv, q, k, v, grp.size, layout, attn_fn, is_causal, scale)
     seq_dim, head_dim = LAYOUTS[layout], 2
