@@ -22,11 +22,12 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from . import comm
 from ._compat import is_compiling
 from .api import combine, dispatch
 from .backends import DispatchHandle
 from .backends.collective import RouteHandle, dispatch_op
-from .groups import LOCAL, Group, process_group, resolve_group
+from .groups import LOCAL, Group, communication_group, process_group, resolve_group
 from .validation import check_dispatch_args
 
 
@@ -110,7 +111,10 @@ def hierarchical_dispatch(
     ``mesh["local"]`` of ``init_device_mesh(dev, (N, L), mesh_dim_names=("node", "local"))``."""
     across, inside = resolve_group(node_group), resolve_group(local_group)
     N, L = across.size, inside.size
-    E = check_dispatch_args(x, topk_idx, num_experts, N * L, expert_alignment)
+    # NB: a rank whose arguments fail tells the peers of its first exchange (they raise a
+    # PeerInputError); the other ranks wait in their second stage until the deadline.
+    first = communication_group(across if N > 1 else inside)
+    E = comm.checked("dispatch", first.name, check_dispatch_args, x, topk_idx, num_experts, N * L, expert_alignment)
     if not is_compiling():  # NB: process-group queries do not trace; eager calls check the mesh
         _check_mesh(across, inside)
     per_node = E // N

@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import alltoall_ops as a2a
 from alltoall_ops import layout
+from alltoall_ops.errors import PeerInputError
 from alltoall_ops.hierarchical import node_crossings
 
 H, T, K = 5, 7, 3
@@ -125,3 +126,26 @@ def run_compiled(rank: int, world_size: int) -> int:
 
 def test_compiles_once_over_routings(pool4):
     assert pool4.run(run_compiled) == [1] * 4
+
+
+def run_bad_rank(rank: int, world_size: int) -> str:
+    """Rank 0 passes a float topk_idx: it raises its own TypeError, its node-group peer (rank
+    L, node 1) a PeerInputError; the others are not told (they would wait until the deadline),
+    so they do not call at all here."""
+    L = world_size // 2
+    mesh = init_device_mesh("cpu", (2, L), mesh_dim_names=("node", "local"))
+    x, idx, _, _ = _inputs(rank, 2 * world_size, 0)
+    if rank not in (0, L):
+        return "not called"
+    try:
+        a2a.hierarchical_dispatch(x, idx.float() if rank == 0 else idx, num_experts=2 * world_size,
+                                  node_group=mesh["node"], local_group=mesh["local"])
+    except (TypeError, PeerInputError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_bad_rank_tells_its_node_group_peer(pool4):
+    got = pool4.run(run_bad_rank)
+    assert got[0].startswith("TypeError: topk_idx"), got[0]
+    assert got[2].startswith("PeerInputError") and "rank 0 rejected its arguments" in got[2], got[2]
