@@ -127,7 +127,7 @@ def device_of(pg: dist.ProcessGroup) -> torch.device:
 # The header agreement
 
 FIELDS: dict[str, tuple[str, ...]] = {
-    "dispatch": ("num_experts", "hidden size", "dtype", "top_k", "expert_alignment"),
+    "dispatch": ("num_experts", "hidden size", "dtype", "payload dtype", "top_k", "expert_alignment"),
     "combine": ("hidden size", "dtype", "top_k"),
     "exchange_counts": ("length of tokens_per_expert_global",),
     "symm_buffers": ("num_experts", "hidden size", "dtype", "tokens", "top_k", "expert_alignment"),
@@ -151,9 +151,12 @@ _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.fl
 _calls: collections.Counter = collections.Counter()  # group name -> agreements so far
 
 
-def dispatch_fields(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, expert_alignment: int) -> list[int]:
-    """What the ranks of a dispatch agree on (``FIELDS["dispatch"]``): E, H, dtype, K, alignment."""
-    return [num_experts, x.shape[1], dtype_code(x.dtype), topk_idx.shape[1], expert_alignment]
+def dispatch_fields(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, expert_alignment: int,
+                    dtype: torch.dtype, payload_dtype: torch.dtype) -> list[int]:
+    """What the ranks of a dispatch agree on (``FIELDS["dispatch"]``): E, H, the dtype combine
+    takes back, the dtype rows travel in, K, alignment."""
+    return [num_experts, x.shape[1], dtype_code(dtype), dtype_code(payload_dtype), topk_idx.shape[1],
+            expert_alignment]
 
 
 def combine_fields(expert_out: torch.Tensor, top_k: int) -> list[int]:

@@ -6,7 +6,7 @@ Example::
     graphs = alltoall_ops.inspect.compiled_graphs(moe_layer, x, topk_idx, weights)
     print(graphs.summary())
     # forward 0:
-    #   alltoall_ops.exchange_routing(group_name='0', header=[0, 8, 16, 1, 2, 1], expert_alignment=1)
+    #   alltoall_ops.exchange_routing(group_name='0', header=[0, 8, 16, 1, 1, 2, 1], expert_alignment=1)
     #   alltoall_ops.dispatch(scale_TK=None, expert_alignment=1, group_name='0', num_rows=None)
     #   ...
 """

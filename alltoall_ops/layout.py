@@ -133,8 +133,28 @@ class DispatchLayout(NamedTuple):
 def dispatch_layout_op(
     topk_idx: torch.Tensor, num_experts: int, world_size: int, num_nodes: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(T, K) expert ids -> :class:`DispatchLayout`'s four tensors; torch ops with fixed shapes
-    on every device (no host sync, CUDA-graph capturable)."""
+    """(T, K) expert ids -> :class:`DispatchLayout`'s four tensors, with fixed shapes and no host
+    sync on every device: on CUDA one Triton kernel launch after three memsets
+    (``kernels/dispatch_layout.py``; CUDA-graph capturable), plain torch ops elsewhere
+    (:func:`_dispatch_layout_torch`, the kernel's reference)."""
+    if loader.use_kernels(topk_idx):
+        return loader.load().dispatch_layout(topk_idx, num_experts, world_size, num_nodes)
+    return _dispatch_layout_torch(topk_idx, num_experts, world_size, num_nodes)
+
+
+@dispatch_layout_op.register_fake
+def _(topk_idx, num_experts, world_size, num_nodes):
+    new = dict(dtype=torch.int64, device=topk_idx.device)
+    T = topk_idx.shape[0]
+    return (topk_idx.new_empty(world_size, **new), topk_idx.new_empty(num_experts, **new),
+            topk_idx.new_empty(num_nodes, **new), topk_idx.new_empty(T, world_size, dtype=torch.bool))
+
+
+def _dispatch_layout_torch(
+    topk_idx: torch.Tensor, num_experts: int, world_size: int, num_nodes: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dispatch_layout_op in torch ops (the reference of the Triton kernel in
+    ``kernels/dispatch_layout.py``)."""
     T, K = topk_idx.shape
     E, W = num_experts, world_size
     idx_TK = topk_idx.to(torch.int64)
@@ -146,14 +166,6 @@ def dispatch_layout_op(
     in_rank_TW.scatter_reduce_(1, safe_TK // (E // W), valid_TK.to(torch.int64), reduce="amax")
     in_node_TN = in_rank_TW.view(T, num_nodes, W // num_nodes).amax(2)
     return in_rank_TW.sum(0), tokens_per_expert_E, in_node_TN.sum(0), in_rank_TW.bool()
-
-
-@dispatch_layout_op.register_fake
-def _(topk_idx, num_experts, world_size, num_nodes):
-    new = dict(dtype=torch.int64, device=topk_idx.device)
-    T = topk_idx.shape[0]
-    return (topk_idx.new_empty(world_size, **new), topk_idx.new_empty(num_experts, **new),
-            topk_idx.new_empty(num_nodes, **new), topk_idx.new_empty(T, world_size, dtype=torch.bool))
 
 
 def split_meta(meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

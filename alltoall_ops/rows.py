@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from . import fp8
 from .kernels import loader
 
 
@@ -42,6 +43,15 @@ def rows_in_send_order(
         slot_scale = scale_TK.reshape(-1).index_select(0, sorted_slots)
         send_VH = (send_VH.to(acc_dtype) * slot_scale.to(acc_dtype)[:, None]).to(x_TH.dtype)
     return send_VH
+
+
+def quantize(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fp8.quantize` (one kernel launch on CUDA): x (T, H) float -> values (T, H) as uint8
+    (float8_e4m3fn bits) and scales (T, H / 128) fp32."""
+    if loader.use_kernels(x_TH):
+        return loader.load().quantize_rows(x_TH)
+    values_TH, scales_TB = fp8.quantize(x_TH)
+    return values_TH.view(torch.uint8), scales_TB
 
 
 def weighted_slot_sum(

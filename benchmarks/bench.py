@@ -14,6 +14,13 @@ softmax weights), rows of (impl, op); ``--skip`` takes these names (shell patter
 - ``layout`` / ``layout.compile`` / ``layout.compile.graph``: the layout step alone (routing ->
   send order, destination rows, tokens per expert), eager / compiled / compiled and replayed
   from a CUDA graph (its GPU time without launch costs);
+- ``fp8`` (rows ``torch.fp8``, ``local.fp8``, ``local.fp8.compile``): dispatch with an fp8 payload
+  (``payload_dtype=torch.float8_e4m3fn``: quantize in the row put, 128-channel fp32 scales) against
+  the same by hand (``fp8.quantize``, then argsort + gather of values and scales); floor: read x
+  once, write T*K rows of H + 4H/128 bytes;
+- ``dispatch_layout`` (rows ``torch.dispatch_layout``, ``dispatch_layout``,
+  ``dispatch_layout.graph``): DeepEP's dispatch layout for W = 8 ranks on 2 nodes, the op (a Triton
+  kernel on CUDA) against its torch-ops reference, eager and replayed from a CUDA graph;
 - ``symm.w1`` / ``symm.w1.compile``: ``backend="symm_mem"`` with one rank (``SymmBuffers``, no
   peers), eager / compiled; ``symm.w1.graph``: its dispatch + combine captured in one CUDA graph
   and replayed (the decode-latency number; op ``dispatch+combine``); ``symm.w1.compile.graph``:
@@ -64,16 +71,16 @@ from typing import Callable, Optional
 import torch
 
 import alltoall_ops as a2a
-from alltoall_ops import SymmBuffers, layout
+from alltoall_ops import SymmBuffers, fp8, layout
 from alltoall_ops.backends.symm_mem import run_simulated
 from alltoall_ops.moe import MoE
 
 SHAPES = ((4096, 7168, 8, 256), (128, 7168, 8, 256), (8192, 7168, 8, 256), (16384, 4096, 8, 128))
 """The issue's shapes, the decode shape second (run in this order: a --deadline-s cut drops the last)."""
-SMOKE_SHAPES = ((64, 32, 2, 8), (16, 32, 4, 8))
+SMOKE_SHAPES = ((64, 128, 2, 8), (16, 128, 4, 8))  # H = 128: the fp8 rows need H % 128 == 0
 SMOKE_MOE_SHAPE = (64, 32, 48, 8, 2)
 PEERS = (2, 4, 8)
-IMPLS = ("torch", "torch.compile", "layout", "layout.compile", "local", "local.compile",
+IMPLS = ("torch", "torch.compile", "layout", "layout.compile", "local", "local.compile", "fp8", "dispatch_layout",
          "symm.w1", "symm.w1.compile", "symm.w1.graph", "symm.w1.compile.graph", *(f"symm.w{w}" for w in PEERS),
          "moe", "moe.compile")
 MOE_SHAPE = (4096, 2048, 1408, 64, 6)
@@ -143,6 +150,32 @@ def ours_layout(topk_idx, num_experts: int):
     plan = layout.plan_routing(topk_idx, num_experts, 1)
     counts, _ = layout.split_meta(plan.send_meta)
     return plan.order, plan.position, layout.padded_tokens_per_expert(counts, 1)
+
+
+def torch_fp8_dispatch(x: torch.Tensor, topk_idx: torch.Tensor):
+    """What a user writes by hand for an fp8 dispatch: quantize per token (``fp8.quantize``),
+    then argsort + gather of the values and of the scales."""
+    values, scales = fp8.quantize(x)
+    order = torch.argsort(topk_idx.reshape(-1), stable=True)
+    token = order // topk_idx.shape[1]
+    return values.view(torch.uint8).index_select(0, token).view(fp8.FP8), scales.index_select(0, token)
+
+
+def ours_fp8_dispatch(x, topk_idx, num_experts: int):
+    return a2a.dispatch(x, topk_idx, num_experts=num_experts, backend="local", payload_dtype=fp8.FP8)
+
+
+LAYOUT_W, LAYOUT_NODES = 8, 2
+"""The rank and node counts the dispatch-layout rows count for (EP8 on 2 nodes of 4)."""
+
+
+def ours_dispatch_layout(topk_idx, num_experts: int):
+    return layout.dispatch_layout_op(topk_idx, num_experts, LAYOUT_W, LAYOUT_NODES)
+
+
+def torch_dispatch_layout(topk_idx, num_experts: int):
+    """The same counts in plain torch ops (scatter_add_ / scatter_reduce_ / amax)."""
+    return layout._dispatch_layout_torch(topk_idx, num_experts, LAYOUT_W, LAYOUT_NODES)
 
 
 # --- checks ---------------------------------------------------------------------------------
@@ -412,6 +445,41 @@ def bench_shape(b: Bench, shape) -> None:
             assert all(torch.equal(a, r) for a, r in zip(graph.run(), layout_ref)), "layout graph != eager"
             b.measure(shape, "layout.compile.graph", "layout", graph.replay, layout_bytes)
 
+    # fp8: a row is H + 4 H / 128 bytes; the floor reads x (bf16) once and writes T*K fp8 rows.
+    fp8_bytes = T * H * x.element_size() + T * K * fp8.packed_width(H)
+
+    def fp8_rows():
+        (values, scales), t, _ = ours_fp8_dispatch(x, topk_idx, E)
+        assert torch.equal(t, tpe), "fp8 dispatch: tokens_per_expert differ"
+        ref_values, ref_scales = torch_fp8_dispatch(x, topk_idx)
+        assert torch.equal(values.view(torch.uint8), ref_values.view(torch.uint8)), "fp8 values != torch reference"
+        assert torch.equal(scales, ref_scales), "fp8 scales != torch reference"
+        err = (fp8.dequantize(values, scales, torch.float32) - routed.float()).abs()
+        b.note(f"{shape} fp8 dispatch == torch quantize + argsort bit for bit; |dequantized - bf16 row| max "
+               f"{err.max().item():.3g}, mean {err.mean().item():.3g}, relative to mean |x| "
+               f"{(err.mean() / routed.float().abs().mean()).item():.3g}; bytes per row {fp8.packed_width(H)} "
+               f"vs {2 * H} bf16")
+        b.measure(shape, "torch.fp8", "dispatch", lambda: torch_fp8_dispatch(x, topk_idx), fp8_bytes)
+        b.measure(shape, "local.fp8", "dispatch", lambda: ours_fp8_dispatch(x, topk_idx, E), fp8_bytes)
+        if compiled:
+            cd = compile_fn(ours_fp8_dispatch, backend, fullgraph=True)
+            (cv, cs), _, _ = b.first_call(f"{shape} local.fp8.compile dispatch", lambda: cd(x, topk_idx, E))
+            assert torch.equal(cv.view(torch.uint8), values.view(torch.uint8)), "compiled fp8 dispatch != eager"
+            b.measure(shape, "local.fp8.compile", "dispatch", lambda: cd(x, topk_idx, E), fp8_bytes)
+
+    # DeepEP's dispatch layout for W = 8 on 2 nodes: read the ids, write is_token_in_rank (T, W).
+    dl_bytes = topk_idx.numel() * topk_idx.element_size() + T * LAYOUT_W
+
+    def dispatch_layout_rows():
+        ours, ref = ours_dispatch_layout(topk_idx, E), torch_dispatch_layout(topk_idx, E)
+        assert all(torch.equal(a, r) for a, r in zip(ours, ref)), "dispatch_layout != its torch reference"
+        b.measure(shape, "torch.dispatch_layout", "layout", lambda: torch_dispatch_layout(topk_idx, E), dl_bytes)
+        b.measure(shape, "dispatch_layout", "layout", lambda: ours_dispatch_layout(topk_idx, E), dl_bytes)
+        if b.cuda:  # from a CUDA graph: the kernel's GPU time without launch costs
+            graph = Captured(lambda _stream: ours_dispatch_layout(topk_idx, E), b.cuda)
+            assert all(torch.equal(a, r) for a, r in zip(graph.run(), ref)), "dispatch_layout graph != eager"
+            b.measure(shape, "dispatch_layout.graph", "layout", graph.replay, dl_bytes)
+
     def local_eager():
         b.measure(shape, "local", "dispatch", lambda: ours_dispatch(x, topk_idx, E), nbytes)
         b.measure(shape, "local", "combine", lambda: ours_combine(expert_out, handle, weights), nbytes)
@@ -492,6 +560,7 @@ def bench_shape(b: Bench, shape) -> None:
         ("torch", torch_eager, False), ("torch.compile", torch_compiled, True),
         ("layout", layout_eager, False), ("layout.compile", layout_compiled, True),
         ("local", local_eager, False), ("local.compile", local_compiled, True),
+        ("fp8", fp8_rows, False), ("dispatch_layout", dispatch_layout_rows, False),
         ("symm.w1", symm_eager, False), ("symm.w1.compile", symm_compiled, True),
         ("symm.w1.graph", symm_graph, False), ("symm.w1.compile.graph", symm_compiled_graph, True),
     )

@@ -1,8 +1,11 @@
 """``dispatch_layout`` (DeepEP's dispatch layout) against a plain Python count of the same
 quantities, on random routings; its API checks; compiled with one compilation across routings;
-and consistency with the counts ``dispatch`` sends."""
+consistency with the counts ``dispatch`` sends; and its Triton kernel (Triton's interpreter
+without CUDA) against the torch ops."""
 
 from __future__ import annotations
+
+from unittest import mock
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 import alltoall_ops as a2a
 from alltoall_ops import layout
+from alltoall_ops.kernels import loader
 
 OPS = torch.ops.alltoall_ops
 
@@ -106,3 +110,45 @@ def test_opcheck():
     g = torch.Generator().manual_seed(1)
     for T in (0, 5):
         torch.library.opcheck(OPS.dispatch_layout.default, (torch.randint(-1, 8, (T, 3), generator=g), 8, 4, 2))
+
+
+# The Triton kernel (``kernels/dispatch_layout.py``): in Triton's interpreter on CPU tensors here,
+# compiled on CUDA; exactly the torch reference.
+KERNEL_DEVICE = "cpu" if loader.load().interpreting() else "cuda"
+
+
+def _kernel_equals_torch(topk_idx: torch.Tensor, E: int, W: int, nodes: int) -> None:
+    got = loader.load().dispatch_layout(topk_idx.to(KERNEL_DEVICE), E, W, nodes)
+    want = layout._dispatch_layout_torch(topk_idx, E, W, nodes)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert torch.equal(g.cpu(), w)
+
+
+@settings(max_examples=30, deadline=None, derandomize=False)
+@given(routings())
+def test_kernel_equals_the_torch_ops(case):
+    _kernel_equals_torch(*case)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_kernel_over_several_programs(dtype):
+    g = torch.Generator().manual_seed(2)
+    T, K, E, W, nodes = 700, 4, 24, 6, 3  # 3 programs of 256 tokens in the interpreter
+    topk_idx = torch.randint(-2, E + 2, (T, K), generator=g).to(dtype)
+    topk_idx[::7] = -1  # tokens that go nowhere
+    _kernel_equals_torch(topk_idx, E, W, nodes)
+    _kernel_equals_torch(topk_idx.t().contiguous().t(), E, W, nodes)  # strided ids
+
+
+def test_kernel_without_tokens():
+    _kernel_equals_torch(torch.empty(0, 3, dtype=torch.int64), 8, 4, 2)
+
+
+def test_op_takes_the_kernel_where_kernels_are_used():
+    g = torch.Generator().manual_seed(3)
+    topk_idx = torch.randint(-1, 8, (9, 2), generator=g)
+    with mock.patch.object(loader, "use_kernels", lambda t: True):
+        got = OPS.dispatch_layout(topk_idx.to(KERNEL_DEVICE), 8, 4, 2)
+    for g_, w in zip(got, layout._dispatch_layout_torch(topk_idx, 8, 4, 2)):
+        assert torch.equal(g_.cpu(), w)

@@ -281,3 +281,24 @@ def test_dropped_slots_symm_mem(world_size):
 
             for rank, (got, zeroed) in enumerate(symm_mem.run_simulated(rank_fn, buffers)):
                 _assert_dropped_slots_add_nothing(got, zeroed, y_ref[rank])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("count", [0, 1, 37, 300, 450])
+def test_put_rows_stops_at_a_device_count_with_few_programs(monkeypatch, count):
+    """``put_rows(count=)``: rows i < count go to dst[i], rows past it are not visited even with a
+    destination; one row program strides over all the row blocks (combine's capacity rows)."""
+    from alltoall_ops.kernels import row_put
+
+    monkeypatch.setattr(row_put, "MAX_COUNTED_PROGRAMS", 1)
+    g = torch.Generator().manual_seed(count)
+    n, rows_out, width = 450, 500, 5
+    src = torch.randn(n, width, generator=g, dtype=torch.float64)
+    dst = torch.randperm(rows_out, generator=g)[:n]
+    dst[torch.rand(n, generator=g) < 0.2] = -1  # no destination
+    out = torch.full((rows_out, width), float("nan"), dtype=torch.float64)
+    loader.load().put_rows(src, dst, rows_out, out=out, count=torch.tensor([count]))
+    want = torch.full_like(out, float("nan"))
+    sent = (dst >= 0) & (torch.arange(n) < count)
+    want[dst[sent]] = src[sent]
+    torch.testing.assert_close(out, want, equal_nan=True, rtol=0, atol=0)

@@ -282,7 +282,7 @@ backward 0:
         self.assertEqual(summaries[0], summaries[1])
         self.assertExpectedInline(summaries[0], """\
 forward 0:
-  alltoall_ops.exchange_routing(group_name='0', header=[0, 8, 16, 1, 2, 1], expert_alignment=1)
+  alltoall_ops.exchange_routing(group_name='0', header=[0, 8, 16, 1, 1, 2, 1], expert_alignment=1)
   alltoall_ops.dispatch(scale_TK=None, expert_alignment=1, group_name='0', num_rows=None)
   alltoall_ops.combine(weights_TK=<tensor>, expert_alignment=1, group_name='0', save_returned=True)
 backward 0:

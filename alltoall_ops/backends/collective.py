@@ -18,10 +18,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .. import comm, layout
+from .. import comm, fp8, layout
 from .._compat import call
 from ..groups import LOCAL, Group, process_group
-from ..rows import rows_in_send_order, slot_dot, weighted_slot_sum
+from ..rows import quantize, rows_in_send_order, slot_dot, weighted_slot_sum
 from ..validation import check_dispatch_args
 from .base import Backend, DispatchHandle, save_returned
 
@@ -137,17 +137,26 @@ def dispatch_op(
     are zero. No host sync: the split sizes come from splits_S (on the CPU)."""
     splits = layout.HostSplits.of(splits_S)
     send_VH = rows_in_send_order(x_TH, scale_TK, order_N, position_TK, splits.num_valid)
-    if recv_meta_WL.shape[0] == 1:
-        received_H = send_VH  # one rank: what it sends is what it receives
-    else:
-        received_H = x_TH.new_empty(sum(splits.recv_splits), x_TH.shape[1])  # rank-major
-        comm.all_to_all("dispatch", group_name, received_H, send_VH, splits.recv_splits, splits.send_splits)
+    received_H = _exchange_rows("dispatch", send_VH, recv_meta_WL, splits, group_name)
     expert_major_R = _expert_major_rows(recv_meta_WL, splits, expert_alignment)
-    if expert_major_R is None:
-        return received_H
-    routed_RH = x_TH.new_zeros(splits.num_rows, x_TH.shape[1])
-    routed_RH.index_copy_(0, expert_major_R, received_H)
-    return routed_RH
+    return received_H if expert_major_R is None else _place_rows(received_H, expert_major_R, splits.num_rows)
+
+
+def _exchange_rows(op: str, send_VX: torch.Tensor, recv_meta_WL: torch.Tensor, splits: layout.HostSplits,
+                   group_name: str) -> torch.Tensor:
+    """Rows in send order (V, X) -> the rows every rank sent this one, rank-major."""
+    if recv_meta_WL.shape[0] == 1:
+        return send_VX  # one rank: what it sends is what it receives
+    received_X = send_VX.new_empty(sum(splits.recv_splits), send_VX.shape[1])
+    comm.all_to_all(op, group_name, received_X, send_VX, splits.recv_splits, splits.send_splits)
+    return received_X
+
+
+def _place_rows(received_X: torch.Tensor, expert_major_R: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Rank-major received rows -> (num_rows, X) expert-major rows, zero padding rows."""
+    routed_RX = received_X.new_zeros(num_rows, received_X.shape[1])
+    routed_RX.index_copy_(0, expert_major_R, received_X)
+    return routed_RX
 
 
 @dispatch_op.register_fake
@@ -173,6 +182,68 @@ def _dispatch_backward(ctx, grad_routed_RH):
 
 
 dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# dispatch with an fp8 payload
+
+
+@comm.comm_op("dispatch_fp8")
+def dispatch_fp8_op(
+    x_TH: torch.Tensor,
+    x_scale_TB: Optional[torch.Tensor],
+    order_N: torch.Tensor,
+    position_TK: torch.Tensor,
+    recv_meta_WL: torch.Tensor,
+    splits_S: torch.Tensor,
+    expert_alignment: int,
+    group_name: str,
+    out_dtype: Optional[torch.dtype],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dispatch_op` with rows that travel as fp8 with block scales (:mod:`alltoall_ops.fp8`).
+
+    x_TH: (T, H) float tokens, quantized once per token (``x_scale_TB`` None), or
+    their float8_e4m3fn values with scales x_scale_TB (T, B = H / 128) fp32. Returns routed (R,
+    H) and routed_scale (R, B) fp32, laid out as dispatch's rows (padding rows zero): routed is
+    float8_e4m3fn, or with ``out_dtype`` the rows dequantized to it (the gradient's path: the
+    backward is combine, the quantize straight-through). No host sync."""
+    H = x_TH.shape[1]
+    splits = layout.HostSplits.of(splits_S)
+    values_TH, scales_TB = quantize(x_TH) if x_scale_TB is None else (x_TH.view(torch.uint8), x_scale_TB)
+    if recv_meta_WL.shape[0] == 1:  # nothing to exchange: values and scales move apart
+        parts = [rows_in_send_order(p, None, order_N, position_TK, splits.num_valid) for p in (values_TH, scales_TB)]
+    else:  # one exchange of packed rows (fp8.pack)
+        send_VP = rows_in_send_order(fp8.pack(values_TH, scales_TB), None, order_N, position_TK, splits.num_valid)
+        parts = fp8.unpack(_exchange_rows("dispatch_fp8", send_VP, recv_meta_WL, splits, group_name), H)
+    expert_major_R = _expert_major_rows(recv_meta_WL, splits, expert_alignment)  # None: one rank only
+    if expert_major_R is not None:
+        parts = [_place_rows(p, expert_major_R, splits.num_rows) for p in parts]
+    values_RH, scale_RB = parts[0].view(fp8.FP8), parts[1]
+    if out_dtype is not None:
+        return fp8.dequantize(values_RH, scale_RB, out_dtype), scale_RB
+    return values_RH, scale_RB
+
+
+@dispatch_fp8_op.register_fake
+def _(x_TH, x_scale_TB, order_N, position_TK, recv_meta_WL, splits_S, expert_alignment, group_name, out_dtype):
+    # NB: as dispatch's: R is what the peers send (splits_S), one unbacked size for both outputs.
+    T, H = x_TH.shape
+    num_rows = torch.library.get_ctx().new_dynamic_size()
+    return (x_TH.new_empty(num_rows, H, dtype=out_dtype or fp8.FP8),
+            x_TH.new_empty(num_rows, fp8.num_blocks(H), dtype=torch.float32))
+
+
+def _dispatch_fp8_setup_context(ctx, inputs, output):
+    ctx.route = Route(*inputs[2:8])
+
+
+def _dispatch_fp8_backward(ctx, grad_routed_RH, grad_scale_RB):
+    # Straight-through: the adjoint of the dequantized dispatch is combine, in the gradient's dtype.
+    grad_x_TH, _ = combine_op(grad_routed_RH, None, *ctx.route, False)
+    return grad_x_TH, None, None, None, None, None, None, None, None
+
+
+dispatch_fp8_op.register_autograd(_dispatch_fp8_backward, setup_context=_dispatch_fp8_setup_context)
 
 
 # --------------------------------------------------------------------------------------------
@@ -310,14 +381,22 @@ class RouteHandle(DispatchHandle):
 
 
 def dispatch_route(x_TH: torch.Tensor, plan: layout.RoutingPlan, recv_meta_WL: torch.Tensor, splits_S: torch.Tensor,
-                   expert_alignment: int, group_name: str) -> tuple[torch.Tensor, torch.Tensor, RouteHandle]:
+                   expert_alignment: int, group_name: str, payload: Optional[fp8.Payload] = None):
     """Dispatch ``x_TH`` along ``plan`` once its counts are exchanged (``recv_meta_WL``) and
-    its split sizes read (``splits_S``): routed (R, H), tokens_per_expert (e,), handle."""
+    its split sizes read (``splits_S``): routed (R, H) (with an fp8 ``payload`` and no
+    dequantization: the pair (values (R, H), scales (R, H / 128))), tokens_per_expert (e,), handle."""
     route = Route(plan.order, plan.position, recv_meta_WL, splits_S, expert_alignment, group_name)
-    routed_RH = call(dispatch_op, x_TH, None, *route, None, differentiable=(x_TH,))
+    if payload is None:
+        routed = call(dispatch_op, x_TH, None, *route, None, differentiable=(x_TH,))
+        num_rows, dtype = routed.shape[0], x_TH.dtype
+    else:
+        values_RH, scale_RB = call(dispatch_fp8_op, x_TH, payload.scale_TB, *route, payload.out_dtype,
+                                   differentiable=(x_TH,))
+        routed = values_RH if payload.out_dtype is not None else (values_RH, scale_RB)
+        num_rows, dtype = values_RH.shape[0], payload.combine_dtype
     recv_counts_We, _ = layout.split_meta(recv_meta_WL)
     tokens_per_expert_e = layout.padded_tokens_per_expert(recv_counts_We, expert_alignment)
-    return routed_RH, tokens_per_expert_e, RouteHandle(route, routed_RH.shape[0], x_TH.shape[1], x_TH.dtype)
+    return routed, tokens_per_expert_e, RouteHandle(route, num_rows, x_TH.shape[1], dtype)
 
 
 class CollectiveBackend(Backend):
@@ -325,6 +404,7 @@ class CollectiveBackend(Backend):
     dispatch's metadata exchange (its header agreement carries the counts)."""
 
     name = "collective"
+    serves_fp8 = True
 
     def check_group(self, group: Group, buffers) -> None:
         super().check_group(group, buffers)
@@ -334,13 +414,14 @@ class CollectiveBackend(Backend):
                 "initialised and no group was given)"
             )
 
-    def dispatch(self, x_TH, topk_idx_TK, num_experts, group, expert_alignment, buffers):
+    def dispatch(self, x_TH, topk_idx_TK, num_experts, group, expert_alignment, buffers, payload=None):
         E = comm.checked("dispatch", group.name, check_dispatch_args, x_TH, topk_idx_TK, num_experts, group.size,
                          expert_alignment)
         plan = layout.plan_routing(topk_idx_TK, E, group.size)
-        fields = comm.dispatch_fields(x_TH, topk_idx_TK, E, expert_alignment)
+        dtype, payload_dtype = (x_TH.dtype,) * 2 if payload is None else (payload.combine_dtype, fp8.FP8)
+        fields = comm.dispatch_fields(x_TH, topk_idx_TK, E, expert_alignment, dtype, payload_dtype)
         header = comm.header("dispatch", *fields)
         recv_meta_WL, splits_S = exchange_routing_op(plan.send_meta, group.name, header, expert_alignment)
-        return dispatch_route(x_TH, plan, recv_meta_WL, splits_S, expert_alignment, group.name)
+        return dispatch_route(x_TH, plan, recv_meta_WL, splits_S, expert_alignment, group.name, payload)
 
 

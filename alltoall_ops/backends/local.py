@@ -14,17 +14,18 @@ from .collective import dispatch_route
 
 class LocalBackend(Backend):
     name = "local"
+    serves_fp8 = True
 
     def check_group(self, group: Group, buffers) -> None:
         super().check_group(group, buffers)
         if group.size != 1:
             raise ValueError(f"backend='local' needs a group of one rank, got a group of {group.size} ranks")
 
-    def dispatch(self, x_TH, topk_idx_TK, num_experts, group, expert_alignment, buffers):
+    def dispatch(self, x_TH, topk_idx_TK, num_experts, group, expert_alignment, buffers, payload=None):
         E = check_dispatch_args(x_TH, topk_idx_TK, num_experts, 1, expert_alignment)
         plan = layout.plan_routing(topk_idx_TK, E, 1)
         # One rank receives what it sends: the send counts are the received ones.
         splits_S = layout.read_splits(plan.send_meta, plan.send_meta, expert_alignment)
-        return dispatch_route(x_TH, plan, plan.send_meta, splits_S, expert_alignment, LOCAL)
+        return dispatch_route(x_TH, plan, plan.send_meta, splits_S, expert_alignment, LOCAL, payload)
 
 

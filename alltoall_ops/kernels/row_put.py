@@ -6,7 +6,7 @@ Legend: ``W`` ranks, ``E`` experts, ``N = T * K`` send slots, ``C`` receive capa
 
 Reference semantics (``tables[r]`` is rank r's buffer)::
 
-    put_rows:   for i in range(n): if dst[i] >= 0:                           # i: slot t * K + k
+    put_rows:   for i in range(min(n, count)): if dst[i] >= 0:               # i: slot t * K + k
                     peer, row = divmod(dst[i], stride)                   # (with ``out``: peer 0)
                     tables[peer][row] = src[i // K] * (scale.flat[i] if scale else 1)
                     tags[peer][row] = tag_base + (tag_index[i] if tag_index else i)  # when tags
@@ -30,43 +30,51 @@ import triton.language as tl
 from ._config import LAUNCH_LOCK, cast_rne, require_contiguous, row_blocks, tl_acc_dtype, upcast
 
 
+MAX_COUNTED_PROGRAMS = 8192
+"""Row programs of a ``put_rows`` bounded by a device-side count (each strides over row blocks)."""
+
+
 @triton.jit
 def _put_rows_kernel(
-    src_ptr, scale_ptr, dst_ptr, rows_table_ptr, out_ptr, tags_table_ptr, tag_index_ptr,
+    src_ptr, scale_ptr, dst_ptr, count_ptr, rows_table_ptr, out_ptr, tags_table_ptr, tag_index_ptr,
     n_rows, n_src, K, H, dst_stride, world_size, tag_base,
     HAS_SCALE: tl.constexpr, HAS_TAGS: tl.constexpr, HAS_TAG_INDEX: tl.constexpr, ONE_OUT: tl.constexpr,
-    ACC_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_COUNT: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    i_r, i_h = tl.program_id(0), tl.program_id(1)
-    o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR] rows i (slots t * K + k)
+    i_h = tl.program_id(1)
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
-    m_r = o_r < n_rows
-    b_dst = tl.load(dst_ptr + o_r, mask=m_r, other=-1)
-    m_r = m_r & (b_dst >= 0) & (b_dst < world_size * dst_stride)  # never out of bounds
-    b_peer = tl.where(m_r, b_dst // dst_stride, 0)
-    b_row = tl.where(m_r, b_dst % dst_stride, 0)
-    b_src = o_r // K  # a token's K slots are neighbours: its row is read from memory once
-    m_r = m_r & (b_src < n_src)
-    m = m_r[:, None] & (o_h < H)[None, :]
-    b_x = tl.load(src_ptr + b_src[:, None] * H + o_h[None, :], mask=m, other=0)  # [BR, BH]
-    if HAS_SCALE:  # fp32 (fp64) product, rounded once
-        b_scale = upcast(tl.load(scale_ptr + o_r, mask=m_r, other=0), ACC_DTYPE)
-        b_x = cast_rne(upcast(b_x, ACC_DTYPE) * b_scale[:, None], src_ptr.dtype.element_ty)
-    if ONE_OUT:
-        tl.store(out_ptr + b_row[:, None] * H + o_h[None, :], b_x, mask=m)
-    else:
-        p_peer = tl.load(rows_table_ptr + b_peer, mask=m_r, other=0).to(
-            tl.pointer_type(src_ptr.dtype.element_ty)
-        )  # [BR] base of each row's destination buffer
-        tl.store(p_peer[:, None] + b_row[:, None] * H + o_h[None, :], b_x, mask=m)
-    if HAS_TAGS:
-        if i_h == 0:
-            if HAS_TAG_INDEX:
-                b_tag = tl.load(tag_index_ptr + o_r, mask=m_r, other=0)
-            else:
-                b_tag = o_r
-            p_tags = tl.load(tags_table_ptr + b_peer, mask=m_r, other=0).to(tl.pointer_type(tl.int64))
-            tl.store(p_tags + b_row, tag_base + b_tag, mask=m_r)
+    n_todo = n_rows
+    if HAS_COUNT:  # rows past a device-side count send nothing: no program visits them
+        n_todo = tl.minimum(tl.load(count_ptr), n_rows)
+    for i_r in range(tl.program_id(0), tl.cdiv(n_todo, BLOCK_R), tl.num_programs(0)):
+        o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR] rows i (slots t * K + k)
+        m_r = o_r < n_todo
+        b_dst = tl.load(dst_ptr + o_r, mask=m_r, other=-1)
+        m_r = m_r & (b_dst >= 0) & (b_dst < world_size * dst_stride)  # never out of bounds
+        b_peer = tl.where(m_r, b_dst // dst_stride, 0)
+        b_row = tl.where(m_r, b_dst % dst_stride, 0)
+        b_src = o_r // K  # a token's K slots are neighbours: its row is read from memory once
+        m_r = m_r & (b_src < n_src)
+        m = m_r[:, None] & (o_h < H)[None, :]
+        b_x = tl.load(src_ptr + b_src[:, None] * H + o_h[None, :], mask=m, other=0)  # [BR, BH]
+        if HAS_SCALE:  # fp32 (fp64) product, rounded once
+            b_scale = upcast(tl.load(scale_ptr + o_r, mask=m_r, other=0), ACC_DTYPE)
+            b_x = cast_rne(upcast(b_x, ACC_DTYPE) * b_scale[:, None], src_ptr.dtype.element_ty)
+        if ONE_OUT:
+            tl.store(out_ptr + b_row[:, None] * H + o_h[None, :], b_x, mask=m)
+        else:
+            p_peer = tl.load(rows_table_ptr + b_peer, mask=m_r, other=0).to(
+                tl.pointer_type(src_ptr.dtype.element_ty)
+            )  # [BR] base of each row's destination buffer
+            tl.store(p_peer[:, None] + b_row[:, None] * H + o_h[None, :], b_x, mask=m)
+        if HAS_TAGS:
+            if i_h == 0:
+                if HAS_TAG_INDEX:
+                    b_tag = tl.load(tag_index_ptr + o_r, mask=m_r, other=0)
+                else:
+                    b_tag = o_r
+                p_tags = tl.load(tags_table_ptr + b_peer, mask=m_r, other=0).to(tl.pointer_type(tl.int64))
+                tl.store(p_tags + b_row, tag_base + b_tag, mask=m_r)
 
 
 def put_rows(
@@ -82,13 +90,17 @@ def put_rows(
     tag_index: Optional[torch.Tensor] = None,
     tag_base: int = 0,
     acc_dtype: torch.dtype = torch.float32,
+    count: Optional[torch.Tensor] = None,
 ) -> None:
     """Write row ``i // top_k`` of ``src`` (rows, H) to the destination code ``dst[i]`` for every
     i < n, times ``scale.flat[i]`` when given; neighbouring i of one source row share its read.
 
     rows_table / tags_table: (W,) int64 base addresses of every rank's row buffer (``src.dtype``)
     / int64 tag buffer; each row's tag is ``tag_base + tag_index[i]`` (default i). ``out``
-    instead of ``rows_table``: one local (dst_stride, H) destination, no pointer table."""
+    instead of ``rows_table``: one local (dst_stride, H) destination, no pointer table.
+    ``count``: a one-element int64 device tensor; rows i >= count have no destination (-1) and
+    are not visited: at most ``MAX_COUNTED_PROGRAMS`` row programs stride over the first count
+    rows, so a mostly empty capacity C costs no launch of a program per row."""
     n, H = dst.numel(), src.shape[1]
     if n == 0 or H == 0:
         return
@@ -99,14 +111,17 @@ def put_rows(
         None if t is None else t.contiguous() for t in (src, dst, scale, rows_table, tags_table, tag_index)
     )
     blocks = row_blocks("put_rows", n, H, src.element_size())
+    row_programs, h_programs = blocks.grid(n, H)
+    if count is not None:
+        row_programs = min(row_programs, MAX_COUNTED_PROGRAMS)
     with LAUNCH_LOCK:
-        _put_rows_kernel[blocks.grid(n, H)](
-            src, scale if scale is not None else src, dst,
+        _put_rows_kernel[(row_programs, h_programs)](
+            src, scale if scale is not None else src, dst, count if count is not None else dst,
             rows_table if rows_table is not None else dst, out if out is not None else src,
             tags_table if tags_table is not None else dst, tag_index if tag_index is not None else dst,
             n, src.shape[0], top_k, H, dst_stride, 1 if out is not None else rows_table.numel(), tag_base,
             HAS_SCALE=scale is not None, HAS_TAGS=tags_table is not None, HAS_TAG_INDEX=tag_index is not None,
-            ONE_OUT=out is not None, ACC_DTYPE=tl_acc_dtype(acc_dtype),
+            ONE_OUT=out is not None, HAS_COUNT=count is not None, ACC_DTYPE=tl_acc_dtype(acc_dtype),
             BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H, num_warps=blocks.num_warps,
         )
 

@@ -199,7 +199,7 @@ class SymmMemBackend(Backend):
         if buffers is not None and not isinstance(buffers, SymmBuffers):
             raise TypeError(f"buffers: expected alltoall_ops.SymmBuffers, got {type(buffers).__name__}")
 
-    def dispatch(self, x_TH, topk_idx_TK, num_experts, group, expert_alignment, buffers):
+    def dispatch(self, x_TH, topk_idx_TK, num_experts, group, expert_alignment, buffers, payload=None):
         """routed (C, H), tokens_per_expert (e,), handle. The first ``tokens_per_expert.sum()``
         rows of routed are the collective backend's routed rows; the rest are unspecified (not
         written)."""

@@ -201,7 +201,7 @@ def symm_combine_op(
     k = loader.load()
     T, K = position_TK.shape
     buffers._barrier()
-    k.put_rows(expert_out_CH, row_src_C, buffers.max_slots, buffers.table[RET])
+    k.put_rows(expert_out_CH, row_src_C, buffers.max_slots, buffers.table[RET], count=num_routed_1)
     buffers._barrier()
     H = expert_out_CH.shape[1]
     y_TH = expert_out_CH.new_empty(T, H)

@@ -1,0 +1,125 @@
+"""fp8 payloads with block scales (DeepEP's format): the quantize / dequantize reference and the
+packed wire rows an fp8 dispatch moves.
+
+Format: ``torch.float8_e4m3fn`` values with one fp32 scale per token per ``BLOCK`` = 128
+channels; ``H`` must be a multiple of 128, ``B = H / 128`` scales per row. A block's scale is
+``amax / 448`` (amax clamped to at least 1e-4) and its values are ``x * (448 / amax)`` rounded
+to nearest even, so ``dequantize(*quantize(x))`` is within half an fp8 step (2**-4 relative,
+plus the subnormal floor) of ``x``.
+
+On the wire a row is ``P = H + 4 * B`` bytes: its H fp8 values, then its B fp32 scales (uint8
+rows, so every backend moves them as it moves any rows): 0.52 of a bf16 row's bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+BLOCK = 128
+"""Channels per scale."""
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+"""The largest finite float8_e4m3fn value: a block's amax maps to it."""
+AMAX_FLOOR = 1e-4
+"""A block's amax is clamped to at least this (all-zero blocks get scale AMAX_FLOOR / 448)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Payload:
+    """How an fp8 dispatch's rows travel and arrive (``dispatch(payload_dtype=...)``).
+
+    scale_TB: (T, H / 128) fp32 scales of an x that holds fp8 values; None: quantize x.
+    out_dtype: dequantize the routed rows to this dtype; None: fp8 values and their scales.
+    combine_dtype: the dtype of the expert outputs combine takes back (x's, bf16 for fp8 x)."""
+
+    scale_TB: Optional[torch.Tensor]
+    out_dtype: Optional[torch.dtype]
+    combine_dtype: torch.dtype
+
+    @classmethod
+    def of(cls, x_TH: torch.Tensor, scale_TB: Optional[torch.Tensor], dequantize: bool) -> "Payload":
+        combine_dtype = torch.bfloat16 if x_TH.dtype == FP8 else x_TH.dtype
+        return cls(scale_TB, combine_dtype if dequantize else None, combine_dtype)
+
+
+def num_blocks(hidden: int) -> int:
+    """B = H / 128 scales per row."""
+    return hidden // BLOCK
+
+
+def packed_width(hidden: int) -> int:
+    """P = H + 4 * B bytes of one wire row."""
+    return hidden + 4 * num_blocks(hidden)
+
+
+def quantize(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, H) float -> values (T, H) float8_e4m3fn and scales (T, H / 128) fp32, DeepEP's
+    per-token cast: ``x ~= values.float() * scales`` block by block. The reference the
+    dispatch's kernel (``kernels/quantize.py``) equals bit for bit."""
+    T, H = x_TH.shape
+    x_TBC = x_TH.float().view(T, num_blocks(H), BLOCK)  # (T, B, 128)
+    amax_TB = x_TBC.abs().amax(dim=2).clamp(min=AMAX_FLOOR)
+    # NB: elementwise divisions by a same-shaped tensor, correctly rounded on every device (a
+    # Python scalar divided by a tensor is a reciprocal and a product: two roundings).
+    fp8_max_TB = torch.full_like(amax_TB, FP8_MAX)
+    values_TH = (x_TBC * (fp8_max_TB / amax_TB)[..., None]).to(FP8).view(T, H)
+    return values_TH, amax_TB / fp8_max_TB
+
+
+def dequantize(values_TH: torch.Tensor, scales_TB: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """(T, H) float8_e4m3fn values and (T, H / 128) fp32 scales -> (T, H) ``dtype``: each value
+    times its block's scale in fp32, rounded once."""
+    T, H = values_TH.shape
+    x_TBC = values_TH.float().view(T, num_blocks(H), BLOCK) * scales_TB.float()[..., None]
+    return x_TBC.view(T, H).to(dtype)
+
+
+def pack(values_TH: torch.Tensor, scales_TB: torch.Tensor) -> torch.Tensor:
+    """values (T, H) fp8 and scales (T, B) fp32 -> wire rows (T, P) uint8."""
+    return torch.cat([values_TH.view(torch.uint8), scales_TB.float().contiguous().view(torch.uint8)], dim=1)
+
+
+def unpack(rows_TP: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Wire rows (T, P) uint8 -> strided views of their values (T, H) as uint8 (fp8 bits) and
+    their scales (T, B) fp32 (no copy)."""
+    return rows_TP[:, :hidden], rows_TP[:, hidden:].view(torch.float32)
+
+
+def check_args(
+    x_TH: torch.Tensor, x_scale_TB: Optional[torch.Tensor], payload_dtype: Optional[torch.dtype], dequantize: bool
+) -> None:
+    """Raise on a bad fp8 argument of ``dispatch`` (shapes and dtypes only: every rank alike)."""
+    if payload_dtype not in (None, FP8):
+        raise ValueError(f"payload_dtype: expected None or {FP8}, got {payload_dtype}")
+    if x_scale_TB is None:
+        if x_TH.dtype == FP8:
+            raise ValueError("x: an fp8 x comes with its scales: pass x=(values, scales) "
+                             "(see alltoall_ops.fp8.quantize)")
+        if payload_dtype is None:
+            if dequantize:
+                raise ValueError("dequantize: only an fp8 payload is dequantized; pass "
+                                 "payload_dtype=torch.float8_e4m3fn")
+            return
+    elif x_TH.dtype != FP8:
+        raise TypeError(f"x: expected (values, scales) with values of dtype {FP8}, got values of dtype {x_TH.dtype}")
+    T, H = x_TH.shape
+    if H % BLOCK != 0:
+        raise ValueError(f"x: an fp8 payload needs H divisible by {BLOCK} (one scale per {BLOCK} channels), "
+                         f"got H = {H}")
+    if x_scale_TB is not None:
+        expected = (T, num_blocks(H))
+        if x_scale_TB.dtype != torch.float32 or tuple(x_scale_TB.shape) != expected:
+            raise TypeError(
+                f"x: expected scales of dtype torch.float32 and shape {expected} (one per {BLOCK} channels), got "
+                f"{x_scale_TB.dtype} of shape {tuple(x_scale_TB.shape)}"
+            )
+        if x_scale_TB.device != x_TH.device:
+            raise ValueError(f"x: expected scales on {x_TH.device} (that of the values), got {x_scale_TB.device}")
+    if x_TH.requires_grad and torch.is_grad_enabled() and not dequantize:
+        raise ValueError(
+            "x requires grad, but fp8 rows cannot carry a gradient: pass dequantize=True (rows travel as fp8 and "
+            "arrive dequantized in x's dtype; the backward is a combine of the gradient), or detach x"
+        )
