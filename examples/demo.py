@@ -59,7 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ulysses", action="store_true",
                    help="add causal self-attention over the ranks' shards of one sequence, "
                         "sequence-parallel with Ulysses all-to-all (equal shards then)")
-    p.add_argument("--heads", type=int, default=8, help="attention heads (--ulysses), divisible by W")
+    p.add_argument("--heads", type=int, default=8,
+                   help="attention heads (--ulysses); split unevenly when W does not divide them")
     args = p.parse_args(argv)
     if args.compile_backend is None:
         args.compile_backend = "inductor" if args.device == "cuda" else "aot_eager"

@@ -263,3 +263,38 @@ def test_opcheck():
     # fp8 tensors on the CPU; the other three checks run.
     torch.library.opcheck(torch.ops.alltoall_ops.dispatch_fp8.default, (values, scales, *route, None),
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_sac_policy_saves_the_fp8_dispatch():
+    """Under the SAC policy the checkpointed backward runs no fp8 dispatch again (MUST_SAVE, as
+    every comm op); gradients equal the un-checkpointed layer's."""
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from alltoall_ops.testing import CommOpCounter
+
+    assert torch.ops.alltoall_ops.dispatch_fp8.default in a2a.communication_ops()
+    g = torch.Generator().manual_seed(8)
+    topk_idx = torch.rand(12, 8, generator=g).topk(2).indices
+    weights = torch.rand(12, 2, generator=g)
+    w1 = torch.randn(128, 128, generator=g).to(torch.bfloat16)
+
+    def layer(x):
+        routed, _, handle = a2a.dispatch(x, topk_idx, num_experts=8, payload_dtype=fp8.FP8, dequantize=True)
+        return a2a.combine(torch.tanh(routed @ w1), handle, weights)
+
+    def grads(run):
+        x = torch.randn(12, 128, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16).requires_grad_()
+        y = run(x)
+        with CommOpCounter() as counter:
+            y.float().sum().backward()
+        return x.grad, counter.ops
+
+    plain, plain_ops = grads(layer)
+    context_fn = partial(create_selective_checkpoint_contexts, a2a.sac_policy())
+    saved, saved_ops = grads(lambda x: checkpoint(layer, x, use_reentrant=False, context_fn=context_fn))
+    recomputed, recomputed_ops = grads(lambda x: checkpoint(layer, x, use_reentrant=False))
+    assert torch.equal(plain, saved) and torch.equal(plain, recomputed)
+    assert saved_ops == plain_ops and "alltoall_ops::dispatch_fp8" not in saved_ops
+    assert "alltoall_ops::dispatch_fp8" in recomputed_ops  # full recompute runs it again

@@ -149,7 +149,8 @@ def _bad_counts_dtype(rank, bad):
 
 
 def _bad_ulysses_heads(rank, bad):
-    a2a.seq_to_head(torch.randn(1, 2, 3 if bad else 4, 2))
+    # NB: 2 heads of 4 are this rank's share on 2 ranks; of 3, rank 1's share is 1 head.
+    a2a.head_to_seq(torch.randn(1, 2, 2, 2), num_heads=3 if bad else 4)
 
 
 def _bad_symm_topk_idx_float(rank, bad):

@@ -1,5 +1,6 @@
 """Ulysses sequence parallelism: seq_to_head / head_to_seq against a gathered reference (exact,
-fp64, forward and gradients), ulysses_attention against full attention, errors, torch.compile.
+fp64, forward and gradients), ulysses_attention against full attention, errors, torch.compile;
+heads split evenly and unevenly (W not dividing them; W = 3 on a sub-group of the 4-rank pool).
 
 Every rank builds the same full tensors from one seed and checks its own shard; the ops only
 move elements, so their results and gradients must match bit for bit."""
@@ -27,8 +28,22 @@ def _full(seed: int, shape, dtype=torch.float64) -> torch.Tensor:
 
 
 def _shard(t: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
-    n = t.shape[dim] // world_size
-    return t.narrow(dim, rank * n, n)
+    """Rank ``rank``'s chunk of ``t`` along ``dim``: equal chunks when world_size divides the size,
+    else DeepSpeed's uneven split (one more on each of the first size % world_size ranks)."""
+    base, extra = divmod(t.shape[dim], world_size)
+    return t.narrow(dim, rank * base + min(rank, extra), base + (rank < extra))
+
+
+_SUBGROUPS: dict = {}
+
+
+def run_on_three_of_four(rank, world_size, fn, *args):
+    """``fn(group rank, 3, *args, group=)`` on the sub-group of global ranks 1, 2, 3 of a pool of 4
+    (W = 3, group ranks not the global ones; every rank creates it, once); None on rank 0."""
+    if "three" not in _SUBGROUPS:
+        _SUBGROUPS["three"] = dist.new_group([1, 2, 3])
+    pg = _SUBGROUPS["three"]
+    return None if rank == 0 else fn(pg.rank(), pg.size(), *args, group=pg)
 
 
 # --------------------------------------------------------------------------------------------
@@ -38,7 +53,8 @@ def _shard(t: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tenso
 def _check_exchange(rank, world_size, full_shape, seq_dim, head_dim, seed, group=None, transpose=False):
     """seq_to_head and head_to_seq of shards of one full tensor, forward and gradient, exact.
 
-    full_shape: the gathered (full sequence, all heads) shape. group: None or a ProcessGroup /
+    full_shape: the gathered (full sequence, all heads) shape; heads not divisible by W are split
+    unevenly (``_shard``), and then head_to_seq takes ``num_heads``. group: None or a ProcessGroup /
     1-D DeviceMesh; its own rank and size are used to pick shards. transpose: feed a
     non-contiguous input (same values)."""
     if group is not None:
@@ -46,6 +62,8 @@ def _check_exchange(rank, world_size, full_shape, seq_dim, head_dim, seed, group
         rank, world_size = pg.rank(), pg.size()
     full = _full(seed, full_shape)
     upstream = _full(seed + 1, full_shape)
+    heads = full_shape[head_dim]
+    num_heads = dict(num_heads=heads) if heads % world_size else {}  # needed when uneven only
 
     def leaf(t):
         if transpose:  # same values, transposed storage
@@ -61,7 +79,7 @@ def _check_exchange(rank, world_size, full_shape, seq_dim, head_dim, seed, group
 
     # head_to_seq: this rank's heads of the full sequence -> this rank's chunk, all heads.
     y = leaf(_shard(full, head_dim, rank, world_size))
-    x = a2a.head_to_seq(y, group, seq_dim=seq_dim, head_dim=head_dim)
+    x = a2a.head_to_seq(y, group, seq_dim=seq_dim, head_dim=head_dim, **num_heads)
     assert torch.equal(x, _shard(full, seq_dim, rank, world_size)), "head_to_seq forward"
     (grad_y,) = torch.autograd.grad(x, y, _shard(upstream, seq_dim, rank, world_size))
     assert torch.equal(grad_y, _shard(upstream, head_dim, rank, world_size)), "head_to_seq grad"
@@ -80,6 +98,10 @@ def run_exchange_cases(rank, world_size):
     # Different trailing dims in one model (MLA: q/k head dim != v head dim).
     shapes.append(_check_exchange(rank, W, (1, 2 * W, W, 3), 1, 2, seed=6))
     shapes.append(_check_exchange(rank, W, (1, 2 * W, W, 7), 1, 2, seed=7))
+    # Heads not divisible by W (split unevenly), also heads first, and fewer heads than ranks.
+    shapes.append(_check_exchange(rank, W, (2, 3 * W, 2 * W + 1, 5), 1, 2, seed=8, transpose=True))
+    shapes.append(_check_exchange(rank, W, (2 * W - 1, 2, W, 3), -2, 0, seed=9))
+    shapes.append(_check_exchange(rank, W, (1, 2 * W, max(W - 1, 1), 2), 1, 2, seed=10))
     return shapes
 
 
@@ -93,14 +115,19 @@ def run_exchange_on_groups(rank, world_size):
     return _check_exchange(rank, world_size, (2, 3 * world_size, world_size, 3), 1, 2, 11, group=mesh["cp"])
 
 
-def run_round_trip(rank, world_size, shape, seq_dim, head_dim, seed):
+def run_round_trip(rank, world_size, shape, seq_dim, head_dim, seed, group=None):
+    """seq -> head -> seq and head -> seq -> head are identities: a sequence chunk of ``shape``
+    (any head count Hh), and a head shard of the same Hh (this rank's share, full sequence)."""
+    heads, dims = shape[head_dim], dict(seq_dim=seq_dim, head_dim=head_dim)
+    num_heads = dict(num_heads=heads) if heads % world_size else {}
     x = _full(seed + rank, shape)
-    y = a2a.seq_to_head(x, seq_dim=seq_dim, head_dim=head_dim)
-    assert torch.equal(a2a.head_to_seq(y, seq_dim=seq_dim, head_dim=head_dim), x)
-    z = a2a.head_to_seq(x, seq_dim=seq_dim, head_dim=head_dim)
-    assert torch.equal(a2a.seq_to_head(z, seq_dim=seq_dim, head_dim=head_dim), x)
+    y = a2a.seq_to_head(x, group, **dims)
+    assert torch.equal(a2a.head_to_seq(y, group, **dims, **num_heads), x)
+    h = _full(seed + world_size + rank, y.shape)
+    z = a2a.head_to_seq(h, group, **dims, **num_heads)
+    assert torch.equal(a2a.seq_to_head(z, group, **dims), h)
     # The output is a new tensor, never a view of the input (also at one rank).
-    assert y.data_ptr() != x.data_ptr() and z.data_ptr() != x.data_ptr()
+    assert all(out.numel() == 0 or out.data_ptr() != inp.data_ptr() for out, inp in ((y, x), (z, h)))
     return tuple(y.shape), tuple(z.shape)
 
 
@@ -108,8 +135,8 @@ def run_exchange_shape(rank, world_size, full_shape, seq_dim, head_dim, seed):
     return _check_exchange(rank, world_size, full_shape, seq_dim, head_dim, seed)
 
 
-def _attention_inputs(W, seed, B=2, S_per_rank=3, heads_per_rank=2, Dqk=4, Dv=3):
-    S, H = S_per_rank * W, heads_per_rank * W
+def _attention_inputs(W, seed, B=2, S_per_rank=3, heads=None, Dqk=4, Dv=3):
+    S, H = S_per_rank * W, 2 * W if heads is None else heads
     q, k = _full(seed, (B, S, H, Dqk)), _full(seed + 1, (B, S, H, Dqk))
     v, upstream = _full(seed + 2, (B, S, H, Dv)), _full(seed + 3, (B, S, H, Dv))
     return q, k, v, upstream
@@ -123,16 +150,17 @@ def _full_attention(q, k, v, is_causal, scale):
     return out.transpose(1, 2)
 
 
-def run_attention(rank, world_size, is_causal, scale, seed):
+def run_attention(rank, world_size, is_causal, scale, seed, heads=None):
+    """heads: q, k and v's (default 2 W; not divisible by W: split unevenly)."""
     W = world_size
-    q, k, v, upstream = _attention_inputs(W, seed)
+    q, k, v, upstream = _attention_inputs(W, seed, heads=heads)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = _full_attention(*full, is_causal, scale)
     ref_grads = torch.autograd.grad(ref, full, upstream)
 
     local = [_shard(t, 1, rank, W).clone().requires_grad_() for t in (q, k, v)]
     out = a2a.ulysses_attention(*local, is_causal=is_causal, scale=scale)
-    assert out.shape == (2, 3, 2 * W, 3)
+    assert out.shape == (2, 3, q.shape[2], 3)
     torch.testing.assert_close(out, _shard(ref, 1, rank, W), rtol=1e-12, atol=1e-12)
     grads = torch.autograd.grad(out, local, _shard(upstream, 1, rank, W))
     for name, g, ref_g in zip("qkv", grads, ref_grads):
@@ -148,7 +176,7 @@ def run_attention(rank, world_size, is_causal, scale, seed):
 def _dense_gqa(q, k, v, causal_window=None):
     """Attention over (B, S, Hq, D) with k, v of Hkv heads (each serving Hq / Hkv q heads), in
     fp64; causal_window: None (no mask) or w (key j visible from query i iff i - w < j <= i)."""
-    g = q.shape[2] // k.shape[2]
+    g = q.shape[2] // max(k.shape[2], 1)  # (a rank may hold no heads at all)
     k, v = (t.repeat_interleave(g, dim=2) for t in (k, v))
     scores = torch.einsum("bihd,bjhd->bhij", q, k) / q.shape[-1] ** 0.5
     if causal_window is not None:
@@ -157,9 +185,9 @@ def _dense_gqa(q, k, v, causal_window=None):
     return torch.einsum("bhij,bjhd->bihd", scores.softmax(-1), v)
 
 
-def run_attention_variants(rank, world_size, heads_q, heads_kv, layout, windowed, seed):
-    """ulysses_attention with GQA / MQA heads, a layout, and (windowed) a user attn_fn with a
-    sliding-window mask, against the dense computation: forward and gradients, fp64."""
+def run_attention_variants(rank, world_size, heads_q, heads_kv, layout, windowed, seed, group=None):
+    """ulysses_attention with GQA / MQA or uneven heads, a layout, and (windowed) a user attn_fn
+    with a sliding-window mask, against the dense computation: forward and gradients, fp64."""
     W, B, S, D = world_size, 2, 2 * world_size, 3
     q, k, v = (_full(seed + i, (B, S, h, D)) for i, h in enumerate((heads_q, heads_kv, heads_kv)))
     upstream = _full(seed + 3, (B, S, heads_q, D))
@@ -177,13 +205,13 @@ def run_attention_variants(rank, world_size, heads_q, heads_kv, layout, windowed
 
     to_layout = (lambda t: t.transpose(0, 1)) if layout == "sbhd" else (lambda t: t)
     local = [to_layout(_shard(t, 1, rank, W)).clone().requires_grad_() for t in (q, k, v)]
-    out = a2a.ulysses_attention(*local, layout=layout, attn_fn=windowed_attention if windowed else None)
+    out = a2a.ulysses_attention(*local, group=group, layout=layout, attn_fn=windowed_attention if windowed else None)
     torch.testing.assert_close(out, to_layout(_shard(ref, 1, rank, W)), rtol=1e-12, atol=1e-12)
     grads = torch.autograd.grad(out, local, to_layout(_shard(upstream, 1, rank, W)))
     for name, got, want in zip("qkv", grads, ref_grads):
         torch.testing.assert_close(got, to_layout(_shard(want, 1, rank, W)), rtol=1e-12, atol=1e-12, msg=name)
     if windowed:  # the user's function saw the full sequence, this rank's q heads and its kv heads
-        q_local = -(-heads_q // W)  # uneven heads are padded up to a multiple of W
+        q_local = _shard(q, 2, rank, W).shape[2]  # this rank's share, uneven when W does not divide Hq
         kv_local = q_local if heads_kv == heads_q else max(heads_kv // W, 1)
         full_seq = (B, S, q_local, D) if layout == "bshd" else (S, B, q_local, D)
         assert seen[0][0] == full_seq and seen[0][1][2] == kv_local, seen
@@ -191,7 +219,7 @@ def run_attention_variants(rank, world_size, heads_q, heads_kv, layout, windowed
 
 
 # (Hq, Hkv) per group size: kv heads split (Hkv divisible by W) and replicated (Hkv divides W)
-# and uneven heads (Hq == Hkv not divisible by W: zero heads pad them)
+# and uneven heads (Hq == Hkv not divisible by W: split unevenly, with Hq < W some ranks get none)
 GQA_HEADS = {1: [(2, 1)], 2: [(4, 2), (4, 1), (2, 2), (3, 3), (1, 1)], 4: [(8, 4), (8, 2), (4, 1), (5, 5), (2, 2)]}
 
 
@@ -247,7 +275,8 @@ def _errors(fn_args) -> list:
 
 def bad_calls(world_size: int, group_name: str):
     x = torch.zeros(2, 3, 4, 5)
-    odd_heads = torch.zeros(2, 2, 2 * world_size + 1, 5)
+    head_shard = torch.zeros(2, 2 * world_size, 2, 5)
+    all_heads = torch.zeros(2, world_size, 2 * world_size + 1, 5)  # every rank's x: all heads, not its share
     odd_seq = torch.zeros(2, 2 * world_size + 1, 2, 5)
     calls = [
         (a2a.seq_to_head, (x,), dict(seq_dim=2, head_dim=2)),
@@ -258,13 +287,16 @@ def bad_calls(world_size: int, group_name: str):
         (a2a.seq_to_head, (torch.zeros(5),), dict(seq_dim=0, head_dim=-1)),
         (a2a.ulysses_attention, (x[0], x[0], x[0]), {}),
         (OPS.seq_to_head, (x, group_name, 1, 1), {}),
+        (a2a.head_to_seq, (head_shard,), dict(num_heads=2.0)),
+        (a2a.head_to_seq, (head_shard,), dict(num_heads=-1)),
     ]
     if world_size > 1:
+        n = 2 * world_size + 1
         calls += [
-            (a2a.seq_to_head, (odd_heads,), {}),
+            (a2a.head_to_seq, (all_heads,), dict(num_heads=n)),
             (a2a.head_to_seq, (odd_seq,), {}),
-            (OPS.seq_to_head, (odd_heads, group_name, 1, 2), {}),
-            (OPS.head_to_seq, (odd_seq, group_name, 1, 2), {}),
+            (OPS.head_to_seq, (all_heads, group_name, 1, 2, n), {}),
+            (OPS.head_to_seq, (odd_seq, group_name, 1, 2, 2 * world_size), {}),
         ]
     return calls
 
@@ -278,14 +310,20 @@ EXPECTED_ERRORS = [
     ("ValueError", "seq_to_head: x: expected a tensor with a sequence and a head dim (at least 2-D), got shape (5,)"),
     ("ValueError", "ulysses_attention: q: expected a 4-D tensor (B, S/W, Hh, D), got shape (3, 4, 5)"),
     ("ValueError", "seq_to_head: seq_dim and head_dim: expected two different dims, both are dim 1"),
+    ("TypeError", "head_to_seq: num_heads: expected an int (the total head count), got float"),
+    ("ValueError", "head_to_seq: num_heads: expected a non-negative int (the total head count), got -1"),
 ]
 
 
-def expected_errors(world_size: int) -> list:
+def expected_errors(world_size: int, rank: int) -> list:
     if world_size == 1:
         return EXPECTED_ERRORS
     W, n = world_size, 2 * world_size + 1
-    heads = f"seq_to_head: x: expected heads (dim 2) divisible by the group size {W}, got {n} (shape (2, 2, {n}, 5))"
+    counts = [3] + [2] * (W - 1)  # n = 2 W + 1 heads: one more on rank 0
+    heads = (
+        f"head_to_seq: x: expected rank {rank}'s share of the num_heads={n} heads at dim 2, {counts[rank]} "
+        f"(heads per rank {counts} over the group of {W}), got {n} (shape (2, {W}, {n}, 5))"
+    )
     seq = (
         f"head_to_seq: x: expected sequence length (dim 1) divisible by the group size {W}, "
         f"got {n} (shape (2, {n}, 2, 5))"
@@ -300,11 +338,46 @@ def run_bad_inputs(rank, world_size):
     return errors
 
 
+def run_uneven_head_errors(rank, world_size):
+    """head_to_seq with heads split unevenly (2 W + 1: one more on rank 0) and a rank's x that is
+    not its share, or without num_heads: every rank raises before anything is sent."""
+    W, n = world_size, 2 * world_size + 1
+    share = _shard(torch.zeros(1, 2 * W, n, 2), 2, rank, W)
+    errors = _errors([
+        (a2a.head_to_seq, (torch.zeros(1, 2 * W, 3, 2),), dict(num_heads=n)),  # rank 0's share: wrong elsewhere
+        (a2a.head_to_seq, (share,), {}),  # no num_heads: each rank takes W times its own heads
+    ])
+    _check_exchange(rank, W, (1, 2 * W, n, 2), 1, 2, seed=22)  # nothing was sent: still in step
+    return errors
+
+
+def run_uneven_on_three_ranks(rank, world_size, group):
+    """Heads split unevenly over W = 3 (5, 7; 2 and 1: ranks with no heads): exchange against the
+    gathered reference, round trips, and ulysses_attention against dense attention."""
+    shapes = []
+    for i, heads in enumerate((5, 7, 2, 1)):
+        shapes.append(_check_exchange(rank, world_size, (2, 2 * world_size, heads, 3), 1, 2, 200 + i, group=group))
+        run_round_trip(rank, world_size, (2, 2, heads, 3), 1, 2, 210 + i, group=group)
+    for heads, layout, windowed in ((5, "bshd", False), (7, "sbhd", True), (2, "bshd", True)):
+        run_attention_variants(rank, world_size, heads, heads, layout, windowed, 220 + heads, group=group)
+    return shapes
+
+
+def run_opcheck_uneven(rank, world_size):
+    """opcheck of both ops on a group with heads split unevenly (fake impls with rank-dependent
+    output shapes, autograd, aot_dispatch)."""
+    group_name, n = dist.group.WORLD.group_name, 2 * world_size + 1
+    x = _full(140 + rank, (2, 3, n, 4)).requires_grad_()
+    torch.library.opcheck(OPS.seq_to_head.default, (x, group_name, 1, 2))
+    h = _shard(_full(150, (2, 2 * world_size, n, 4)), 2, rank, world_size).clone().requires_grad_()
+    torch.library.opcheck(OPS.head_to_seq.default, (h, group_name, 1, 2, n))
+
+
 def _op_pipeline(x, v):
     """Two round trips through both ops, with compute in between."""
     y = a2a.seq_to_head(x) * 2.0
     w = a2a.seq_to_head(v, seq_dim=-3, head_dim=-2)
-    return a2a.head_to_seq(y.sin() + w.sum(-1, keepdim=True))
+    return a2a.head_to_seq(y.sin() + w.sum(-1, keepdim=True), num_heads=x.shape[2])
 
 
 def _attention(q, k, v):
@@ -333,16 +406,18 @@ def _compile_and_compare(fn, inputs, upstream, exact):
     return graphs.summary()
 
 
-def run_compiled(rank, world_size):
-    W = world_size
+def run_compiled(rank, world_size, heads=None):
+    """heads: of every tensor (default 2 W; not divisible by W: split unevenly, so each rank's
+    graphs have their own shapes)."""
+    W, H = world_size, 2 * world_size if heads is None else heads
     torch._dynamo.reset()
-    x = _full(30 + rank, (2, 3, 2 * W, 4))
-    v = _full(40 + rank, (2, 3, 2 * W, 5))
-    upstream = _full(50 + rank, (2, 3, 2 * W, 4))
+    x = _full(30 + rank, (2, 3, H, 4))
+    v = _full(40 + rank, (2, 3, H, 5))
+    upstream = _full(50 + rank, (2, 3, H, 4))
     ops_summary = _compile_and_compare(_op_pipeline, [x, v], upstream, exact=True)
-    q, k, v, _ = _attention_inputs(W, seed=60 + rank)
+    q, k, v, _ = _attention_inputs(W, seed=60 + rank, heads=H)
     qkv = [_shard(t, 1, rank, W) for t in (q, k, v)]
-    upstream = _full(70 + rank, (2, 3, 2 * W, 3))
+    upstream = _full(70 + rank, (2, 3, H, 3))
     attention_summary = _compile_and_compare(_attention, qkv, upstream, exact=False)
     return ops_summary, attention_summary
 
@@ -368,19 +443,47 @@ def test_exchange_on_explicit_group_and_mesh(pool4):
 def test_round_trip_is_identity(pool):
     W = pool.world_size
     shapes = pool.run(run_round_trip, (2, 2 * W, 3 * W, 3), 1, 2, 80)
-    assert shapes == [((2, 2 * W * W, 3, 3), (2, 2, 3 * W * W, 3))] * W
+    assert shapes == [((2, 2 * W * W, 3, 3), (2, 2 * W, 3 * W, 3))] * W
+    # 2 W + 1 heads: split unevenly (one more on rank 0) when W > 1.
+    shares = [3] if W == 1 else [3] + [2] * (W - 1)
+    shapes = pool.run(run_round_trip, (2, 2, 2 * W + 1, 3), 1, 2, 85)
+    assert shapes == [((2, 2 * W, shares[r], 3), (2, 2, 2 * W + 1, 3)) for r in range(W)]
+
+
+def test_uneven_heads_on_three_ranks(pool4):
+    results = pool4.run(run_on_three_of_four, run_uneven_on_three_ranks)
+    assert results[0] is None  # not in the group
+    assert results[1:] == [[(2, 2, heads, 3) for heads in (5, 7, 2, 1)]] * 3
+
+
+def test_uneven_head_errors_on_every_rank(pool2):
+    (wrong_share, rank0_missing), (rank1_error, rank1_missing) = pool2.run(run_uneven_head_errors)
+    message = ("head_to_seq: x: expected rank 1's share of the num_heads=5 heads at dim 2, 2 (heads per rank "
+               "[3, 2] over the group of 2), got 3 (shape (1, 4, 3, 2))")
+    assert rank1_error == ("ValueError", message)
+    assert wrong_share[0] == "PeerInputError" and "rank 1 rejected its arguments" in wrong_share[1]
+    assert message in wrong_share[1]
+    for kind, text in (rank0_missing, rank1_missing):
+        assert kind == "GroupMismatchError", text
+        assert "disagree on shape: rank 0 has (1, 4, 6, 2), rank 1 has (1, 4, 4, 2)" in text, text
+        assert "every rank must pass num_heads=" in text, text
+
+
+def test_opcheck_uneven_heads(pool2):
+    pool2.run(run_opcheck_uneven)
 
 
 @settings(max_examples=6, deadline=None)
 @given(data=st.data())
 def test_exchange_any_shape(pool2, pool4, data):
+    """Any dims and sizes; any head count (not divisible by W: split unevenly; fewer than W too)."""
     pool = data.draw(st.sampled_from([pool2, pool4]), label="pool")
     W = pool.world_size
     ndim = data.draw(st.integers(2, 5), label="ndim")
     seq_dim, head_dim = data.draw(st.permutations(range(ndim)), label="dims")[:2]
     shape = [data.draw(st.integers(0, 3), label=f"size{i}") for i in range(ndim)]
     shape[seq_dim] = W * data.draw(st.integers(0, 3), label="seq per rank")
-    shape[head_dim] = W * data.draw(st.integers(1, 3), label="heads per rank")
+    shape[head_dim] = data.draw(st.integers(1, 3 * W), label="heads")
     if data.draw(st.booleans(), label="negative dims"):
         seq_dim, head_dim = seq_dim - ndim, head_dim - ndim
     expected = list(shape)
@@ -392,17 +495,18 @@ def test_exchange_any_shape(pool2, pool4, data):
 @pytest.mark.parametrize("is_causal, scale", [(False, None), (True, None), (True, 0.3)])
 def test_attention_matches_full_attention(pool, is_causal, scale):
     W = pool.world_size
-    assert pool.run(run_attention, is_causal, scale, 100) == [(2, 3, 2 * W, 3)] * W
+    for heads in (2 * W, 2 * W + 1):  # split evenly, and unevenly (not at one rank)
+        assert pool.run(run_attention, is_causal, scale, 100, heads) == [(2, 3, heads, 3)] * W
 
 
 @pytest.mark.parametrize("pool", [2, 4], indirect=True)
 def test_bad_inputs_raise_on_every_rank(pool):
     W = pool.world_size
-    assert pool.run(run_bad_inputs) == [expected_errors(W)] * W
+    assert pool.run(run_bad_inputs) == [expected_errors(W, r) for r in range(W)]
 
 
 def test_bad_inputs_raise_without_a_group():
-    assert _errors(bad_calls(1, LOCAL)) == expected_errors(1)
+    assert _errors(bad_calls(1, LOCAL)) == expected_errors(1, 0)
 
 
 def test_exchange_without_a_group():
@@ -420,7 +524,8 @@ def test_opcheck_local(op, shape, seq_dim, head_dim, transpose):
     x = _full(130, shape)
     if transpose:
         x = x.transpose(0, -1).contiguous().transpose(0, -1)
-    torch.library.opcheck(op, (x.requires_grad_(), LOCAL, seq_dim, head_dim))
+    num_heads = (shape[head_dim],) if op == OPS.head_to_seq.default else ()
+    torch.library.opcheck(op, (x.requires_grad_(), LOCAL, seq_dim, head_dim, *num_heads))
 
 
 class TestCompiled(TestCase):
@@ -436,45 +541,45 @@ class TestCompiled(TestCase):
 forward 0:
   alltoall_ops.seq_to_head(group_name='', seq_dim=1, head_dim=2)
   alltoall_ops.seq_to_head(group_name='', seq_dim=1, head_dim=2)
-  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2)
+  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2, num_heads=2)
 backward 0:
   alltoall_ops.seq_to_head(group_name='', seq_dim=1, head_dim=2)
-  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2)
-  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2)""")
+  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2, num_heads=2)
+  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2, num_heads=2)""")
         self.assertExpectedInline(attention_summary, """\
 forward 0:
   alltoall_ops.seq_to_head(group_name='', seq_dim=1, head_dim=2)
   alltoall_ops.seq_to_head(group_name='', seq_dim=1, head_dim=2)
   alltoall_ops.seq_to_head(group_name='', seq_dim=1, head_dim=2)
-  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2)
+  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2, num_heads=2)
 backward 0:
   alltoall_ops.seq_to_head(group_name='', seq_dim=1, head_dim=2)
-  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2)
-  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2)
-  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2)""")
+  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2, num_heads=2)
+  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2, num_heads=2)
+  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2, num_heads=2)""")
 
-    def test_compiled_two_ranks(self):
-        results = self.pool2.run(run_compiled)
+    def test_compiled_two_ranks_uneven_heads(self):
+        results = self.pool2.run(run_compiled, 5)  # 5 heads: 3 on rank 0, 2 on rank 1
         assert results[0] == results[1]
         ops_summary, attention_summary = results[0]
         self.assertExpectedInline(ops_summary, """\
 forward 0:
   alltoall_ops.seq_to_head(group_name='0', seq_dim=1, head_dim=2)
   alltoall_ops.seq_to_head(group_name='0', seq_dim=1, head_dim=2)
-  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2)
+  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2, num_heads=5)
 backward 0:
   alltoall_ops.seq_to_head(group_name='0', seq_dim=1, head_dim=2)
-  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2)
-  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2)""")
+  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2, num_heads=5)
+  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2, num_heads=5)""")
         self.assertExpectedInline(attention_summary, """\
 forward 0:
   alltoall_ops.seq_to_head(group_name='0', seq_dim=1, head_dim=2)
   alltoall_ops.seq_to_head(group_name='0', seq_dim=1, head_dim=2)
   alltoall_ops.seq_to_head(group_name='0', seq_dim=1, head_dim=2)
-  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2)
+  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2, num_heads=5)
 backward 0:
   alltoall_ops.seq_to_head(group_name='0', seq_dim=1, head_dim=2)
-  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2)
-  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2)
-  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2)""")
+  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2, num_heads=5)
+  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2, num_heads=5)
+  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2, num_heads=5)""")
 

@@ -1,6 +1,6 @@
 """The fp8 dispatch's quantize (``alltoall_ops.fp8``): each token once, per 128-channel block,
 before its rows are put in send order (quantizing in the row put itself, once per slot, measured
-3.7x slower on an H200 at T = 4096, K = 8: docs/benchmarks.md).
+3.3x slower on an H200 at T = 4096, K = 8: docs/benchmarks.md).
 
 Reference semantics::
 
