@@ -45,7 +45,8 @@ def dispatch(
         payload_dtype: None (rows travel in x's dtype) or ``torch.float8_e4m3fn``: each token is
             quantized once per 128 channels (H divisible by 128) and rows travel as fp8
             values plus fp32 scales, 0.52x a bf16 row's bytes (:mod:`alltoall_ops.fp8`).
-            Backends "local" and "collective".
+            Backends "local", "collective" and "symm_mem" (buffers created with
+            ``payload_dtype=torch.float8_e4m3fn``).
         dequantize: with an fp8 payload, return the routed rows dequantized to x's dtype (bf16
             for an fp8 x) instead of (values, scales); the only fp8 mode where x may require
             grad: the backward is the combine of the gradient (the quantize is straight-through).
@@ -87,7 +88,7 @@ def _choose_backend(backend: str, group: Group, buffers: Any, x: torch.Tensor, x
         raise TypeError(f"x: expected scales as a torch.Tensor, got {type(x_scale).__name__}")
     if isinstance(x, torch.Tensor) and x.ndim == 2:
         fp8.check_args(x, x_scale, payload_dtype, dequantize)
-    return backends.choose(backend, group, buffers, fp8_payload=x_scale is not None or payload_dtype is not None)
+    return backends.choose(backend, group, buffers)
 
 
 def combine(

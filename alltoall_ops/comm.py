@@ -130,7 +130,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "dispatch": ("num_experts", "hidden size", "dtype", "payload dtype", "top_k", "expert_alignment"),
     "combine": ("hidden size", "dtype", "top_k"),
     "exchange_counts": ("length of tokens_per_expert_global",),
-    "symm_buffers": ("num_experts", "hidden size", "dtype", "tokens", "top_k", "expert_alignment"),
+    "symm_buffers": ("num_experts", "hidden size", "dtype", "payload dtype", "tokens", "top_k", "expert_alignment"),
     "seq_to_head": ("dtype", "ndim", "seq_dim", "head_dim", "shape"),
     "head_to_seq": ("dtype", "ndim", "seq_dim", "head_dim", "shape"),
 }
@@ -187,7 +187,7 @@ def shape_code(shape: Sequence[int]) -> int:
 
 
 def _describe(field: str, value: int) -> str:
-    if field == "dtype":
+    if field in ("dtype", "payload dtype"):
         return str(_DTYPES[value - 1]) if 0 < value <= len(_DTYPES) else f"a dtype of {value - 100} bytes"
     if field == "shape":
         return f"shape fingerprint {value}"

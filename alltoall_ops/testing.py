@@ -257,9 +257,10 @@ def debug_mode(enabled: bool = True) -> Iterator[None]:
 @contextlib.contextmanager
 def nan_unwritten_rows() -> Iterator[list[int]]:
     """Inside the block (this process, every thread), symm_mem's copy-out pre-fills its outputs
-    with NaN, so the rows it does not write (routed's past ``tokens_per_expert.sum()``, and the
-    same rows of combine's backward) hold NaN: expert code that lets them reach a result or a
-    gradient shows it. Yields the number of such rows of each call (a host read per call)::
+    with NaN, so the rows it does not write (routed's past ``tokens_per_expert.sum()``, fp8
+    values and scales included, and the same rows of combine's backward) hold NaN: expert code
+    that lets them reach a result or a gradient shows it. Yields the number of such rows of
+    each call (a host read per call)::
 
         with nan_unwritten_rows() as unwritten:
             layer(x).sum().backward()      # y and every gradient free of NaN
@@ -271,7 +272,8 @@ def nan_unwritten_rows() -> Iterator[list[int]]:
     copy_out, unwritten = k.copy_out, []
 
     def nan_prefilled(recv, tags, num_routed, out, row_src):
-        out.fill_(float("nan"))
+        # uint8 (fp8 wire rows): all ones, NaN as float8_e4m3fn values and as fp32 scale bytes
+        out.fill_(0xFF if out.dtype == torch.uint8 else float("nan"))
         copy_out(recv, tags, num_routed, out, row_src)
         unwritten.append(out.shape[0] - int(num_routed))
 

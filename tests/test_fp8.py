@@ -1,8 +1,8 @@
 """fp8 dispatch with block scales: the rounding kernel against torch's float8_e4m3fn cast, the
-fused quantize-and-put kernel against ``fp8.quantize`` (Triton's interpreter), dispatch's fp8
+quantize kernel against ``fp8.quantize`` (Triton's interpreter), dispatch's fp8
 modes on W = 1, 2, 4 gloo ranks against the plain reference of the dequantized rows (exact),
 the straight-through gradient, the error bound against bf16, argument errors on every rank, and
-one compilation across routings."""
+one compilation across routings. The symm_mem backend's fp8 path: tests/test_symm_fp8.py."""
 
 from __future__ import annotations
 
@@ -214,12 +214,6 @@ def test_fp8_errors_reach_every_rank(pool):
     assert peer.startswith("PeerInputError") and "H = 100" in peer
     for message in pool.run(bad_fp8_on_rank, "mixed"):
         assert message.startswith("GroupMismatchError") and "payload dtype" in message
-
-
-def test_fp8_on_symm_mem_is_refused():
-    with pytest.raises(ValueError, match="an fp8 payload travels on backend 'local' or 'collective'"):
-        a2a.dispatch(torch.randn(4, 128), torch.zeros(4, 2, dtype=torch.int64), num_experts=4,
-                     backend="symm_mem", payload_dtype=fp8.FP8)
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ The kernels run compiled on the GPU with all peers simulated in one process (eve
 on the one device, reached through the same pointer table; one thread per rank queueing onto
 one stream), and are compared with the collective backend, which runs on the CPU in W gloo
 processes on the same inputs. Then: CUDA graph capture of dispatch + combine, replayed with new
-routing; overflow='drop'; the overflow error as a device-side assert; torch.compile on this torch;
+routing; an fp8 payload (against the local backend's fp8 dispatch, then captured and replayed);
+overflow='drop'; the overflow error as a device-side assert; torch.compile on this torch;
 the signal-pad barrier kernel across two streams; timings of one rank at a DeepSeek-like size.
 
     python tools/gpu_symm_check.py           # everything, a table at the end
@@ -31,6 +32,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import alltoall_ops as a2a
+from alltoall_ops import fp8
 from alltoall_ops.backends import symm_mem
 from alltoall_ops.backends.symm_mem import ops as symm_ops
 from alltoall_ops.kernels import loader
@@ -204,6 +206,74 @@ def check_cuda_graph(pool: DistributedPool) -> str:
             compare(o, ref, bufs[0].capacity)
         replays.append([int(ref["tpe"].sum()) for ref in refs])
     return f"W={W}: captured once, replayed with 2 new routings (R per rank {replays}) = collective"
+
+
+def fp8_reference(spec: dict, W: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Every rank's (values, scales, tokens_per_expert) of an fp8 dispatch: the local backend (CPU)
+    on all ranks' tokens concatenated in rank order, cut into each rank's experts."""
+    inputs = [make_inputs(spec, r) for r in range(W)]
+    e = spec["E"] // W
+    (values, scales), tpe, _ = a2a.dispatch(torch.cat([i[0] for i in inputs]), torch.cat([i[1] for i in inputs]),
+                                            num_experts=spec["E"], backend="local", expert_alignment=spec["A"],
+                                            payload_dtype=fp8.FP8)
+    out, start = [], 0
+    for r in range(W):
+        n = int(tpe[r * e : (r + 1) * e].sum())
+        out.append((values[start : start + n], scales[start : start + n], tpe[r * e : (r + 1) * e]))
+        start += n
+    return out
+
+
+def fp8_rank(rank: int, bufs: symm_mem.SymmBuffers, inputs: tuple) -> dict:
+    x, topk_idx = inputs[:2]
+    (values, scales), tpe, _ = a2a.dispatch(x, topk_idx, num_experts=bufs.num_experts,
+                                            expert_alignment=bufs.expert_alignment, buffers=bufs,
+                                            payload_dtype=fp8.FP8)
+    return dict(values=values, scales=scales, tpe=tpe)
+
+
+def compare_fp8(out: dict, ref: tuple) -> None:
+    values, scales, tpe = ref
+    R = values.shape[0]
+    assert torch.equal(out["tpe"].cpu(), tpe), ("tokens_per_expert", out["tpe"], tpe)
+    assert torch.equal(out["values"][:R].cpu().view(torch.uint8), values.view(torch.uint8)), "fp8 values"
+    assert torch.equal(out["scales"][:R].cpu(), scales), "fp8 scales"
+
+
+def check_fp8() -> str:
+    """fp8 payload, simulated W=2: values and scales (the quantize kernel, packed wire rows) equal
+    the local backend's fp8 dispatch bit for bit; on CUDA every rank's fp8 dispatch is then
+    captured in one graph and replayed with new tokens and routing."""
+    W = 2
+    specs = [_spec(60), _spec(61), _spec(62)]
+    bufs = simulated_buffers(W, specs[0], payload_dtype=fp8.FP8)
+    static = [on_device(make_inputs(specs[0], r)) for r in range(W)]
+    outs = symm_mem.run_simulated(lambda r, b: fp8_rank(r, b, static[r]), bufs)
+    _sync()
+    for o, ref in zip(outs, fp8_reference(specs[0], W)):
+        compare_fp8(o, ref)
+    detail = f"W={W} C={bufs[0].capacity}: eager = local fp8"
+    if DEVICE.type != "cuda":
+        return detail
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    symm_mem.run_simulated(lambda r, b: fp8_rank(r, b, static[r]), bufs, stream=stream)  # warm-up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="relaxed"):
+        outs = symm_mem.run_simulated(lambda r, b: fp8_rank(r, b, static[r]), bufs, stream=stream)
+    replays = []
+    for spec in specs[1:]:
+        refs = fp8_reference(spec, W)
+        for r in range(W):
+            for dst, src in zip(static[r], make_inputs(spec, r)):
+                dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        for o, ref in zip(outs, refs):
+            compare_fp8(o, ref)
+        replays.append([ref[0].shape[0] for ref in refs])
+    return f"{detail}; captured once, replayed with 2 new routings (R per rank {replays}) = local fp8"
 
 
 def check_compile() -> str:
@@ -409,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
             if cuda:
                 record("cuda graph W=4", lambda: check_cuda_graph(pool4))
     record("bf16 rounding", check_bf16_rounding)
+    record("fp8 W=2", check_fp8)
     record("torch.compile W=1", check_compile)
     if cuda:
         record("symmetric memory W=1", check_symmetric_memory_one_rank)

@@ -84,15 +84,12 @@ class Backend:
         if buffers is not None:
             raise ValueError(f"buffers: only backend='symm_mem' uses buffers, got backend={self.name!r}")
 
-    serves_fp8: ClassVar[bool] = False
-    """Whether ``dispatch`` takes an fp8 ``payload`` (:class:`alltoall_ops.fp8.Payload`)."""
-
     def dispatch(
         self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int, group: Group, expert_alignment: int,
         buffers: Any, payload: Optional[fp8.Payload] = None,
     ) -> tuple[Any, torch.Tensor, DispatchHandle]:
-        """routed (R, H) (or fp8 values and scales), tokens_per_expert (e,), handle: see
-        :func:`alltoall_ops.dispatch`."""
+        """routed (R, H) (with an fp8 ``payload``: see :func:`alltoall_ops.dispatch`),
+        tokens_per_expert (e,), handle."""
         raise NotImplementedError
 
 
@@ -112,20 +109,16 @@ def names() -> tuple[str, ...]:
     return ("auto", *_REGISTRY)
 
 
-def choose(name: str, group: Group, buffers: Any = None, fp8_payload: bool = False) -> Backend:
+def choose(name: str, group: Group, buffers: Any = None) -> Backend:
     """The backend ``backend=name`` selects for ``group``. "auto": "symm_mem" when ``buffers`` is
     given, else "local" on a group of one rank (or none), else "collective". Raises if that
-    backend cannot serve it (or an fp8 payload)."""
+    backend cannot serve it."""
     if name == "auto":
         name = "symm_mem" if buffers is not None else "local" if group.size == 1 else "collective"
     if name not in _REGISTRY:
         raise ValueError(f"backend: expected one of {names()}, got {name!r}")
     backend = _REGISTRY[name]
     backend.check_group(group, buffers)
-    if fp8_payload and not backend.serves_fp8:
-        served = [n for n, b in _REGISTRY.items() if b.serves_fp8]
-        raise ValueError(f"payload_dtype: an fp8 payload travels on backend {' or '.join(map(repr, served))}, "
-                         f"got backend={name!r}")
     if not is_compiling() and logger.isEnabledFor(logging.DEBUG):
         logger.debug("backend %r on group %r (%d ranks)", name, group.name or "(none)", group.size)
     return backend

@@ -404,7 +404,6 @@ class CollectiveBackend(Backend):
     dispatch's metadata exchange (its header agreement carries the counts)."""
 
     name = "collective"
-    serves_fp8 = True
 
     def check_group(self, group: Group, buffers) -> None:
         super().check_group(group, buffers)

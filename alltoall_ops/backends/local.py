@@ -14,7 +14,6 @@ from .collective import dispatch_route
 
 class LocalBackend(Backend):
     name = "local"
-    serves_fp8 = True
 
     def check_group(self, group: Group, buffers) -> None:
         super().check_group(group, buffers)

@@ -8,14 +8,14 @@ from typing import Optional
 
 import torch
 
-from ... import comm, layout
+from ... import comm, fp8, layout
 from ..._compat import call, is_compiling
 from ...errors import CapacityError, PeerInputError
 from ...groups import LOCAL, Group, process_group
 from ...validation import check_combine_args, check_dispatch_args
 from ..base import Backend, DispatchHandle, save_returned
 from .buffers import FAILED, META_EXTRA, SymmBuffers
-from .ops import symm_combine_op, symm_dispatch_op, symm_exchange_meta_op
+from .ops import symm_combine_op, symm_dispatch_fp8_op, symm_dispatch_op, symm_exchange_meta_op
 
 
 # --------------------------------------------------------------------------------------------
@@ -111,11 +111,12 @@ _AUTO_BUFFERS: dict[tuple, SymmBuffers] = {}
 
 
 def cached_buffers(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, grp: Group,
-                   expert_alignment: int) -> SymmBuffers:
-    """Eager convenience: buffers cached per (group, H, dtype, device), created sized from the
-    largest T, K and expert_alignment over the ranks and re-created larger when a call needs
-    more, on every rank alike. Collective: the arguments' checks and the sizes go through one
-    agreement per call (a host sync), which is why compiled code must pass ``buffers=``."""
+                   expert_alignment: int, payload: Optional[fp8.Payload] = None) -> SymmBuffers:
+    """Eager convenience: buffers cached per (group, H, dtype, device, payload dtype), created
+    sized from the largest T, K and expert_alignment over the ranks and re-created larger when a
+    call needs more, on every rank alike. Collective: the arguments' checks and the sizes go
+    through one agreement per call (a host sync), which is why compiled code must pass
+    ``buffers=``. With an fp8 ``payload`` the buffers' dtype is its combine dtype."""
     if is_compiling():
         raise RuntimeError(
             "dispatch(backend='symm_mem') under torch.compile needs buffers=: create "
@@ -125,12 +126,14 @@ def cached_buffers(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, gr
     num_experts = comm.checked("symm_buffers", grp.name, check_dispatch_args, x, topk_idx, num_experts, grp.size,
                                expert_alignment)
     (T, H), K = x.shape, topk_idx.shape[1]
+    dtype, payload_dtype = (x.dtype, None) if payload is None else (payload.combine_dtype, fp8.FP8)
     sizes = [T, K, expert_alignment]
-    if grp.name != LOCAL:  # equal E, H and dtype; the largest T, K and alignment
-        fields = comm.agree("symm_buffers", grp.name, [num_experts, H, comm.dtype_code(x.dtype), *sizes], equal=3)
-        sizes = [max(row[3 + i] for row in fields) for i in range(3)]
+    if grp.name != LOCAL:  # equal E, H, dtype and payload dtype; the largest T, K and alignment
+        codes = [comm.dtype_code(dtype), comm.dtype_code(payload_dtype or dtype)]
+        fields = comm.agree("symm_buffers", grp.name, [num_experts, H, *codes, *sizes], equal=4)
+        sizes = [max(row[4 + i] for row in fields) for i in range(3)]
     t_max, k_max, a_max = sizes
-    key = (grp.name, H, x.dtype, x.device)
+    key = (grp.name, H, dtype, x.device, payload_dtype)
     bufs = _AUTO_BUFFERS.get(key)
     if (bufs is None or bufs.max_tokens_per_rank < t_max or bufs.top_k < k_max
             or bufs.num_experts != num_experts or bufs.expert_alignment < a_max):
@@ -138,13 +141,15 @@ def cached_buffers(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, gr
             t_max, k_max, a_max = (max(t_max, bufs.max_tokens_per_rank), max(k_max, bufs.top_k),
                                    max(a_max, bufs.expert_alignment))
         group = None if grp.name == LOCAL else process_group(grp.name)
-        bufs = SymmBuffers(max(t_max, 1), H, k_max, num_experts, x.dtype, x.device, group, expert_alignment=a_max)
+        bufs = SymmBuffers(max(t_max, 1), H, k_max, num_experts, dtype, x.device, group, expert_alignment=a_max,
+                           payload_dtype=payload_dtype)
         _AUTO_BUFFERS[key] = bufs
     return bufs
 
 
 def _check_buffers_fit(
-    bufs: SymmBuffers, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, group: Group, expert_alignment: int
+    bufs: SymmBuffers, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, group: Group, expert_alignment: int,
+    payload: Optional[fp8.Payload] = None,
 ) -> int:
     """The dispatch's checks against its buffers; returns E as an int."""
     num_experts = check_dispatch_args(x, topk_idx, num_experts, bufs.world_size, expert_alignment)
@@ -153,10 +158,23 @@ def _check_buffers_fit(
             f"group: the buffers were created for group {bufs.group_name!r}, got group "
             f"{group.name!r}; pass group=None or the buffers' group"
         )
-    if x.dtype != bufs.dtype or x.shape[1] != bufs.hidden or x.device != bufs.device:
+    if payload is not None and bufs.payload_dtype != fp8.FP8:
+        raise ValueError(
+            f"payload_dtype: an fp8 dispatch needs buffers created with payload_dtype={fp8.FP8} (their receive "
+            f"region holds fp8 wire rows), got buffers with payload_dtype={bufs.payload_dtype}"
+        )
+    if payload is None and bufs.payload_dtype is not None:
+        raise ValueError(
+            f"payload_dtype: the buffers were created with payload_dtype={bufs.payload_dtype} and serve fp8 "
+            f"dispatches only: pass payload_dtype={bufs.payload_dtype} (or x=(values, scales)), or use buffers "
+            f"created without payload_dtype"
+        )
+    dtype = x.dtype if payload is None else payload.combine_dtype  # fp8: the dtype of the expert outputs
+    if dtype != bufs.dtype or x.shape[1] != bufs.hidden or x.device != bufs.device:
+        got = f"{x.dtype}" if payload is None else f"{x.dtype} (expert outputs and gradients in {dtype})"
         raise ValueError(
             f"x: the buffers hold {bufs.dtype} rows of H = {bufs.hidden} on {bufs.device}, got "
-            f"{x.dtype} of shape {tuple(x.shape)} on {x.device}"
+            f"{got} of shape {tuple(x.shape)} on {x.device}"
         )
     if topk_idx.shape[1] > bufs.top_k:
         raise CapacityError(f"topk_idx: the buffers were sized for top_k = {bufs.top_k}, got K = {topk_idx.shape[1]}")
@@ -202,11 +220,14 @@ class SymmMemBackend(Backend):
     def dispatch(self, x_TH, topk_idx_TK, num_experts, group, expert_alignment, buffers, payload=None):
         """routed (C, H), tokens_per_expert (e,), handle. The first ``tokens_per_expert.sum()``
         rows of routed are the collective backend's routed rows; the rest are unspecified (not
-        written)."""
+        written). With an fp8 ``payload`` (buffers created with ``payload_dtype``): routed is the
+        pair (values (C, H) float8_e4m3fn, scales (C, H / 128) fp32), or with ``out_dtype`` the
+        rows dequantized to it."""
         bufs = buffers
         if bufs is None:
-            bufs = cached_buffers(x_TH, topk_idx_TK, num_experts, group, expert_alignment)
-        E = _checked(bufs, _check_buffers_fit, bufs, x_TH, topk_idx_TK, num_experts, group, expert_alignment)
+            bufs = cached_buffers(x_TH, topk_idx_TK, num_experts, group, expert_alignment, payload)
+        E = _checked(bufs, _check_buffers_fit, bufs, x_TH, topk_idx_TK, num_experts, group, expert_alignment,
+                     payload)
         W, e = bufs.world_size, bufs.num_local_experts
         plan = layout.plan_routing(topk_idx_TK, E, W)
         # (L,): counts, routing status, then N_SLOTS, ALIGNMENT, FAILED (0) and CALL (set by the op).
@@ -217,8 +238,15 @@ class SymmMemBackend(Backend):
         send_row_L = torch.cat([plan.send_meta[:, :e].reshape(-1), plan.send_meta[0, e:], header])
         meta_WL = call(symm_exchange_meta_op, send_row_L, bufs, expert_alignment)
         r = route(meta_WL, topk_idx_TK, plan.position, bufs, expert_alignment)
-        routed_CH, row_src_C = call(symm_dispatch_op, x_TH, None, plan.position, r.slot_dst, r.num_routed, bufs,
-                                         differentiable=(x_TH,))
+        if payload is None:
+            routed_CH, row_src_C = call(symm_dispatch_op, x_TH, None, plan.position, r.slot_dst, r.num_routed, bufs,
+                                        differentiable=(x_TH,))
+            routed = routed_CH
+        else:
+            values_CH, scale_CB, row_src_C = call(symm_dispatch_fp8_op, x_TH, payload.scale_TB, plan.position,
+                                                  r.slot_dst, r.num_routed, bufs, payload.out_dtype,
+                                                  differentiable=(x_TH,))
+            routed = values_CH if payload.out_dtype is not None else (values_CH, scale_CB)
         handle = SymmMemHandle(plan.position, meta_WL, r.slot_dst, row_src_C, r.num_routed, r.dropped, bufs,
                                bufs.capacity, expert_alignment)
-        return routed_CH, r.tokens_per_expert, handle
+        return routed, r.tokens_per_expert, handle

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ... import layout
+from ... import fp8, layout
 from ..._compat import OpaqueBase, register_reference_type
 from ...comm import get_timeout
 from ...groups import Group, process_group, resolve_group
@@ -52,18 +52,25 @@ class _Config:
     overflow: str
     dtype: torch.dtype
     device: torch.device
+    payload_dtype: Optional[torch.dtype] = None
 
     @property
     def shared(self) -> tuple:
         """What every rank must agree on."""
         return (self.world_size, self.max_tokens_per_rank, self.hidden, self.top_k, self.num_experts,
-                self.expert_alignment, self.capacity, self.overflow, str(self.dtype), self.device.type)
+                self.expert_alignment, self.capacity, self.overflow, str(self.dtype), self.device.type,
+                str(self.payload_dtype))
 
     def region_offsets(self) -> tuple[list[int], int]:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         N_max = self.max_tokens_per_rank * self.top_k
         meta_cols = self.num_experts + META_EXTRA
-        sizes = [self.capacity * self.hidden * itemsize, self.capacity * 8,
+        # NB: with an fp8 payload, RECV holds the (C, P) uint8 wire rows of a dispatch and, in
+        # the backward, the (C, H) ``dtype`` rows of combine's adjoint (a dispatch of gradients).
+        recv_row_bytes = self.hidden * itemsize
+        if self.payload_dtype is not None:
+            recv_row_bytes = max(recv_row_bytes, fp8.packed_width(self.hidden))
+        sizes = [self.capacity * recv_row_bytes, self.capacity * 8,
                  N_max * self.hidden * itemsize, self.world_size * meta_cols * 8]
         offsets, total = [], 0
         for size in sizes:
@@ -84,7 +91,7 @@ def _default_device(device: Any) -> torch.device:
 def _make_config(
     rank: int, world_size: int, group_name: str, max_tokens_per_rank: int, hidden: int, top_k: int,
     num_experts: int, dtype: torch.dtype, device: torch.device, expert_alignment: int,
-    capacity: Optional[int], overflow: str,
+    capacity: Optional[int], overflow: str, payload_dtype: Optional[torch.dtype] = None,
 ) -> _Config:
     for name, value in (("max_tokens_per_rank", max_tokens_per_rank), ("hidden", hidden),
                         ("top_k", top_k), ("num_experts", num_experts),
@@ -97,6 +104,12 @@ def _make_config(
         raise TypeError(f"dtype: expected a floating-point torch.dtype, got {dtype!r}")
     if overflow not in OVERFLOW_MODES:
         raise ValueError(f"overflow: expected one of {OVERFLOW_MODES}, got {overflow!r}")
+    if payload_dtype is not None:
+        if payload_dtype != fp8.FP8:
+            raise ValueError(f"payload_dtype: expected None or {fp8.FP8}, got {payload_dtype!r}")
+        if hidden % fp8.BLOCK:
+            raise ValueError(f"hidden: an fp8 payload needs H divisible by {fp8.BLOCK} (one scale per "
+                             f"{fp8.BLOCK} channels), got H = {hidden}")
     e = num_experts // world_size
     worst = world_size * max_tokens_per_rank * top_k + e * (expert_alignment - 1)
     if capacity is None:
@@ -104,7 +117,7 @@ def _make_config(
     elif isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
         raise ValueError(f"capacity: expected a positive int or None, got {capacity!r}")
     return _Config(rank, world_size, group_name, max_tokens_per_rank, hidden, top_k, num_experts,
-                   expert_alignment, capacity, overflow, dtype, device)
+                   expert_alignment, capacity, overflow, dtype, device, payload_dtype)
 
 
 class SymmBuffers(OpaqueBase):
@@ -117,7 +130,9 @@ class SymmBuffers(OpaqueBase):
     Args:
         max_tokens_per_rank: T_max, the most tokens any rank dispatches in one call.
         hidden: H. top_k: K, the most slots per token. num_experts: E, divisible by W.
-        dtype: of x and the expert outputs. device: cuda (default when there is one) or cpu.
+        dtype: of x and the expert outputs (with an fp8 payload: of the expert outputs, and of
+            the rows dequantized with ``dequantize=True``). device: cuda (default when there is
+            one) or cpu.
         group: ProcessGroup, 1-D DeviceMesh or None (default group; one rank without one).
         expert_alignment: the largest ``expert_alignment`` dispatch will be called with (for C).
         capacity: C, rows of ``routed``; default ``W * T_max * K + e * (expert_alignment - 1)``,
@@ -131,6 +146,10 @@ class SymmBuffers(OpaqueBase):
             :func:`alltoall_ops.set_timeout`). Past it the CPU stand-in raises
             :class:`alltoall_ops.errors.CollectiveTimeout`; the CUDA barrier kernel traps (a CUDA
             error at the next sync; the context is then unusable).
+        payload_dtype: None, or ``torch.float8_e4m3fn`` for dispatches with an fp8 payload
+            (``dispatch(..., payload_dtype=torch.float8_e4m3fn)`` or ``x=(values, scales)``; H
+            divisible by 128): the receive region then holds packed wire rows of
+            ``fp8.packed_width(H)`` bytes. Such buffers serve fp8 dispatches only.
 
     Example::
 
@@ -155,13 +174,14 @@ class SymmBuffers(OpaqueBase):
         overflow: str = "error",
         allocator: str = "auto",
         timeout: Optional[float] = None,
+        payload_dtype: Optional[torch.dtype] = None,
     ):
         if allocator not in ("auto", "symmetric"):
             raise ValueError(f"allocator: expected 'auto' or 'symmetric', got {allocator!r}")
         grp = resolve_group(group)
         device = _default_device(device)
         cfg = _make_config(grp.rank, grp.size, grp.name, max_tokens_per_rank, hidden, top_k,
-                           num_experts, dtype, device, expert_alignment, capacity, overflow)
+                           num_experts, dtype, device, expert_alignment, capacity, overflow, payload_dtype)
         check_kernels_run_on(device)
         if grp.size > 1:
             _check_same_config(cfg, grp)
@@ -192,6 +212,7 @@ class SymmBuffers(OpaqueBase):
         capacity: Optional[int] = None,
         overflow: str = "error",
         timeout: float = 120.0,
+        payload_dtype: Optional[torch.dtype] = None,
     ) -> list["SymmBuffers"]:
         """Buffers of ``world_size`` simulated ranks in this process, on one device: run rank r's
         calls with ``buffers[r]`` in its own thread (see :func:`run_simulated`)."""
@@ -200,7 +221,7 @@ class SymmBuffers(OpaqueBase):
         name = f"simulated-{uuid.uuid4().hex[:8]}"
         cfgs = [
             _make_config(r, world_size, name, max_tokens_per_rank, hidden, top_k, num_experts,
-                         dtype, device, expert_alignment, capacity, overflow)
+                         dtype, device, expert_alignment, capacity, overflow, payload_dtype)
             for r in range(world_size)
         ]
         nbytes = cfgs[0].region_offsets()[1]
@@ -235,7 +256,9 @@ class SymmBuffers(OpaqueBase):
             itemsize = torch.empty((), dtype=dtype).element_size()
             return segments.local[offsets[i] : offsets[i] + n * itemsize].view(dtype).view(shape)
 
-        self.recv = region(RECV, cfg.dtype, (C, H))
+        self.recv = region(RECV, cfg.dtype, (C, H))  # dispatches in dtype (with fp8: combine's backward)
+        # fp8 dispatches: packed wire rows (C, P) uint8 in the same region (None without fp8)
+        self.recv_packed = None if cfg.payload_dtype is None else region(RECV, torch.uint8, (C, fp8.packed_width(H)))
         self.tags = region(TAGS, torch.int64, (C,))
         self.ret = region(RET, cfg.dtype, (self.max_slots, H))
         self.meta = region(META, torch.int64, (W, self.meta_columns))
@@ -278,13 +301,14 @@ class SymmBuffers(OpaqueBase):
     def __repr__(self) -> str:
         return (f"SymmBuffers(rank={self.rank}, world_size={self.world_size}, T_max={self.max_tokens_per_rank}, "
                 f"H={self.hidden}, K={self.top_k}, E={self.num_experts}, C={self.capacity}, "
-                f"dtype={self.dtype}, device={self.device}, overflow={self.overflow!r})")
+                f"dtype={self.dtype}, device={self.device}, overflow={self.overflow!r}"
+                + ("" if self.payload_dtype is None else f", payload_dtype={self.payload_dtype}") + ")")
 
 
 _CONSTANT_MEMBERS = (
     "rank", "world_size", "group_name", "max_tokens_per_rank", "hidden", "top_k", "num_experts",
     "expert_alignment", "capacity", "overflow", "dtype", "device", "num_local_experts", "max_slots",
-    "meta_columns",
+    "meta_columns", "payload_dtype",
 )
 register_reference_type(SymmBuffers, constant_members=_CONSTANT_MEMBERS, guard_fn=SymmBuffers._guard_key)
 
@@ -292,7 +316,7 @@ register_reference_type(SymmBuffers, constant_members=_CONSTANT_MEMBERS, guard_f
 def _load_pickled_buffers(key: list) -> SymmBuffers:
     raise RuntimeError(
         f"SymmBuffers cannot be unpickled (pickled: rank, W, T_max, H, K, E, alignment, C, overflow, "
-        f"dtype, device type, group = {key}): they are memory that the group's peers write; create "
+        f"dtype, device type, payload dtype, group = {key}): they are memory that the group's peers write; create "
         "them collectively with alltoall_ops.SymmBuffers(...) in the process that uses them"
     )
 
@@ -304,7 +328,7 @@ def _check_same_config(cfg: _Config, grp: Group) -> None:
     if any(c != configs[0] for c in configs):
         raise ValueError(
             "SymmBuffers: every rank must pass the same sizes; got (W, T_max, H, K, E, alignment, "
-            f"C, overflow, dtype, device type) = {configs}"
+            f"C, overflow, dtype, device type, payload dtype) = {configs}"
         )
 
 

@@ -7,11 +7,11 @@ from typing import Callable, Optional
 
 import torch
 
-from ... import layout
+from ... import fp8, layout
 from ...comm import comm_op
 from ...errors import CapacityError, GroupMismatchError, PeerInputError, RoutingError
 from ...kernels import loader
-from ...rows import accumulation_dtype
+from ...rows import accumulation_dtype, quantize
 from .buffers import ALIGNMENT, CALL, FAILED, META, N_SLOTS, RECV, RET, TAGS, SymmBuffers
 
 
@@ -134,20 +134,36 @@ def symm_dispatch_op(
     (1,) int64 n = tokens_per_expert.sum(), every received row lies below it. routed: rows [0, n)
     received, zero where none; rows [n, C) unspecified (not written). row_src: each row's source
     code (``rank * N_max + position``), -1 where none."""
+    return _put_rows_and_copy_out(x_TH, scale_TK, position_TK, slot_dst_N, num_routed_1, buffers, buffers.recv)
+
+
+def _put_rows_and_copy_out(
+    rows_TX: torch.Tensor,
+    scale_TK: Optional[torch.Tensor],
+    position_TK: torch.Tensor,
+    slot_dst_N: torch.Tensor,
+    num_routed_1: torch.Tensor,
+    buffers: SymmBuffers,
+    recv_CX: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The body of a dispatch: entry barrier, each slot's row of ``rows_TX`` (T, X) (times its
+    scale) into the peers' RECV region with its tag, barrier, then this rank's ``recv_CX`` (the
+    RECV region viewed as (C, X) rows of rows_TX's dtype) copied out: routed (C, X), row_src (C,)."""
     k = loader.load()
     K = position_TK.shape[1]
-    acc = accumulation_dtype(x_TH.dtype, *(() if scale_TK is None else (scale_TK.dtype,)))
+    acc = accumulation_dtype(rows_TX.dtype, *(() if scale_TK is None else (scale_TK.dtype,)))
     buffers._barrier()
+    # NB: the kernel reads the pointer table as addresses of rows_TX's dtype: recv_CX's layout.
     k.put_rows(
-        x_TH, slot_dst_N, buffers.capacity, buffers.table[RECV],
+        rows_TX, slot_dst_N, buffers.capacity, buffers.table[RECV],
         top_k=K, scale=scale_TK, tags_table=buffers.table[TAGS],
         tag_index=position_TK.reshape(-1), tag_base=buffers.rank * buffers.max_slots, acc_dtype=acc,
     )
     buffers._barrier()
-    routed_CH = x_TH.new_empty(buffers.capacity, x_TH.shape[1])
-    row_src_C = torch.empty(buffers.capacity, dtype=torch.int64, device=x_TH.device)
-    k.copy_out(buffers.recv, buffers.tags, num_routed_1, routed_CH, row_src_C)
-    return routed_CH, row_src_C
+    routed_CX = rows_TX.new_empty(buffers.capacity, rows_TX.shape[1])
+    row_src_C = torch.empty(buffers.capacity, dtype=torch.int64, device=rows_TX.device)
+    k.copy_out(recv_CX, buffers.tags, num_routed_1, routed_CX, row_src_C)
+    return routed_CX, row_src_C
 
 
 @symm_dispatch_op.register_fake
@@ -178,6 +194,74 @@ def _symm_dispatch_backward(ctx, grad_routed_CH, _grad_row_src_C):
 
 
 symm_dispatch_op.register_autograd(_symm_dispatch_backward, setup_context=_symm_dispatch_setup_context)
+
+
+def _require_fp8_buffers(buffers: SymmBuffers) -> None:
+    if buffers.payload_dtype != fp8.FP8:
+        raise ValueError(f"symm_dispatch_fp8: the buffers hold no fp8 wire rows (payload_dtype="
+                         f"{buffers.payload_dtype}); create SymmBuffers with payload_dtype={fp8.FP8}")
+
+
+@comm_op("symm_dispatch_fp8")
+def symm_dispatch_fp8_op(
+    x_TH: torch.Tensor,
+    x_scale_TB: Optional[torch.Tensor],
+    position_TK: torch.Tensor,
+    slot_dst_N: torch.Tensor,
+    num_routed_1: torch.Tensor,
+    buffers: SymmBuffers,
+    out_dtype: Optional[torch.dtype],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`symm_dispatch_op` with rows that travel as fp8 with block scales
+    (:mod:`alltoall_ops.fp8`), into buffers created with ``payload_dtype=torch.float8_e4m3fn``.
+
+    x_TH: (T, H) float tokens, quantized once per token (``x_scale_TB`` None), or their
+    float8_e4m3fn values with scales x_scale_TB (T, B = H / 128) fp32. Each slot's packed wire
+    row (``fp8.pack``, P bytes) goes to the peers' RECV region. Returns routed (C, H)
+    float8_e4m3fn (with ``out_dtype``: dequantized to it), routed_scale (C, B) fp32 and row_src
+    (C,) int64, laid out as symm_dispatch's: rows [0, n) received, zero where none; rows [n, C)
+    unspecified (not written). The backward (with out_dtype) is combine of the gradient, the
+    quantize straight-through."""
+    _require_fp8_buffers(buffers)
+    H = x_TH.shape[1]
+    values_TH, scales_TB = quantize(x_TH) if x_scale_TB is None else (x_TH.view(torch.uint8), x_scale_TB)
+    packed_CP, row_src_C = _put_rows_and_copy_out(fp8.pack(values_TH, scales_TB), None, position_TK, slot_dst_N,
+                                                  num_routed_1, buffers, buffers.recv_packed)
+    values_CH, scales_CB = fp8.unpack(packed_CP, H)  # strided views
+    values_CH = values_CH.view(fp8.FP8)
+    if out_dtype is not None:
+        return fp8.dequantize(values_CH, scales_CB, out_dtype), scales_CB.clone(), row_src_C
+    # NB: clones, not .contiguous(): fresh tensors even where a view is contiguous (C = 1).
+    return values_CH.clone(memory_format=torch.contiguous_format), scales_CB.clone(), row_src_C
+
+
+@symm_dispatch_fp8_op.register_fake
+def _(x_TH, x_scale_TB, position_TK, slot_dst_N, num_routed_1, buffers, out_dtype):
+    # NB: fixed capacity C, as symm_dispatch's.
+    _require_fp8_buffers(buffers)
+    C, H = buffers.capacity, x_TH.shape[1]
+    return (x_TH.new_empty(C, H, dtype=out_dtype or fp8.FP8),
+            x_TH.new_empty(C, fp8.num_blocks(H), dtype=torch.float32),
+            x_TH.new_empty(C, dtype=torch.int64))
+
+
+def _symm_dispatch_fp8_setup_context(ctx, inputs, output):
+    _, _, ctx.position_TK, slot_dst_N, num_routed_1, ctx.buffers, ctx.out_dtype = inputs
+    ctx.save_for_backward(slot_dst_N, output[2], num_routed_1)
+
+
+def _symm_dispatch_fp8_backward(ctx, grad_routed_CH, _grad_scale_CB, _grad_row_src_C):
+    # Straight-through: the adjoint of the dequantized dispatch is combine, in the gradient's
+    # dtype (the buffers' dtype). fp8 rows (no out_dtype) carry no gradient.
+    if ctx.out_dtype is None:
+        return None, None, None, None, None, None, None
+    slot_dst_N, row_src_C, num_routed_1 = ctx.saved_tensors
+    grad_x_TH, _ = symm_combine_op(grad_routed_CH, None, ctx.position_TK, slot_dst_N, row_src_C, num_routed_1,
+                                   ctx.buffers, False)
+    return grad_x_TH, None, None, None, None, None, None
+
+
+symm_dispatch_fp8_op.register_autograd(_symm_dispatch_fp8_backward, setup_context=_symm_dispatch_fp8_setup_context)
 
 
 @comm_op("symm_combine")
