@@ -28,7 +28,9 @@ softmax weights), rows of (impl, op); ``--skip`` takes these names (shell patter
 - ``symm.w2`` / ``symm.w4`` / ``symm.w8``: the symm_mem kernels with W ranks simulated in one
   process on the one GPU (``SymmBuffers.simulated``, one thread per rank), each rank holding T
   tokens; every rank's dispatch (and separately every rank's combine) captured in one CUDA graph,
-  whose replay is timed (label ``symm.wW.graph``): one step of all W ranks together. Where the
+  whose replay is timed (label ``symm.wW.graph``): one step of all W ranks together; then the
+  same dispatch with an fp8 payload (``symm.wW.fp8.graph``, skip it as ``symm.wW.fp8``), checked
+  bit for bit against the local fp8 dispatch of all ranks' tokens. Where the
   default capacity C = W*T*K rows per rank would not fit in ``--symm-mem-gb``, C = 2*T*K (twice
   the expected load of random routing) with overflow='error', and the label says ``(C=2TK)``.
 
@@ -650,7 +652,11 @@ def bench_peers(b: Bench, shape, W: int) -> None:
     capped = mode == "2tk" or (mode == "auto" and need_gb(full) > b.args.symm_mem_gb)
     C = min(2 * N, full) if capped else full
     capped = C < full
-    impl = (f"symm.w{W}.graph" if b.cuda else f"symm.w{W}.eager(cpu)") + (" (C=2TK)" if capped else "")
+
+    def label(name: str) -> str:  # e.g. symm.w8.graph, symm.w8.fp8.graph (C=2TK), symm.w2.eager(cpu)
+        return name + (".graph" if b.cuda else ".eager(cpu)") + (" (C=2TK)" if capped else "")
+
+    impl = label(f"symm.w{W}")
 
     xs = [tokens(T, H, dev, seed=T + H + 7919 * (r + 1)) for r in range(W)]
     routes = [routing(T, K, E, dev, seed=T + H + 7919 * (r + 1) + 1) for r in range(W)]
@@ -709,6 +715,30 @@ def bench_peers(b: Bench, shape, W: int) -> None:
            f"{differ}/{differ_g} elements differ in bf16 rounding")
     b.measure(shape, impl, "dispatch", g_dispatch.replay, nbytes, peer_bytes)
     b.measure(shape, impl, "combine", g_combine.replay, nbytes, peer_bytes)
+    if b.skipped(f"symm.w{W}.fp8"):
+        return
+    # The same step's dispatch with an fp8 payload (combine stays bf16): fresh buffers for fp8
+    # wire rows, every rank's rows checked bit for bit against the local fp8 dispatch of all
+    # ranks' tokens (the same expert-major layout, in rank order), one graph replay timed.
+    bufs = g_dispatch = g_combine = d_outs = None  # free the bf16 buffers first
+    b.free()
+    (ref_values, ref_scales), _, _ = a2a.dispatch(torch.cat(xs), torch.cat(idxs), num_experts=E, backend="local",
+                                                  payload_dtype=fp8.FP8)
+    fp8_bufs = SymmBuffers.simulated(W, T, H, K, E, dtype=DTYPE, device=dev, capacity=C if capped else None,
+                                     overflow="error", payload_dtype=fp8.FP8)
+
+    def dispatch_fp8(r: int, bb: SymmBuffers):
+        return a2a.dispatch(xs[r], idxs[r], num_experts=E, buffers=bb, payload_dtype=fp8.FP8)
+
+    g_fp8 = Captured(lambda stream: run_simulated(dispatch_fp8, fp8_bufs, stream=stream), b.cuda, relaxed=True)
+    for r, ((values, scales), tpe, _) in enumerate(g_fp8.run()):
+        rows = slice(starts[r], starts[r] + R[r])
+        check_routed(f"symm W={W} fp8 graph rank {r} values", values.view(torch.uint8), tpe,
+                     ref_values[rows].view(torch.uint8), ref_tpe[r])
+        check_routed(f"symm W={W} fp8 graph rank {r} scales", scales, tpe, ref_scales[rows], ref_tpe[r])
+    P = fp8.packed_width(H)
+    fp8_bytes = W * (T * row_bytes + N * P)  # read x (bf16) once, write every slot's wire row
+    b.measure(shape, label(f"symm.w{W}.fp8"), "dispatch", g_fp8.replay, fp8_bytes, peer_rows * P)
 
 
 # --- output ---------------------------------------------------------------------------------

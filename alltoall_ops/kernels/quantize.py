@@ -57,6 +57,10 @@ def _quantize_rows_kernel(
     tl.store(scales_ptr + o_r * B + i_b, tl.math.div_rn(b_amax, b_max), mask=m_r)
 
 
+GPU_BLOCK_R, GPU_NUM_WARPS = 8, 4
+"""Tokens per program and warps on a GPU (a program: one 128-channel block of GPU_BLOCK_R tokens)."""
+
+
 def quantize_rows(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`alltoall_ops.fp8.quantize` in one launch: x (T, H) float, H a multiple of 128 ->
     values (T, H) as uint8 (float8_e4m3fn bits) and scales (T, H / 128) fp32."""
@@ -66,10 +70,11 @@ def quantize_rows(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if T == 0 or H == 0:
         return values_TH, scales_TB
     x_TH = x_TH.contiguous()
-    block_r = triton.next_power_of_2(max(1, min(T, 256))) if interpreting() else 8
+    block_r, num_warps = (triton.next_power_of_2(max(1, min(T, 256))), 1) if interpreting() else \
+        (GPU_BLOCK_R, GPU_NUM_WARPS)
     with LAUNCH_LOCK:
         _quantize_rows_kernel[(triton.cdiv(T, block_r), H // BLOCK)](
             x_TH, values_TH, scales_TB, T, H, H // BLOCK,
-            FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, BLOCK_R=block_r, BLOCK_C=BLOCK, num_warps=4,
+            FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, BLOCK_R=block_r, BLOCK_C=BLOCK, num_warps=num_warps,
         )
     return values_TH, scales_TB
