@@ -256,11 +256,11 @@ def debug_mode(enabled: bool = True) -> Iterator[None]:
 
 @contextlib.contextmanager
 def nan_unwritten_rows() -> Iterator[list[int]]:
-    """Inside the block (this process, every thread), symm_mem's copy-out pre-fills its outputs
-    with NaN, so the rows it does not write (routed's past ``tokens_per_expert.sum()``, fp8
-    values and scales included, and the same rows of combine's backward) hold NaN: expert code
-    that lets them reach a result or a gradient shows it. Yields the number of such rows of
-    each call (a host read per call)::
+    """Inside the block (this process, every thread), symm_mem's copy-out (and its fp8
+    dequantization) pre-fill their outputs with NaN, so the rows they do not write (routed's past
+    ``tokens_per_expert.sum()``, fp8 values and scales included, and the same rows of combine's
+    backward) hold NaN: expert code that lets them reach a result or a gradient shows it. Yields
+    the number of such rows of each copy-out (a host read per call)::
 
         with nan_unwritten_rows() as unwritten:
             layer(x).sum().backward()      # y and every gradient free of NaN
@@ -271,14 +271,21 @@ def nan_unwritten_rows() -> Iterator[list[int]]:
     k = loader.load()
     copy_out, unwritten = k.copy_out, []
 
-    def nan_prefilled(recv, tags, num_routed, out, row_src):
+    def nan_prefilled(recv, tags, num_routed, out, row_src, tail=None):
         # uint8 (fp8 wire rows): all ones, NaN as float8_e4m3fn values and as fp32 scale bytes
-        out.fill_(0xFF if out.dtype == torch.uint8 else float("nan"))
-        copy_out(recv, tags, num_routed, out, row_src)
+        for t in (out, tail) if tail is not None else (out,):
+            t.fill_(0xFF if t.dtype == torch.uint8 else float("nan"))
+        copy_out(recv, tags, num_routed, out, row_src, tail=tail)
         unwritten.append(out.shape[0] - int(num_routed))
 
-    k.copy_out = nan_prefilled
+    dequantize_rows = k.dequantize_rows
+
+    def nan_prefilled_dequantized(values, scales, num_routed, out):
+        out.fill_(float("nan"))
+        dequantize_rows(values, scales, num_routed, out)
+
+    k.copy_out, k.dequantize_rows = nan_prefilled, nan_prefilled_dequantized
     try:
         yield unwritten
     finally:
-        k.copy_out = copy_out
+        k.copy_out, k.dequantize_rows = copy_out, dequantize_rows

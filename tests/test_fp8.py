@@ -292,3 +292,37 @@ def test_sac_policy_saves_the_fp8_dispatch():
     assert torch.equal(plain, saved) and torch.equal(plain, recomputed)
     assert saved_ops == plain_ops and "alltoall_ops::dispatch_fp8" not in saved_ops
     assert "alltoall_ops::dispatch_fp8" in recomputed_ops  # full recompute runs it again
+
+
+@given(st.integers(0, 40), st.integers(1, 3), st.sampled_from([torch.bfloat16, torch.float32, torch.float16]),
+       st.data())
+@FRESH
+def test_dequantize_kernel_equals_reference(C, blocks, dtype, data):
+    """Every fp8 code (NaN included) times random scales, rows < n only: the kernel symm_mem's
+    dequantized dispatch runs equals ``fp8.dequantize``; rows past n keep what they held."""
+    H = 128 * blocks
+    n = data.draw(st.integers(0, C), label="n")
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+    values = torch.randint(0, 256, (C, H), generator=g, dtype=torch.uint8)
+    scales = torch.rand(C, blocks, generator=g) * torch.logspace(-6, 2, max(C, 1))[:C, None]
+    out = torch.full((C, H), 7.0, dtype=dtype)
+    loader.load().dequantize_rows(values, scales, torch.tensor([n]), out)
+    ref = fp8.dequantize(values.view(fp8.FP8), scales, dtype)
+    assert torch.equal(out[:n].isnan(), ref[:n].isnan())
+    assert torch.equal(out[:n].nan_to_num(), ref[:n].nan_to_num()) and (out[n:] == 7).all()
+
+
+def test_copy_out_splits_wire_rows():
+    """copy_out with ``tail``: each received row's first columns into out, the rest into tail
+    (rows < n; a row with no tag reads zero); nothing past n is written."""
+    g = torch.Generator().manual_seed(2)
+    C, H, B = 6, 128, 1
+    recv = torch.randint(0, 256, (C, H + 4 * B), generator=g, dtype=torch.uint8)
+    tags = torch.tensor([3, -1, 0, 5, 9, 2])
+    out, tail = torch.full((C, H), 7, dtype=torch.uint8), torch.full((C, 4 * B), 7, dtype=torch.uint8)
+    row_src = torch.empty(C, dtype=torch.int64)
+    loader.load().copy_out(recv, tags, torch.tensor([4]), out, row_src, tail=tail)
+    expected = torch.where((torch.tensor([3, -1, 0, 5]) >= 0)[:, None], recv[:4], 0)
+    assert torch.equal(out[:4], expected[:, :H]) and torch.equal(tail[:4], expected[:, H:])
+    assert (out[4:] == 7).all() and (tail[4:] == 7).all()
+    assert row_src.tolist() == [3, -1, 0, 5, -1, -1] and tags[:4].tolist() == [-1] * 4

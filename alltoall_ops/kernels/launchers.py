@@ -8,7 +8,7 @@ from ._config import interpreting, row_blocks
 from .barrier import barrier
 from .dispatch_layout import dispatch_layout
 from .meta_check import check_meta
-from .quantize import quantize_rows
+from .quantize import dequantize_rows, quantize_rows
 from .routing_plan import plan_slots
 from .row_put import copy_out, put_meta, put_rows
 from .topk_reduce import topk_reduce
@@ -16,5 +16,5 @@ from .weight_grad import weight_grad
 
 __all__ = [
     "barrier", "check_meta", "copy_out", "dispatch_layout", "interpreting", "plan_slots", "put_meta", "put_rows",
-    "quantize_rows", "routing_plan", "row_blocks", "topk_reduce", "weight_grad",
+    "dequantize_rows", "quantize_rows", "routing_plan", "row_blocks", "topk_reduce", "weight_grad",
 ]

@@ -4,7 +4,9 @@ before its rows are put in send order (quantizing in the row put itself, once pe
 
 Reference semantics::
 
-    quantize_rows:  values, scales = fp8.quantize(x)       # values as uint8 bits
+    quantize_rows:    values, scales = fp8.quantize(x)               # values as uint8 bits
+    dequantize_rows:  out[:n] = fp8.dequantize(values[:n].view(fp8), scales[:n], out.dtype)
+                      # n = num_routed (on the device); out[n:] not written
 
 Both the scale division and the fp8 rounding (nearest even, on the bits) are exact, so the
 kernel equals the torch reference bit for bit, in Triton's interpreter too (whose own fp8
@@ -18,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..fp8 import AMAX_FLOOR, BLOCK, FP8_MAX
-from ._config import LAUNCH_LOCK, interpreting, upcast
+from ._config import LAUNCH_LOCK, cast_rne, interpreting, require_contiguous, upcast
 
 
 @triton.jit
@@ -78,3 +80,49 @@ def quantize_rows(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, BLOCK_R=block_r, BLOCK_C=BLOCK, num_warps=num_warps,
         )
     return values_TH, scales_TB
+
+
+@triton.jit
+def e4m3_value(b_bits):
+    """float8_e4m3fn bits (uint8) -> their fp32 value (exact; NaN for 0x7F / 0xFF)."""
+    b_bits = b_bits.to(tl.int32)
+    b_exp, b_man = (b_bits >> 3) & 0xF, b_bits & 7
+    b_normal = ((b_exp + 120) << 23 | b_man << 20).to(tl.float32, bitcast=True)  # (1 + m / 8) 2^(e - 7)
+    b_abs = tl.where(b_exp == 0, b_man.to(tl.float32) * 0.001953125, b_normal)  # subnormal: m 2^-9
+    b_abs = tl.where((b_bits & 0x7F) == 0x7F, float("nan"), b_abs)
+    return tl.where((b_bits & 0x80) != 0, -b_abs, b_abs)
+
+
+@triton.jit
+def _dequantize_rows_kernel(
+    values_ptr, scales_ptr, num_routed_ptr, out_ptr, C, H, B, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    i_r, i_b = tl.program_id(0), tl.program_id(1)
+    n_routed = tl.load(num_routed_ptr)
+    if i_r * BLOCK_R < n_routed:  # NB: rows past n_routed are not read or written
+        o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR]
+        o_c = i_b * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC] channels of this block
+        m_r = (o_r < C) & (o_r < n_routed)
+        o_x = o_r[:, None] * H + o_c[None, :]
+        b_v = e4m3_value(tl.load(values_ptr + o_x, mask=m_r[:, None], other=0))  # [BR, BC]
+        b_scale = tl.load(scales_ptr + o_r * B + i_b, mask=m_r, other=0)  # [BR]
+        tl.store(out_ptr + o_x, cast_rne(b_v * b_scale[:, None], out_ptr.dtype.element_ty), mask=m_r[:, None])
+
+
+def dequantize_rows(values_CH: torch.Tensor, scales_CB: torch.Tensor, num_routed_1: torch.Tensor,
+                    out_CH: torch.Tensor) -> None:
+    """:func:`alltoall_ops.fp8.dequantize` of the first n = ``num_routed_1`` rows (a one-element
+    int64 device tensor: no host sync) into ``out_CH`` (C, H) float; values (C, H) as uint8
+    (float8_e4m3fn bits), scales (C, H / 128) fp32. Rows [n, C) of out are not written."""
+    C, H = values_CH.shape
+    if C == 0 or H == 0:
+        return
+    require_contiguous("dequantize_rows", out_CH=out_CH)
+    values_CH, scales_CB = values_CH.contiguous(), scales_CB.contiguous()
+    block_r, num_warps = (triton.next_power_of_2(max(1, min(C, 256))), 1) if interpreting() else \
+        (GPU_BLOCK_R, GPU_NUM_WARPS)
+    with LAUNCH_LOCK:
+        _dequantize_rows_kernel[(triton.cdiv(C, block_r), H // BLOCK)](
+            values_CH, scales_CB, num_routed_1, out_CH, C, H, H // BLOCK, BLOCK_R=block_r, BLOCK_C=BLOCK,
+            num_warps=num_warps,
+        )

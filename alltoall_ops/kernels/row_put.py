@@ -14,6 +14,7 @@ Reference semantics (``tables[r]`` is rank r's buffer)::
     copy_out:   for d in range(n):                                           # n = num_routed
                     out[d] = recv[d] if tags[d] >= 0 else 0; row_src[d] = tags[d]; tags[d] = -1
                 row_src[n:] = -1                                             # out[n:] not written
+                (with ``tail``: out[d], tail[d] = the first and the last columns of that row)
 
 The kernels index every tensor as contiguous: the launchers copy strided inputs (``.contiguous()``,
 a no-op for contiguous ones) and raise ``ValueError`` for a strided tensor they write into.
@@ -148,8 +149,8 @@ def put_meta(send_row: torch.Tensor, meta_table: torch.Tensor, rank: int) -> Non
 
 @triton.jit
 def _copy_out_kernel(
-    recv_ptr, tags_ptr, num_routed_ptr, out_ptr, row_src_ptr, n_rows, H,
-    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    recv_ptr, tags_ptr, num_routed_ptr, out_ptr, tail_ptr, row_src_ptr, n_rows, X, X_OUT,
+    HAS_TAIL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     i_r = tl.program_id(0)
     o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -159,32 +160,45 @@ def _copy_out_kernel(
     b_tag = tl.load(tags_ptr + o_r, mask=m_routed, other=-1)  # [BR] source code of each row, -1: none
     if i_r * BLOCK_R < n_routed:  # NB: a program past n_routed moves no row, only writes row_src
         m_valid = m_routed & (b_tag >= 0)
-        for i_h in range(tl.cdiv(H, BLOCK_H)):
+        for i_h in range(tl.cdiv(X, BLOCK_H)):
             o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
-            m_h = (o_h < H)[None, :]
-            b_x = tl.load(recv_ptr + o_r[:, None] * H + o_h[None, :], mask=m_valid[:, None] & m_h, other=0)
-            tl.store(out_ptr + o_r[:, None] * H + o_h[None, :], b_x, mask=m_routed[:, None] & m_h)
-        # NB: each program owns its rows across all of H, so resetting the tags here cannot race
+            m_h = (o_h < X)[None, :]
+            b_x = tl.load(recv_ptr + o_r[:, None] * X + o_h[None, :], mask=m_valid[:, None] & m_h, other=0)
+            if HAS_TAIL:  # columns [0, X_OUT) to out, [X_OUT, X) to tail
+                m_out = (o_h < X_OUT)[None, :]
+                tl.store(out_ptr + o_r[:, None] * X_OUT + o_h[None, :], b_x, mask=m_routed[:, None] & m_h & m_out)
+                tl.store(tail_ptr + o_r[:, None] * (X - X_OUT) + (o_h - X_OUT)[None, :], b_x,
+                         mask=m_routed[:, None] & m_h & ~m_out)
+            else:
+                tl.store(out_ptr + o_r[:, None] * X + o_h[None, :], b_x, mask=m_routed[:, None] & m_h)
+        # NB: each program owns its rows across all of X, so resetting the tags here cannot race
         # with another program's read of them. Past n_routed no row arrives: the tags stay -1.
         tl.store(tags_ptr + o_r, tl.full([BLOCK_R], -1, tl.int64), mask=m_routed)
     tl.store(row_src_ptr + o_r, b_tag, mask=m_r)
 
 
 def copy_out(
-    recv: torch.Tensor, tags: torch.Tensor, num_routed: torch.Tensor, out: torch.Tensor, row_src: torch.Tensor
+    recv: torch.Tensor, tags: torch.Tensor, num_routed: torch.Tensor, out: torch.Tensor, row_src: torch.Tensor,
+    tail: Optional[torch.Tensor] = None,
 ) -> None:
-    """Copy the first n = ``num_routed`` rows of this rank's receive buffer recv (C, H) into
+    """Copy the first n = ``num_routed`` rows of this rank's receive buffer recv (C, X) into
     ``out``, zero where no row arrived; rows [n, C) of ``out`` are not written. ``num_routed``: a
     one-element int64 tensor on the device (read by the kernel: no host sync). ``row_src`` (C,)
-    gets each row's tag (-1 past n); the tags are reset to -1 for the next call."""
-    C, H = recv.shape
+    gets each row's tag (-1 past n); the tags are reset to -1 for the next call. With ``tail``
+    (C, X - X_out) of recv's dtype, out (C, X_out) takes the first X_out columns of each row and
+    tail the rest (fp8 wire rows into values and scale bytes, no copy of the whole buffer)."""
+    C, X = recv.shape
     if C == 0:
         return
-    require_contiguous("copy_out", tags=tags, out=out, row_src=row_src)
+    require_contiguous("copy_out", tags=tags, out=out, row_src=row_src, tail=tail)
+    x_out = X if tail is None else out.shape[1]
+    if tail is not None and (tail.dtype != recv.dtype or out.dtype != recv.dtype or tail.shape[1] != X - x_out):
+        raise ValueError(f"copy_out: out and tail must split recv's {X} columns in its dtype {recv.dtype}, got "
+                         f"{out.dtype} {tuple(out.shape)} and {tail.dtype} {tuple(tail.shape)}")
     recv = recv.contiguous()
-    blocks = row_blocks("copy_out", C, H, recv.element_size())
-    with LAUNCH_LOCK:  # NB: one program per row block across all of H (see the kernel)
-        _copy_out_kernel[blocks.grid(C, H)[:1]](
-            recv, tags, num_routed, out, row_src, C, H, BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H,
-            num_warps=blocks.num_warps,
+    blocks = row_blocks("copy_out", C, X, recv.element_size())
+    with LAUNCH_LOCK:  # NB: one program per row block across all of X (see the kernel)
+        _copy_out_kernel[blocks.grid(C, X)[:1]](
+            recv, tags, num_routed, out, tail if tail is not None else out, row_src, C, X, x_out,
+            HAS_TAIL=tail is not None, BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H, num_warps=blocks.num_warps,
         )

@@ -134,7 +134,10 @@ def symm_dispatch_op(
     (1,) int64 n = tokens_per_expert.sum(), every received row lies below it. routed: rows [0, n)
     received, zero where none; rows [n, C) unspecified (not written). row_src: each row's source
     code (``rank * N_max + position``), -1 where none."""
-    return _put_rows_and_copy_out(x_TH, scale_TK, position_TK, slot_dst_N, num_routed_1, buffers, buffers.recv)
+    routed_CH = x_TH.new_empty(buffers.capacity, x_TH.shape[1])
+    row_src_C = _put_rows_and_copy_out(x_TH, scale_TK, position_TK, slot_dst_N, num_routed_1, buffers, buffers.recv,
+                                       routed_CH)
+    return routed_CH, row_src_C
 
 
 def _put_rows_and_copy_out(
@@ -145,10 +148,14 @@ def _put_rows_and_copy_out(
     num_routed_1: torch.Tensor,
     buffers: SymmBuffers,
     recv_CX: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    out_CX: torch.Tensor,
+    tail: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """The body of a dispatch: entry barrier, each slot's row of ``rows_TX`` (T, X) (times its
     scale) into the peers' RECV region with its tag, barrier, then this rank's ``recv_CX`` (the
-    RECV region viewed as (C, X) rows of rows_TX's dtype) copied out: routed (C, X), row_src (C,)."""
+    RECV region viewed as (C, X) rows of rows_TX's dtype) copied out into ``out_CX`` (with
+    ``tail``: its first columns, the rest into tail; rows past num_routed not written).
+    Returns row_src (C,)."""
     k = loader.load()
     K = position_TK.shape[1]
     acc = accumulation_dtype(rows_TX.dtype, *(() if scale_TK is None else (scale_TK.dtype,)))
@@ -160,10 +167,9 @@ def _put_rows_and_copy_out(
         tag_index=position_TK.reshape(-1), tag_base=buffers.rank * buffers.max_slots, acc_dtype=acc,
     )
     buffers._barrier()
-    routed_CX = rows_TX.new_empty(buffers.capacity, rows_TX.shape[1])
     row_src_C = torch.empty(buffers.capacity, dtype=torch.int64, device=rows_TX.device)
-    k.copy_out(recv_CX, buffers.tags, num_routed_1, routed_CX, row_src_C)
-    return routed_CX, row_src_C
+    k.copy_out(recv_CX, buffers.tags, num_routed_1, out_CX, row_src_C, tail=tail)
+    return row_src_C
 
 
 @symm_dispatch_op.register_fake
@@ -223,16 +229,18 @@ def symm_dispatch_fp8_op(
     unspecified (not written). The backward (with out_dtype) is combine of the gradient, the
     quantize straight-through."""
     _require_fp8_buffers(buffers)
-    H = x_TH.shape[1]
+    C, H = buffers.capacity, x_TH.shape[1]
     values_TH, scales_TB = quantize(x_TH) if x_scale_TB is None else (x_TH.view(torch.uint8), x_scale_TB)
-    packed_CP, row_src_C = _put_rows_and_copy_out(fp8.pack(values_TH, scales_TB), None, position_TK, slot_dst_N,
-                                                  num_routed_1, buffers, buffers.recv_packed)
-    values_CH, scales_CB = fp8.unpack(packed_CP, H)  # strided views
-    values_CH = values_CH.view(fp8.FP8)
-    if out_dtype is not None:
-        return fp8.dequantize(values_CH, scales_CB, out_dtype), scales_CB.clone(), row_src_C
-    # NB: clones, not .contiguous(): fresh tensors even where a view is contiguous (C = 1).
-    return values_CH.clone(memory_format=torch.contiguous_format), scales_CB.clone(), row_src_C
+    # NB: the copy-out splits each received wire row into values and scale bytes, rows < n only.
+    values_CH = x_TH.new_empty(C, H, dtype=torch.uint8)
+    scales_CB = x_TH.new_empty(C, fp8.num_blocks(H), dtype=torch.float32)
+    row_src_C = _put_rows_and_copy_out(fp8.pack(values_TH, scales_TB), None, position_TK, slot_dst_N, num_routed_1,
+                                       buffers, buffers.recv_packed, values_CH, scales_CB.view(torch.uint8))
+    if out_dtype is None:
+        return values_CH.view(fp8.FP8), scales_CB, row_src_C
+    routed_CH = x_TH.new_empty(C, H, dtype=out_dtype)
+    loader.load().dequantize_rows(values_CH, scales_CB, num_routed_1, routed_CH)
+    return routed_CH, scales_CB, row_src_C
 
 
 @symm_dispatch_fp8_op.register_fake
