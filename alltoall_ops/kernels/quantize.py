@@ -59,8 +59,10 @@ def _quantize_rows_kernel(
     tl.store(scales_ptr + o_r * B + i_b, tl.math.div_rn(b_amax, b_max), mask=m_r)
 
 
-GPU_BLOCK_R, GPU_NUM_WARPS = 8, 4
-"""Tokens per program and warps on a GPU (a program: one 128-channel block of GPU_BLOCK_R tokens)."""
+GPU_BLOCK_R, GPU_NUM_WARPS = 8, 2
+"""Tokens per program and warps on a GPU (a program: one 128-channel block of GPU_BLOCK_R tokens).
+Swept on an H200 at H = 7168 (block 1..64 x warps 1..8): 38.7 us at T = 4096 (floor 21.2; 8 x 4
+took 44.0, the best 37.9), 6.3 us at T = 128; torch ops (``fp8.quantize``) take 355 / 68 us."""
 
 
 def quantize_rows(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
