@@ -17,12 +17,12 @@ gradients equal the flat dispatch / combine up to the order of the fp32 sums.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from . import comm
+from . import comm, fp8
 from ._compat import is_compiling
 from .api import combine, dispatch
 from .backends import DispatchHandle
@@ -94,27 +94,34 @@ def _check_mesh(across: Group, inside: Group) -> None:
 
 
 def hierarchical_dispatch(
-    x: torch.Tensor,
+    x: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]],
     topk_idx: torch.Tensor,
     *,
     num_experts: int,
     node_group: Any,
     local_group: Any,
     expert_alignment: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor, HierarchicalHandle]:
+    payload_dtype: Optional[torch.dtype] = None,
+    dequantize: bool = False,
+) -> tuple[Any, torch.Tensor, HierarchicalHandle]:
     """:func:`alltoall_ops.dispatch` in two stages (module docstring); same returns: routed
     (R, H) grouped by local expert (then forwarding rank of this node, then arrival order),
     tokens_per_expert (e,), and a handle for :func:`alltoall_ops.combine`.
 
     node_group / local_group: this rank's group across nodes (N ranks, ordered by node) and
     inside its node (L ranks, ordered by local index), e.g. ``mesh["node"]`` and
-    ``mesh["local"]`` of ``init_device_mesh(dev, (N, L), mesh_dim_names=("node", "local"))``."""
+    ``mesh["local"]`` of ``init_device_mesh(dev, (N, L), mesh_dim_names=("node", "local"))``.
+    x, payload_dtype, dequantize: as in :func:`alltoall_ops.dispatch`; with an fp8 payload the
+    rows cross nodes as fp8 (values and scales). Without ``dequantize`` they stay fp8 inside the
+    node too and routed is (values, scales) (x: bf16, the dtype combine then takes); with it
+    they arrive dequantized and move inside the node in x's dtype (the gradient's path)."""
     across, inside = resolve_group(node_group), resolve_group(local_group)
     N, L = across.size, inside.size
     # NB: a rank whose arguments fail tells the peers of its first exchange (they raise a
     # PeerInputError); the other ranks wait in their second stage until the deadline.
     first = communication_group(across if N > 1 else inside)
-    E = comm.checked("dispatch", first.name, check_dispatch_args, x, topk_idx, num_experts, N * L, expert_alignment)
+    E = comm.checked("dispatch", first.name, _check_args, x, topk_idx, num_experts, N * L, expert_alignment,
+                     payload_dtype, dequantize)
     if not is_compiling():  # NB: process-group queries do not trace; eager calls check the mesh
         _check_mesh(across, inside)
     per_node = E // N
@@ -127,13 +134,27 @@ def hierarchical_dispatch(
     earlier_same_TKK = (node_TK[:, :, None] == node_TK[:, None, :]) & earlier_KK
     first_TK = ~earlier_same_TKK.any(-1)
     to_node_TK = torch.where(first_TK, node_TK, -1)
-    arrived_AH, _, node_stage = dispatch(x, to_node_TK, num_experts=N, group=node_group)
+    arrived_AH, _, node_stage = dispatch(x, to_node_TK, num_experts=N, group=node_group, payload_dtype=payload_dtype,
+                                         dequantize=dequantize)
     arrived_idx_AK = _rows_along(node_stage, idx_TK.to(torch.float64)).to(torch.int64)
     on_this_node_AK = (arrived_idx_AK >= 0) & (arrived_idx_AK // per_node == across.rank)
     local_idx_AK = torch.where(on_this_node_AK, arrived_idx_AK - across.rank * per_node, -1)
     routed_RH, tokens_per_expert_e, local_stage = dispatch(
         arrived_AH, local_idx_AK, num_experts=per_node, group=local_group, expert_alignment=expert_alignment)
     return routed_RH, tokens_per_expert_e, HierarchicalHandle(node_stage, local_stage)
+
+
+def _check_args(x: Any, topk_idx: torch.Tensor, num_experts: int, world_size: int, expert_alignment: int,
+                payload_dtype: Optional[torch.dtype], dequantize: bool) -> int:
+    """:func:`check_dispatch_args` (and the fp8 checks) of a two-stage dispatch; returns E."""
+    values, scales = x if isinstance(x, (tuple, list)) else (x, None)
+    E = check_dispatch_args(values, topk_idx, num_experts, world_size, expert_alignment)
+    fp8.check_args(values, scales, payload_dtype, dequantize)
+    if scales is None and payload_dtype is not None and not dequantize and values.dtype != torch.bfloat16:
+        # NB: the second stage moves fp8 pairs, whose combine takes bf16 expert outputs.
+        raise ValueError(f"x: a two-stage fp8 dispatch without dequantize takes bf16 tokens (combine then takes bf16 "
+                         f"expert outputs), got {values.dtype}; pass dequantize=True or bf16 x")
+    return E
 
 
 def node_crossings(topk_idx: torch.Tensor, num_experts: int, num_nodes: int, ranks_per_node: int,

@@ -1,7 +1,8 @@
 """``hierarchical_dispatch`` (node-aware two stages) against the flat dispatch / combine on real
 gloo ranks arranged as N nodes x L ranks: tokens per expert and each expert's rows equal, y and
 the gradients of x and the weights equal in fp64, and the rows that cross the node boundary are
-one per (token, other node), fewer than the flat path's one per (token, other rank)."""
+one per (token, other node), fewer than the flat path's one per (token, other rank); with an fp8
+payload, the same rows per expert as the flat fp8 dispatch."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import alltoall_ops as a2a
-from alltoall_ops import layout
+from alltoall_ops import fp8, layout
 from alltoall_ops.errors import PeerInputError
 from alltoall_ops.hierarchical import node_crossings
 
@@ -149,3 +150,45 @@ def test_a_bad_rank_tells_its_node_group_peer(pool4):
     got = pool4.run(run_bad_rank)
     assert got[0].startswith("TypeError: topk_idx"), got[0]
     assert got[2].startswith("PeerInputError") and "rank 0 rejected its arguments" in got[2], got[2]
+
+
+def _rows_by_expert(routed: torch.Tensor, tokens_per_expert: torch.Tensor) -> list[list[bytes]]:
+    """Each expert's rows as sorted byte strings: the same rows in any order compare equal."""
+    starts = (torch.cumsum(tokens_per_expert, 0) - tokens_per_expert).tolist()
+    as_bytes = routed.contiguous().view(torch.uint8)
+    counts = tokens_per_expert.tolist()
+    return [sorted(bytes(row.tolist()) for row in as_bytes[s : s + n]) for s, n in zip(starts, counts)]
+
+
+def run_two_stage_fp8(rank: int, world_size: int, seed: int) -> None:
+    """fp8 rows across nodes: the same (values, scales) per expert as the flat fp8 dispatch; with
+    dequantize=True (fp32 x) the same rows, y and x's gradient (the quantize straight-through)."""
+    N, L, H8 = 2, world_size // 2, 128
+    E = 2 * world_size
+    mesh = init_device_mesh("cpu", (N, L), mesh_dim_names=("node", "local"))
+    _, idx, w, _ = _inputs(rank, E, seed)
+    g = torch.Generator().manual_seed(seed + 100 + rank)
+    x = torch.randn(T, H8, generator=g)
+    groups = dict(node_group=mesh["node"], local_group=mesh["local"])
+    with pytest.raises(ValueError, match="two-stage fp8 dispatch without dequantize takes bf16 tokens"):
+        a2a.hierarchical_dispatch(x, idx, num_experts=E, payload_dtype=fp8.FP8, **groups)  # fp32 x, every rank
+    (v_f, s_f), tpe_f, _ = a2a.dispatch(x.bfloat16(), idx, num_experts=E, payload_dtype=fp8.FP8)
+    (v_s, s_s), tpe_s, handle = a2a.hierarchical_dispatch(x.bfloat16(), idx, num_experts=E, payload_dtype=fp8.FP8,
+                                                          **groups)
+    assert torch.equal(tpe_f, tpe_s)
+    assert _rows_by_expert(fp8.pack(v_f, s_f), tpe_f) == _rows_by_expert(fp8.pack(v_s, s_s), tpe_s)
+    y_s = a2a.combine(fp8.dequantize(v_s, s_s), handle, w.bfloat16())  # combine takes bf16 rows back
+    assert y_s.dtype == torch.bfloat16 and y_s.shape == (T, H8)
+
+    flat = _step(lambda x_, i_: a2a.dispatch(x_, i_, num_experts=E, payload_dtype=fp8.FP8, dequantize=True),
+                 x, idx, w.float(), torch.ones(T, H8))
+    staged = _step(lambda x_, i_: a2a.hierarchical_dispatch(x_, i_, num_experts=E, payload_dtype=fp8.FP8,
+                                                            dequantize=True, **groups), x, idx, w.float(),
+                   torch.ones(T, H8))
+    assert _rows_by_expert(flat[0], flat[1]) == _rows_by_expert(staged[0], staged[1])
+    for name, got, want in zip(("y", "x.grad", "w.grad"), staged[3:], flat[3:]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)  # fp32 sums in another order
+
+
+def test_fp8_two_stage_equals_flat(pool4):
+    pool4.run(run_two_stage_fp8, 7)
