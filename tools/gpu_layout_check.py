@@ -1,6 +1,6 @@
 """GPU check of the ``dispatch_layout`` Triton kernel (run on the H200 host, torch 2.11, triton
 3.6): the kernel against the torch ops (``layout._dispatch_layout_torch``) exactly, both timed
-(CUDA events, median of 50 after warm-up), and the kernel captured in a CUDA graph, replayed on
+(CUDA events, ``triton.testing.do_bench`` medians), and the kernel captured in a CUDA graph, replayed on
 new ids in the same input buffer and checked again.
 
     python tools/gpu_layout_check.py     # a table (T, K, E, W, nodes, torch / kernel / graph us), PASS / FAIL
@@ -8,11 +8,11 @@ new ids in the same input buffer and checked again.
 
 from __future__ import annotations
 
-import statistics
 import sys
 from functools import partial
 
 import torch
+import triton
 
 from alltoall_ops import layout
 from alltoall_ops.kernels import loader
@@ -31,18 +31,9 @@ def same(got, want) -> bool:
     return all(g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want))
 
 
-def median_us(fn, iters: int = 50, warmup: int = 10) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+def median_us(fn) -> float:
+    """Median GPU time (CUDA events, ``triton.testing.do_bench``) in microseconds."""
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
 
 
 def main() -> int:

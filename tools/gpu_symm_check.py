@@ -181,30 +181,42 @@ def check_drop(pool: DistributedPool) -> str:
     return f"W={W} C={capacity}: dropped {per_rank} rows, rest equal to the collective backend"
 
 
+def replay_with_new_routings(bufs, rank_fn: Callable, static: list, specs: list, references: Callable,
+                             compare_fn: Callable, rows_of: Callable) -> list[list[int]]:
+    """Capture every rank's ``rank_fn(r, buffers, static[r])`` in one CUDA graph, then for each
+    spec copy its inputs into ``static``, replay, and compare every rank's outputs with
+    ``references(spec)``. Returns the rows each rank received, per replay."""
+    W = len(bufs)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    symm_mem.run_simulated(lambda r, b: rank_fn(r, b, static[r]), bufs, stream=stream)  # warm-up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="relaxed"):
+        outs = symm_mem.run_simulated(lambda r, b: rank_fn(r, b, static[r]), bufs, stream=stream)
+    replays = []
+    for spec in specs:
+        refs = references(spec)
+        for r in range(W):
+            for dst, src in zip(static[r], make_inputs(spec, r)):
+                dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        for out, ref in zip(outs, refs):
+            compare_fn(out, ref)
+        replays.append([rows_of(ref) for ref in refs])
+    return replays
+
+
 def check_cuda_graph(pool: DistributedPool) -> str:
     """Capture every rank's dispatch + combine (+ backward ops) in one graph; replay with new routing."""
     W = pool.world_size
     specs = [_spec(20), _spec(21), _spec(22)]
     bufs = simulated_buffers(W, specs[0])
     static = [on_device(make_inputs(specs[0], r)) for r in range(W)]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    symm_mem.run_simulated(lambda r, b: symm_rank(r, b, static[r]), bufs, stream=stream)  # warm-up
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream, capture_error_mode="relaxed"):
-        outs = symm_mem.run_simulated(lambda r, b: symm_rank(r, b, static[r]), bufs, stream=stream)
-    replays = []
-    for spec in specs[1:]:
-        refs = pool.run(collective_reference, spec)
-        for r in range(W):
-            for dst, src in zip(static[r], make_inputs(spec, r)):
-                dst.copy_(src)
-        graph.replay()
-        torch.cuda.synchronize()
-        for o, ref in zip(outs, refs):
-            compare(o, ref, bufs[0].capacity)
-        replays.append([int(ref["tpe"].sum()) for ref in refs])
+    replays = replay_with_new_routings(
+        bufs, symm_rank, static, specs[1:], lambda spec: pool.run(collective_reference, spec),
+        lambda out, ref: compare(out, ref, bufs[0].capacity), lambda ref: int(ref["tpe"].sum()))
     return f"W={W}: captured once, replayed with 2 new routings (R per rank {replays}) = collective"
 
 
@@ -255,24 +267,8 @@ def check_fp8() -> str:
     detail = f"W={W} C={bufs[0].capacity}: eager = local fp8"
     if DEVICE.type != "cuda":
         return detail
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    symm_mem.run_simulated(lambda r, b: fp8_rank(r, b, static[r]), bufs, stream=stream)  # warm-up
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream, capture_error_mode="relaxed"):
-        outs = symm_mem.run_simulated(lambda r, b: fp8_rank(r, b, static[r]), bufs, stream=stream)
-    replays = []
-    for spec in specs[1:]:
-        refs = fp8_reference(spec, W)
-        for r in range(W):
-            for dst, src in zip(static[r], make_inputs(spec, r)):
-                dst.copy_(src)
-        graph.replay()
-        torch.cuda.synchronize()
-        for o, ref in zip(outs, refs):
-            compare_fp8(o, ref)
-        replays.append([ref[0].shape[0] for ref in refs])
+    replays = replay_with_new_routings(bufs, fp8_rank, static, specs[1:], lambda spec: fp8_reference(spec, W),
+                                       compare_fp8, lambda ref: ref[0].shape[0])
     return f"{detail}; captured once, replayed with 2 new routings (R per rank {replays}) = local fp8"
 
 
