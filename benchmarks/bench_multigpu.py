@@ -5,11 +5,14 @@
 
 ``--check``: collective and symm_mem backends (real CUDA symmetric memory) on fp64 / bf16 inputs
 against the plain-PyTorch reference of the gathered global view: dispatch, combine and their
-gradients, Ulysses seq <-> head, inductor compile (one compilation across routings), and a CUDA
-graph of the symm_mem dispatch + combine replayed with new routing.
+gradients; the fp8 dispatch of both (rows bit for bit, the straight-through gradient); the
+two-stage dispatch on a (2, W / 2) mesh against the flat one (W >= 4, even); Ulysses seq <->
+head, inductor compile (one compilation across routings), and a CUDA graph of the symm_mem
+dispatch + combine replayed with new routing.
 ``--bench``: dispatch and combine per rank at (T, H, K, E) = (4096, 7168, 8, 256) and the decode
 shape (128, 7168, 8, 256), bf16, for this library's collective and symm_mem backends and the plain
-``all_to_all_single`` path (argsort, count exchange, host sync, payload all-to-all). Reports the
+``all_to_all_single`` path (argsort, count exchange, host sync, payload all-to-all); then the
+dispatch with an fp8 payload on both backends and by hand (quantize, pack, the plain path). Reports the
 median time (max over ranks), logical GB/s (rows received per rank, own rows included, as DeepEP
 counts) and link GB/s (rows that cross to another GPU). ``--vdev2d`` times torch's NVSHMEM
 ``all_to_all_vdev_2d`` in a process of its own (its allocator backend must be chosen first).
@@ -28,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 import alltoall_ops as a2a
+from alltoall_ops import fp8
 from alltoall_ops.layout import expert_of_rows
 from alltoall_ops.reference import reference_combine, reference_dispatch
 
@@ -90,6 +94,80 @@ def check_dispatch_combine(backend: str, dtype: torch.dtype, device) -> str:
         err = ((got.double().cpu() - want.detach()).norm() / want.detach().norm().clamp_min(1e-30)).item()
         assert err <= tol, f"{name}: relative error {err:.2e} > {tol}"
     return f"{backend} {str(dtype)[6:]}: R={R} rows, fwd + grads match the reference"
+
+
+def check_fp8(backend: str, device) -> str:
+    """fp8 payload: every rank's (values, scales) dequantize to the reference layout of the
+    gathered dequantized tokens exactly; in dequantize mode x's gradient is the bf16 dispatch's."""
+    rank, W = dist.get_rank(), dist.get_world_size()
+    T, H, K, E, A = 40 + 7 * rank, 256, 4, 8 * W, 4
+    torch.manual_seed(2000 + rank)
+    x = torch.randn(T, H, device=device).to(torch.bfloat16)
+    topk_idx = torch.randint(-1, E, (T, K), device=device)
+
+    def buffers():
+        if backend != "symm_mem":
+            return {}
+        bufs = a2a.SymmBuffers(64, H, K, E, dtype=torch.bfloat16, device=device, expert_alignment=A,
+                               payload_dtype=fp8.FP8)
+        return {"buffers": bufs}
+
+    (values, scales), tpe, _ = a2a.dispatch(x, topk_idx, num_experts=E, expert_alignment=A, backend=backend,
+                                            payload_dtype=fp8.FP8, **buffers())
+    R = int(tpe.sum())
+    deq = [fp8.dequantize(*fp8.quantize(t), torch.float32) for t in gathered(x)]
+    ref_routed, ref_tpe = reference_dispatch(deq, gathered(topk_idx), E, A)[rank]
+    assert torch.equal(tpe.cpu(), ref_tpe), "tokens_per_expert"
+    assert torch.equal(fp8.dequantize(values[:R], scales[:R], torch.float32).cpu(), ref_routed), "fp8 rows"
+    xg = x.clone().requires_grad_()
+    routed, _, _ = a2a.dispatch(xg, topk_idx, num_experts=E, expert_alignment=A, backend=backend,
+                                payload_dtype=fp8.FP8, dequantize=True, **buffers())
+    assert torch.equal(routed[:R].float().cpu(), ref_routed.to(torch.bfloat16).float()), "dequantized rows"
+    grad = torch.randn_like(routed)
+    grad[R:] = 0  # symm_mem: the capacity rows past R are not the layer's
+    (gx,) = torch.autograd.grad(routed, xg, grad)
+    xp = x.clone().requires_grad_()
+    bf16_kwargs = {"buffers": a2a.SymmBuffers(64, H, K, E, dtype=torch.bfloat16, device=device, expert_alignment=A)} \
+        if backend == "symm_mem" else {}
+    routed_p, _, _ = a2a.dispatch(xp, topk_idx, num_experts=E, expert_alignment=A, backend=backend, **bf16_kwargs)
+    (gp,) = torch.autograd.grad(routed_p, xp, grad)
+    assert torch.equal(gx, gp), "straight-through gradient != the bf16 dispatch's"
+    return f"{backend} fp8: R={R} rows = reference bit for bit, x.grad = bf16 dispatch's"
+
+
+def check_hierarchical(device) -> str:
+    """Two stages on a (2, W / 2) mesh against the flat dispatch: each expert's rows (any order),
+    y and the gradients (bf16 and fp8 payloads)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh(device.type, (2, W // 2), mesh_dim_names=("node", "local"))
+    groups = dict(node_group=mesh["node"], local_group=mesh["local"])
+    T, H, K, E = 48, 128, 4, 4 * W
+    torch.manual_seed(3000 + rank)
+    x = torch.randn(T, H, device=device, dtype=torch.float64)
+    topk_idx, weights = routing(T, K, E, device, seed=3000 + rank)
+    weights = weights.double()
+
+    def step(dispatch_fn, x_):
+        x_ = x_.clone().requires_grad_()
+        routed, tpe, handle = dispatch_fn(x_)
+        y = a2a.combine(torch.tanh(routed), handle, weights)
+        (gx,) = torch.autograd.grad(y.sum(), x_)
+        return routed.detach(), tpe, y.detach(), gx
+
+    def per_expert(routed, tpe):
+        return [sorted(map(tuple, rows.tolist())) for rows in routed.split(tpe.tolist())]
+
+    for name, kwargs, x_in in (("fp64", {}, x), ("fp8", dict(payload_dtype=fp8.FP8, dequantize=True), x.float())):
+        flat = step(lambda x_, kw=kwargs: a2a.dispatch(x_, topk_idx, num_experts=E, **kw), x_in)
+        staged = step(lambda x_, kw=kwargs: a2a.hierarchical_dispatch(x_, topk_idx, num_experts=E, **groups, **kw),
+                      x_in)
+        assert torch.equal(flat[1], staged[1]) and per_expert(*flat[:2]) == per_expert(*staged[:2]), name
+        tol = 1e-12 if name == "fp64" else 1e-5
+        for what, a, b in (("y", flat[2], staged[2]), ("x.grad", flat[3], staged[3])):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=f"{name} {what}")
+    return f"2 x {W // 2} mesh: rows per expert, y and x.grad = flat (fp64; fp8 dequantized)"
 
 
 def check_ulysses(device) -> str:
@@ -240,6 +318,22 @@ def time_us(fn, device, iters: int = 30) -> float:
     return med.item()
 
 
+def plain_fp8_dispatch(x, topk_idx, E, group):
+    """The same by hand with an fp8 payload: quantize (``fp8.quantize``), pack values and scales
+    into one wire row, then the plain path on the packed rows."""
+    return plain_dispatch(fp8.pack(*fp8.quantize(x)), topk_idx, E, group)
+
+
+def fp8_implementations(x, topk_idx, E: int, bufs8, group) -> dict:
+    """name -> dispatch fn with an fp8 payload (combine is the bf16 one)."""
+    return {
+        "ours/collective fp8": lambda: a2a.dispatch(x, topk_idx, num_experts=E, backend="collective",
+                                                    payload_dtype=fp8.FP8),
+        "ours/symm_mem fp8": lambda: a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs8, payload_dtype=fp8.FP8),
+        "torch all_to_all_single fp8": lambda: plain_fp8_dispatch(x, topk_idx, E, group),
+    }
+
+
 def implementations(x, topk_idx, weights, E: int, bufs, group) -> dict:
     """name -> (dispatch fn, combine fn) for one shape; combine fns reuse one dispatch's output."""
     T = x.shape[0]
@@ -276,13 +370,21 @@ def bench_shape(T: int, H: int, K: int, E: int, device) -> list[dict]:
     logical, link = recv_rows * row_bytes / W, link_rows * row_bytes / W  # per rank
     bufs = a2a.SymmBuffers(T, H, K, E, dtype=torch.bfloat16, device=device)
     rows = []
+
+    def measure(name: str, op: str, fn, row_scale: float = 1.0) -> None:
+        """One row; row_scale: bytes of a moved row relative to a bf16 row (fp8: 0.516)."""
+        us = time_us(fn, device)
+        lg, lk = logical * row_scale / us / 1e3, link * row_scale / us / 1e3
+        rows.append(dict(W=W, T=T, H=H, K=K, E=E, impl=name, op=op, us=us, logical_GBps=lg, link_GBps=lk))
+        say(f"W={W} T={T:5d} {name:>28} {op:>8}: {us:9.1f} us  logical {lg:7.1f} GB/s  link {lk:7.1f} GB/s")
+
     for name, fns in implementations(x, topk_idx, weights, E, bufs, dist.group.WORLD).items():
         for op, fn in zip(("dispatch", "combine"), fns):
-            us = time_us(fn, device)
-            rows.append(dict(W=W, T=T, H=H, K=K, E=E, impl=name, op=op, us=us,
-                             logical_GBps=logical / us / 1e3, link_GBps=link / us / 1e3))
-            say(f"W={W} T={T:5d} {name:>24} {op:>8}: {us:9.1f} us  logical {logical / us / 1e3:7.1f} GB/s"
-                f"  link {link / us / 1e3:7.1f} GB/s")
+            measure(name, op, fn)
+    del bufs
+    bufs8 = a2a.SymmBuffers(T, H, K, E, dtype=torch.bfloat16, device=device, payload_dtype=fp8.FP8)
+    for name, fn in fp8_implementations(x, topk_idx, E, bufs8, dist.group.WORLD).items():
+        measure(name, "dispatch", fn, fp8.packed_width(H) / row_bytes)
     return rows
 
 
@@ -355,10 +457,14 @@ def main(argv=None) -> int:
                 ("collective bf16", lambda: check_dispatch_combine("collective", torch.bfloat16, device)),
                 ("symm_mem fp32", lambda: check_dispatch_combine("symm_mem", torch.float32, device)),
                 ("symm_mem bf16", lambda: check_dispatch_combine("symm_mem", torch.bfloat16, device)),
+                ("collective fp8", lambda: check_fp8("collective", device)),
+                ("symm_mem fp8", lambda: check_fp8("symm_mem", device)),
                 ("ulysses", lambda: check_ulysses(device)),
                 ("compile collective", lambda: check_compile(device, "collective")),
                 ("compile symm_mem", lambda: check_compile(device, "symm_mem")),
             ]
+            if dist.get_world_size() % 2 == 0 and dist.get_world_size() >= 4:
+                checks.append(("hierarchical", lambda: check_hierarchical(device)))
             if device.type == "cuda":
                 checks.append(("cuda graph symm_mem", lambda: check_cuda_graph(device)))
             for name, fn in checks:
@@ -374,7 +480,7 @@ def main(argv=None) -> int:
                 if not int(ok):
                     print(f"rank {dist.get_rank()}: {detail}", flush=True)
         if args.bench:
-            bench(device, args.out, BENCH_SHAPES if device.type == "cuda" else ((32, 64, 2, 8), (8, 64, 2, 8)))
+            bench(device, args.out, BENCH_SHAPES if device.type == "cuda" else ((32, 128, 2, 8), (8, 128, 2, 8)))
     finally:
         dist.destroy_process_group()
     return 1 if failed else 0
