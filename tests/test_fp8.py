@@ -47,6 +47,8 @@ def test_rounding_equals_torch_at_every_code_boundary():
     v = torch.cat([codes, around, torch.tensor([0.0, 1e-30, 448.0])])
     v = torch.cat([v, -v]).contiguous()
     assert torch.equal(_kernel_bits(v), v.to(fp8.FP8).view(torch.uint8))
+    nan = torch.tensor([float("nan")])
+    assert _kernel_bits(nan).item() & 0x7F == 0x7F  # NaN stays NaN
 
 
 @given(st.integers(0, 2**32 - 1))
@@ -84,6 +86,20 @@ def test_quantize_kernel_equals_reference(case):
     values, scales = loader.load().quantize_rows(x)
     ref_values, ref_scales = fp8.quantize(x)
     assert torch.equal(values, ref_values.view(torch.uint8)) and torch.equal(scales, ref_scales)
+
+
+def test_non_finite_tokens_make_their_block_nan():
+    """A NaN or an infinity in a 128-channel block makes the whole block dequantize to NaN (NaN
+    amax or an infinite scale), in the kernel as in torch: never a finite value in its place."""
+    x = torch.randn(4, 256)
+    x[0, 3], x[1, 200], x[2, 5] = float("nan"), float("inf"), -float("inf")
+    values, scales = loader.load().quantize_rows(x)
+    ref_values, ref_scales = fp8.quantize(x)
+    back = fp8.dequantize(values.view(fp8.FP8), scales, torch.float32)
+    ref_back = fp8.dequantize(ref_values, ref_scales, torch.float32)
+    nan_blocks = torch.tensor([[True, False], [False, True], [True, False], [False, False]])
+    assert torch.equal(back.isnan(), nan_blocks.repeat_interleave(128, dim=1))
+    assert torch.equal(back.isnan(), ref_back.isnan()) and torch.equal(back[~back.isnan()], ref_back[~ref_back.isnan()])
 
 
 def test_quantize_error_bound():

@@ -64,6 +64,17 @@ def rounding_sweep() -> None:
     assert torch.equal(values, x.to(fp8.FP8).view(torch.uint8)), "rounding differs from torch's cast"
 
 
+def non_finite() -> None:
+    """A NaN or an infinity makes its whole block dequantize to NaN, as torch's ops do."""
+    x = torch.randn(4, 256, device=DEV)
+    x[0, 3], x[1, 200], x[2, 5] = float("nan"), float("inf"), -float("inf")
+    values, scales = loader.load().quantize_rows(x)
+    back = fp8.dequantize(values.view(fp8.FP8), scales, torch.float32)
+    ref = fp8.dequantize(*fp8.quantize(x), torch.float32)
+    assert torch.equal(back.isnan(), ref.isnan()) and int(back.isnan().sum()) == 3 * 128, "NaN blocks differ"
+    assert torch.equal(back[~back.isnan()], ref[~ref.isnan()]), "finite blocks differ"
+
+
 def quantize(T: int, H: int, dtype) -> None:
     x = tokens(T, H, T + H, dtype)
     values, scales = loader.load().quantize_rows(x)
@@ -122,6 +133,7 @@ def compiled_and_graph() -> None:
 
 def main() -> int:
     check("rounding: every code, midpoint and neighbour", rounding_sweep)
+    check("non-finite tokens: their blocks NaN, as torch", non_finite)
     for T, H, dtype in [(4096, 7168, torch.bfloat16), (128, 7168, torch.bfloat16), (333, 384, torch.float32),
                         (1, 128, torch.float16), (0, 256, torch.bfloat16)]:
         check(f"quantize_rows T={T} H={H} {dtype}", functools.partial(quantize, T, H, dtype))

@@ -25,7 +25,9 @@ from ._config import LAUNCH_LOCK, cast_rne, interpreting, require_contiguous, up
 
 @triton.jit
 def e4m3_bits(v):
-    """fp32 ``v`` with |v| <= 448 -> its float8_e4m3fn bits (uint8), rounded to nearest even."""
+    """fp32 ``v`` with |v| <= 448 (or NaN) -> its float8_e4m3fn bits (uint8), rounded to nearest
+    even as torch's cast; NaN -> 0x7F with v's sign bit. (A quantized block never exceeds 448:
+    torch's saturating or NaN-ing of larger values is not needed.)"""
     b_sign = ((v.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.int32)
     b_abs = tl.abs(v)
     # Normal range (|v| >= 2**-6): keep 3 mantissa bits, rounding half to even at bit 20; a carry
@@ -39,7 +41,9 @@ def e4m3_bits(v):
     b_frac = b_steps - b_floor.to(tl.float32)
     b_up = (b_frac > 0.5) | ((b_frac == 0.5) & ((b_floor & 1) == 1))
     b_sub = b_floor + b_up.to(tl.int32)
-    return (b_sign | tl.where(b_abs < 0.015625, b_sub, b_normal)).to(tl.uint8)
+    b_code = tl.where(b_abs < 0.015625, b_sub, b_normal)
+    b_code = tl.where(b_abs != b_abs, 0x7F, b_code)  # NaN stays NaN
+    return (b_sign | b_code).to(tl.uint8)
 
 
 @triton.jit
@@ -54,6 +58,9 @@ def _quantize_rows_kernel(
     o_x = o_r[:, None] * H + o_c[None, :]  # [BR, BC]
     b_x = upcast(tl.load(x_ptr + o_x, mask=m_r[:, None], other=0), tl.float32)
     b_amax = tl.maximum(tl.max(tl.abs(b_x), axis=1), AMAX_FLOOR)  # [BR]
+    # NB: a NaN makes its block's amax NaN, as torch's amax does (a GPU max skips NaN): the whole
+    # block then dequantizes to NaN instead of a NaN turning into a finite value.
+    b_amax = tl.where(tl.max((b_x != b_x).to(tl.int32), axis=1) > 0, float("nan"), b_amax)
     b_max = tl.full([BLOCK_R], FP8_MAX, tl.float32)
     tl.store(values_ptr + o_x, e4m3_bits(b_x * tl.math.div_rn(b_max, b_amax)[:, None]), mask=m_r[:, None])
     tl.store(scales_ptr + o_r * B + i_b, tl.math.div_rn(b_amax, b_max), mask=m_r)
