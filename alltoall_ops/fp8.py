@@ -14,7 +14,7 @@ rows, so every backend moves them as it moves any rows): 0.52 of a bf16 row's by
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -43,6 +43,10 @@ class Payload:
     def of(cls, x_TH: torch.Tensor, scale_TB: Optional[torch.Tensor], dequantize: bool) -> "Payload":
         combine_dtype = torch.bfloat16 if x_TH.dtype == FP8 else x_TH.dtype
         return cls(scale_TB, combine_dtype if dequantize else None, combine_dtype)
+
+    def routed(self, rows_RH: torch.Tensor, scales_RB: torch.Tensor) -> Any:
+        """What dispatch returns as routed: the dequantized rows, or the pair (values, scales)."""
+        return rows_RH if self.out_dtype is not None else (rows_RH, scales_RB)
 
 
 def num_blocks(hidden: int) -> int:
@@ -88,12 +92,24 @@ def unpack(rows_TP: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tens
     return rows_TP[:, :hidden], rows_TP[:, hidden:].view(torch.float32)
 
 
+def check_payload_dtype(payload_dtype: Optional[torch.dtype]) -> None:
+    """Raise unless ``payload_dtype`` is None or float8_e4m3fn."""
+    if payload_dtype not in (None, FP8):
+        raise ValueError(f"payload_dtype: expected None or {FP8}, got {payload_dtype}")
+
+
+def check_hidden(name: str, hidden: int) -> None:
+    """Raise unless ``hidden`` (argument ``name``'s H) is a multiple of 128."""
+    if hidden % BLOCK != 0:
+        raise ValueError(f"{name}: an fp8 payload needs H divisible by {BLOCK} (one scale per {BLOCK} channels), "
+                         f"got H = {hidden}")
+
+
 def check_args(
     x_TH: torch.Tensor, x_scale_TB: Optional[torch.Tensor], payload_dtype: Optional[torch.dtype], dequantize: bool
 ) -> None:
     """Raise on a bad fp8 argument of ``dispatch`` (shapes and dtypes only: every rank alike)."""
-    if payload_dtype not in (None, FP8):
-        raise ValueError(f"payload_dtype: expected None or {FP8}, got {payload_dtype}")
+    check_payload_dtype(payload_dtype)
     if x_scale_TB is None:
         if x_TH.dtype == FP8:
             raise ValueError("x: an fp8 x comes with its scales: pass x=(values, scales) "
@@ -106,9 +122,7 @@ def check_args(
     elif x_TH.dtype != FP8:
         raise TypeError(f"x: expected (values, scales) with values of dtype {FP8}, got values of dtype {x_TH.dtype}")
     T, H = x_TH.shape
-    if H % BLOCK != 0:
-        raise ValueError(f"x: an fp8 payload needs H divisible by {BLOCK} (one scale per {BLOCK} channels), "
-                         f"got H = {H}")
+    check_hidden("x", H)
     if x_scale_TB is not None:
         expected = (T, num_blocks(H))
         if x_scale_TB.dtype != torch.float32 or tuple(x_scale_TB.shape) != expected:

@@ -24,7 +24,6 @@ then; by default W * its head count). Tensors may have any number of dims; every
 from __future__ import annotations
 
 import math
-import operator
 from typing import Any, Callable, Optional
 
 import torch
@@ -33,6 +32,7 @@ from . import comm
 from .errors import GroupMismatchError
 from .groups import LOCAL, communication_group, process_group, resolve_group
 from .comm import comm_op
+from .validation import as_int
 
 
 def _group_size(group_name: str) -> int:
@@ -65,15 +65,12 @@ def _num_heads(fn: str, num_heads: Any) -> Any:
     """``num_heads`` as an int (integer-likes accepted; a SymInt under torch.compile as it is)."""
     if isinstance(num_heads, torch.SymInt):
         return num_heads
-    try:
-        as_int = None if isinstance(num_heads, (bool, torch.Tensor)) else operator.index(num_heads)
-    except TypeError:
-        as_int = None
-    if as_int is None:
+    number = as_int(num_heads)
+    if number is None:
         raise TypeError(f"{fn}: num_heads: expected an int (the total head count), got {type(num_heads).__name__}")
-    if as_int < 0:
-        raise ValueError(f"{fn}: num_heads: expected a non-negative int (the total head count), got {as_int}")
-    return as_int
+    if number < 0:
+        raise ValueError(f"{fn}: num_heads: expected a non-negative int (the total head count), got {number}")
+    return number
 
 
 def _check_args(

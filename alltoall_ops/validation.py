@@ -36,20 +36,28 @@ MAX_EXPERT_ALIGNMENT = 1 << 16
 """The largest ``expert_alignment``: padding adds up to ``e * (alignment - 1)`` rows."""
 
 
+def as_int(value):
+    """``value`` as an int (integer-likes such as numpy ints accepted; a SymInt under
+    torch.compile as it is), or None for anything else (bools and tensors included)."""
+    if isinstance(value, torch.SymInt):
+        return value
+    try:
+        return None if isinstance(value, (bool, torch.Tensor)) else operator.index(value)
+    except TypeError:
+        return None
+
+
 def positive_int(name: str, value, maximum: Optional[int] = None) -> int:
     """``value`` as an int (integer-likes such as numpy ints accepted), checked to be in
     [1, maximum]; raises ``ValueError`` naming ``name`` otherwise."""
     if isinstance(value, torch.SymInt):
         return value
-    try:
-        as_int = None if isinstance(value, (bool, torch.Tensor)) else operator.index(value)
-    except TypeError:
-        as_int = None
-    if as_int is None or as_int < 1:
+    number = as_int(value)
+    if number is None or number < 1:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    if maximum is not None and as_int > maximum:
-        raise ValueError(f"{name}: expected at most {maximum}, got {as_int}")
-    return as_int
+    if maximum is not None and number > maximum:
+        raise ValueError(f"{name}: expected at most {maximum}, got {number}")
+    return number
 
 
 def check_dispatch_args(

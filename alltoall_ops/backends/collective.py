@@ -227,7 +227,7 @@ def dispatch_fp8_op(
 @dispatch_fp8_op.register_fake
 def _(x_TH, x_scale_TB, order_N, position_TK, recv_meta_WL, splits_S, expert_alignment, group_name, out_dtype):
     # NB: as dispatch's: R is what the peers send (splits_S), one unbacked size for both outputs.
-    T, H = x_TH.shape
+    H = x_TH.shape[1]
     num_rows = torch.library.get_ctx().new_dynamic_size()
     return (x_TH.new_empty(num_rows, H, dtype=out_dtype or fp8.FP8),
             x_TH.new_empty(num_rows, fp8.num_blocks(H), dtype=torch.float32))
@@ -392,7 +392,7 @@ def dispatch_route(x_TH: torch.Tensor, plan: layout.RoutingPlan, recv_meta_WL: t
     else:
         values_RH, scale_RB = call(dispatch_fp8_op, x_TH, payload.scale_TB, *route, payload.out_dtype,
                                    differentiable=(x_TH,))
-        routed = values_RH if payload.out_dtype is not None else (values_RH, scale_RB)
+        routed = payload.routed(values_RH, scale_RB)
         num_rows, dtype = values_RH.shape[0], payload.combine_dtype
     recv_counts_We, _ = layout.split_meta(recv_meta_WL)
     tokens_per_expert_e = layout.padded_tokens_per_expert(recv_counts_We, expert_alignment)

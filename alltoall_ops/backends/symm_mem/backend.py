@@ -246,7 +246,7 @@ class SymmMemBackend(Backend):
             values_CH, scale_CB, row_src_C = call(symm_dispatch_fp8_op, x_TH, payload.scale_TB, plan.position,
                                                   r.slot_dst, r.num_routed, bufs, payload.out_dtype,
                                                   differentiable=(x_TH,))
-            routed = values_CH if payload.out_dtype is not None else (values_CH, scale_CB)
+            routed = payload.routed(values_CH, scale_CB)
         handle = SymmMemHandle(plan.position, meta_WL, r.slot_dst, row_src_C, r.num_routed, r.dropped, bufs,
                                bufs.capacity, expert_alignment)
         return routed, r.tokens_per_expert, handle

@@ -104,12 +104,9 @@ def _make_config(
         raise TypeError(f"dtype: expected a floating-point torch.dtype, got {dtype!r}")
     if overflow not in OVERFLOW_MODES:
         raise ValueError(f"overflow: expected one of {OVERFLOW_MODES}, got {overflow!r}")
+    fp8.check_payload_dtype(payload_dtype)
     if payload_dtype is not None:
-        if payload_dtype != fp8.FP8:
-            raise ValueError(f"payload_dtype: expected None or {fp8.FP8}, got {payload_dtype!r}")
-        if hidden % fp8.BLOCK:
-            raise ValueError(f"hidden: an fp8 payload needs H divisible by {fp8.BLOCK} (one scale per "
-                             f"{fp8.BLOCK} channels), got H = {hidden}")
+        fp8.check_hidden("hidden", hidden)
     e = num_experts // world_size
     worst = world_size * max_tokens_per_rank * top_k + e * (expert_alignment - 1)
     if capacity is None:
