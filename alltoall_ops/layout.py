@@ -113,6 +113,100 @@ def _plan_routing_torch(topk_idx: torch.Tensor, num_experts: int, world_size: in
     return order, position.view(T, K), send_meta
 
 
+def local_capacity(num_slots: int, num_experts: int, expert_alignment: int) -> int:
+    """C = N + E * (expert_alignment - 1): the static row count of one rank's expert-major rows
+    (``plan_rows``), the most N slots over E experts padded to the alignment can need."""
+    return num_slots + num_experts * (expert_alignment - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPlan:
+    """One rank's expert-major rows (the ``local`` backend's layout), built by :func:`plan_rows`.
+
+    row_src: (C,) int64, the slot t * K + k whose token fills each row, -1 for padding and for
+        the rows past the last expert's group (C = :func:`local_capacity`).
+    row: (T, K) int64, the row of each slot; C for a dropped slot (-1, or an id outside [0, E)).
+    tokens_per_expert: (E,) int64 rows of each expert's group, padded to the alignment.
+    status: (STATUS_COLUMNS,) int64, (number of bad expert ids, min id, max id).
+    Rows: expert 0's group first, each group in token order, groups padded to the alignment."""
+
+    row_src: torch.Tensor
+    row: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    status: torch.Tensor
+
+
+def plan_rows(topk_idx: torch.Tensor, num_experts: int, expert_alignment: int) -> RowPlan:
+    """Where every slot of ``topk_idx`` (T, K) lands among one rank's C expert-major rows, on the
+    device with static shapes (no host sync). One op (``alltoall_ops::plan_rows``): on CUDA two
+    memsets and two kernel launches (``kernels/routing_plan.py``), a stable sort elsewhere and
+    above ``kernels.routing_plan.MAX_SLOTS`` slots."""
+    row_src, row, meta = call(plan_rows_op, topk_idx, num_experts, expert_alignment)
+    return RowPlan(row_src, row, meta[0, :num_experts], meta[0, num_experts:])
+
+
+def _plan_rows(
+    topk_idx: torch.Tensor, num_experts: int, expert_alignment: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(T, K) integer expert ids -> row_src (C,), row (T, K), meta (1, E + STATUS_COLUMNS)."""
+    C = local_capacity(topk_idx.numel(), num_experts, expert_alignment)
+    if loader.use_kernels(topk_idx) and topk_idx.numel() <= loader.load().routing_plan.MAX_SLOTS:
+        planned = loader.load().plan_rows(topk_idx, num_experts, expert_alignment, C)
+    else:
+        planned = _plan_rows_torch(topk_idx, num_experts, expert_alignment, C)
+    check_status(planned[2][0, num_experts:], num_experts)
+    return planned
+
+
+BAD_IDS = "alltoall_ops.dispatch: topk_idx holds expert ids outside [-1, num_experts)"
+"""The device-side assert's message on CUDA (torch takes fewer than 255 characters)."""
+
+
+def check_status(status_S: torch.Tensor, num_experts: int) -> None:
+    """Raise :class:`RoutingError` if the routing status (num_bad, min id, max id) of one rank
+    reports bad expert ids; no host read: a device-side assert on CUDA (it surfaces at the next
+    synchronisation, as a CUDA error), on the CPU the same assert, re-raised as the typed error
+    with the ids it saw."""
+    ok = status_S[0] == 0
+    if status_S.device.type != "cpu":
+        torch._assert_async(ok, BAD_IDS)
+        return
+    try:
+        torch._assert_async(ok, BAD_IDS)
+    except RuntimeError:
+        raise bad_ids_error(0, status_S.tolist(), num_experts) from None
+
+
+plan_rows_op = custom_op("alltoall_ops::plan_rows", _plan_rows)
+
+
+@plan_rows_op.register_fake
+def _(topk_idx, num_experts, expert_alignment):
+    # NB: C follows from T, K, E and the alignment: the rows never wait for the ids.
+    T, K = topk_idx.shape
+    new = dict(dtype=torch.int64, device=topk_idx.device)
+    C = local_capacity(T * K, num_experts, expert_alignment)
+    return (topk_idx.new_empty(C, **new), topk_idx.new_empty(T, K, **new),
+            topk_idx.new_empty(1, num_experts + STATUS_COLUMNS, **new))
+
+
+def _plan_rows_torch(topk_idx: torch.Tensor, num_experts: int, expert_alignment: int, num_rows: int):
+    """plan_rows_op in torch ops (the reference of the kernels' ``plan_rows``): the send order of
+    :func:`_plan_routing_torch`, each slot moved to its expert's padded group."""
+    T, K = topk_idx.shape
+    _, position_TK, meta_1L = _plan_routing_torch(topk_idx, num_experts, 1)
+    counts_E, status_S = meta_1L[0, :num_experts], meta_1L[0, num_experts:]
+    padded_E = round_up(counts_E, expert_alignment)
+    idx_N = topk_idx.reshape(-1).to(torch.int64)
+    valid_N = (idx_N >= 0) & (idx_N < num_experts)
+    shift_E = exclusive_cumsum(padded_E, 0) - exclusive_cumsum(counts_E, 0)  # group start - first send position
+    row_N = torch.where(valid_N, shift_E.index_select(0, idx_N.clamp(0, num_experts - 1)) + position_TK.reshape(-1),
+                        num_rows)
+    row_src = torch.full((num_rows + 1,), -1, dtype=torch.int64, device=topk_idx.device)
+    row_src.scatter_(0, row_N, torch.arange(T * K, device=topk_idx.device))  # dropped slots land on row C
+    return row_src[:num_rows].clone(), row_N.view(T, K), torch.cat([padded_E, status_S])[None]
+
+
 class DispatchLayout(NamedTuple):
     """Who receives what from this rank's routing, as DeepEP's ``get_dispatch_layout`` counts it
     (ids outside [0, E) count nowhere):

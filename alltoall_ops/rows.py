@@ -82,16 +82,93 @@ def weighted_slot_sum(
 
 
 def slot_dot(
-    returned_NH: torch.Tensor, position_TK: torch.Tensor, v_TH: torch.Tensor, out_dtype: torch.dtype
+    returned_nH: torch.Tensor, position_TK: torch.Tensor, v_TH: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """(T, K): out[t, k] = <v[t], returned[position[t, k]]>, in fp32 (fp64) then ``out_dtype``.
+    """(T, K): out[t, k] = <v[t], returned[position[t, k]]>, in fp32 (fp64) then ``out_dtype``; 0
+    where position[t, k] is not a row of returned (n rows).
 
     The gradient of a slot's scale (weight) is this dot product with the rows the slot sent or
-    received (returned_NH: rows in send order)."""
-    acc_dtype = accumulation_dtype(returned_NH.dtype, v_TH.dtype, out_dtype)
+    received (returned_nH: rows in send order, or the local backend's expert-major rows)."""
+    acc_dtype = accumulation_dtype(returned_nH.dtype, v_TH.dtype, out_dtype)
+    n = returned_nH.shape[0]
+    if n == 0:
+        return torch.zeros(position_TK.shape, dtype=out_dtype, device=v_TH.device)
     v_TH = v_TH.to(acc_dtype)
-    dots = [
-        (v_TH * returned_NH.index_select(0, position_TK[:, k]).to(acc_dtype)).sum(-1)
-        for k in range(position_TK.shape[1])
-    ]
+    dots = []
+    for k in range(position_TK.shape[1]):
+        slot_T = position_TK[:, k]
+        rows_TH = returned_nH.index_select(0, slot_T.clamp(0, n - 1)).to(acc_dtype)
+        dots.append(torch.where((slot_T >= 0) & (slot_T < n), (v_TH * rows_TH).sum(-1), 0))
     return torch.stack(dots, dim=1).to(out_dtype)
+
+
+def gather_rows(
+    src_TX: torch.Tensor, scale_TK: Optional[torch.Tensor], row_src_C: torch.Tensor, top_k: int
+) -> torch.Tensor:
+    """(C, X): row d is ``src_TX[row_src_C[d] // top_k]`` (times ``scale_TK.flat[row_src_C[d]]`` in
+    fp32 (fp64), rounded once), zero where ``row_src_C[d] < 0``: the local backend's expert-major
+    rows from its tokens (``layout.plan_rows``). One kernel launch on CUDA."""
+    C, X = row_src_C.shape[0], src_TX.shape[1]
+    acc_dtype = accumulation_dtype(src_TX.dtype, *(() if scale_TK is None else (scale_TK.dtype,)))
+    if loader.use_kernels(src_TX):
+        out_CX = src_TX.new_empty(C, X)
+        loader.load().gather_rows(src_TX, row_src_C, out_CX, top_k=top_k, scale=scale_TK, acc_dtype=acc_dtype)
+        return out_CX
+    if src_TX.shape[0] == 0:  # no slot: every row is empty
+        return src_TX.new_zeros(C, X)
+    slot_C = row_src_C.clamp(min=0)
+    rows_CX = src_TX.index_select(0, slot_C // top_k)
+    if scale_TK is not None:
+        slot_scale_C = scale_TK.reshape(-1).index_select(0, slot_C)
+        rows_CX = (rows_CX.to(acc_dtype) * slot_scale_C.to(acc_dtype)[:, None]).to(src_TX.dtype)
+    return torch.where((row_src_C >= 0)[:, None], rows_CX, torch.zeros((), dtype=src_TX.dtype))
+
+
+@torch.library.custom_op("alltoall_ops::weight_grad", mutates_args=())
+def weight_grad_op(
+    grad_y_TH: torch.Tensor, rows_nH: torch.Tensor, position_TK: torch.Tensor, weights_TK: torch.Tensor
+) -> torch.Tensor:
+    """grad_w (T, K) = :func:`slot_dot` (rows_nH, position_TK, grad_y_TH) in weights_TK's dtype:
+    the gradient of combine's weights (of dispatch's per-slot scale) from the slots' rows; one
+    kernel launch on CUDA. Its backward is plain torch (differentiable again)."""
+    if not loader.use_kernels(grad_y_TH):
+        return slot_dot(rows_nH, position_TK, grad_y_TH, weights_TK.dtype)
+    grad_w_TK = torch.empty(position_TK.shape, dtype=weights_TK.dtype, device=grad_y_TH.device)
+    acc = accumulation_dtype(rows_nH.dtype, weights_TK.dtype, grad_y_TH.dtype)
+    loader.load().weight_grad(grad_y_TH, rows_nH, position_TK, grad_w_TK, acc)
+    return grad_w_TK
+
+
+@weight_grad_op.register_fake
+def _(grad_y_TH, rows_nH, position_TK, weights_TK):
+    return weights_TK.new_empty(position_TK.shape)
+
+
+def _weight_grad_setup_context(ctx, inputs, output):
+    grad_y_TH, rows_nH, ctx.position_TK, _ = inputs
+    ctx.save_for_backward(grad_y_TH, rows_nH)
+
+
+def _weight_grad_backward(ctx, grad_grad_w_TK):
+    # grad_w is bilinear in (grad_y, rows): gathers, a sum over k and an index_add, masked like
+    # slot_dot. weights only give the dtype: no gradient.
+    grad_y_TH, rows_nH = ctx.saved_tensors
+    T, K = ctx.position_TK.shape
+    n = rows_nH.shape[0]
+    slots_N = ctx.position_TK.reshape(-1)
+    valid_N = (slots_N >= 0) & (slots_N < n)
+    slots_N = slots_N.clamp(0, max(n - 1, 0))
+    acc = accumulation_dtype(rows_nH.dtype, grad_y_TH.dtype, grad_grad_w_TK.dtype)
+    gg_TK1 = torch.where(valid_N.view(T, K), grad_grad_w_TK.to(acc), 0)[:, :, None]
+    grad_grad_y_TH = grad_rows_nH = None
+    if ctx.needs_input_grad[0]:
+        slot_rows_TKH = rows_nH.index_select(0, slots_N).view(T, K, -1).to(acc) if n else \
+            rows_nH.new_zeros(T, K, grad_y_TH.shape[1], dtype=acc)
+        grad_grad_y_TH = (gg_TK1 * slot_rows_TKH).sum(1).to(grad_y_TH.dtype)
+    if ctx.needs_input_grad[1]:
+        per_slot_NH = (gg_TK1 * grad_y_TH.to(acc)[:, None, :]).reshape(T * K, -1)
+        grad_rows_nH = torch.zeros_like(rows_nH).index_add(0, slots_N, per_slot_NH.to(rows_nH.dtype))
+    return grad_grad_y_TH, grad_rows_nH, None, None
+
+
+weight_grad_op.register_autograd(_weight_grad_backward, setup_context=_weight_grad_setup_context)

@@ -94,4 +94,4 @@ def test_the_graph_is_read():
     graph = _imports()
     assert "alltoall_ops.layout" in graph["alltoall_ops.backends.collective"]
     assert "alltoall_ops.kernels.loader" in graph["alltoall_ops.layout"]
-    assert "alltoall_ops.backends.collective" in graph["alltoall_ops.backends.local"]
+    assert "alltoall_ops.rows" in graph["alltoall_ops.backends.local"]

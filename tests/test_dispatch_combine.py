@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import alltoall_ops
+from alltoall_ops import layout
 from alltoall_ops.reference import reference_combine, reference_dispatch
 
 FP64_TOL = dict(rtol=1e-12, atol=1e-12)  # only summation order may differ from the reference
@@ -71,13 +72,13 @@ def make_inputs(case: Case, seed: int, dtype=torch.float64):
 
 
 def run_experts(routed: torch.Tensor, tokens_per_expert: torch.Tensor, rank: int, e: int):
-    """Expert g maps a row to ``row * (1 + g / 4) + (g + 1) / 8``. The bias makes padding rows of
-    the output non-zero, so padding that leaked into ``combine`` would show."""
-    out = []
-    for j, rows in enumerate(routed.split(tokens_per_expert.tolist())):
-        g = rank * e + j
-        out.append(rows * (1 + g / 4) + (g + 1) / 8)
-    return torch.cat(out) if out else routed * 1.0
+    """Expert g maps a row to ``row * (1 + g / 4) + (g + 1) / 8``; rows past the last group (the
+    local backend's static tail) to ``row * 3 + 1``. The biases make padding and tail rows of the
+    output non-zero, so rows that leaked into ``combine`` would show."""
+    sizes = tokens_per_expert.tolist()
+    *groups, tail = routed.split(sizes + [routed.shape[0] - sum(sizes)])
+    out = [rows * (1 + (rank * e + j) / 4) + (rank * e + j + 1) / 8 for j, rows in enumerate(groups)]
+    return torch.cat(out + [tail * 3 + 1])
 
 
 def reference_forward_backward(case: Case, xs, idxs, ws, gys):
@@ -114,12 +115,15 @@ def check_case(rank: int, world_size: int, case: Case, seed: int) -> dict:
         x, idxs[rank], num_experts=case.num_experts, expert_alignment=case.alignment
     )
     ref_routed, ref_tpe = ref_dispatched[rank]
-    # Layout and values of dispatch: bitwise.
+    # Layout and values of dispatch: bitwise. One rank (local backend): C static rows, the ones
+    # past R zero; on a group R rows.
+    R = ref_routed.shape[0]
+    C = layout.local_capacity(idxs[rank].numel(), case.num_experts, case.alignment) if world_size == 1 else R
     assert tokens_per_expert.dtype == torch.int64
     assert torch.equal(tokens_per_expert, ref_tpe), (tokens_per_expert, ref_tpe)
-    assert routed.dtype == x.dtype and routed.shape == ref_routed.shape, (routed.shape, ref_routed.shape)
-    assert torch.equal(routed, ref_routed)
-    assert handle.num_rows == routed.shape[0] == int(tokens_per_expert.sum())
+    assert routed.dtype == x.dtype and routed.shape == (C, case.H), (routed.shape, ref_routed.shape, C)
+    assert torch.equal(routed[:R], ref_routed) and not routed[R:].any()
+    assert handle.num_rows == routed.shape[0] and int(tokens_per_expert.sum()) == R
 
     expert_out = run_experts(routed, tokens_per_expert, rank, case.e)
     expert_out.retain_grad()
@@ -130,7 +134,8 @@ def check_case(rank: int, world_size: int, case: Case, seed: int) -> dict:
     (y * gys[rank]).sum().backward()  # every rank takes part, even one with no tokens
     assert x.grad is not None and x.grad.shape == x.shape
     torch.testing.assert_close(x.grad, ref_gx[rank], **FP64_TOL)
-    torch.testing.assert_close(expert_out.grad, ref_geo[rank], **FP64_TOL)
+    torch.testing.assert_close(expert_out.grad[:R], ref_geo[rank], **FP64_TOL)
+    assert not expert_out.grad[R:].any()  # no gradient into the tail
     if case.weights:
         torch.testing.assert_close(w.grad, ref_gw[rank], **FP64_TOL)
     # Padding rows: zero in routed, no gradient into them.
@@ -141,7 +146,7 @@ def check_case(rank: int, world_size: int, case: Case, seed: int) -> dict:
         real[start : start + n] = True
         start += int(tokens_per_expert[j])
     assert (routed[~real] == 0).all() and (expert_out.grad[~real] == 0).all()
-    return dict(rows=routed.shape[0], padding=int((~real).sum()), tokens_per_expert=tokens_per_expert.tolist())
+    return dict(rows=R, padding=int((~real).sum()), tokens_per_expert=tokens_per_expert.tolist())
 
 
 def _cases(W: int) -> dict[str, Case]:
@@ -211,16 +216,21 @@ def check_bf16(rank: int, world_size: int, case: Case, seed: int) -> dict:
     x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
     routed, tpe, handle = alltoall_ops.dispatch(x, idxs[rank], num_experts=E, expert_alignment=a)
     ref_routed, ref_tpe = reference_dispatch(xs, idxs, E, a)[rank]
-    assert torch.equal(tpe, ref_tpe) and torch.equal(routed, ref_routed)  # moving data is exact
+    R, C = ref_routed.shape[0], routed.shape[0]  # C > R: the local backend's zero tail
+    assert torch.equal(tpe, ref_tpe) and torch.equal(routed[:R], ref_routed)  # moving data is exact
+    assert not routed[R:].any()
 
-    # Expert outputs and routed-row gradients: fresh bf16 values of every rank's routed size.
+    # Expert outputs and routed-row gradients: fresh bf16 values of every rank's routed size;
+    # on this rank C rows (fresh values in the tail too, which must not leak anywhere).
     sizes = [int(t.sum()) for _, t in reference_dispatch(xs, idxs, E, a)]
     g = torch.Generator().manual_seed(seed + 7)
     eos = [torch.randn(R, case.H, generator=g).to(bf) for R in sizes]
     g_routeds = [torch.randn(R, case.H, generator=g).to(bf) for R in sizes]
-    expert_out = eos[rank].clone().requires_grad_()
+    tail_eo, tail_g = (torch.randn(C - R, case.H, generator=g).to(bf) for _ in range(2))
+    expert_out = torch.cat([eos[rank], tail_eo]).requires_grad_()
     y = alltoall_ops.combine(expert_out, handle, w)
-    ((y * gys[rank]).sum() + (routed * g_routeds[rank]).sum()).backward()
+    ((y * gys[rank]).sum() + (routed * torch.cat([g_routeds[rank], tail_g])).sum()).backward()
+    assert not expert_out.grad[R:].any()
 
     def reference(dtype, acc_dtype):
         leaves = [[t.detach().to(dtype).clone().requires_grad_() for t in ts] for ts in (xs, ws, eos)]
@@ -235,7 +245,7 @@ def check_bf16(rank: int, world_size: int, case: Case, seed: int) -> dict:
     exact = reference(torch.float64, torch.float64)
     plain = reference(bf, bf)  # every product and sum rounded to bf16
     for name, got, ref64, pl in zip(("y", "grad x", "grad w", "grad expert_out"),
-                                    (y, x.grad, w.grad, expert_out.grad), exact, plain):
+                                    (y, x.grad, w.grad, expert_out.grad[:R]), exact, plain):
         _check_bf16_close(got, ref64, pl, name)
     return float((y.double() - exact[0]).abs().max()) if y.numel() else 0.0
 
@@ -284,13 +294,15 @@ def identity_round_trip(rank: int, world_size: int, case: Case, seed: int) -> tu
         x, idx, num_experts=case.num_experts, expert_alignment=case.alignment
     )
     ref_routed, ref_tpe = reference_dispatch(xs, idxs, case.num_experts, case.alignment)[rank]
-    assert torch.equal(tpe, ref_tpe) and torch.equal(routed, ref_routed)
+    R = ref_routed.shape[0]
+    assert torch.equal(tpe, ref_tpe) and torch.equal(routed[:R], ref_routed) and not routed[R:].any()
     y = alltoall_ops.combine(routed, handle, w)
     valid = (idx >= 0).to(w.dtype)
     torch.testing.assert_close(y, x * (w * valid).sum(1, keepdim=True), **FP64_TOL)
     torch.testing.assert_close(alltoall_ops.combine(routed, handle), x * valid.sum(1, keepdim=True), **FP64_TOL)
-    received = int(handle.route.recv_meta_WL[:, : case.e].sum())  # real (non-padding) rows of routed
-    assert received <= routed.shape[0] < received + case.e * case.alignment
+    mine = range(rank * case.e, (rank + 1) * case.e)
+    received = sum(int(torch.isin(i, torch.tensor(mine)).sum()) for i in idxs)  # real (non-padding) rows
+    assert received <= R < received + case.e * case.alignment
     return int((idx >= 0).sum()), received
 
 
@@ -376,7 +388,10 @@ def test_local_backend_without_process_group(backend, alignment, row_path):
         x, idxs[0], num_experts=case.num_experts, backend=backend, expert_alignment=alignment
     )
     assert handle.group_name == ""
-    assert torch.equal(tpe, ref_dispatched[0][1]) and torch.equal(routed, ref_dispatched[0][0])
+    R = ref_dispatched[0][0].shape[0]
+    assert routed.shape[0] == layout.local_capacity(idxs[0].numel(), case.num_experts, alignment)
+    assert torch.equal(tpe, ref_dispatched[0][1]) and torch.equal(routed[:R], ref_dispatched[0][0])
+    assert not routed[R:].any()
     expert_out = run_experts(routed, tpe, 0, case.e)
     expert_out.retain_grad()
     y = alltoall_ops.combine(expert_out, handle, w)
@@ -384,7 +399,8 @@ def test_local_backend_without_process_group(backend, alignment, row_path):
     (y * gys[0]).sum().backward()
     torch.testing.assert_close(x.grad, ref_gx[0], **FP64_TOL)
     torch.testing.assert_close(w.grad, ref_gw[0], **FP64_TOL)
-    torch.testing.assert_close(expert_out.grad, ref_geo[0], **FP64_TOL)
+    torch.testing.assert_close(expert_out.grad[:R], ref_geo[0], **FP64_TOL)
+    assert not expert_out.grad[R:].any()  # the tail's outputs (non-zero) get no gradient
     counts = torch.tensor([3, 0, 5, 1])
     assert torch.equal(alltoall_ops.exchange_counts(counts, backend=backend), counts.view(1, 4))
 
@@ -400,7 +416,7 @@ def test_second_order_gradients_local(row_path):
         routed, tokens_per_expert, handle = alltoall_ops.dispatch(
             x, topk_idx, num_experts=E, expert_alignment=2
         )
-        expert_of_row = torch.repeat_interleave(torch.arange(E), tokens_per_expert, output_size=routed.shape[0])
+        expert_of_row = layout.expert_of_rows(tokens_per_expert, routed.shape[0]).clamp(max=E - 1)  # tail: E - 1
         out = torch.tanh(torch.bmm(routed.unsqueeze(1), expert_w[expert_of_row]).squeeze(1))
         return alltoall_ops.combine(out, handle, weights)
 

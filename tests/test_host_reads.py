@@ -1,8 +1,10 @@
 """Host reads and collectives per MoE layer step (forward dispatch, combine, backward of both),
 counted from outside the library (:class:`alltoall_ops.testing.HostTraffic`).
 
-The forward dispatch reads its split sizes once (the layer's one device sync on a GPU); combine,
-both backward ops and the expert_out row check reuse them. On a group the counts travel inside
+One rank (the ``local`` backend) reads nothing: its rows have a static count and its layout
+stays on the device. On a group (``collective``) the forward dispatch reads its split sizes
+once (the layer's one device sync on a GPU: NCCL takes host split sizes); combine, both
+backward ops and the expert_out row check reuse them. The counts travel inside
 the dispatch's header agreement (one all-gather, one read), or, when they do not fit its
 payload, in an all-to-all after it (a second read). Combine moves nothing but its rows, unless
 debug mode asks for its agreement.
@@ -15,6 +17,7 @@ import torch
 
 import alltoall_ops as a2a
 from alltoall_ops import comm
+from alltoall_ops.errors import RoutingError
 from alltoall_ops.testing import HostTraffic, debug_mode
 
 E, T, H, K = 4, 9, 6, 2
@@ -40,13 +43,24 @@ def _step(rank: int, alignment: int, layer=None):
 
 
 @pytest.mark.parametrize("alignment", [1, 3])
-def test_one_rank_reads_once_and_exchanges_nothing(alignment):
-    assert _step(0, alignment) == (1, {})
+def test_one_rank_reads_nothing_and_exchanges_nothing(alignment):
+    assert _step(0, alignment) == (0, {})
 
 
-def test_one_rank_compiled_reads_once():
-    compiled = lambda fn: torch.compile(fn, backend="aot_eager", fullgraph=True)  # noqa: E731
-    assert _step(0, 2, compiled) == (1, {})
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_one_rank_compiled_reads_nothing(backend):
+    compiled = lambda fn: torch.compile(fn, backend=backend, fullgraph=True)  # noqa: E731
+    assert _step(0, 2, compiled) == (0, {})
+
+
+def test_one_rank_bad_ids_raise_a_routing_error():
+    """The bad-id check rides on the routing plan (a device-side assert on CUDA): still a
+    RoutingError naming the ids on the CPU."""
+    x = torch.randn(T, H, dtype=torch.float64)
+    topk_idx = torch.randint(0, E, (T, K))
+    topk_idx[3, 1] = E
+    with pytest.raises(RoutingError, match=rf"1 expert id\(s\) outside \[-1, {E}\) \(min -1, max {E}\)"):
+        a2a.dispatch(x, topk_idx, num_experts=E)
 
 
 def test_the_counter_sees_reads_outside_the_library():

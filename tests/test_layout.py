@@ -184,7 +184,7 @@ def test_plan_routing_uses_the_kernels_up_to_max_slots(monkeypatch):
 
 
 def test_plain_eager_calls_skip_the_dispatcher_but_a_mode_sees_the_ops():
-    """In plain eager code plan_routing / read_splits / dispatch / combine run their bodies
+    """In plain eager code plan_rows / local_dispatch / local_combine run their bodies
     directly (host time); under a dispatch mode (SAC, op counters) they are ops, with equal results."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -210,6 +210,6 @@ def test_plain_eager_calls_skip_the_dispatcher_but_a_mode_sees_the_ops():
     with Ops() as seen:
         watched = step()
     ours = {n for n in seen.names if n.startswith("alltoall_ops::")}
-    assert ours == {f"alltoall_ops::{n}" for n in ("plan_routing", "read_splits", "dispatch", "combine")}
+    assert ours == {f"alltoall_ops::{n}" for n in ("plan_rows", "local_dispatch", "local_combine")}
     for a, b in zip(direct, watched):
         assert torch.equal(a, b)

@@ -271,11 +271,11 @@ class TestCompiledGraphs(TestCase):
     def test_summary_single_process(self):
         self.assertExpectedInline(summary_of(0, 1), """\
 forward 0:
-  alltoall_ops.dispatch(scale_TK=None, expert_alignment=1, group_name='', num_rows=None)
-  alltoall_ops.combine(weights_TK=<tensor>, expert_alignment=1, group_name='', save_returned=True)
+  alltoall_ops.local_dispatch(scale_TK=None)
+  alltoall_ops.local_combine(weights_TK=<tensor>)
 backward 0:
-  alltoall_ops.dispatch(scale_TK=<tensor>, expert_alignment=1, group_name='', num_rows=<symbolic>)
-  alltoall_ops.combine(weights_TK=None, expert_alignment=1, group_name='', save_returned=False)""")
+  alltoall_ops.local_dispatch(scale_TK=<tensor>)
+  alltoall_ops.local_combine(weights_TK=None)""")
 
     def test_summary_two_ranks(self):
         summaries = self.pool2.run(summary_of)

@@ -133,7 +133,7 @@ def test_inductor_keeps_combine_without_tokens_single_process():
         y, codes = _fresh_inductor(compiled, x, router, experts)
     assert y.shape == (B, 0, H)
     [forward] = _library_ops(codes)
-    assert {"dispatch", "combine"} <= set(forward), forward
+    assert {"local_dispatch", "local_combine"} <= set(forward), forward
 
 
 @pytest.mark.parametrize("train_router", [False, True])

@@ -1,18 +1,189 @@
-"""The ``local`` backend: one rank, no process group, no communication. Dispatch sorts the
-slots into expert-major rows and combine gathers them back, through the collective backend's
-ops on a group of one (they exchange nothing there; the dispatch reads its split sizes on the
-host once, as on a group)."""
+"""The ``local`` backend: one rank, no process group, no communication and no host sync.
+
+Static shapes: ``routed`` always has C = T * K + E * (expert_alignment - 1) rows
+(``layout.local_capacity``), the most any routing needs. Rows [0, tokens_per_expert.sum()) are the
+expert-major rows (expert 0's group first, each in token order, padded to the alignment), and
+every other row (padding, and the tail left by dropped slots and unused padding) is ZERO, as is
+combine's gradient for it, so expert code that runs on all C rows (a per-expert loop, a plain
+matmul) cannot leak them into a result or a weight gradient. The routing layout lives on the
+device (``layout.plan_rows``: two kernel launches on CUDA, or a sort); the ops:
+
+    local_dispatch      (T, H) tokens -> (C, H) rows: one gather (``rows.gather_rows``)
+    local_dispatch_fp8  the same for fp8 values and their block scales (``alltoall_ops.fp8``)
+    local_combine       (C, H) expert outputs -> (T, H): one top-k reduction reading the rows in
+                        place (``rows.weighted_slot_sum``)
+
+The ops are in the library's comm-op registry (``comm.comm_op``) like every backend's dispatch
+and combine: a group of one exchanges with itself, and selective checkpointing saves them, so a
+layer's saved tensors do not depend on the expert-parallel size. The adjoint of dispatch is
+combine with the slot scales as weights, and the other way round;
+the weights' gradient is ``rows.weight_grad_op`` over the expert outputs themselves (nothing
+copied for it in the forward). Bad expert ids: a ``RoutingError`` on the CPU, a device-side
+assert on CUDA (``layout.plan_rows``).
+"""
 
 from __future__ import annotations
 
-from .. import layout
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .. import comm, fp8, layout
+from .._compat import call
 from ..groups import LOCAL, Group
+from ..rows import gather_rows, quantize, weight_grad_op, weighted_slot_sum
 from ..validation import check_dispatch_args
-from .base import Backend
-from .collective import dispatch_route
+from .base import Backend, DispatchHandle
+
+
+# --------------------------------------------------------------------------------------------
+# dispatch
+
+
+@comm.comm_op("local_dispatch")
+def local_dispatch_op(
+    x_TH: torch.Tensor, scale_TK: Optional[torch.Tensor], row_src_C: torch.Tensor, row_TK: torch.Tensor
+) -> torch.Tensor:
+    """(T, H) tokens -> (C, H) expert-major rows: row d is x[row_src[d] // K] (times
+    scale_TK.flat[row_src[d]] in fp32, rounded once), zero where row_src[d] < 0. row_TK: each
+    slot's row (C: none), for the backward."""
+    return gather_rows(x_TH, scale_TK, row_src_C, row_TK.shape[1])
+
+
+@local_dispatch_op.register_fake
+def _(x_TH, scale_TK, row_src_C, row_TK):
+    # NB: C rows whatever the routing: no data-dependent size.
+    return x_TH.new_empty(row_src_C.shape[0], x_TH.shape[1])
+
+
+def _local_dispatch_setup_context(ctx, inputs, output):
+    x_TH, scale_TK, row_src_C, row_TK = inputs
+    scale_needs_grad = scale_TK is not None and scale_TK.requires_grad
+    ctx.save_for_backward(scale_TK, row_src_C, row_TK, x_TH if scale_needs_grad else None)
+
+
+def _local_dispatch_backward(ctx, grad_routed_CH):
+    scale_TK, row_src_C, row_TK, x_TH = ctx.saved_tensors
+    # The adjoint of dispatch is combine, weighted by the same per-slot scale.
+    grad_x_TH = local_combine_op(grad_routed_CH, scale_TK, row_TK, row_src_C)
+    grad_scale_TK = None if x_TH is None else weight_grad_op(x_TH, grad_routed_CH, row_TK, scale_TK)
+    return grad_x_TH, grad_scale_TK, None, None
+
+
+local_dispatch_op.register_autograd(_local_dispatch_backward, setup_context=_local_dispatch_setup_context)
+
+
+@comm.comm_op("local_dispatch_fp8")
+def local_dispatch_fp8_op(
+    x_TH: torch.Tensor, x_scale_TB: Optional[torch.Tensor], row_src_C: torch.Tensor, row_TK: torch.Tensor,
+    out_dtype: Optional[torch.dtype],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`local_dispatch_op` with fp8 rows: x_TH (T, H) float tokens quantized once
+    (``x_scale_TB`` None), or float8_e4m3fn values with their scales x_scale_TB (T, B) fp32.
+    Returns routed (C, H) float8_e4m3fn (with ``out_dtype``: dequantized to it) and routed_scale
+    (C, B) fp32, zero rows where row_src < 0. The backward (with out_dtype) is combine of the
+    gradient: the quantize is straight-through."""
+    K = row_TK.shape[1]
+    values_TH, scales_TB = quantize(x_TH) if x_scale_TB is None else (x_TH.view(torch.uint8), x_scale_TB)
+    values_CH = gather_rows(values_TH, None, row_src_C, K).view(fp8.FP8)
+    scales_CB = gather_rows(scales_TB, None, row_src_C, K)
+    if out_dtype is None:
+        return values_CH, scales_CB
+    return fp8.dequantize(values_CH, scales_CB, out_dtype), scales_CB
+
+
+@local_dispatch_fp8_op.register_fake
+def _(x_TH, x_scale_TB, row_src_C, row_TK, out_dtype):
+    C, H = row_src_C.shape[0], x_TH.shape[1]
+    return x_TH.new_empty(C, H, dtype=out_dtype or fp8.FP8), x_TH.new_empty(C, fp8.num_blocks(H), dtype=torch.float32)
+
+
+def _local_dispatch_fp8_setup_context(ctx, inputs, output):
+    _, _, row_src_C, row_TK, _ = inputs
+    ctx.save_for_backward(row_src_C, row_TK)
+
+
+def _local_dispatch_fp8_backward(ctx, grad_routed_CH, _grad_scale_CB):
+    row_src_C, row_TK = ctx.saved_tensors
+    return local_combine_op(grad_routed_CH, None, row_TK, row_src_C), None, None, None, None
+
+
+local_dispatch_fp8_op.register_autograd(_local_dispatch_fp8_backward, setup_context=_local_dispatch_fp8_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# combine
+
+
+@comm.comm_op("local_combine")
+def local_combine_op(
+    expert_out_CH: torch.Tensor, weights_TK: Optional[torch.Tensor], row_TK: torch.Tensor, row_src_C: torch.Tensor
+) -> torch.Tensor:
+    """(C, H) expert outputs -> y (T, H), y[t] = sum_k weights[t, k] * expert_out[row[t, k]]
+    (fp32 accumulation, k order, rounded once); dropped slots (row C) add nothing. Rows no slot
+    points at are not read. row_src_C: for the backward."""
+    return weighted_slot_sum(expert_out_CH, row_TK, weights_TK, expert_out_CH.shape[0])
+
+
+@local_combine_op.register_fake
+def _(expert_out_CH, weights_TK, row_TK, row_src_C):
+    return expert_out_CH.new_empty(row_TK.shape[0], expert_out_CH.shape[1])
+
+
+def _local_combine_setup_context(ctx, inputs, output):
+    expert_out_CH, weights_TK, row_TK, row_src_C = inputs
+    weights_need_grad = weights_TK is not None and weights_TK.requires_grad
+    ctx.save_for_backward(weights_TK, row_TK, row_src_C, expert_out_CH if weights_need_grad else None)
+
+
+def _local_combine_backward(ctx, grad_y_TH):
+    weights_TK, row_TK, row_src_C, expert_out_CH = ctx.saved_tensors
+    grad_expert_out_CH = grad_weights_TK = None
+    if ctx.needs_input_grad[0]:
+        # The adjoint of combine is dispatch with each slot's row scaled by its weight: rows no
+        # slot fills get a zero gradient.
+        grad_expert_out_CH = local_dispatch_op(grad_y_TH, weights_TK, row_src_C, row_TK)
+    if ctx.needs_input_grad[1]:
+        grad_weights_TK = weight_grad_op(grad_y_TH, expert_out_CH, row_TK, weights_TK)
+    return grad_expert_out_CH, grad_weights_TK, None, None
+
+
+local_combine_op.register_autograd(_local_combine_backward, setup_context=_local_combine_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# The backend
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalHandle(DispatchHandle):
+    """The local backend's handle: the device-side row layout (``layout.RowPlan``'s row_src (C,)
+    and row (T, K)) and C; nothing on the host but sizes."""
+
+    row_src_C: torch.Tensor
+    row_TK: torch.Tensor
+    expert_alignment: int
+    group_name: str = LOCAL
+    world_size: int = 1
+
+    @property
+    def position_TK(self) -> torch.Tensor:
+        return self.row_TK
+
+    @property
+    def num_rows(self) -> int:
+        return self.row_src_C.shape[0]
+
+    def combine(self, expert_out_CH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor]) -> torch.Tensor:
+        self.check_combine(expert_out_CH, topk_weights_TK)
+        return call(local_combine_op, expert_out_CH, topk_weights_TK, self.row_TK, self.row_src_C,
+                    differentiable=(expert_out_CH, topk_weights_TK))
 
 
 class LocalBackend(Backend):
+    """One rank: expert-major rows with a static row count, no communication, no host sync."""
+
     name = "local"
 
     def check_group(self, group: Group, buffers) -> None:
@@ -22,9 +193,11 @@ class LocalBackend(Backend):
 
     def dispatch(self, x_TH, topk_idx_TK, num_experts, group, expert_alignment, buffers, payload=None):
         E = check_dispatch_args(x_TH, topk_idx_TK, num_experts, 1, expert_alignment)
-        plan = layout.plan_routing(topk_idx_TK, E, 1)
-        # One rank receives what it sends: the send counts are the received ones.
-        splits_S = layout.read_splits(plan.send_meta, plan.send_meta, expert_alignment)
-        return dispatch_route(x_TH, plan, plan.send_meta, splits_S, expert_alignment, LOCAL, payload)
-
-
+        plan = layout.plan_rows(topk_idx_TK, E, expert_alignment)
+        if payload is None:
+            routed = call(local_dispatch_op, x_TH, None, plan.row_src, plan.row, differentiable=(x_TH,))
+        else:
+            values_CH, scale_CB = call(local_dispatch_fp8_op, x_TH, payload.scale_TB, plan.row_src, plan.row,
+                                       payload.out_dtype, differentiable=(x_TH,))
+            routed = payload.routed(values_CH, scale_CB)
+        return routed, plan.tokens_per_expert, LocalHandle(plan.row_src, plan.row, expert_alignment)

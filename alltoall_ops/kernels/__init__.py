@@ -1,7 +1,9 @@
 """Triton kernels (``pip install alltoall_ops[triton]``), one file per job, each pairing a
 ``_name_kernel`` (``triton.jit``) with its launcher ``name``:
 
-    routing_plan.py  ``plan_slots``: the send order of every slot, without a sort (layout)
+    routing_plan.py  ``plan_slots``: the send order of every slot, without a sort (layout);
+                     ``plan_rows``: one rank's padded expert-major rows (the local backend)
+    row_gather.py    ``gather_rows``: one rank's expert-major rows from its tokens (local dispatch)
     row_put.py       ``put_rows`` / ``put_meta``: rows and metadata into local or peer buffers;
                      ``copy_out``: the receiver's copy of its buffer into fresh tensors
     topk_reduce.py   ``topk_reduce``: each token's weighted sum over its top-k slots (combine)

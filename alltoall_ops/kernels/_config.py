@@ -53,6 +53,7 @@ class RowBlocks:
 
 GPU_BLOCKS: dict[str, tuple[int, int, int]] = {
     "put_rows": (1, 4096, 4),
+    "gather_rows": (1, 4096, 4),  # as put_rows (not swept on its own)
     "topk_reduce": (2, 1024, 8),
     "copy_out": (2, 2048, 8),
     "weight_grad": (1, 4096, 8),

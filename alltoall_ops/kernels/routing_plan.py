@@ -12,7 +12,10 @@ of ``BLOCK_S``. Reference semantics::
                     order[position[s]] = s
                     send_meta[g // e, g % e] = totals[g] for g < E; send_meta[:, e:] = status
 
-which is the stable sort of the slots by bucket (``layout.plan_routing``'s contract). The counts
+which is the stable sort of the slots by bucket (``layout.plan_routing``'s contract). ``plan_rows``
+(one rank, ``ROWS``): the same with each expert's total padded to the alignment in the sums,
+``order`` (C,) holding the slot of each row (-1 where none), ``position`` C for a dropped slot and
+``send_meta`` the padded totals (``layout.plan_rows``'s contract). The counts
 are integers, so the atomics give the same result in any order: deterministic. Each program of
 ``slot_positions`` sums the count rows of the blocks before it in (BLOCK_P, NB) tiles, writes its
 buckets' first positions to a scratch row and reads them back per slot (a gather), and ranks its
@@ -62,9 +65,9 @@ def _block_counts_kernel(
 @triton.jit
 def _slot_positions_kernel(
     idx_ptr, counts_ptr, scratch_ptr, position_ptr, order_ptr, send_meta_ptr,
-    N, E, e, W, num_blocks,
+    N, E, e, W, num_blocks, alignment, C,
     NB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_W: tl.constexpr,
+    BLOCK_W: tl.constexpr, ROWS: tl.constexpr,
 ):
     i_b = tl.program_id(0)
     o_s = i_b * BLOCK_S + tl.arange(0, BLOCK_S)  # [BS] slots
@@ -81,6 +84,8 @@ def _slot_positions_kernel(
         b_rows = tl.load(p_rows, mask=(o_p < i_b)[:, None] & m_g[None, :], other=0)
         b_before += tl.sum(b_rows.to(tl.int32), axis=0)
     b_total = tl.load(counts_ptr + num_blocks * (E + 1) + o_g, mask=m_g, other=0).to(tl.int32)
+    if ROWS:  # expert groups padded to the alignment (the "goes nowhere" bucket E is not)
+        b_total = tl.where(o_g < E, (b_total + alignment - 1) // alignment * alignment, b_total)
     b_base = tl.cumsum(b_total, axis=0) - b_total + b_before  # [NB] first position of bucket g here
     # NB: through memory, since a register tensor cannot be indexed by another: a scratch row
     # of this program, and a barrier so that every thread sees the whole row.
@@ -93,8 +98,13 @@ def _slot_positions_kernel(
         b_jbucket = tl.where((b_jdx >= 0) & (b_jdx < E), b_jdx, E).to(tl.int32)
         b_same = (b_bucket[:, None] == b_jbucket[None, :]) & (o_j[None, :] < o_s[:, None])  # [BS, BJ]
         b_pos += tl.sum(b_same.to(tl.int32), axis=1)
-    tl.store(position_ptr + o_s, b_pos.to(tl.int64), mask=m_s)
-    tl.store(order_ptr + b_pos, o_s.to(tl.int64), mask=m_s)
+    if ROWS:  # a dropped slot has no row (C); rows no slot fills keep their -1
+        m_row = m_s & (b_bucket < E)
+        tl.store(position_ptr + o_s, tl.where(m_row, b_pos.to(tl.int64), C), mask=m_s)
+        tl.store(order_ptr + b_pos, o_s.to(tl.int64), mask=m_row)
+    else:
+        tl.store(position_ptr + o_s, b_pos.to(tl.int64), mask=m_s)
+        tl.store(order_ptr + b_pos, o_s.to(tl.int64), mask=m_s)
     if i_b == 0:  # counts of every local expert of every rank, and the status columns
         m_valid = o_g < E
         tl.store(send_meta_ptr + (o_g // e) * (e + 3) + o_g % e, b_total.to(tl.int64), mask=m_valid)
@@ -115,6 +125,26 @@ def plan_slots(
     (W, e + 3), all int64, as ``layout.plan_routing`` defines them: a memset and two kernel
     launches, no sort and no host sync."""
     T, K = topk_idx.shape
+    order = torch.empty(T * K, dtype=torch.int64, device=topk_idx.device)
+    position, send_meta = _launch(topk_idx, num_experts, world_size, order, 1, False)
+    return order, position, send_meta
+
+
+def plan_rows(
+    topk_idx: torch.Tensor, num_experts: int, expert_alignment: int, num_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One rank's expert-major rows, as ``layout.plan_rows`` defines them: topk_idx (T, K) ->
+    row_src (C = num_rows,) slot of each row (-1: none), row (T, K) row of each slot (C: none),
+    meta (1, E + 3) padded rows per expert and the status. Two memsets and two kernel launches."""
+    row_src = torch.full((num_rows,), -1, dtype=torch.int64, device=topk_idx.device)
+    row, meta = _launch(topk_idx, num_experts, 1, row_src, expert_alignment, True)
+    return row_src, row, meta
+
+
+def _launch(topk_idx: torch.Tensor, num_experts: int, world_size: int, order: torch.Tensor, alignment: int,
+            rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both kernels: position (T, K) and send_meta (W, e + 3), ``order`` written in place."""
+    T, K = topk_idx.shape
     N, E, W = T * K, num_experts, world_size
     e = E // W
     dev = topk_idx.device
@@ -127,15 +157,14 @@ def plan_slots(
     counts = torch.zeros(B * (E + 1) + E + 1 + 3, dtype=torch.int64, device=dev)  # blocks, totals, status
     NB = triton.next_power_of_2(E + 1)
     scratch = torch.empty(B, NB, dtype=torch.int32, device=dev)
-    order = torch.empty(N, dtype=torch.int64, device=dev)
     position = torch.empty(N, dtype=torch.int64, device=dev)
     send_meta = torch.empty(W, e + 3, dtype=torch.int64, device=dev)
     num_warps = 1 if interpreting() else GPU_NUM_WARPS
     with LAUNCH_LOCK:
         _block_counts_kernel[(B,)](idx, counts, N, E, B, BLOCK_S=block_s, num_warps=num_warps)
         _slot_positions_kernel[(B,)](
-            idx, counts, scratch, position, order, send_meta, N, E, e, W, B,
+            idx, counts, scratch, position, order, send_meta, N, E, e, W, B, alignment, order.numel(),
             NB=NB, BLOCK_S=block_s, BLOCK_J=min(block_s, 64), BLOCK_P=max(1, min(16, 8192 // NB)),
-            BLOCK_W=triton.next_power_of_2(W), num_warps=num_warps,
+            BLOCK_W=triton.next_power_of_2(W), ROWS=rows, num_warps=num_warps,
         )
-    return order, position.view(T, K), send_meta
+    return position.view(T, K), send_meta

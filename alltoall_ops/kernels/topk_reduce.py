@@ -39,8 +39,8 @@ def _topk_reduce_kernel(
     b_acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=ACC_DTYPE)
     for k in tl.static_range(K):  # slots in k order: deterministic
         b_pos = tl.load(position_ptr + o_t * K + k, mask=m_t, other=0)  # [BT]
-        m_pos = m_t & (b_pos >= 0) & (b_pos < T * K)  # never out of bounds
-        m_row = m_pos & (b_pos < n_valid)
+        m_pos = m_t & (b_pos >= 0) & (b_pos < T * K)  # never out of bounds (of returned)
+        m_row = m_t & (b_pos >= 0) & (b_pos < n_valid)  # n_valid <= the rows of ret (launcher)
         if HAS_SLOT_DST:
             m_row = m_row & (tl.load(slot_dst_ptr + o_t * K + k, mask=m_t, other=-1) >= 0)
         p_row = ret_ptr + b_pos[:, None] * H + o_h[None, :]

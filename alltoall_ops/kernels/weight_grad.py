@@ -3,6 +3,7 @@
 Reference semantics::
 
     weight_grad:  grad_w[t, k] = sum_h grad_y[t, h] * returned[position[t, k], h]  (acc dtype)
+                  (0 where position[t, k] is not a row of returned)
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ._config import LAUNCH_LOCK, cast_rne, require_contiguous, row_blocks, tl_a
 
 @triton.jit
 def _weight_grad_kernel(
-    grad_y_ptr, returned_ptr, position_ptr, grad_w_ptr, T, H,
+    grad_y_ptr, returned_ptr, position_ptr, grad_w_ptr, T, H, n_returned,
     K: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     i_t = tl.program_id(0)
@@ -24,7 +25,7 @@ def _weight_grad_kernel(
     m_t = o_t < T
     for k in tl.static_range(K):
         b_pos = tl.load(position_ptr + o_t * K + k, mask=m_t, other=0)  # [BT]
-        m_pos = m_t & (b_pos >= 0) & (b_pos < T * K)
+        m_pos = m_t & (b_pos >= 0) & (b_pos < n_returned)  # outside: no row, a zero gradient
         b_acc = tl.zeros([BLOCK_T], dtype=ACC_DTYPE)
         for i_h in range(tl.cdiv(H, BLOCK_H)):
             o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -50,7 +51,7 @@ def weight_grad(
     blocks = row_blocks("weight_grad", T, max(H, 1), grad_y.element_size())
     with LAUNCH_LOCK:  # NB: one program per token block across all of H: it sums over H
         _weight_grad_kernel[blocks.grid(T, H)[:1]](
-            grad_y, returned, position, grad_w, T, H,
+            grad_y, returned, position, grad_w, T, H, returned.shape[0],
             K=K, ACC_DTYPE=tl_acc_dtype(acc_dtype), BLOCK_T=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H,
             num_warps=blocks.num_warps,
         )
