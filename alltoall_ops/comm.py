@@ -8,7 +8,8 @@
   and room for a small payload such as a dispatch's counts: ``agree_and_gather``), so that
   every rank raises the same error, before any payload moves, when a rank rejected its own
   arguments (:class:`PeerInputError` on its peers), the ranks are out of step, or they
-  disagree on a field (:class:`GroupMismatchError`);
+  disagree on a field (:class:`GroupMismatchError`); ``forward`` passes such an error from one
+  group on to another (a two-stage op's), whose ranks raise it too;
 - ``comm_op``: the one registry of the library's custom ops that communicate (every backend's),
   which the selective-checkpointing policy and the graph summaries read.
 """
@@ -17,13 +18,14 @@ from __future__ import annotations
 
 import collections
 import os
+import time
 from datetime import timedelta
-from typing import Callable, Optional, Sequence, TypeVar
+from typing import Callable, Optional, Sequence, TypeVar, Union
 
 import torch
 import torch.distributed as dist
 
-from .errors import CollectiveError, CollectiveTimeout, GroupMismatchError, PeerInputError
+from .errors import CollectiveError, CollectiveTimeout, GroupMismatchError, PeerInputError, RoutingError
 from ._compat import custom_op, is_compiling
 from .groups import LOCAL, process_group
 
@@ -54,17 +56,38 @@ def communication_ops() -> tuple[torch._ops.OpOverload, ...]:
     """Every op of this library that communicates (all backends)."""
     return tuple(op._opoverload for op in _COMM_OPS)
 
-_timeout_s = float(os.environ.get("ALLTOALL_OPS_TIMEOUT", "600"))
+MAX_TIMEOUT_S = 1e9
+"""The longest deadline :func:`set_timeout` takes (about 31 years; gloo's wait counts in ns)."""
+
+
+def _seconds(name: str, value) -> float:
+    """``value`` as a deadline in seconds, in (0, MAX_TIMEOUT_S] (so finite: not inf, not nan);
+    ``ValueError`` naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TIMEOUT_S:
+        raise ValueError(f"{name}: expected a finite positive number of seconds, at most {MAX_TIMEOUT_S:g}, "
+                         f"got {value!r}")
+    return float(value)
+
+
+def _environment_timeout() -> float:
+    raw = os.environ.get("ALLTOALL_OPS_TIMEOUT", "600")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = raw  # not a number: _seconds names it
+    return _seconds("ALLTOALL_OPS_TIMEOUT", value)
+
+
+_timeout_s = _environment_timeout()
 
 
 def set_timeout(seconds: float) -> None:
     """The library's deadline for one collective or barrier (default 600 s, or the environment
-    variable ``ALLTOALL_OPS_TIMEOUT``). Past it the op raises :class:`CollectiveTimeout`; the
-    group is then unusable (peers may be inside the collective) and must be re-created."""
+    variable ``ALLTOALL_OPS_TIMEOUT``): finite, positive, at most ``MAX_TIMEOUT_S``. Past it the
+    op raises :class:`CollectiveTimeout`; the group is then unusable (peers may be inside the
+    collective) and must be re-created."""
     global _timeout_s
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
-        raise ValueError(f"seconds: expected a positive number, got {seconds!r}")
-    _timeout_s = float(seconds)
+    _timeout_s = _seconds("seconds", seconds)
 
 
 def get_timeout() -> float:
@@ -92,20 +115,31 @@ def run(op: str, group_name: str, start: Callable[[dist.ProcessGroup], Optional[
     surfaces through the process group's own timeout (its watchdog)."""
     pg = process_group(group_name)
     deadline_s = _timeout_s if timeout is None else timeout
+    gloo = dist.get_backend(pg) == "gloo"
+    started = time.monotonic()
     try:
         work = start(pg)
         if work is not None:
-            if dist.get_backend(pg) == "gloo":
+            if gloo:
                 work.wait(timeout=timedelta(seconds=deadline_s))
             else:
                 work.wait()
     except RuntimeError as exc:  # gloo and NCCL errors (DistBackendError included)
         if isinstance(exc, CollectiveError):
             raise
-        timed_out = "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
-        kind = CollectiveTimeout if timed_out else CollectiveError
-        deadline = f" (deadline {deadline_s:g} s)" if timed_out else ""
-        raise kind(f"{where(op, pg)}: {'timed out' if timed_out else 'failed'}{deadline}: {exc}") from exc
+        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+            raise CollectiveError(f"{where(op, pg)}: failed: {exc}") from exc
+        raise CollectiveTimeout(f"{where(op, pg)}: {_timed_out(time.monotonic() - started, deadline_s, gloo)}: "
+                                f"{exc}") from exc
+
+
+def _timed_out(waited_s: float, deadline_s: float, gloo: bool) -> str:
+    """Which timer ended a wait of ``waited_s``: the library's deadline (gloo waits bound by it)
+    or the process group's own timeout (shorter than it, or NCCL's, which the library leaves)."""
+    if gloo and waited_s >= deadline_s:
+        return f"timed out after {waited_s:.3g} s: the library's deadline ({deadline_s:g} s, a2a.set_timeout)"
+    bound = f"before the library's deadline ({deadline_s:g} s)" if gloo else "the library's deadline bounds gloo only"
+    return f"timed out after {waited_s:.3g} s: the process group's own timeout ({bound})"
 
 
 def all_to_all(op: str, group_name: str, out: torch.Tensor, send: torch.Tensor,
@@ -128,6 +162,8 @@ def device_of(pg: dist.ProcessGroup) -> torch.device:
 
 FIELDS: dict[str, tuple[str, ...]] = {
     "dispatch": ("num_experts", "hidden size", "dtype", "payload dtype", "top_k", "expert_alignment"),
+    "hierarchical_dispatch": ("num_experts", "hidden size", "dtype", "payload dtype", "top_k", "expert_alignment",
+                              "number of nodes", "ranks per node"),
     "combine": ("hidden size", "dtype", "top_k"),
     "exchange_counts": ("length of tokens_per_expert_global",),
     "symm_buffers": ("num_experts", "hidden size", "dtype", "payload dtype", "tokens", "top_k", "expert_alignment"),
@@ -149,6 +185,11 @@ _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.fl
            torch.float8_e5m2, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 
 _calls: collections.Counter = collections.Counter()  # group name -> agreements so far
+
+_OWN, _FORWARDED = 1, 2  # an agreement's failure flag: the rank's own arguments failed; it passes on an error
+FORWARDABLE = (GroupMismatchError, PeerInputError, RoutingError, CollectiveError)
+"""Errors every rank of one group raises alike, which :func:`forward` passes on to another group."""
+_FORWARDABLE_BY_NAME = {cls.__name__: cls for cls in (*FORWARDABLE, CollectiveTimeout)}
 
 
 def dispatch_fields(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, expert_alignment: int,
@@ -194,17 +235,18 @@ def _describe(field: str, value: int) -> str:
     return str(value)
 
 
-def agree(op: str, group_name: str, fields: Sequence[int], problem: Optional[BaseException] = None,
-          shapes: Optional[Sequence[int]] = None, equal: Optional[int] = None) -> list[list[int]]:
+def agree(op: str, group_name: str, fields: Sequence[int], shapes: Optional[Sequence[int]] = None,
+          equal: Optional[int] = None) -> list[list[int]]:
     """Collective: check that every rank of the group starts ``op`` with the same ``fields`` (in
     the order of ``FIELDS[op]``; only the first ``equal`` of them when given) and that none
-    rejected its own arguments (``problem``). Returns every rank's fields, by rank.
+    failed (:func:`checked`, :func:`forward`). Returns every rank's fields, by rank.
 
-    Raises on every rank alike: ``problem`` itself on the ranks that had one, else
-    :class:`PeerInputError` with the first failed rank's error; :class:`GroupMismatchError` when
-    ranks are in different ops or calls, or disagree on a field. ``shapes``: this rank's shape
-    behind a ``shape`` field, for the message (exchanged only when the fingerprints differ)."""
-    rows = _agree(op, group_name, fields, problem, shapes, equal, None)
+    Raises on every rank alike: a failed rank's error itself on that rank, else
+    :class:`PeerInputError` with the first failed rank's error (the error's own type where that
+    rank forwards it); :class:`GroupMismatchError` when ranks are in different ops or calls, or
+    disagree on a field. ``shapes``: this rank's shape behind a ``shape`` field, for the message
+    (exchanged only when the fingerprints differ)."""
+    rows = _agree(op, group_name, fields, None, shapes, equal, None, _OWN)
     return [row[_FIXED : _FIXED + len(FIELDS[op])] for row in rows]
 
 
@@ -212,19 +254,39 @@ def agree_and_gather(op: str, group_name: str, fields: Sequence[int], payload: t
     """:func:`agree`, carrying ``payload`` (at most ``PAYLOAD_LEN`` int64s, on any device: copied
     into the message on the device, not read first) in the same all-gather. Returns every
     rank's payload, by rank, read on the host with the agreement: one exchange, one read."""
-    rows = _agree(op, group_name, fields, None, None, None, payload)
+    rows = _agree(op, group_name, fields, None, None, None, payload, _OWN)
     return [row[HEADER_LEN : HEADER_LEN + payload.numel()] for row in rows]
 
 
+def forward(op: str, group_name: str, error: BaseException) -> None:
+    """Collective: pass ``error`` (one of ``FORWARDABLE``, raised on this rank by a group it
+    shares with the others, e.g. a two-stage op's first stage) on to ``group_name``'s ranks,
+    which are in ``op``'s agreement there: they raise the same type, naming this rank. Returns
+    once the messages are exchanged; the caller then raises ``error`` itself."""
+    if group_name != LOCAL:
+        _join(op, group_name, error, _FORWARDED)
+
+
+def _join(op: str, group_name: str, problem: BaseException, kind: int) -> None:
+    """Take part in ``op``'s agreement with ``problem`` (so the peers raise), without raising it."""
+    try:
+        _agree(op, group_name, (), problem, None, None, None, kind)
+    except BaseException as exc:
+        if exc is not problem:
+            raise
+
+
 def _agree(op: str, group_name: str, fields: Sequence[int], problem: Optional[BaseException],
-           shapes: Optional[Sequence[int]], equal: Optional[int], payload: Optional[torch.Tensor]) -> list[list[int]]:
-    """The agreement's exchange and checks; returns every rank's message (MESSAGE_LEN ints)."""
+           shapes: Optional[Sequence[int]], equal: Optional[int], payload: Optional[torch.Tensor],
+           kind: int) -> list[list[int]]:
+    """The agreement's exchange and checks; returns every rank's message (MESSAGE_LEN ints).
+    ``kind``: how the peers read ``problem`` (``_OWN``: a PeerInputError; ``_FORWARDED``: its type)."""
     pg = process_group(group_name)
     names = FIELDS[op]
     values = [0] * len(names) if problem is not None else [int(v) for v in fields]
     call = _calls[group_name]
     _calls[group_name] += 1
-    header = [_OPS.index(op), call, int(problem is not None), len(names)] + values
+    header = [_OPS.index(op), call, 0 if problem is None else kind, len(names)] + values
     header += [0] * (HEADER_LEN - len(header))
     send = torch.zeros(MESSAGE_LEN, dtype=torch.int64, device=device_of(pg))
     send[:HEADER_LEN] = torch.tensor(header, dtype=torch.int64)
@@ -237,13 +299,15 @@ def _agree(op: str, group_name: str, fields: Sequence[int], problem: Optional[Ba
     rows = gathered.tolist()  # Host sync: (W, MESSAGE_LEN)
     failed = [r for r, row in enumerate(rows) if row[2]]
     if failed:
-        mine = None if problem is None else f"{type(problem).__name__}: {problem}"
+        mine = None if problem is None else (type(problem).__name__, str(problem))
         messages = gather_objects(op, group_name, mine)
         if problem is not None:
             raise problem
+        first, (type_name, message) = failed[0], messages[failed[0]]
+        if rows[first][2] == _FORWARDED:
+            raise _FORWARDABLE_BY_NAME[type_name](f"{where(op, pg)}: from rank {first} of this group: {message}")
         others = f" (ranks {failed} all failed)" if len(failed) > 1 else ""
-        raise PeerInputError(f"{where(op, pg)}: rank {failed[0]} rejected its arguments{others}: "
-                             f"{messages[failed[0]]}")
+        raise PeerInputError(f"{where(op, pg)}: rank {first} rejected its arguments{others}: {type_name}: {message}")
     steps = {(row[0], row[1]) for row in rows}
     if len(steps) > 1:
         per_rank = ", ".join(f"rank {r} is in {_OPS[row[0]]} (call {row[1]})" for r, row in enumerate(rows))
@@ -262,18 +326,22 @@ def _agree(op: str, group_name: str, fields: Sequence[int], problem: Optional[Ba
     return rows
 
 
-def checked(op: str, group_name: str, check: Callable[..., T], *args) -> T:
+def checked(op: str, group_name: Union[str, Sequence[str]], check: Callable[..., T], *args) -> T:
     """``check(*args)``: the argument checks of ``op``. On a group, a rank whose checks raise
     takes part in ``op``'s agreement with its error, so its peers (waiting there) raise too.
+    ``group_name``: the op's group, or its groups in the order the op communicates over them (a
+    two-stage op): the failing rank joins ``op``'s agreement on each, then raises.
 
     Under torch.compile the checks run at trace time, where no collective can: they raise on
     this rank only, and its peers' next collective ends at the library's deadline."""
-    if group_name == LOCAL or is_compiling():
+    names = [name for name in ((group_name,) if isinstance(group_name, str) else group_name) if name != LOCAL]
+    if not names or is_compiling():
         return check(*args)
     try:
         return check(*args)
     except (TypeError, ValueError) as exc:
-        agree(op, group_name, (), problem=exc)  # raises on every rank
+        for name in names:
+            _join(op, name, exc, _OWN)
         raise
 
 

@@ -12,6 +12,13 @@ W = N nodes x L ranks; rank (n, l) is global rank n * L + l and owns experts
 Combine undoes it: inside the node each arrived token's weighted top-k sum over this node's
 experts (fp32), then one row back per (token, node), summed at the source. Forward and
 gradients equal the flat dispatch / combine up to the order of the fp32 sums.
+
+Each stage starts with the header agreement of op ``hierarchical_dispatch`` (not ``dispatch``:
+a flat dispatch never pairs with a stage) carrying the whole operation's fields (E, H, dtypes,
+K, alignment, N, L), across nodes and then inside the node, so every pair of ranks is compared
+through one of them. The first stage's carries the bad-id status of every rank of the node
+group against E; an error there is forwarded (:func:`comm.forward`) into the second stage's
+agreement, so every rank of the mesh raises it.
 """
 
 from __future__ import annotations
@@ -22,13 +29,15 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import comm, fp8
+from . import comm, fp8, layout
 from ._compat import is_compiling
-from .api import combine, dispatch
+from .api import combine
 from .backends import DispatchHandle
-from .backends.collective import RouteHandle, dispatch_op
+from .backends.collective import RouteHandle, dispatch_op, dispatch_route, exchange_routing_op
 from .groups import LOCAL, Group, communication_group, process_group, resolve_group
 from .validation import check_dispatch_args
+
+OP = "hierarchical_dispatch"
 
 
 def _rows_along(handle: RouteHandle, rows_TC: torch.Tensor) -> torch.Tensor:
@@ -117,38 +126,99 @@ def hierarchical_dispatch(
     they arrive dequantized and move inside the node in x's dtype (the gradient's path)."""
     across, inside = resolve_group(node_group), resolve_group(local_group)
     N, L = across.size, inside.size
-    # NB: a rank whose arguments fail tells the peers of its first exchange (they raise a
-    # PeerInputError); the other ranks wait in their second stage until the deadline.
-    first = communication_group(across if N > 1 else inside)
-    E = comm.checked("dispatch", first.name, _check_args, x, topk_idx, num_experts, N * L, expert_alignment,
+    node_name, local_name = communication_group(across).name, communication_group(inside).name
+    E = comm.checked(OP, (node_name, local_name), _check_args, x, topk_idx, num_experts, N, L, expert_alignment,
                      payload_dtype, dequantize)
     if not is_compiling():  # NB: process-group queries do not trace; eager calls check the mesh
         _check_mesh(across, inside)
+    x_TH, x_scale_TB = x if isinstance(x, (tuple, list)) else (x, None)
+    payload = None
+    if x_scale_TB is not None or payload_dtype is not None:
+        payload = fp8.Payload.of(x_TH, x_scale_TB, dequantize)
+    dtype, wire_dtype = (x_TH.dtype,) * 2 if payload is None else (payload.combine_dtype, fp8.FP8)
+    header = comm.header(OP, *comm.dispatch_fields(x_TH, topk_idx, E, expert_alignment, dtype, wire_dtype), N, L)
     per_node = E // N
     idx_TK = topk_idx.to(torch.int64)
     valid_TK = (idx_TK >= 0) & (idx_TK < E)
     node_TK = torch.where(valid_TK, idx_TK // per_node, -1)
-    # NB: a token crosses to a node once: its later slots on the same node send nothing.
+    # NB: a token crosses to a node once: its later slots on the same node send nothing. Bad
+    # ids stay as they are, so that the plan's status reports them.
     K = node_TK.shape[1]
     earlier_KK = torch.ones(K, K, dtype=torch.bool, device=node_TK.device).tril(-1)  # [k, j]: j < k
     earlier_same_TKK = (node_TK[:, :, None] == node_TK[:, None, :]) & earlier_KK
     first_TK = ~earlier_same_TKK.any(-1)
-    to_node_TK = torch.where(first_TK, node_TK, -1)
-    arrived_AH, _, node_stage = dispatch(x, to_node_TK, num_experts=N, group=node_group, payload_dtype=payload_dtype,
-                                         dequantize=dequantize)
+    plan = layout.plan_routing(torch.where(first_TK | ~valid_TK, idx_TK, -1), E, N)
+    counts_Ne, status_NS = layout.split_meta(plan.send_meta)
+    # NB: the status (num_bad, min id, max id) as the flat dispatch reports it: the max of every
+    # id (a deduplicated slot may have held it; the min is at most -1 either way).
+    max_id = torch.cat([idx_TK.reshape(-1), idx_TK.new_full((1,), -1)]).max()
+    send_meta_NL = torch.cat([counts_Ne.sum(1, keepdim=True), status_NS[:, :2], max_id.expand(N, 1)], 1)
+    recv_meta_NL, splits_S = node_exchange_op(send_meta_NL, node_name, local_name, header)
+    arrived, _, node_stage = dispatch_route(x_TH, plan, recv_meta_NL, splits_S, 1, node_name, payload)
     arrived_idx_AK = _rows_along(node_stage, idx_TK.to(torch.float64)).to(torch.int64)
     on_this_node_AK = (arrived_idx_AK >= 0) & (arrived_idx_AK // per_node == across.rank)
     local_idx_AK = torch.where(on_this_node_AK, arrived_idx_AK - across.rank * per_node, -1)
-    routed_RH, tokens_per_expert_e, local_stage = dispatch(
-        arrived_AH, local_idx_AK, num_experts=per_node, group=local_group, expert_alignment=expert_alignment)
+    local_plan = layout.plan_routing(local_idx_AK, per_node, L)
+    recv_meta_LM, local_splits_S = exchange_routing_op(local_plan.send_meta, local_name, header, expert_alignment)
+    arrived_AH, arrived_scale_AB = arrived if isinstance(arrived, tuple) else (arrived, None)
+    local_payload = None if arrived_scale_AB is None else fp8.Payload.of(arrived_AH, arrived_scale_AB, False)
+    routed_RH, tokens_per_expert_e, local_stage = dispatch_route(
+        arrived_AH, local_plan, recv_meta_LM, local_splits_S, expert_alignment, local_name, local_payload)
     return routed_RH, tokens_per_expert_e, HierarchicalHandle(node_stage, local_stage)
 
 
-def _check_args(x: Any, topk_idx: torch.Tensor, num_experts: int, world_size: int, expert_alignment: int,
-                payload_dtype: Optional[torch.dtype], dequantize: bool) -> int:
+@comm.comm_op("hierarchical_exchange")
+def node_exchange_op(send_meta_NL: torch.Tensor, node_group: str, local_group: str,
+                     header: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first stage's metadata exchange: send_meta (N, 1 + STATUS_COLUMNS), row n the tokens
+    for node n and this rank's bad-id status (against E) -> recv_meta (N, 1 + STATUS_COLUMNS),
+    row m from node m (on send_meta's device), and splits_S (2N + 2,) on the CPU.
+
+    One agreement on ``node_group`` carrying the counts (one all-gather, one host read), as the
+    flat dispatch's. Raises :class:`RoutingError` naming the rank (n * L + l) with bad ids, and
+    the agreement's errors; each is forwarded into the second stage's agreement on
+    ``local_group`` first, so every rank of the mesh raises it."""
+    op, fields = comm.op_name(header[0]), header[1:]
+    N, S, E = send_meta_NL.shape[0], layout.STATUS_COLUMNS, fields[0]
+    n, local_rank, L = _rank_in(node_group), _rank_in(local_group), fields[-1]
+    try:
+        if N == 1:
+            sent_by_node = [send_meta_NL.reshape(-1).tolist()]  # Host sync: (1 + S,)
+        else:
+            sent_by_node = comm.agree_and_gather(op, node_group, fields, send_meta_NL)  # N rows of N * (1 + S)
+        for m, sent in enumerate(sent_by_node):
+            if sent[1]:  # each row: the count, then the sender's status (num_bad, min id, max id)
+                raise layout.bad_ids_error(m * L + local_rank, sent[1 : 1 + S], E)
+    except comm.FORWARDABLE as exc:
+        comm.forward(op, local_group, exc)
+        raise
+    send_rows = [sent_by_node[n][m * (1 + S) : (m + 1) * (1 + S)] for m in range(N)]
+    recv_rows = [sent[n * (1 + S) : (n + 1) * (1 + S)] for sent in sent_by_node]
+    recv_meta_NL = torch.tensor(recv_rows, dtype=torch.int64).to(send_meta_NL.device, non_blocking=True)
+    return recv_meta_NL, layout.host_splits(send_rows, recv_rows, 1)
+
+
+def _rank_in(group_name: str) -> int:
+    return 0 if group_name == LOCAL else process_group(group_name).rank()
+
+
+@node_exchange_op.register_fake
+def _(send_meta_NL, node_group, local_group, header):
+    N = send_meta_NL.shape[0]
+    return torch.empty_like(send_meta_NL), torch.empty(2 * N + 2, dtype=torch.int64, device="cpu")
+
+
+MAX_NODES = comm.PAYLOAD_LEN // (1 + layout.STATUS_COLUMNS)
+"""The most nodes a two-stage dispatch spans: the first stage's counts travel in its agreement."""
+
+
+def _check_args(x: Any, topk_idx: torch.Tensor, num_experts: int, num_nodes: int, ranks_per_node: int,
+                expert_alignment: int, payload_dtype: Optional[torch.dtype], dequantize: bool) -> int:
     """:func:`check_dispatch_args` (and the fp8 checks) of a two-stage dispatch; returns E."""
+    if num_nodes > MAX_NODES:
+        raise ValueError(f"node_group: expected at most {MAX_NODES} ranks (one per node), got {num_nodes}")
     values, scales = x if isinstance(x, (tuple, list)) else (x, None)
-    E = check_dispatch_args(values, topk_idx, num_experts, world_size, expert_alignment)
+    E = check_dispatch_args(values, topk_idx, num_experts, num_nodes * ranks_per_node, expert_alignment)
     fp8.check_args(values, scales, payload_dtype, dequantize)
     if scales is None and payload_dtype is not None and not dequantize and values.dtype != torch.bfloat16:
         # NB: the second stage moves fp8 pairs, whose combine takes bf16 expert outputs.

@@ -12,7 +12,6 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import alltoall_ops as a2a
 from alltoall_ops import fp8, layout
-from alltoall_ops.errors import PeerInputError
 from alltoall_ops.hierarchical import node_crossings
 
 H, T, K = 5, 7, 3
@@ -129,27 +128,116 @@ def test_compiles_once_over_routings(pool4):
     assert pool4.run(run_compiled) == [1] * 4
 
 
-def run_bad_rank(rank: int, world_size: int) -> str:
-    """Rank 0 passes a float topk_idx: it raises its own TypeError, its node-group peer (rank
-    L, node 1) a PeerInputError; the others are not told (they would wait until the deadline),
-    so they do not call at all here."""
-    L = world_size // 2
-    mesh = init_device_mesh("cpu", (2, L), mesh_dim_names=("node", "local"))
-    x, idx, _, _ = _inputs(rank, 2 * world_size, 0)
-    if rank not in (0, L):
-        return "not called"
+def _errors(fn, *args, **kwargs) -> str:
+    """``fn(*args, **kwargs)``'s error as "Type: message" (the library's and TypeError), or "no error"."""
     try:
-        a2a.hierarchical_dispatch(x, idx.float() if rank == 0 else idx, num_experts=2 * world_size,
-                                  node_group=mesh["node"], local_group=mesh["local"])
-    except (TypeError, PeerInputError) as exc:
+        fn(*args, **kwargs)
+    except (TypeError, ValueError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"
 
 
-def test_a_bad_rank_tells_its_node_group_peer(pool4):
+def _mesh(world_size: int, num_nodes: int):
+    mesh = init_device_mesh("cpu", (num_nodes, world_size // num_nodes), mesh_dim_names=("node", "local"))
+    return dict(node_group=mesh["node"], local_group=mesh["local"])
+
+
+def _healthy_two_stage(rank: int, world_size: int, groups: dict) -> None:
+    """A checked two-stage round trip: the mesh's groups are in step after an error."""
+    E = 2 * world_size
+    x, idx, w, _ = _inputs(rank, E, 3)
+    routed, _, handle = a2a.hierarchical_dispatch(x, idx, num_experts=E, **groups)
+    torch.testing.assert_close(a2a.combine(routed, handle, w), x * (w * (idx >= 0)).sum(1, keepdim=True))
+
+
+def run_bad_rank(rank: int, world_size: int) -> str:
+    """Rank 0 passes a float topk_idx: it raises its own TypeError, every other rank a
+    PeerInputError (its node group's in the first stage, the rest through the second)."""
+    groups = _mesh(world_size, 2)
+    x, idx, _, _ = _inputs(rank, 2 * world_size, 0)
+    got = _errors(lambda: a2a.hierarchical_dispatch(x, idx.float() if rank == 0 else idx,
+                                                    num_experts=2 * world_size, **groups))
+    _healthy_two_stage(rank, world_size, groups)
+    return got
+
+
+def test_a_bad_rank_tells_every_rank(pool4):
     got = pool4.run(run_bad_rank)
     assert got[0].startswith("TypeError: topk_idx"), got[0]
-    assert got[2].startswith("PeerInputError") and "rank 0 rejected its arguments" in got[2], got[2]
+    own = got[0].removeprefix("TypeError: ")
+    for rank in (1, 2, 3):
+        assert got[rank].startswith("PeerInputError") and "rank 0 rejected its arguments" in got[rank], got[rank]
+        assert own in got[rank], got[rank]
+
+
+def run_bad_ids(rank: int, world_size: int, num_nodes: int, bad_rank: int, bad_id: int, seed: int) -> tuple:
+    """One rank's topk_idx holds ``bad_id`` (E or below -1) in a random slot: the two-stage
+    dispatch raises the flat dispatch's RoutingError on every rank."""
+    E = 2 * world_size
+    groups = _mesh(world_size, num_nodes)
+    x, idx, _, _ = _inputs(rank, E, seed)
+    if rank == bad_rank:
+        g = torch.Generator().manual_seed(seed)
+        idx.view(-1)[torch.randint(idx.numel(), (1,), generator=g)] = bad_id
+    flat = _errors(a2a.dispatch, x, idx, num_experts=E)
+    staged = _errors(lambda: a2a.hierarchical_dispatch(x, idx, num_experts=E, **groups))
+    _healthy_two_stage(rank, world_size, groups)
+    return flat, staged
+
+
+@pytest.mark.parametrize("num_nodes, bad_rank, bad_id", [(2, 2, 8), (2, 1, -2), (1, 3, 8), (4, 1, -5)])
+def test_bad_expert_ids_raise_on_every_rank(pool4, num_nodes, bad_rank, bad_id):
+    got = pool4.run(run_bad_ids, num_nodes, bad_rank, bad_id, 40 + num_nodes + bad_rank)
+    flat = got[0][0]
+    assert flat.startswith(f"RoutingError: topk_idx on rank {bad_rank} of the group holds 1 expert id(s) outside "
+                           f"[-1, 8) (min {min(bad_id, -1)}, max "), flat
+    for rank, (flat_r, staged) in enumerate(got):
+        assert flat_r == flat, (rank, flat_r)
+        assert staged.startswith("RoutingError") and flat.removeprefix("RoutingError: ") in staged, (rank, staged)
+
+
+def run_num_experts_differ(rank: int, world_size: int, who: str) -> str:
+    """The ranks disagree on E (16 vs 8 on a 2 x 2 mesh): on one node, on one rank, or on one
+    local index (every node then agrees within its node group, the disagreement shows inside)."""
+    L = world_size // 2
+    groups = _mesh(world_size, 2)
+    differs = {"node 1": rank // L == 1, "rank 3": rank == 3, "local rank 1": rank % L == 1}[who]
+    E = 8 if differs else 16
+    x, idx, _, _ = _inputs(rank, 8, 5)
+    got = _errors(lambda: a2a.hierarchical_dispatch(x, idx, num_experts=E, **groups))
+    _healthy_two_stage(rank, world_size, groups)
+    return got
+
+
+@pytest.mark.parametrize("who", ["node 1", "rank 3", "local rank 1"])
+def test_num_experts_differing_raises_on_every_rank(pool4, who):
+    for rank, got in enumerate(pool4.run(run_num_experts_differ, who)):
+        assert got.startswith("GroupMismatchError") and "the ranks disagree on num_experts" in got, (rank, got)
+        assert "16" in got and "8" in got, (rank, got)
+
+
+def run_flat_and_two_stage(rank: int, world_size: int, num_nodes: int, hidden: int, seed: int) -> str:
+    """Rank 0 calls the flat dispatch on the group of the two-stage path's one exchange (node
+    group on 2 x 1, local group on 1 x 2), rank 1 the two-stage dispatch: out of step."""
+    groups = _mesh(world_size, num_nodes)
+    g = torch.Generator().manual_seed(seed + rank)
+    x = torch.randn(T, hidden, generator=g, dtype=torch.float64)
+    idx = torch.randint(-1, 2, (T, K), generator=g)
+    if rank == 0:
+        group = groups["node_group" if num_nodes == 2 else "local_group"]
+        got = _errors(a2a.dispatch, x, idx, num_experts=2, group=group)
+    else:
+        got = _errors(lambda: a2a.hierarchical_dispatch(x, idx, num_experts=2, **groups))
+    _healthy_two_stage(rank, world_size, groups)
+    return got
+
+
+@pytest.mark.parametrize("num_nodes, hidden", [(2, H), (2, 8), (1, H)])
+def test_flat_and_two_stage_out_of_step_raise_on_every_rank(pool2, num_nodes, hidden):
+    got = pool2.run(run_flat_and_two_stage, num_nodes, hidden, 60 + hidden)
+    for rank in (0, 1):
+        assert got[rank].startswith("GroupMismatchError") and "out of step" in got[rank], (rank, got[rank])
+        assert "rank 0 is in dispatch" in got[rank] and "rank 1 is in hierarchical_dispatch" in got[rank], got[rank]
 
 
 def _rows_by_expert(routed: torch.Tensor, tokens_per_expert: torch.Tensor) -> list[list[bytes]]:

@@ -83,7 +83,9 @@ def _disagree_counts_length(rank, bad):
 
 
 def _disagree_ulysses_shard(rank, bad):
-    a2a.seq_to_head(torch.randn(1, 3 if bad else 2, 4, 2))
+    # NB: debug mode: by default a disagreement on the sizes stops in the transport (ulysses.py)
+    with debug_mode():
+        a2a.seq_to_head(torch.randn(1, 3 if bad else 2, 4, 2))
 
 
 def _out_of_step(rank, bad):
@@ -149,8 +151,10 @@ def _bad_counts_dtype(rank, bad):
 
 
 def _bad_ulysses_heads(rank, bad):
-    # NB: 2 heads of 4 are this rank's share on 2 ranks; of 3, rank 1's share is 1 head.
-    a2a.head_to_seq(torch.randn(1, 2, 2, 2), num_heads=3 if bad else 4)
+    # NB: 2 heads of 4 are this rank's share on 2 ranks; of 3, rank 1's share is 1 head. Debug
+    # mode: by default a rank's own error does not reach its peers before the deadline (ulysses.py)
+    with debug_mode():
+        a2a.head_to_seq(torch.randn(1, 2, 2, 2), num_heads=3 if bad else 4)
 
 
 def _bad_symm_topk_idx_float(rank, bad):
@@ -338,10 +342,78 @@ def test_faults_end_within_the_deadline(kind):
     assert err.type_name in (peer_type.__name__, *(c.__name__ for c in peer_type.__subclasses__())), err
     assert text in err.message and "(rank 0 of 2)" in err.message, err.message
     if peer_type is CollectiveTimeout:  # the library's deadline, not gloo's 60 s
-        assert f"timed out (deadline {DEADLINE_S:g} s)" in err.message, err.message
+        assert f"the library's deadline ({DEADLINE_S:g} s" in err.message, err.message
     if bad_type is None:
         assert failures.silent == [1] or 1 not in failures.errors, str(failures)
     else:
         bad = failures.errors[1]  # a stalled rank's own late collective fails or times out
         late_types = ("CollectiveError", "CollectiveTimeout") if bad_type == "CollectiveError" else (bad_type,)
         assert bad.type_name in late_types, bad
+
+
+# --------------------------------------------------------------------------------------------
+# The deadline's own value and which timer fired
+
+
+def non_finite_timeouts(rank: int, world_size: int) -> list[str]:
+    """inf, nan and the like are refused at set_timeout (the deadline stays), and the next
+    dispatch runs: no OverflowError from converting the deadline."""
+    before = a2a.get_timeout()
+    messages = []
+    for seconds in (float("inf"), float("-inf"), float("nan"), 0, -1.0, 2e9, True, "5"):
+        with pytest.raises(ValueError, match="seconds: expected a finite positive number of seconds") as info:
+            a2a.set_timeout(seconds)
+        messages.append(str(info.value))
+    assert a2a.get_timeout() == before
+    _healthy(rank)
+    return messages
+
+
+def test_set_timeout_refuses_non_finite_seconds(pool2):
+    messages = pool2.run(non_finite_timeouts, timeout=CASE_DEADLINE_S)[0]
+    assert messages[0].endswith("got inf") and messages[2].endswith("got nan"), messages
+
+
+def test_environment_timeout_refuses_non_finite_seconds():
+    import subprocess
+    import sys
+
+    for raw, shown in (("inf", "inf"), ("soon", "'soon'")):
+        env = {**os.environ, "ALLTOALL_OPS_TIMEOUT": raw}
+        proc = subprocess.run([sys.executable, "-c", "import alltoall_ops"], env=env, capture_output=True, text=True)
+        assert proc.returncode != 0 and "ALLTOALL_OPS_TIMEOUT: expected a finite positive number of seconds, at " \
+            f"most 1e+09, got {shown}\n" in proc.stderr, proc.stderr[-2000:]
+
+
+PG_TIMEOUT_S = 1.0
+
+
+def process_group_timeout(rank: int, world_size: int) -> str:
+    """Rank 0 dispatches on a group whose own timeout (1 s) is shorter than the library's deadline
+    (30 s); rank 1 never joins. The CollectiveTimeout names the process group's timer and the
+    time waited."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=PG_TIMEOUT_S))
+    a2a.set_timeout(30.0)
+    try:
+        if rank == 1:
+            time.sleep(2 * PG_TIMEOUT_S)
+            return ""
+        x, idx, _ = _inputs(rank)
+        with pytest.raises(CollectiveTimeout) as info:
+            a2a.dispatch(x, idx, num_experts=E, group=group)
+        return str(info.value)
+    finally:
+        a2a.set_timeout(600.0)
+        dist.barrier()
+
+
+def test_timeout_names_the_timer_that_fired(pool2):
+    message = pool2.run(process_group_timeout, timeout=CASE_DEADLINE_S)[0]
+    assert "the process group's own timeout (before the library's deadline (30 s))" in message, message
+    waited = float(message.split("timed out after ")[1].split(" s")[0])
+    assert PG_TIMEOUT_S <= waited < 10, message
+    pool2.run(healthy, timeout=CASE_DEADLINE_S)
