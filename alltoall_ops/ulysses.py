@@ -19,20 +19,47 @@ Each is one all-to-all (unequal splits when W does not divide Hh). A rank's head
 does not tell Hh when the split is uneven, so ``head_to_seq`` takes ``num_heads=Hh`` (needed
 then; by default W * its head count). Tensors may have any number of dims; every dim other than
 ``seq_dim`` and ``head_dim`` is carried along (so q/k and v may have different head sizes).
+
+Checks without a host sync: every piece starts with a header (:data:`FIELDS`, 64 bytes) that each
+rank compares after the all-to-all with its own; on CPU tensors a host compare (no device to wait
+for) that raises GroupMismatchError on every rank alike, naming the field and each rank's value;
+on CUDA a ``torch._assert_async``. No host read and no collective but the all-to-all, as in
+DeepSpeed's. It covers every disagreement that keeps the sizes of the pieces (dtypes of one size,
+shapes of one size, ``ulysses_attention``'s k / v heads as passed, is_causal, scale, ops out of
+step). Ranks that disagree on a size are stopped by the transport first (gloo terminates the
+process that receives more bytes than it expects; NCCL waits for its watchdog). With
+``ALLTOALL_OPS_DEBUG=1`` the library's agreement (``comm.agree``) runs before every exchange: it
+names those on every rank before any byte moves, and carries a rank's own failed check to its
+peers (``PeerInputError``; by default that rank raises at once, its peers at the deadline). See
+docs/design.md, "Errors and faults".
 """
 
 from __future__ import annotations
 
+import collections
 import math
-from typing import Any, Callable, Optional
+import struct
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from . import comm
+from ._compat import is_compiling
 from .errors import GroupMismatchError
 from .groups import LOCAL, communication_group, process_group, resolve_group
 from .comm import comm_op
 from .validation import as_int
+
+FIELDS = ("op", "exchange", "dtype", "ndim", "seq_dim", "head_dim", "shape", "ulysses_attention arguments")
+"""The header in front of every piece, one int64 each (``shape``: a fingerprint of the shape every
+rank shares; ``ulysses_attention arguments``: a fingerprint of :func:`attention_args`, 0 for a
+plain seq_to_head / head_to_seq)."""
+HEADER_LEN = len(FIELDS)
+_HEADER_BYTES = 8 * HEADER_LEN
+_ALIGN = 16  # pieces padded to whole 16 bytes: every header and payload starts aligned for its dtype
+_MAGIC = 0x554C5953 << 8  # "ULYS": a piece of this module's exchanges (op code in the low bits)
+_OPS = ("seq_to_head", "head_to_seq")
+_exchanges: collections.Counter = collections.Counter()  # group name -> exchanges so far
 
 
 def _group_size(group_name: str) -> int:
@@ -79,9 +106,9 @@ def _check_args(
     """Shape checks shared by the public functions and the ops; returns the normalised dims and
     (``head_to_seq``) the total head count (``num_heads``, by default W times x's heads).
 
-    Only shapes, ints and the rank are read: every rank raises alike on what SPMD programs share,
-    and ``head_to_seq``'s check of x's heads against this rank's share may fail on some ranks
-    only (``comm.checked`` then raises on the others too), before the all-to-all."""
+    Only shapes, ints and the rank are read: every rank raises alike on what SPMD programs share;
+    ``head_to_seq``'s check of x's heads against this rank's share may fail on some ranks only
+    (see :func:`_checked`)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{fn}: x: expected a torch.Tensor, got {type(x).__name__}")
     if x.ndim < 2:
@@ -115,28 +142,141 @@ def _check_args(
     return seq_dim, head_dim, num_heads
 
 
-def _exchange(op: str, x: torch.Tensor, group_name: str, split_dim: int, send_sizes: list[int], cat_dim: int,
-              recv_shapes: list[list[int]], everything_empty: bool) -> torch.Tensor:
-    """Piece r of ``x`` along ``split_dim`` (``send_sizes[r]`` long) to rank r, and what arrives
-    from ranks 0..W-1 (of ``recv_shapes``) concatenated along ``cat_dim``. One all-to-all, with
-    unequal splits where the sizes differ; skipped when ``everything_empty`` (the same on every
-    rank: no rank sends anything). Returns a new contiguous tensor."""
+def _checked(op: str, group_name: str, check: Callable, *args):
+    """``check(*args)``. In debug mode, on a group, through ``comm.checked``: a rank whose checks
+    fail takes its error into the op's agreement, where its peers wait, so they raise too. By
+    default no agreement runs: such a rank raises at once, its peers at the library's deadline."""
+    if group_name == LOCAL or is_compiling() or not comm.debug():
+        return check(*args)
+    return comm.checked(op, group_name, check, *args)
+
+
+def attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, is_causal: bool,
+                   scale: Optional[float], attn_fn: Optional[Callable]) -> list:
+    """What every rank of a ``ulysses_attention`` must pass alike, as ints: layout, is_causal,
+    attn_fn given, scale's bits (-1: None), and q, k, v's shapes as passed (before GQA repetition)."""
+    bits = -1 if scale is None else struct.unpack("<q", struct.pack("<d", float(scale)))[0]
+    return [list(LAYOUTS).index(layout), int(is_causal), int(attn_fn is not None), bits, *q.shape, *k.shape,
+            *v.shape]
+
+
+def _attention_text(args: Sequence[int]) -> str:
+    """:func:`attention_args` for a message."""
+    if not args:
+        return "none (a plain call, not ulysses_attention)"
+    layout, is_causal, given, bits = args[:4]
+    q, k, v = (tuple(args[4 + 4 * i: 8 + 4 * i]) for i in range(3))
+    scale = None if bits == -1 else struct.unpack("<d", struct.pack("<q", bits))[0]
+    return (f"q {q}, k {k}, v {v} (layout {list(LAYOUTS)[layout]!r}, is_causal={bool(is_causal)}, scale={scale}, "
+            f"attn_fn {'given' if given else 'None'})")
+
+
+def _piece_bytes(shape: Sequence[int], itemsize: int) -> int:
+    return _HEADER_BYTES + -(-math.prod(shape) * itemsize // _ALIGN) * _ALIGN
+
+
+def _payload(frames: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """The (W, *shape) payloads of W equal frames (W, bytes) of uint8, as ``dtype``: a view."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    return frames[:, _HEADER_BYTES:_HEADER_BYTES + nbytes].view(dtype).view(frames.shape[0], *shape)
+
+
+def _pack(x: torch.Tensor, split_dim: int, sizes: list[int], header: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """The bytes to send, piece r of x along ``split_dim`` (``sizes[r]`` long) behind ``header``,
+    in rank order; and their lengths (one copy kernel with equal pieces)."""
+    shapes = [list(x.shape[:split_dim]) + [n] + list(x.shape[split_dim + 1:]) for n in sizes]
+    nbytes = [_piece_bytes(shape, x.element_size()) for shape in shapes]
+    send = torch.empty(sum(nbytes), dtype=torch.uint8, device=x.device)
+    if len(set(sizes)) == 1:
+        frames = send.view(len(sizes), nbytes[0])
+        frames[:, :_HEADER_BYTES].view(torch.int64).copy_(header.expand(len(sizes), -1))
+        pieces = x.unflatten(split_dim, (len(sizes), sizes[0])).movedim(split_dim, 0)  # (W, *shapes[0]), a view
+        _payload(frames, x.dtype, shapes[0]).copy_(pieces)
+    else:
+        for frame, piece in zip(send.split(nbytes), x.split(sizes, dim=split_dim)):
+            frame[:_HEADER_BYTES].view(torch.int64).copy_(header)
+            _payload(frame[None], x.dtype, piece.shape)[0].copy_(piece)
+    return send, nbytes
+
+
+def _unpack(received: torch.Tensor, nbytes: list[int], shapes: list[list[int]], dtype: torch.dtype,
+            cat_dim: int) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+    """The (W, HEADER_LEN) headers received, and a function returning the payloads (of ``shapes``)
+    concatenated along ``cat_dim``, to call once the headers are checked."""
+    if all(shape == shapes[0] for shape in shapes):
+        frames = received.view(len(nbytes), nbytes[0])
+        payload = _payload(frames, dtype, shapes[0])
+        return (frames[:, :_HEADER_BYTES].view(torch.int64),
+                lambda: payload.movedim(0, cat_dim).flatten(cat_dim, cat_dim + 1).contiguous())
+    frames = received.split(nbytes)
+    pieces = [_payload(frame[None], dtype, shape)[0] for frame, shape in zip(frames, shapes)]
+    return (torch.stack([frame[:_HEADER_BYTES].view(torch.int64) for frame in frames]),
+            lambda: torch.cat(pieces, dim=cat_dim))
+
+
+def _exchange(op: str, x: torch.Tensor, group_name: str, seq_dim: int, head_dim: int, send_sizes: list[int],
+              recv_shapes: list[list[int]], shape: Sequence[int], attention: Sequence[int]) -> torch.Tensor:
+    """Piece r of ``x`` (``send_sizes[r]`` long along the dim ``op`` splits: heads for
+    seq_to_head, sequence for head_to_seq) to rank r, and what arrives from ranks 0..W-1 (of
+    ``recv_shapes``) concatenated along the other dim, each piece behind this rank's header
+    (``shape``: the shape every rank shares). One all-to-all of bytes, with unequal splits where
+    the sizes differ; the headers checked (:func:`_check_headers`) before the payload is read.
+    Returns a new contiguous tensor."""
     if _group_size(group_name) == 1:
         return x.clone(memory_format=torch.contiguous_format)  # op outputs must not alias inputs
-    pieces = x.split(send_sizes, dim=split_dim)
-    in_splits = [p.numel() for p in pieces]
-    out_splits = [math.prod(shape) for shape in recv_shapes]
-    if len(set(send_sizes)) == 1:  # equal pieces: one copy kernel
-        send = torch.stack(pieces).reshape(-1)  # (stack may keep a permuted layout)
-    else:  # each piece contiguous, in rank order
-        send = x.new_empty(sum(in_splits))
-        for piece, chunk in zip(pieces, send.split(in_splits)):
-            chunk.view(piece.shape).copy_(piece)
-    received = x.new_empty(sum(out_splits))
-    if not everything_empty:
-        comm.all_to_all(op, group_name, received, send, out_splits, in_splits)
-    return torch.cat([chunk.view(shape) for chunk, shape in zip(received.split(out_splits), recv_shapes)],
-                     dim=cat_dim)
+    split_dim, cat_dim = (head_dim, seq_dim) if op == "seq_to_head" else (seq_dim, head_dim)
+    fields = [_MAGIC + _OPS.index(op), _exchanges[group_name], comm.dtype_code(x.dtype), x.ndim, seq_dim, head_dim,
+              comm.shape_code(shape), comm.shape_code(attention)]
+    _exchanges[group_name] += 1
+    # NB: pinned on CUDA, so that the copy to the device does not sync (a CUDA graph would replay
+    # the copy from that host memory: not capture-safe yet)
+    header = torch.tensor(fields, dtype=torch.int64, pin_memory=x.is_cuda).to(x.device, non_blocking=True)
+    send, in_bytes = _pack(x, split_dim, send_sizes, header)
+    out_bytes = [_piece_bytes(s, x.element_size()) for s in recv_shapes]
+    received = send.new_empty(sum(out_bytes))
+    comm.all_to_all(op, group_name, received, send, out_bytes, in_bytes)
+    headers, payload = _unpack(received, out_bytes, recv_shapes, x.dtype, cat_dim)
+    described = {"dtype": x.dtype, "ndim": x.ndim, "seq_dim": seq_dim, "head_dim": head_dim, "shape": tuple(shape),
+                 "ulysses_attention arguments": _attention_text(attention)}
+    _check_headers(op, group_name, headers, header, described)
+    return payload()
+
+
+def _check_headers(op: str, group_name: str, headers: torch.Tensor, header: torch.Tensor, described: dict) -> None:
+    """Every rank sent this rank's ``header``. On CPU tensors (or in debug mode) a host compare, and
+    a difference raises GroupMismatchError on every rank alike (all hold the same W headers, and
+    each sees one unlike its own); on CUDA ``torch._assert_async``, no host sync.
+    ``described``: this rank's value of each field, for the message."""
+    if headers.is_cuda and not comm.debug():
+        torch._assert_async(torch.all(headers == header),
+                            f"alltoall_ops.{op}: the ranks disagree on x's dtype, dims or shape, on ulysses_attention's"
+                            " arguments, or are out of step; run with ALLTOALL_OPS_DEBUG=1 for the error by name")
+        return
+    if torch.equal(headers, header.expand_as(headers)):
+        return
+    rows = headers.tolist()  # (the failure path only)
+    where = comm.where(op, process_group(group_name))
+    strangers = [r for r, row in enumerate(rows) if not 0 <= row[0] - _MAGIC < len(_OPS)]
+    if strangers:
+        raise GroupMismatchError(f"{where}: ranks {strangers} sent no seq_to_head / head_to_seq piece: the ranks are "
+                                 "out of step (this exchange met another collective); every rank must call the "
+                                 "library's ops in the same order")
+    if len({(row[0], row[1]) for row in rows}) > 1:
+        per_rank = ", ".join(f"rank {r} is in {_OPS[row[0] - _MAGIC]} (exchange {row[1]})"
+                             for r, row in enumerate(rows))
+        raise GroupMismatchError(f"{where}: the ranks are out of step: {per_rank}; every rank must call the library's "
+                                 "ops in the same order")
+    field = next(FIELDS[i] for i in range(2, HEADER_LEN) if len({row[i] for row in rows}) > 1)
+    listed = ", ".join(f"rank {r} has {value}"
+                       for r, value in enumerate(comm.gather_objects(op, group_name, described[field])))
+    hint = _shape_hint(described["head_dim"]) if op == "head_to_seq" and field == "shape" else ""
+    raise GroupMismatchError(f"{where}: the ranks disagree on {field}: {listed}; every rank must pass the same{hint}")
+
+
+def _shape_hint(head_dim: int) -> str:
+    return (f" (head_to_seq compares x's shapes with all num_heads heads at dim {head_dim}; a rank without "
+            "num_heads takes W times its own heads, so with heads split unevenly every rank must pass num_heads=, "
+            "the total head count)")
 
 
 def _full_shape(x: torch.Tensor, head_dim: int, num_heads: int) -> list:
@@ -148,24 +288,21 @@ def _full_shape(x: torch.Tensor, head_dim: int, num_heads: int) -> list:
 
 def _agreed_dims(op: str, x: torch.Tensor, group_name: str, seq_dim: int, head_dim: int,
                  num_heads: Optional[int] = None) -> tuple[int, int, int]:
-    """The checks of ``op`` (see :func:`_check_args`), then, on a group, the ranks' agreement on
-    x's dtype, dims and shape (a fingerprint; for head_to_seq the shape with all ``num_heads``
-    heads, since the ranks' head shares may differ), so a rank with another shard shape is an
-    error on every rank instead of a mismatched exchange."""
-    seq_dim, head_dim, num_heads = comm.checked(
+    """The checks of ``op`` (see :func:`_check_args`), then, in debug mode on a group, the ranks'
+    agreement on x's dtype, dims and shape (a fingerprint; for head_to_seq the shape with all
+    ``num_heads`` heads, since the ranks' head shares may differ), so a rank with another shard
+    shape is an error on every rank before any byte moves, even where the sizes differ."""
+    seq_dim, head_dim, num_heads = _checked(
         op, group_name, _check_args, op, x, _group_size(group_name), _group_rank(group_name), seq_dim, head_dim,
         num_heads)
-    if group_name != LOCAL:
+    if group_name != LOCAL and comm.debug():
         shape = x.shape if op == "seq_to_head" else _full_shape(x, head_dim, num_heads)
         fields = [comm.dtype_code(x.dtype), x.ndim, seq_dim, head_dim, comm.shape_code(shape)]
         try:
             comm.agree(op, group_name, fields, shapes=shape)
         except GroupMismatchError as exc:
             if op == "head_to_seq" and "disagree on shape" in str(exc):
-                raise GroupMismatchError(
-                    f"{exc} (head_to_seq compares x's shapes with all num_heads heads at dim {head_dim}; a rank "
-                    "without num_heads takes W times its own heads, so with heads split unevenly every rank "
-                    "must pass num_heads=, the total head count)") from exc
+                raise GroupMismatchError(f"{exc}{_shape_hint(head_dim)}") from exc
             raise
     return seq_dim, head_dim, num_heads
 
@@ -200,16 +337,18 @@ def _head_to_seq_shapes(x: torch.Tensor, group_name: str, seq_dim: int, head_dim
 # exchange is a permutation, so its adjoint is its inverse.
 
 
-@comm_op("seq_to_head", schema="(Tensor x, str group_name, int seq_dim, int head_dim) -> Tensor")
-def seq_to_head_op(x: torch.Tensor, group_name: str, seq_dim: int, head_dim: int) -> torch.Tensor:
-    """(.., S/W at seq_dim, .., Hh at head_dim, ..) -> (.., S, .., h_r, ..); dims >= 0."""
+@comm_op("seq_to_head", schema="(Tensor x, str group_name, int seq_dim, int head_dim, SymInt[] attention) -> Tensor")
+def seq_to_head_op(x: torch.Tensor, group_name: str, seq_dim: int, head_dim: int,
+                   attention: list[int]) -> torch.Tensor:
+    """(.., S/W at seq_dim, .., Hh at head_dim, ..) -> (.., S, .., h_r, ..); dims >= 0.
+    attention: :func:`attention_args` of a ulysses_attention, [] otherwise (checked in the header)."""
     seq_dim, head_dim, _ = _agreed_dims("seq_to_head", x, group_name, seq_dim, head_dim)
     counts, recv_shapes = _seq_to_head_shapes(x, group_name, seq_dim, head_dim)
-    return _exchange("seq_to_head", x, group_name, head_dim, counts, seq_dim, recv_shapes, x.numel() == 0)
+    return _exchange("seq_to_head", x, group_name, seq_dim, head_dim, counts, recv_shapes, x.shape, attention)
 
 
 @seq_to_head_op.register_fake
-def _(x, group_name, seq_dim, head_dim):
+def _(x, group_name, seq_dim, head_dim, attention):
     seq_dim, head_dim, _ = _check_args("seq_to_head", x, _group_size(group_name), _group_rank(group_name),
                                        seq_dim, head_dim)
     _, recv_shapes = _seq_to_head_shapes(x, group_name, seq_dim, head_dim)
@@ -218,17 +357,19 @@ def _(x, group_name, seq_dim, head_dim):
     return x.new_empty(shape)
 
 
-@comm_op("head_to_seq", schema="(Tensor x, str group_name, int seq_dim, int head_dim, SymInt num_heads) -> Tensor")
-def head_to_seq_op(x: torch.Tensor, group_name: str, seq_dim: int, head_dim: int, num_heads: int) -> torch.Tensor:
+@comm_op("head_to_seq",
+         schema="(Tensor x, str group_name, int seq_dim, int head_dim, SymInt num_heads, SymInt[] attention) -> Tensor")
+def head_to_seq_op(x: torch.Tensor, group_name: str, seq_dim: int, head_dim: int, num_heads: int,
+                   attention: list[int]) -> torch.Tensor:
     """(.., S at seq_dim, .., h_r at head_dim, ..) -> (.., S/W, .., num_heads, ..); dims >= 0."""
     seq_dim, head_dim, num_heads = _agreed_dims("head_to_seq", x, group_name, seq_dim, head_dim, num_heads)
     sizes, recv_shapes = _head_to_seq_shapes(x, group_name, seq_dim, head_dim, num_heads)
-    empty = math.prod(_full_shape(x, head_dim, num_heads)) == 0
-    return _exchange("head_to_seq", x, group_name, seq_dim, sizes, head_dim, recv_shapes, empty)
+    return _exchange("head_to_seq", x, group_name, seq_dim, head_dim, sizes, recv_shapes,
+                     _full_shape(x, head_dim, num_heads), attention)
 
 
 @head_to_seq_op.register_fake
-def _(x, group_name, seq_dim, head_dim, num_heads):
+def _(x, group_name, seq_dim, head_dim, num_heads, attention):
     seq_dim, head_dim, num_heads = _check_args("head_to_seq", x, _group_size(group_name), _group_rank(group_name),
                                                seq_dim, head_dim, num_heads)
     shape = _full_shape(x, head_dim, num_heads)
@@ -237,20 +378,21 @@ def _(x, group_name, seq_dim, head_dim, num_heads):
 
 
 def _seq_to_head_setup(ctx, inputs, output):
-    x, ctx.group_name, ctx.seq_dim, ctx.head_dim = inputs
+    x, ctx.group_name, ctx.seq_dim, ctx.head_dim, _ = inputs
     ctx.num_heads = x.shape[ctx.head_dim]
 
 
 def _head_to_seq_setup(ctx, inputs, output):
-    _, ctx.group_name, ctx.seq_dim, ctx.head_dim, _ = inputs
+    _, ctx.group_name, ctx.seq_dim, ctx.head_dim, _, _ = inputs
 
 
+# NB: the gradients have the shapes of the outputs, which the forward's check covered: no attention args.
 def _seq_to_head_backward(ctx, grad):
-    return head_to_seq_op(grad, ctx.group_name, ctx.seq_dim, ctx.head_dim, ctx.num_heads), None, None, None
+    return head_to_seq_op(grad, ctx.group_name, ctx.seq_dim, ctx.head_dim, ctx.num_heads, []), None, None, None, None
 
 
 def _head_to_seq_backward(ctx, grad):
-    return seq_to_head_op(grad, ctx.group_name, ctx.seq_dim, ctx.head_dim), None, None, None, None
+    return seq_to_head_op(grad, ctx.group_name, ctx.seq_dim, ctx.head_dim, []), None, None, None, None, None
 
 
 seq_to_head_op.register_autograd(_seq_to_head_backward, setup_context=_seq_to_head_setup)
@@ -278,9 +420,9 @@ def seq_to_head(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: 
     Returns a new tensor; :func:`head_to_seq` with the same dims (and ``num_heads=Hh`` when W
     does not divide Hh) is its inverse."""
     grp = communication_group(resolve_group(group))
-    seq_dim, head_dim, _ = comm.checked("seq_to_head", grp.name, _check_args, "seq_to_head", x, grp.size, grp.rank,
-                                        seq_dim, head_dim)
-    return seq_to_head_op(x, grp.name, seq_dim, head_dim)
+    seq_dim, head_dim, _ = _checked("seq_to_head", grp.name, _check_args, "seq_to_head", x, grp.size, grp.rank,
+                                    seq_dim, head_dim)
+    return seq_to_head_op(x, grp.name, seq_dim, head_dim, [])
 
 
 def head_to_seq(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: int = 2, *,
@@ -290,12 +432,12 @@ def head_to_seq(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: 
 
     num_heads: the total head count Hh, of which ``x`` holds this rank's share h_r (as
     :func:`seq_to_head` splits them). Default: W times x's heads, right only when W divides Hh;
-    with an uneven split pass it on every rank (a rank whose x does not hold its share raises, and
-    so does every other rank; ranks that take different totals raise a GroupMismatchError)."""
+    with an uneven split pass it on every rank (a rank whose x does not hold its share raises; ranks
+    that take different totals send pieces of other sizes: see the module docstring)."""
     grp = communication_group(resolve_group(group))
-    seq_dim, head_dim, num_heads = comm.checked("head_to_seq", grp.name, _check_args, "head_to_seq", x, grp.size,
-                                                grp.rank, seq_dim, head_dim, num_heads)
-    return head_to_seq_op(x, grp.name, seq_dim, head_dim, num_heads)
+    seq_dim, head_dim, num_heads = _checked("head_to_seq", grp.name, _check_args, "head_to_seq", x, grp.size,
+                                            grp.rank, seq_dim, head_dim, num_heads)
+    return head_to_seq_op(x, grp.name, seq_dim, head_dim, num_heads, [])
 
 
 LAYOUTS = {"bshd": 1, "sbhd": 0}
@@ -376,13 +518,28 @@ def ulysses_attention(
     MQA), returning the output in ``layout`` with q's h_r heads. Default:
     ``scaled_dot_product_attention`` with ``is_causal`` and ``scale`` (``enable_gqa`` for GQA)."""
     grp = communication_group(resolve_group(group))
-    comm.checked("seq_to_head", grp.name, _check_qkv, q, k, v, grp.size, layout, attn_fn, is_causal, scale)
+    _checked("seq_to_head", grp.name, _check_qkv, q, k, v, grp.size, layout, attn_fn, is_causal, scale)
     seq_dim, head_dim = LAYOUTS[layout], 2
-    heads = q.shape[head_dim]
-    if k.shape[head_dim] != heads and k.shape[head_dim] < grp.size:  # GQA, fewer kv heads than ranks:
+    heads, kv_heads = q.shape[head_dim], k.shape[head_dim]
+    attention = attention_args(q, k, v, layout, is_causal, scale, attn_fn) if grp.name != LOCAL else []
+    if kv_heads != heads and kv_heads < grp.size:  # GQA, fewer kv heads than ranks:
         # every rank gets the kv head of its q heads
-        k, v = (t.repeat_interleave(grp.size // k.shape[head_dim], dim=head_dim) for t in (k, v))
+        k, v = (t.repeat_interleave(grp.size // kv_heads, dim=head_dim) for t in (k, v))
     # Hq not divisible by W (then kv heads == q heads): q, k and v split alike, unevenly
-    q, k, v = (seq_to_head(t, grp, seq_dim=seq_dim, head_dim=head_dim) for t in (q, k, v))
+    q, k, v = (seq_to_head_op(t, grp.name, seq_dim, head_dim, attention) for t in (q, k, v))
     out = attn_fn(q, k, v) if attn_fn is not None else _sdpa(q, k, v, layout, is_causal, scale)
-    return head_to_seq(out, grp, seq_dim=seq_dim, head_dim=head_dim, num_heads=heads)
+    _checked("head_to_seq", grp.name, _check_attn_out, out, q, v, layout)
+    return head_to_seq_op(out, grp.name, seq_dim, head_dim, heads, attention)
+
+
+def _check_attn_out(out: Any, q: torch.Tensor, v: torch.Tensor, layout: str) -> None:
+    """attn_fn's output: in ``layout``, the full sequence, this rank's q heads, v's head size."""
+    expected = (*q.shape[:3], v.shape[3])
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != expected:
+        got = f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        names = "(B, S, h_r, Dv)" if layout == "bshd" else "(S, B, h_r, Dv)"
+        raise ValueError(
+            f"ulysses_attention: attn_fn: expected an output {names} = {expected} ({layout}: the full sequence "
+            f"S = {q.shape[LAYOUTS[layout]]}, this rank's h_r = {q.shape[2]} q heads, v's head size Dv = "
+            f"{v.shape[3]}), got {got}"
+        )

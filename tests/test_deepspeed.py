@@ -9,7 +9,9 @@ pytest process itself: importing it sets up its accelerator and logging there.""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+from typing import Iterator
 
 import pytest
 import torch
@@ -61,24 +63,44 @@ class _SequenceParallelMpu:
         return dist.get_rank(self.group)
 
 
+def init_deepspeed() -> None:
+    """``deepspeed.comm`` on the process group this rank already has (workers only: see the module
+    docstring)."""
+    import deepspeed.comm as ds_dist
+
+    if ds_dist.is_initialized():
+        return
+    # (deepspeed.comm.torch the module: the attribute of deepspeed.comm by that name is torch)
+    ds_torch_backend = importlib.import_module("deepspeed.comm.torch")
+    # On CPU, DeepSpeed's backend JIT-compiles a shared-memory all-reduce kernel (C++, ~1 min,
+    # needs a compiler) that no all-to-all uses: skip that build, keep everything else.
+    build_shm_op, ds_torch_backend.build_shm_op = ds_torch_backend.build_shm_op, lambda: None
+    try:
+        ds_dist.init_distributed(dist_backend="gloo")  # wraps the process group the pool set up
+    finally:
+        ds_torch_backend.build_shm_op = build_shm_op
+
+
+@contextlib.contextmanager
+def sequence_parallel(group) -> Iterator[None]:
+    """DeepSpeed's ``groups.mpu`` set to ``group`` inside the block (its uneven-heads path reads
+    this rank's position from it)."""
+    from deepspeed.utils import groups
+
+    saved_mpu, groups.mpu = groups.mpu, _SequenceParallelMpu(group)
+    try:
+        yield
+    finally:
+        groups.mpu = saved_mpu
+
+
 def run_against_deepspeed(rank, world_size, heads, layout, seed):
     """Rank ``rank``'s sequence chunk of q, k, v (heads each; built in full from ``seed`` on every
     rank) through DeepSpeed's DistributedAttention and through ulysses_attention: forward output
     and gradients of q, k, v compared. Returns the output shape."""
-    import deepspeed.comm as ds_dist  # (workers only: see the module docstring)
     from deepspeed.sequence.layer import DistributedAttention
-    from deepspeed.utils import groups
 
-    if not ds_dist.is_initialized():
-        # (deepspeed.comm.torch the module: the attribute of deepspeed.comm by that name is torch)
-        ds_torch_backend = importlib.import_module("deepspeed.comm.torch")
-        # On CPU, DeepSpeed's backend JIT-compiles a shared-memory all-reduce kernel (C++, ~1 min,
-        # needs a compiler) that no all-to-all uses: skip that build, keep everything else.
-        build_shm_op, ds_torch_backend.build_shm_op = ds_torch_backend.build_shm_op, lambda: None
-        try:
-            ds_dist.init_distributed(dist_backend="gloo")  # wraps the process group the pool set up
-        finally:
-            ds_torch_backend.build_shm_op = build_shm_op
+    init_deepspeed()
     group = dist.group.WORLD
     W, S = world_size, 2 * world_size
     seq_dim, batch_dim_idx = (0, 1) if layout == "sbhd" else (1, 0)
@@ -92,12 +114,9 @@ def run_against_deepspeed(rank, world_size, heads, layout, seed):
     # DeepSpeed's Ulysses: scatter the heads (dim 2), gather the sequence (dim 0 or 1).
     ds_attention = DistributedAttention(attention, group, scatter_idx=2, gather_idx=seq_dim)
     ds_in = [shard(t).clone().requires_grad_() for t in (q, k, v)]
-    saved_mpu, groups.mpu = groups.mpu, _SequenceParallelMpu(group)
-    try:
+    with sequence_parallel(group):
         ds_out = ds_attention(*ds_in, batch_dim_idx)
         ds_grads = torch.autograd.grad(ds_out, ds_in, shard(upstream))
-    finally:
-        groups.mpu = saved_mpu
 
     ours_in = [shard(t).clone().requires_grad_() for t in (q, k, v)]
     out = a2a.ulysses_attention(*ours_in, group=group, layout=layout, attn_fn=attention)

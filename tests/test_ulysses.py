@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 import alltoall_ops as a2a
 from alltoall_ops.groups import LOCAL
 from alltoall_ops.inspect import compiled_graphs
+from alltoall_ops.testing import HostTraffic, debug_mode
+from alltoall_ops.ulysses import attention_args
 
 OPS = torch.ops.alltoall_ops
 
@@ -286,7 +288,7 @@ def bad_calls(world_size: int, group_name: str):
         (a2a.seq_to_head, ([[1.0]],), {}),
         (a2a.seq_to_head, (torch.zeros(5),), dict(seq_dim=0, head_dim=-1)),
         (a2a.ulysses_attention, (x[0], x[0], x[0]), {}),
-        (OPS.seq_to_head, (x, group_name, 1, 1), {}),
+        (OPS.seq_to_head, (x, group_name, 1, 1, []), {}),
         (a2a.head_to_seq, (head_shard,), dict(num_heads=2.0)),
         (a2a.head_to_seq, (head_shard,), dict(num_heads=-1)),
     ]
@@ -295,8 +297,8 @@ def bad_calls(world_size: int, group_name: str):
         calls += [
             (a2a.head_to_seq, (all_heads,), dict(num_heads=n)),
             (a2a.head_to_seq, (odd_seq,), {}),
-            (OPS.head_to_seq, (all_heads, group_name, 1, 2, n), {}),
-            (OPS.head_to_seq, (odd_seq, group_name, 1, 2, 2 * world_size), {}),
+            (OPS.head_to_seq, (all_heads, group_name, 1, 2, n, []), {}),
+            (OPS.head_to_seq, (odd_seq, group_name, 1, 2, 2 * world_size, []), {}),
         ]
     return calls
 
@@ -340,13 +342,15 @@ def run_bad_inputs(rank, world_size):
 
 def run_uneven_head_errors(rank, world_size):
     """head_to_seq with heads split unevenly (2 W + 1: one more on rank 0) and a rank's x that is
-    not its share, or without num_heads: every rank raises before anything is sent."""
+    not its share, or without num_heads: in debug mode every rank raises before anything is sent
+    (by default the first raises on the bad rank only, and the second sends pieces of other sizes)."""
     W, n = world_size, 2 * world_size + 1
     share = _shard(torch.zeros(1, 2 * W, n, 2), 2, rank, W)
-    errors = _errors([
-        (a2a.head_to_seq, (torch.zeros(1, 2 * W, 3, 2),), dict(num_heads=n)),  # rank 0's share: wrong elsewhere
-        (a2a.head_to_seq, (share,), {}),  # no num_heads: each rank takes W times its own heads
-    ])
+    with debug_mode():
+        errors = _errors([
+            (a2a.head_to_seq, (torch.zeros(1, 2 * W, 3, 2),), dict(num_heads=n)),  # rank 0's share: wrong elsewhere
+            (a2a.head_to_seq, (share,), {}),  # no num_heads: each rank takes W times its own heads
+        ])
     _check_exchange(rank, W, (1, 2 * W, n, 2), 1, 2, seed=22)  # nothing was sent: still in step
     return errors
 
@@ -368,9 +372,9 @@ def run_opcheck_uneven(rank, world_size):
     output shapes, autograd, aot_dispatch)."""
     group_name, n = dist.group.WORLD.group_name, 2 * world_size + 1
     x = _full(140 + rank, (2, 3, n, 4)).requires_grad_()
-    torch.library.opcheck(OPS.seq_to_head.default, (x, group_name, 1, 2))
+    torch.library.opcheck(OPS.seq_to_head.default, (x, group_name, 1, 2, []))
     h = _shard(_full(150, (2, 2 * world_size, n, 4)), 2, rank, world_size).clone().requires_grad_()
-    torch.library.opcheck(OPS.head_to_seq.default, (h, group_name, 1, 2, n))
+    torch.library.opcheck(OPS.head_to_seq.default, (h, group_name, 1, 2, n, []))
 
 
 def _op_pipeline(x, v):
@@ -419,7 +423,9 @@ def run_compiled(rank, world_size, heads=None):
     qkv = [_shard(t, 1, rank, W) for t in (q, k, v)]
     upstream = _full(70 + rank, (2, 3, H, 3))
     attention_summary = _compile_and_compare(_attention, qkv, upstream, exact=False)
-    return ops_summary, attention_summary
+    # on a group the forward exchanges carry ulysses_attention's arguments (is_causal=True, shapes as passed)
+    args = f"attention={attention_args(*qkv, 'bshd', True, None, None)}"
+    return ops_summary, attention_summary.replace(args, "attention=<args>") if W > 1 else attention_summary
 
 
 # --------------------------------------------------------------------------------------------
@@ -467,6 +473,163 @@ def test_uneven_head_errors_on_every_rank(pool2):
         assert kind == "GroupMismatchError", text
         assert "disagree on shape: rank 0 has (1, 4, 6, 2), rank 1 has (1, 4, 4, 2)" in text, text
         assert "every rank must pass num_heads=" in text, text
+
+
+# --------------------------------------------------------------------------------------------
+# The checks without a host sync: the header in every piece, on real ranks
+
+
+def run_traffic(rank, world_size, backend, debug):
+    """Host reads and collectives of one ulysses_attention forward + backward, eager (backend
+    None) or compiled (fullgraph), after a warm-up call; the result checked against dense attention."""
+    W = world_size
+    torch._dynamo.reset()
+    q, k, v, upstream = _attention_inputs(W, seed=300)
+    ref = _shard(_full_attention(q, k, v, True, None), 1, rank, W)
+    local = [_shard(t, 1, rank, W).clone().requires_grad_() for t in (q, k, v)]
+    fn = _attention if backend is None else torch.compile(_attention, backend=backend, fullgraph=True)
+    with debug_mode(debug):
+        fn(*local).sum().backward()  # warm-up (compilation)
+        with HostTraffic() as traffic:
+            out = fn(*local)
+            out.backward(_shard(upstream, 1, rank, W))
+    torch.testing.assert_close(out.detach(), ref, rtol=1e-12, atol=1e-12)
+    return traffic.reads, dict(traffic.collectives)
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager", "inductor"])
+def test_attention_reads_nothing_and_moves_only_its_all_to_alls(pool2, backend):
+    # 3 seq_to_head + 1 head_to_seq forward, their adjoints backward; the headers ride in them
+    assert pool2.run(run_traffic, backend, False) == [(0, {"all_to_all_single": 8})] * 2
+
+
+def test_debug_mode_adds_an_agreement_per_exchange(pool2):
+    assert pool2.run(run_traffic, None, True) == [(8, {"all_gather": 8, "all_to_all_single": 8})] * 2
+
+
+def _gqa_qkv(rank, heads_q, heads_kv, S_per_rank=2, D=3):
+    return [_full(400 + rank + i, (1, S_per_rank, h, D)) for i, h in enumerate((heads_q, heads_kv, heads_kv))]
+
+
+def _disagreement(case: str, rank: int, world_size: int):
+    """Ranks whose own arguments are right, but not alike (the bytes they send have the sizes their
+    peers expect, except where noted)."""
+    if case == "mqa_vs_mha":  # k, v: 1 head (repeated to W = 2 for the exchange) on rank 0, 2 on rank 1
+        a2a.ulysses_attention(*_gqa_qkv(rank, 2, 1 if rank == 0 else 2))
+    elif case == "gqa_2_vs_4":  # W = 4: 2 kv heads (repeated to 4) on ranks 0-2, 4 on rank 3
+        a2a.ulysses_attention(*_gqa_qkv(rank, 8, 4 if rank == 3 else 2))
+    elif case == "mqa_vs_mha_sizes":  # 1 kv head (repeated to 2) vs 4: k's pieces differ in size, q's do not
+        a2a.ulysses_attention(*_gqa_qkv(rank, 4, 1 if rank == 0 else 4))
+    elif case == "is_causal":
+        a2a.ulysses_attention(*_gqa_qkv(rank, 2, 2), is_causal=rank == 1)
+    elif case == "scale":
+        a2a.ulysses_attention(*_gqa_qkv(rank, 2, 2), scale=0.5 if rank == 1 else None)
+    elif case == "dtype":  # the same bytes, another meaning
+        a2a.seq_to_head(torch.zeros(1, 2, 2, 2, dtype=torch.float16 if rank == 0 else torch.bfloat16))
+    elif case == "shape":  # the same number of elements
+        a2a.seq_to_head(torch.zeros((2, 2, 2, 3) if rank == 0 else (3, 2, 2, 2)))
+    elif case == "out_of_step":  # pieces of 4 elements both ways
+        if rank == 0:
+            a2a.seq_to_head(torch.zeros(1, 2, 2, 2))
+        else:
+            a2a.head_to_seq(torch.zeros(1, 4, 1, 2))
+
+
+def run_disagreement(rank, world_size, case, debug):
+    with debug_mode(debug):
+        try:
+            _disagreement(case, rank, world_size)
+            got = ("returned", "")
+        except ValueError as exc:
+            got = (type(exc).__name__, str(exc))
+    _check_exchange(rank, world_size, (1, 2 * world_size, 2 * world_size, 2), 1, 2, seed=23)  # still in step
+    return got
+
+
+def _ulysses_args(q, k, v, is_causal=False, scale=None):
+    return (f"q {q}, k {k}, v {v} (layout 'bshd', is_causal={is_causal}, scale={scale}, attn_fn None)")
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_disagreements_raise_on_every_rank(pool2, pool4, debug):
+    """Every rank raises the same GroupMismatchError, naming the field and every rank's value; on
+    main the first two (k, v heads compared after the GQA repetition) and is_causal / scale
+    returned outputs of the right shape."""
+    q = (1, 2, 2, 3)
+    cases = {
+        "mqa_vs_mha": ("ulysses_attention arguments", [_ulysses_args(q, (1, 2, h, 3), (1, 2, h, 3)) for h in (1, 2)]),
+        "mqa_vs_mha_sizes": ("ulysses_attention arguments",
+                             [_ulysses_args((1, 2, 4, 3), (1, 2, h, 3), (1, 2, h, 3)) for h in (1, 4)]),
+        "is_causal": ("ulysses_attention arguments", [_ulysses_args(q, q, q, is_causal=c) for c in (False, True)]),
+        "scale": ("ulysses_attention arguments", [_ulysses_args(q, q, q, scale=s) for s in (None, 0.5)]),
+        "dtype": ("dtype", ["torch.float16", "torch.bfloat16"]),
+        "shape": ("shape", ["(2, 2, 2, 3)", "(3, 2, 2, 2)"]),
+    }
+    for case, (field, values) in cases.items():
+        errors = pool2.run(run_disagreement, case, debug)
+        listed = ", ".join(f"rank {r} has {value}" for r, value in enumerate(values))
+        for kind, message in errors:
+            assert kind == "GroupMismatchError", (case, kind, message)
+            assert f"the ranks disagree on {field}: {listed}; every rank must pass the same" in message, (case, message)
+        assert errors[0][1].replace("rank 0 of", "rank 1 of") == errors[1][1], case  # the same text on each rank
+    errors = pool4.run(run_disagreement, "gqa_2_vs_4", debug)
+    kv = [(1, 2, 4 if r == 3 else 2, 3) for r in range(4)]
+    listed = ", ".join(f"rank {r} has {_ulysses_args((1, 2, 8, 3), h, h)}" for r, h in enumerate(kv))
+    assert all(kind == "GroupMismatchError" and listed in message for kind, message in errors), errors
+
+
+def test_out_of_step_raises_on_every_rank(pool2):
+    (kind0, message0), (kind1, message1) = pool2.run(run_disagreement, "out_of_step", False)
+    assert kind0 == kind1 == "GroupMismatchError"
+    for message in (message0, message1):
+        assert "the ranks are out of step: rank 0 is in seq_to_head (exchange " in message, message
+        assert "rank 1 is in head_to_seq (exchange " in message, message
+
+
+def run_attn_fn_errors(rank, world_size):
+    """attn_fn outputs of the wrong shape, on every rank alike: each raises at once, naming attn_fn."""
+    W = world_size
+    q, k, v = _gqa_qkv(rank, 2 * W, 2 * W)
+    as_sbhd = [t.transpose(0, 1) for t in (q, k, v)]
+    errors = _errors([
+        (a2a.ulysses_attention, (q, k, v), dict(attn_fn=lambda q, k, v: q[:, : q.shape[1] // W])),  # S/W positions
+        (a2a.ulysses_attention, as_sbhd, dict(layout="sbhd", attn_fn=lambda q, k, v: q[: q.shape[0] // W])),
+        (a2a.ulysses_attention, (q, k, v), dict(attn_fn=lambda q, k, v: torch.cat([q, q], dim=2))),  # heads
+        (a2a.ulysses_attention, (q, k, v), dict(attn_fn=lambda q, k, v: (q,))),
+    ])
+    _check_exchange(rank, W, (1, 2 * W, 2 * W, 2), 1, 2, seed=24)  # nothing was sent: still in step
+    return errors
+
+
+def test_attn_fn_output_is_checked_by_name(pool2):
+    def expected(layout, shape, got):
+        doc = "(B, S, h_r, Dv)" if layout == "bshd" else "(S, B, h_r, Dv)"
+        return (f"ulysses_attention: attn_fn: expected an output {doc} = {shape} ({layout}: the full sequence S = 4, "
+                f"this rank's h_r = 2 q heads, v's head size Dv = 3), got {got}")
+
+    assert pool2.run(run_attn_fn_errors) == [[
+        ("ValueError", expected("bshd", (1, 4, 2, 3), "shape (1, 2, 2, 3)")),
+        ("ValueError", expected("sbhd", (4, 1, 2, 3), "shape (2, 1, 2, 3)")),
+        ("ValueError", expected("bshd", (1, 4, 2, 3), "shape (1, 4, 4, 3)")),
+        ("ValueError", expected("bshd", (1, 4, 2, 3), "tuple")),
+    ]] * 2
+
+
+def run_attn_fn_wrong_on_one_rank(rank, world_size):
+    """3 heads over 2 ranks (2 on rank 0, 1 on rank 1), an attn_fn that keeps one head: wrong on
+    rank 0 only. Debug mode: rank 0 raises its error, rank 1 a PeerInputError quoting it."""
+    q, k, v = _gqa_qkv(rank, 3, 3)
+    with debug_mode():
+        errors = _errors([(a2a.ulysses_attention, (q, k, v), dict(attn_fn=lambda q, k, v: q[:, :, :1]))])
+    _check_exchange(rank, world_size, (1, 4, 4, 2), 1, 2, seed=25)
+    return errors[0]
+
+
+def test_attn_fn_wrong_on_one_rank_in_debug_mode(pool2):
+    (kind0, message0), (kind1, message1) = pool2.run(run_attn_fn_wrong_on_one_rank)
+    assert (kind0, kind1) == ("ValueError", "PeerInputError")
+    assert message0.startswith("ulysses_attention: attn_fn: expected an output (B, S, h_r, Dv) = (1, 4, 2, 3)")
+    assert "rank 0 rejected its arguments" in message1 and message0 in message1, message1
 
 
 def test_opcheck_uneven_heads(pool2):
@@ -525,7 +688,7 @@ def test_opcheck_local(op, shape, seq_dim, head_dim, transpose):
     if transpose:
         x = x.transpose(0, -1).contiguous().transpose(0, -1)
     num_heads = (shape[head_dim],) if op == OPS.head_to_seq.default else ()
-    torch.library.opcheck(op, (x.requires_grad_(), LOCAL, seq_dim, head_dim, *num_heads))
+    torch.library.opcheck(op, (x.requires_grad_(), LOCAL, seq_dim, head_dim, *num_heads, []))
 
 
 class TestCompiled(TestCase):
@@ -539,24 +702,24 @@ class TestCompiled(TestCase):
         ops_summary, attention_summary = run_compiled(0, 1)
         self.assertExpectedInline(ops_summary, """\
 forward 0:
-  alltoall_ops.seq_to_head(group_name='', seq_dim=1, head_dim=2)
-  alltoall_ops.seq_to_head(group_name='', seq_dim=1, head_dim=2)
-  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2, num_heads=2)
+  alltoall_ops.seq_to_head(group_name='', seq_dim=1, head_dim=2, attention=[])
+  alltoall_ops.seq_to_head(group_name='', seq_dim=1, head_dim=2, attention=[])
+  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2, num_heads=2, attention=[])
 backward 0:
-  alltoall_ops.seq_to_head(group_name='', seq_dim=1, head_dim=2)
-  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2, num_heads=2)
-  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2, num_heads=2)""")
+  alltoall_ops.seq_to_head(group_name='', seq_dim=1, head_dim=2, attention=[])
+  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2, num_heads=2, attention=[])
+  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2, num_heads=2, attention=[])""")
         self.assertExpectedInline(attention_summary, """\
 forward 0:
-  alltoall_ops.seq_to_head(group_name='', seq_dim=1, head_dim=2)
-  alltoall_ops.seq_to_head(group_name='', seq_dim=1, head_dim=2)
-  alltoall_ops.seq_to_head(group_name='', seq_dim=1, head_dim=2)
-  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2, num_heads=2)
+  alltoall_ops.seq_to_head(group_name='', seq_dim=1, head_dim=2, attention=[])
+  alltoall_ops.seq_to_head(group_name='', seq_dim=1, head_dim=2, attention=[])
+  alltoall_ops.seq_to_head(group_name='', seq_dim=1, head_dim=2, attention=[])
+  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2, num_heads=2, attention=[])
 backward 0:
-  alltoall_ops.seq_to_head(group_name='', seq_dim=1, head_dim=2)
-  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2, num_heads=2)
-  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2, num_heads=2)
-  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2, num_heads=2)""")
+  alltoall_ops.seq_to_head(group_name='', seq_dim=1, head_dim=2, attention=[])
+  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2, num_heads=2, attention=[])
+  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2, num_heads=2, attention=[])
+  alltoall_ops.head_to_seq(group_name='', seq_dim=1, head_dim=2, num_heads=2, attention=[])""")
 
     def test_compiled_two_ranks_uneven_heads(self):
         results = self.pool2.run(run_compiled, 5)  # 5 heads: 3 on rank 0, 2 on rank 1
@@ -564,22 +727,22 @@ backward 0:
         ops_summary, attention_summary = results[0]
         self.assertExpectedInline(ops_summary, """\
 forward 0:
-  alltoall_ops.seq_to_head(group_name='0', seq_dim=1, head_dim=2)
-  alltoall_ops.seq_to_head(group_name='0', seq_dim=1, head_dim=2)
-  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2, num_heads=5)
+  alltoall_ops.seq_to_head(group_name='0', seq_dim=1, head_dim=2, attention=[])
+  alltoall_ops.seq_to_head(group_name='0', seq_dim=1, head_dim=2, attention=[])
+  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2, num_heads=5, attention=[])
 backward 0:
-  alltoall_ops.seq_to_head(group_name='0', seq_dim=1, head_dim=2)
-  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2, num_heads=5)
-  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2, num_heads=5)""")
+  alltoall_ops.seq_to_head(group_name='0', seq_dim=1, head_dim=2, attention=[])
+  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2, num_heads=5, attention=[])
+  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2, num_heads=5, attention=[])""")
         self.assertExpectedInline(attention_summary, """\
 forward 0:
-  alltoall_ops.seq_to_head(group_name='0', seq_dim=1, head_dim=2)
-  alltoall_ops.seq_to_head(group_name='0', seq_dim=1, head_dim=2)
-  alltoall_ops.seq_to_head(group_name='0', seq_dim=1, head_dim=2)
-  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2, num_heads=5)
+  alltoall_ops.seq_to_head(group_name='0', seq_dim=1, head_dim=2, attention=<args>)
+  alltoall_ops.seq_to_head(group_name='0', seq_dim=1, head_dim=2, attention=<args>)
+  alltoall_ops.seq_to_head(group_name='0', seq_dim=1, head_dim=2, attention=<args>)
+  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2, num_heads=5, attention=<args>)
 backward 0:
-  alltoall_ops.seq_to_head(group_name='0', seq_dim=1, head_dim=2)
-  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2, num_heads=5)
-  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2, num_heads=5)
-  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2, num_heads=5)""")
+  alltoall_ops.seq_to_head(group_name='0', seq_dim=1, head_dim=2, attention=[])
+  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2, num_heads=5, attention=[])
+  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2, num_heads=5, attention=[])
+  alltoall_ops.head_to_seq(group_name='0', seq_dim=1, head_dim=2, num_heads=5, attention=[])""")
 
