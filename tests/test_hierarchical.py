@@ -2,7 +2,9 @@
 gloo ranks arranged as N nodes x L ranks: tokens per expert and each expert's rows equal, y and
 the gradients of x and the weights equal in fp64, and the rows that cross the node boundary are
 one per (token, other node), fewer than the flat path's one per (token, other rank); with an fp8
-payload, the same rows per expert as the flat fp8 dispatch."""
+payload, the same rows per expert as the flat fp8 dispatch. Errors reach every rank of the mesh:
+a rank's bad arguments, bad expert ids, E differing between ranks, a flat dispatch met by a
+stage (each case asserts what every rank raised, then a healthy round trip on the same groups)."""
 
 from __future__ import annotations
 
