@@ -221,10 +221,11 @@ class MoE(_ExpertParams):
         """Run the local experts on routed rows grouped by expert.
 
         x_RH (R, H); tokens_per_expert_e (e,) int64 rows of each local expert, in order from
-        row 0, summing to R or less (symm_mem: R is the fixed capacity; later rows belong to no
-        expert and may hold anything, NaN included: they never reach the result or a gradient).
-        Returns (R, H): zero rows (padding) stay zero, the experts have no biases; rows past the
-        last group are no expert's output (combine ignores them)."""
+        row 0, summing to R or less (local and symm_mem: R is a static row count C; later rows
+        belong to no expert: zero for local, anything, NaN included, for symm_mem; they never
+        reach the result or a gradient). Returns (R, H): zero rows (padding) stay zero, the
+        experts have no biases; rows past the last group are no expert's output (combine
+        ignores them)."""
         if self._use_grouped_mm(x_RH):
             offsets_e = torch.cumsum(tokens_per_expert_e, 0, dtype=torch.int32)
 
