@@ -10,6 +10,8 @@ import torch
 from . import backends, comm, fp8, layout
 from .backends import DispatchHandle
 from .backends.collective import exchange_counts_op
+from .backends.symm_mem import SymmBuffers
+from .backends.symm_mem.backend import checked as symm_checked
 from .groups import Group, resolve_group
 from .validation import check_layout_args
 
@@ -72,8 +74,11 @@ def dispatch(
     else:
         grp = resolve_group(group)
     x, x_scale = x if isinstance(x, (tuple, list)) else (x, None)
-    impl = comm.checked("dispatch", grp.name, _choose_backend, backend, grp, buffers, x, x_scale, payload_dtype,
-                        dequantize)
+    args = (backend, grp, buffers, x, x_scale, payload_dtype, dequantize)
+    if isinstance(buffers, SymmBuffers):  # the peers wait in the buffers' metadata exchange, not the group's
+        impl = symm_checked(buffers, _choose_backend, *args)
+    else:
+        impl = comm.checked("dispatch", grp.name, _choose_backend, *args)
     payload = None
     if x_scale is not None or payload_dtype is not None:
         payload = fp8.Payload.of(x, x_scale, dequantize)

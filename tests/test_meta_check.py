@@ -21,6 +21,11 @@ from alltoall_ops.kernels import loader
 DEVICE = "cpu" if loader.load().interpreting() else "cuda"
 
 
+def _call_1(call: int) -> torch.Tensor:
+    """The (1,) device tensor the checks compare the call column with."""
+    return torch.tensor([call], device=DEVICE)
+
+
 def _needed_W(counts_WE: torch.Tensor, alignment: int) -> torch.Tensor:
     """(W, E) slots of each source rank per expert -> (W,) rows each rank receives, padded."""
     W, E = counts_WE.shape
@@ -75,7 +80,7 @@ def metadata(draw):
 def test_kernel_matches_the_checks(case):
     meta_WL, E, call, alignment, max_slots, capacity, check_overflow = case
     failed_checks_1 = loader.load().check_meta(
-        meta_WL.to(DEVICE), E, symm_ops.CHECK_COLUMNS, call, alignment, max_slots, capacity, check_overflow
+        meta_WL.to(DEVICE), E, symm_ops.CHECK_COLUMNS, _call_1(call), alignment, max_slots, capacity, check_overflow
     )
     assert failed_checks_1.shape == (1,) and failed_checks_1.dtype == torch.int64
     expected = _reference(meta_WL, E, call, alignment, max_slots, capacity, check_overflow)
@@ -94,7 +99,7 @@ def test_more_than_one_tile(W, e):
     most = int(_needed_W(meta_WL[:, :E], alignment).max())
     for capacity, expected in ((most, 0), (most - 1, 1 << 5)):
         failed_checks_1 = loader.load().check_meta(
-            meta_WL.to(DEVICE), E, symm_ops.CHECK_COLUMNS, call, alignment, 0, capacity, True
+            meta_WL.to(DEVICE), E, symm_ops.CHECK_COLUMNS, _call_1(call), alignment, 0, capacity, True
         )
         assert int(failed_checks_1) == expected == _reference(meta_WL, E, call, alignment, 0, capacity, True)
 
@@ -117,12 +122,12 @@ def test_the_first_failed_check_raises(first):
     bufs = a2a.SymmBuffers(2, 1, 1, 2, dtype=torch.float32, device="cpu", capacity=3)  # N_max = 2
     meta_WL = torch.zeros(1, 2 + META_EXTRA, dtype=torch.int64)
     meta_WL[0, 2 + CALL], meta_WL[0, 2 + ALIGNMENT] = 1, 1
-    symm_ops._check_meta(meta_WL, bufs, 1, 1)  # passes
+    symm_ops._check_meta(meta_WL, bufs, 1, _call_1(1))  # passes
     for fail, _, _ in FAILURES[first:]:
         fail(meta_WL)
     _, kind, message = FAILURES[first]
     with pytest.raises(kind, match=re.escape(message)) as err:
-        symm_ops._check_meta(meta_WL, bufs, 1, 1)
+        symm_ops._check_meta(meta_WL, bufs, 1, _call_1(1))
     assert type(err.value) is kind
 
 

@@ -160,8 +160,8 @@ def test_cached_buffers_one_rank():
     (values, scales), tpe, handle = a2a.dispatch(x, idx, num_experts=4, backend="symm_mem", payload_dtype=FP8)
     (ref_values, ref_scales), ref_tpe, _ = a2a.dispatch(x, idx, num_experts=4, backend="local", payload_dtype=FP8)
     R = int(ref_tpe.sum())
-    assert torch.equal(tpe, ref_tpe) and torch.equal(scales[:R], ref_scales)
-    assert torch.equal(values[:R].view(torch.uint8), ref_values.view(torch.uint8))
+    assert torch.equal(tpe, ref_tpe) and torch.equal(scales[:R], ref_scales[:R])  # local: C rows too
+    assert torch.equal(values[:R].view(torch.uint8), ref_values[:R].view(torch.uint8))
     assert handle.buffers.payload_dtype == FP8 and handle.buffers.dtype == torch.bfloat16
     _, _, plain = a2a.dispatch(x, idx, num_experts=4, backend="symm_mem")
     assert plain.buffers.payload_dtype is None and plain.buffers is not handle.buffers
@@ -182,7 +182,7 @@ def test_errors():
         a2a.dispatch(x.float(), idx, num_experts=4, buffers=fp8_bufs, payload_dtype=FP8)
     with pytest.raises(ValueError, match="the buffers hold no fp8 wire rows"):
         _, _, h = a2a.dispatch(x, idx, num_experts=4, buffers=plain)
-        symm_ops.symm_dispatch_fp8_op(x, None, h.position_TK, h.slot_dst_N, h.num_routed_1, plain, None)
+        symm_ops.symm_dispatch_fp8_op(x, None, h.position_TK, h.slot_dst_N, h.num_routed_1, h.call_1, plain, None)
     with pytest.raises(ValueError, match="H divisible by 128 .*, got H = 100"):
         a2a.SymmBuffers(4, 100, K, 4, dtype=torch.bfloat16, device="cpu", payload_dtype=FP8)
     with pytest.raises(ValueError, match="H divisible by 128"):
@@ -235,7 +235,7 @@ def test_opcheck():
     bufs = a2a.SymmBuffers(5, H, K, E, dtype=torch.bfloat16, device="cpu", payload_dtype=FP8)
     (_, _), _, h = a2a.dispatch(x, idx, num_experts=E, buffers=bufs, payload_dtype=FP8)
     assert h.num_routed_1.tolist() == [bufs.capacity]
-    route = (h.position_TK, h.slot_dst_N, h.num_routed_1, bufs)
+    route = (h.position_TK, h.slot_dst_N, h.num_routed_1, h.call_1, bufs)
     op = symm_ops.symm_dispatch_fp8_op
     torch.library.opcheck(op, (x.clone().requires_grad_(), None, *route, torch.bfloat16), test_utils=tests)
     torch.library.opcheck(op, (*fp8.quantize(x), *route, None), test_utils=tests)
@@ -273,3 +273,27 @@ def run_against_collective(rank: int, world_size: int) -> list[int]:
 
 def test_processes_match_collective(pool2):
     assert pool2.run(run_against_collective) == [[8, 7]] * 2  # cached: sized by the largest T over the ranks
+
+
+def run_bad_fp8_arguments(rank: int, world_size: int) -> tuple[str, str]:
+    """Both ranks on fp8 buffers: rank 1 passes dequantize=True without payload_dtype (an
+    argument check of alltoall_ops.dispatch itself), rank 0 a right fp8 dispatch. Returns what
+    the rank raised; then a right dispatch on both shows the buffers still in step."""
+    E = world_size * e
+    bufs = a2a.SymmBuffers(4, H, K, E, dtype=torch.bfloat16, device="cpu", payload_dtype=FP8, timeout=10.0)
+    x, idx, _, _ = _rank_inputs(91, rank, 4, E)
+    fp8_args = dict(dequantize=True) if rank == 1 else dict(payload_dtype=FP8)
+    with pytest.raises(ValueError) as err:
+        a2a.dispatch(x, idx, num_experts=E, buffers=bufs, **fp8_args)
+    (values, _), tpe, _ = a2a.dispatch(x, idx, num_experts=E, buffers=bufs, payload_dtype=FP8)
+    assert values.shape[0] == bufs.capacity and tpe.shape == (e,)
+    return type(err.value).__name__, str(err.value)
+
+
+def test_bad_fp8_arguments_raise_on_every_rank(pool2):
+    # Before: rank 1 told its peers through the process group while rank 0 waited in the buffers'
+    # metadata exchange; both timed out, and rank 1 never raised its own error.
+    (peer_type, peer_message), (own_type, own_message) = pool2.run(run_bad_fp8_arguments)
+    assert own_type == "ValueError" and own_message.startswith("dequantize: only an fp8 payload is dequantized")
+    assert peer_type == "PeerInputError", peer_message
+    assert f"rank 1 rejected its arguments: ValueError: {own_message}" in peer_message, peer_message

@@ -1,19 +1,28 @@
-"""Device-side barrier over signal pads (CUDA symmetric memory only).
+"""Device-side barrier over signal pads (CUDA symmetric memory only), stamped with the op and
+call number it belongs to.
 
-Every rank owns a pad of W int32 flags that all peers can reach. Reference semantics::
+Every rank owns a pad of W int32 flags that all peers can reach. Reference semantics, with
+``stamp = (call * 4 + op) mod 2**31`` (never 0: op is 1, 2 or 3) and ``call = call_1[0]``
+(with ``counter_1``: first ``counter_1[0] += 1; call_1[0] = counter_1[0]``)::
 
-    for peer in range(W): wait until pad[peer][rank] == 0, then set it to 1     (release)
-    for peer in range(W): wait until pad[rank][peer] == 1, then set it to 0     (acquire)
+    for peer in range(W): wait until pad[peer][rank] == 0, then set it to stamp   (release)
+    for peer in range(W): wait until pad[rank][peer] != 0, read it, set it to 0   (acquire)
+    if any value read != stamp: trap                                              (out of step)
 
 The release / acquire pair orders every write this rank issued before the barrier (earlier
 kernels on its stream) before every read a peer issues after it. The flags return to 0, so the
-barrier can be reused at once. It spins, so it needs all ranks' barrier kernels to run
-concurrently: real processes (one per GPU), never the Triton interpreter, whose programs run one
-after another; the CPU path synchronises through the process group instead. A rank that does not
-arrive within the deadline makes the waiting kernels trap (a CUDA error), never spin forever.
+barrier can be reused at once. Every rank reads every rank's stamp, so ranks out of step (a
+combine meeting a dispatch, or another layer's combine) all trap at the same barrier, before any
+row moves. The call number is read on the device: a CUDA graph's replays carry their own. It
+spins, so it needs all ranks' barrier kernels to run concurrently: real processes (one per GPU),
+never the Triton interpreter, whose programs run one after another; the CPU path synchronises
+through the process group instead. A rank that does not arrive within the deadline makes the
+waiting kernels trap (a CUDA error), never spin forever.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -37,31 +46,50 @@ def _trap(dep):
 
 # NB: rank is not specialised: every rank runs the same binary. (Specialised, rank 1 got its
 # own kernel; its first launch loaded a module while rank 0's barrier spun on the device, which
-# CUDA's lazy module loading can turn into a deadlock when ranks share a process.)
-@triton.jit(do_not_specialize=["rank", "timeout_ns"])
-def _barrier_kernel(pads_table_ptr, rank, timeout_ns, WORLD_SIZE: tl.constexpr):
+# CUDA's lazy module loading can turn into a deadlock when ranks share a process.) Nor are op
+# and advance: one binary for every barrier.
+@triton.jit(do_not_specialize=["rank", "timeout_ns", "op", "advance"])
+def _barrier_kernel(pads_table_ptr, rank, timeout_ns, op, call_ptr, counter_ptr, advance,
+                    WORLD_SIZE: tl.constexpr):
     start = _now_ns(rank)
+    if advance != 0:
+        call = tl.load(counter_ptr) + 1
+        tl.store(counter_ptr, call)
+        tl.store(call_ptr, call)
+    else:
+        call = tl.load(call_ptr)
+    stamp = ((call * 4 + op) & 0x7FFFFFFF).to(tl.int32)
     p_own = tl.load(pads_table_ptr + rank).to(tl.pointer_type(tl.int32))
     for peer in tl.static_range(WORLD_SIZE):
         p_peer = tl.load(pads_table_ptr + peer).to(tl.pointer_type(tl.int32))
-        old = tl.atomic_cas(p_peer + rank, 0, 1, sem="release", scope="sys")
+        old = tl.atomic_cas(p_peer + rank, 0, stamp, sem="release", scope="sys")
         while old != 0:
             if _now_ns(rank) - start > timeout_ns:
                 _trap(rank)
-            old = tl.atomic_cas(p_peer + rank, 0, 1, sem="release", scope="sys")
+            old = tl.atomic_cas(p_peer + rank, 0, stamp, sem="release", scope="sys")
+    mismatch = 0
     for peer in tl.static_range(WORLD_SIZE):
-        old = tl.atomic_cas(p_own + peer, 1, 0, sem="acquire", scope="sys")
-        while old != 1:
+        seen = tl.atomic_xchg(p_own + peer, 0, sem="acquire", scope="sys")
+        while seen == 0:
             if _now_ns(rank) - start > timeout_ns:
                 _trap(rank)
-            old = tl.atomic_cas(p_own + peer, 1, 0, sem="acquire", scope="sys")
+            seen = tl.atomic_xchg(p_own + peer, 0, sem="acquire", scope="sys")
+        mismatch |= (seen != stamp).to(tl.int32)
+    if mismatch != 0:
+        _trap(rank)
 
 
-def barrier(pads_table: torch.Tensor, rank: int, timeout_s: float) -> None:
+def barrier(pads_table: torch.Tensor, rank: int, timeout_s: float, op: int, call_1: torch.Tensor,
+            counter_1: Optional[torch.Tensor] = None) -> None:
     """Wait on the current stream until every rank of the pads' group reaches this barrier.
 
     pads_table: (W,) int64 device addresses of every rank's signal pad (W int32 flags each).
-    timeout_s: past it the kernel traps: the launch fails with a CUDA error (the context is then
-    unusable, as after any device-side fault) instead of spinning forever."""
+    op: 1, 2 or 3, the op the barrier belongs to. call_1: (1,) int64 on the device, the call
+    number; with counter_1 ((1,) int64, this rank's count of calls) it is first set to
+    ``counter_1 += 1``. Ranks whose (op, call) differ, or past timeout_s, trap: the launch fails
+    with a CUDA error (the context is then unusable, as after any device-side fault) instead of
+    pairing different ops or spinning forever."""
     with LAUNCH_LOCK:
-        _barrier_kernel[(1,)](pads_table, rank, int(timeout_s * 1e9), WORLD_SIZE=pads_table.numel(), num_warps=1)
+        _barrier_kernel[(1,)](pads_table, rank, int(timeout_s * 1e9), op, call_1,
+                              call_1 if counter_1 is None else counter_1, int(counter_1 is not None),
+                              WORLD_SIZE=pads_table.numel(), num_warps=1)

@@ -7,7 +7,7 @@ expert g, >= 0), then further columns at the given offsets past E. Reference sem
     col(name) = meta[:, E + name]                                            # (W,)
     needed[r] = sum(round_up(counts[:, r*e + j].sum(), alignment) for j in range(e))
     failed_checks = (any(col(failed) != 0)                    << 0           # a rank's own error
-                   | any(col(call) != call)                   << 1           # out of step
+                   | any(col(call) != call_1[0])              << 1           # out of step
                    | any(col(alignment) != alignment)         << 2           # alignments differ
                    | any(col(bad_ids) > 0)                    << 3           # bad expert ids
                    | any(col(n_slots) > max_slots)            << 4           # T * K too large
@@ -44,12 +44,12 @@ def _any(b_fail, m):
     return tl.max((b_fail & m).to(tl.int64), axis=0)
 
 
-# NB: call grows with every dispatch: not specialised, one binary for all of them.
-@triton.jit(do_not_specialize=["call"])
+# NB: the call number is read on the device (call_ptr): a CUDA graph's replays check their own.
+@triton.jit
 def _check_meta_kernel(
-    meta_ptr, failed_checks_ptr, E, e, L,
+    meta_ptr, failed_checks_ptr, call_ptr, E, e, L,
     col_failed, col_call, col_alignment, col_bad_ids, col_n_slots,
-    call, alignment, max_slots, capacity,
+    alignment, max_slots, capacity,
     WORLD_SIZE: tl.constexpr, CHECK_OVERFLOW: tl.constexpr,
     BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
@@ -57,7 +57,7 @@ def _check_meta_kernel(
     m_w = o_w < WORLD_SIZE
     p_row = meta_ptr + o_w * L + E  # [BW] each rank's first column past the counts
     b_failed = _any(tl.load(p_row + col_failed, mask=m_w, other=0) != 0, m_w)
-    b_failed |= _any(tl.load(p_row + col_call, mask=m_w, other=0) != call, m_w) << 1
+    b_failed |= _any(tl.load(p_row + col_call, mask=m_w, other=0) != tl.load(call_ptr), m_w) << 1
     b_failed |= _any(tl.load(p_row + col_alignment, mask=m_w, other=0) != alignment, m_w) << 2
     b_failed |= _any(tl.load(p_row + col_bad_ids, mask=m_w, other=0) > 0, m_w) << 3
     b_failed |= _any(tl.load(p_row + col_n_slots, mask=m_w, other=0) > max_slots, m_w) << 4
@@ -82,7 +82,7 @@ def check_meta(
     meta_WL: torch.Tensor,
     num_experts: int,
     columns: tuple[int, int, int, int, int],
-    call: int,
+    call_1: torch.Tensor,
     expert_alignment: int,
     max_slots: int,
     capacity: int,
@@ -91,7 +91,8 @@ def check_meta(
     """meta_WL (W, L) int64 -> failed_checks (1,) int64 on its device, bit i set where check i
     of the module docstring's reference fails; one launch, no host sync.
 
-    columns: offsets past the E counts of (failed, call, alignment, bad ids, n_slots)."""
+    columns: offsets past the E counts of (failed, call, alignment, bad ids, n_slots). call_1:
+    (1,) int64 on meta's device, the call number every row must carry."""
     W, L = meta_WL.shape
     e = num_experts // W
     meta_WL = meta_WL.contiguous()
@@ -101,7 +102,7 @@ def check_meta(
     block_e = min(triton.next_power_of_2(e), tile)
     with LAUNCH_LOCK:
         _check_meta_kernel[(1,)](
-            meta_WL, failed_checks_1, num_experts, e, L, *columns, call, expert_alignment, max_slots, capacity,
+            meta_WL, failed_checks_1, call_1, num_experts, e, L, *columns, expert_alignment, max_slots, capacity,
             WORLD_SIZE=W, CHECK_OVERFLOW=check_overflow, BLOCK_W=triton.next_power_of_2(W),
             BLOCK_R=min(triton.next_power_of_2(W), tile // block_e), BLOCK_E=block_e,
             num_warps=GPU_NUM_WARPS,

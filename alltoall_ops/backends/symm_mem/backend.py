@@ -4,7 +4,7 @@ for eager calls, and :class:`SymmMemBackend` (see the package docstring and docs
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -14,7 +14,7 @@ from ...errors import CapacityError, PeerInputError
 from ...groups import LOCAL, Group, process_group
 from ...validation import check_combine_args, check_dispatch_args
 from ..base import Backend, DispatchHandle, save_returned
-from .buffers import FAILED, META_EXTRA, SymmBuffers
+from .buffers import CALL, FAILED, META_EXTRA, SymmBuffers
 from .ops import symm_combine_op, symm_dispatch_fp8_op, symm_dispatch_op, symm_exchange_meta_op
 
 
@@ -65,14 +65,16 @@ class SymmMemHandle(DispatchHandle):
 
     position_TK: each slot's send position; meta_WL: every rank's counts; slot_dst_N:
     destination of each slot; row_src_C: source of each routed row; num_routed_1: (1,) rows of
-    routed with data, tokens_per_expert.sum(); dropped_W: slots past each rank's capacity
-    (overflow='drop'); num_rows: C."""
+    routed with data, tokens_per_expert.sum(); call_1: (1,) the call number of the dispatch's
+    metadata exchange, which its combine's barriers carry; dropped_W: slots past each rank's
+    capacity (overflow='drop'); num_rows: C."""
 
     position_TK: torch.Tensor
     meta_WL: torch.Tensor
     slot_dst_N: torch.Tensor
     row_src_C: torch.Tensor
     num_routed_1: torch.Tensor
+    call_1: torch.Tensor
     dropped_W: torch.Tensor
     buffers: SymmBuffers
     num_rows: int
@@ -102,8 +104,8 @@ class SymmMemHandle(DispatchHandle):
         self.check_combine_everywhere(expert_out_CH, topk_weights_TK)  # without debug mode, a rank that
         # raises here leaves its peers in the op's barrier until the deadline
         y_TH, _ = call(symm_combine_op, expert_out_CH, topk_weights_TK, self.position_TK, self.slot_dst_N,
-                            self.row_src_C, self.num_routed_1, bufs, save_returned(topk_weights_TK),
-                            differentiable=(expert_out_CH, topk_weights_TK))
+                       self.row_src_C, self.num_routed_1, self.call_1, bufs, save_returned(topk_weights_TK),
+                       differentiable=(expert_out_CH, topk_weights_TK))
         return y_TH
 
 
@@ -188,9 +190,11 @@ def _check_buffers_fit(
     return num_experts
 
 
-def _checked(bufs: SymmBuffers, check, *args):
-    """``check(*args)``; on a group, a rank whose checks raise sends a failure row through the
-    metadata exchange its peers wait in, so every rank raises (its peers a PeerInputError)."""
+def checked(bufs: SymmBuffers, check: Callable[..., Any], *args) -> Any:
+    """``check(*args)``, the checks of a dispatch on ``bufs`` (the API's and the backend's); on a
+    group, a rank whose checks raise sends a failure row through the metadata exchange its peers
+    wait in, so every rank raises (its peers a PeerInputError). Under torch.compile the checks
+    run at trace time, on this rank only."""
     if bufs.world_size == 1 or is_compiling():
         return check(*args)
     try:
@@ -226,7 +230,7 @@ class SymmMemBackend(Backend):
         bufs = buffers
         if bufs is None:
             bufs = cached_buffers(x_TH, topk_idx_TK, num_experts, group, expert_alignment, payload)
-        E = _checked(bufs, _check_buffers_fit, bufs, x_TH, topk_idx_TK, num_experts, group, expert_alignment,
+        E = checked(bufs, _check_buffers_fit, bufs, x_TH, topk_idx_TK, num_experts, group, expert_alignment,
                      payload)
         W, e = bufs.world_size, bufs.num_local_experts
         plan = layout.plan_routing(topk_idx_TK, E, W)
@@ -238,15 +242,16 @@ class SymmMemBackend(Backend):
         send_row_L = torch.cat([plan.send_meta[:, :e].reshape(-1), plan.send_meta[0, e:], header])
         meta_WL = call(symm_exchange_meta_op, send_row_L, bufs, expert_alignment)
         r = route(meta_WL, topk_idx_TK, plan.position, bufs, expert_alignment)
+        call_1 = meta_WL[bufs.rank, bufs.num_experts + CALL : bufs.num_experts + CALL + 1]  # this step's (device)
         if payload is None:
-            routed_CH, row_src_C = call(symm_dispatch_op, x_TH, None, plan.position, r.slot_dst, r.num_routed, bufs,
-                                        differentiable=(x_TH,))
+            routed_CH, row_src_C = call(symm_dispatch_op, x_TH, None, plan.position, r.slot_dst, r.num_routed, call_1,
+                                        bufs, differentiable=(x_TH,))
             routed = routed_CH
         else:
             values_CH, scale_CB, row_src_C = call(symm_dispatch_fp8_op, x_TH, payload.scale_TB, plan.position,
-                                                  r.slot_dst, r.num_routed, bufs, payload.out_dtype,
+                                                  r.slot_dst, r.num_routed, call_1, bufs, payload.out_dtype,
                                                   differentiable=(x_TH,))
             routed = payload.routed(values_CH, scale_CB)
-        handle = SymmMemHandle(plan.position, meta_WL, r.slot_dst, row_src_C, r.num_routed, r.dropped, bufs,
+        handle = SymmMemHandle(plan.position, meta_WL, r.slot_dst, row_src_C, r.num_routed, call_1, r.dropped, bufs,
                                bufs.capacity, expert_alignment)
         return routed, r.tokens_per_expert, handle

@@ -13,6 +13,7 @@ from ...errors import CapacityError, GroupMismatchError, PeerInputError, Routing
 from ...kernels import loader
 from ...rows import accumulation_dtype, quantize
 from .buffers import ALIGNMENT, CALL, FAILED, META, N_SLOTS, RECV, RET, TAGS, SymmBuffers
+from .segments import COMBINE_OP, DISPATCH_OP, META_OP
 
 
 # --------------------------------------------------------------------------------------------
@@ -29,14 +30,15 @@ CHECK_FAILED = ("alltoall_ops symm_mem: a metadata check failed (a rank rejected
 """The device-side assert's message on CUDA (torch takes fewer than 255 characters)."""
 
 
-def _check_meta(meta_WL: torch.Tensor, bufs: SymmBuffers, expert_alignment: int, call: int) -> None:
+def _check_meta(meta_WL: torch.Tensor, bufs: SymmBuffers, expert_alignment: int, call_1: torch.Tensor) -> None:
     """Every rank's metadata row (W, L), checked in the order: a rank's failure flag, the call
-    numbers, the alignments, the expert ids, T * K, and the capacity (unless overflow='drop'), by
-    one kernel. CPU: the first failed check raises at once. CUDA: no host sync, a device-side
-    assert (``torch._assert_async``) that surfaces at the next synchronisation."""
+    numbers (against this rank's ``call_1``, (1,) int64 on the device), the alignments, the
+    expert ids, T * K, and the capacity (unless overflow='drop'), by one kernel. CPU: the first
+    failed check raises at once. CUDA: no host sync, a device-side assert
+    (``torch._assert_async``) that surfaces at the next synchronisation."""
     E, W, C = bufs.num_experts, bufs.world_size, bufs.capacity
     failed_checks_1 = loader.load().check_meta(
-        meta_WL, E, CHECK_COLUMNS, call, expert_alignment, bufs.max_slots, C, bufs.overflow != "drop"
+        meta_WL, E, CHECK_COLUMNS, call_1, expert_alignment, bufs.max_slots, C, bufs.overflow != "drop"
     )
     if failed_checks_1.device.type != "cpu":
         torch._assert_async(failed_checks_1 == 0, CHECK_FAILED)
@@ -90,25 +92,26 @@ def _check_meta(meta_WL: torch.Tensor, bufs: SymmBuffers, expert_alignment: int,
 # --------------------------------------------------------------------------------------------
 # Ops. Each: entry barrier (peers are done reading what we will overwrite), kernel writes into
 # peers' buffers, barrier (all writes landed), copy out of our own buffers into fresh tensors.
+# Both barriers are stamped with the op and the call number of its metadata exchange (call_1,
+# device data): ranks out of step raise (CUDA: trap) there, before anything moves.
 
 
 @comm_op("symm_exchange_meta")
 def symm_exchange_meta_op(send_row_L: torch.Tensor, buffers: SymmBuffers, expert_alignment: int) -> torch.Tensor:
     """(L,) int64 metadata row of this rank -> meta (W, L), row s from rank s (an all-gather).
 
-    The op numbers its calls on ``buffers`` (column CALL of the rows sent; zero in the output).
-    Checks every rank's row
-    (see ``_check_meta``) and raises on all ranks alike."""
+    The op numbers its calls on ``buffers`` on the device (the entry barrier writes column CALL
+    of the row sent; zero on one rank, which has no peers to be out of step with): column CALL
+    of the output is the call number that the dispatch and combine of this step stamp their
+    barriers with. Checks every rank's row (see ``_check_meta``) and raises on all ranks alike."""
     k = loader.load()
-    call = buffers._next_call()
     row_L = send_row_L.clone()
-    row_L[buffers.num_experts + CALL].fill_(call)
-    buffers._barrier()
+    call_1 = row_L[buffers.num_experts + CALL : buffers.num_experts + CALL + 1]
+    buffers._segments.barrier(META_OP, call_1, advance=True)
     k.put_meta(row_L, buffers.table[META], buffers.rank)
-    buffers._barrier()
+    buffers._segments.barrier(META_OP, call_1)
     meta_WL = buffers.meta.clone()
-    _check_meta(meta_WL, buffers, expert_alignment, call)
-    meta_WL[:, buffers.num_experts + CALL] = 0  # checked; the output depends on the arguments only
+    _check_meta(meta_WL, buffers, expert_alignment, call_1)
     return meta_WL
 
 
@@ -125,18 +128,20 @@ def symm_dispatch_op(
     position_TK: torch.Tensor,
     slot_dst_N: torch.Tensor,
     num_routed_1: torch.Tensor,
+    call_1: torch.Tensor,
     buffers: SymmBuffers,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(T, H) rows -> routed (C, H), row_src (C,) int64.
 
     Slot (t, k) carries row ``x_TH[t]`` (times ``scale_TK[t, k]`` in fp32, rounded once) to
     ``slot_dst_N[t * K + k]``, tagged with its send position ``position_TK[t, k]``. num_routed_1:
-    (1,) int64 n = tokens_per_expert.sum(), every received row lies below it. routed: rows [0, n)
-    received, zero where none; rows [n, C) unspecified (not written). row_src: each row's source
-    code (``rank * N_max + position``), -1 where none."""
+    (1,) int64 n = tokens_per_expert.sum(), every received row lies below it. call_1: (1,) int64,
+    the call number of the dispatch's metadata exchange (its barriers' stamp). routed: rows
+    [0, n) received, zero where none; rows [n, C) unspecified (not written). row_src: each row's
+    source code (``rank * N_max + position``), -1 where none."""
     routed_CH = x_TH.new_empty(buffers.capacity, x_TH.shape[1])
-    row_src_C = _put_rows_and_copy_out(x_TH, scale_TK, position_TK, slot_dst_N, num_routed_1, buffers, buffers.recv,
-                                       routed_CH)
+    row_src_C = _put_rows_and_copy_out(x_TH, scale_TK, position_TK, slot_dst_N, num_routed_1, call_1, buffers,
+                                       buffers.recv, routed_CH)
     return routed_CH, row_src_C
 
 
@@ -146,6 +151,7 @@ def _put_rows_and_copy_out(
     position_TK: torch.Tensor,
     slot_dst_N: torch.Tensor,
     num_routed_1: torch.Tensor,
+    call_1: torch.Tensor,
     buffers: SymmBuffers,
     recv_CX: torch.Tensor,
     out_CX: torch.Tensor,
@@ -159,44 +165,44 @@ def _put_rows_and_copy_out(
     k = loader.load()
     K = position_TK.shape[1]
     acc = accumulation_dtype(rows_TX.dtype, *(() if scale_TK is None else (scale_TK.dtype,)))
-    buffers._barrier()
+    buffers._segments.barrier(DISPATCH_OP, call_1)
     # NB: the kernel reads the pointer table as addresses of rows_TX's dtype: recv_CX's layout.
     k.put_rows(
         rows_TX, slot_dst_N, buffers.capacity, buffers.table[RECV],
         top_k=K, scale=scale_TK, tags_table=buffers.table[TAGS],
         tag_index=position_TK.reshape(-1), tag_base=buffers.rank * buffers.max_slots, acc_dtype=acc,
     )
-    buffers._barrier()
+    buffers._segments.barrier(DISPATCH_OP, call_1)
     row_src_C = torch.empty(buffers.capacity, dtype=torch.int64, device=rows_TX.device)
     k.copy_out(recv_CX, buffers.tags, num_routed_1, out_CX, row_src_C, tail=tail)
     return row_src_C
 
 
 @symm_dispatch_op.register_fake
-def _(x_TH, scale_TK, position_TK, slot_dst_N, num_routed_1, buffers):
+def _(x_TH, scale_TK, position_TK, slot_dst_N, num_routed_1, call_1, buffers):
     # NB: fixed capacity C, so no data-dependent size: the graph never waits for the counts.
     C = buffers.capacity
     return x_TH.new_empty(C, x_TH.shape[1]), x_TH.new_empty(C, dtype=torch.int64)
 
 
 def _symm_dispatch_setup_context(ctx, inputs, output):
-    x_TH, scale_TK, ctx.position_TK, slot_dst_N, num_routed_1, ctx.buffers = inputs
+    x_TH, scale_TK, ctx.position_TK, slot_dst_N, num_routed_1, call_1, ctx.buffers = inputs
     scale_needs_grad = scale_TK is not None and scale_TK.requires_grad
-    # slot_dst_N, row_src_C, num_routed_1; scale_TK and, for scale_TK's gradient, x_TH
-    ctx.save_for_backward(slot_dst_N, output[1], num_routed_1, scale_TK, x_TH if scale_needs_grad else None)
+    # slot_dst_N, row_src_C, num_routed_1, call_1; scale_TK and, for scale_TK's gradient, x_TH
+    ctx.save_for_backward(slot_dst_N, output[1], num_routed_1, call_1, scale_TK, x_TH if scale_needs_grad else None)
 
 
 def _symm_dispatch_backward(ctx, grad_routed_CH, _grad_row_src_C):
     # The adjoint of dispatch is combine, weighted by the same per-slot scale. Built from the ops
     # themselves (like the local backend), so double backward is exact too.
-    slot_dst_N, row_src_C, num_routed_1, scale_TK, x_TH = ctx.saved_tensors
+    slot_dst_N, row_src_C, num_routed_1, call_1, scale_TK, x_TH = ctx.saved_tensors
     grad_x_TH, returned_NH = symm_combine_op(
-        grad_routed_CH, scale_TK, ctx.position_TK, slot_dst_N, row_src_C, num_routed_1, ctx.buffers,
+        grad_routed_CH, scale_TK, ctx.position_TK, slot_dst_N, row_src_C, num_routed_1, call_1, ctx.buffers,
         x_TH is not None,
     )
     # d scale[t, k] = <x[t], grad_routed[row of slot (t, k)]>: the returned rows are those rows.
     grad_scale_TK = None if x_TH is None else symm_weight_grad_op(x_TH, returned_NH, ctx.position_TK, scale_TK)
-    return grad_x_TH, grad_scale_TK, None, None, None, None
+    return grad_x_TH, grad_scale_TK, None, None, None, None, None
 
 
 symm_dispatch_op.register_autograd(_symm_dispatch_backward, setup_context=_symm_dispatch_setup_context)
@@ -215,6 +221,7 @@ def symm_dispatch_fp8_op(
     position_TK: torch.Tensor,
     slot_dst_N: torch.Tensor,
     num_routed_1: torch.Tensor,
+    call_1: torch.Tensor,
     buffers: SymmBuffers,
     out_dtype: Optional[torch.dtype],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -235,7 +242,7 @@ def symm_dispatch_fp8_op(
     values_CH = x_TH.new_empty(C, H, dtype=torch.uint8)
     scales_CB = x_TH.new_empty(C, fp8.num_blocks(H), dtype=torch.float32)
     row_src_C = _put_rows_and_copy_out(fp8.pack(values_TH, scales_TB), None, position_TK, slot_dst_N, num_routed_1,
-                                       buffers, buffers.recv_packed, values_CH, scales_CB.view(torch.uint8))
+                                       call_1, buffers, buffers.recv_packed, values_CH, scales_CB.view(torch.uint8))
     if out_dtype is None:
         return values_CH.view(fp8.FP8), scales_CB, row_src_C
     routed_CH = x_TH.new_empty(C, H, dtype=out_dtype)
@@ -244,7 +251,7 @@ def symm_dispatch_fp8_op(
 
 
 @symm_dispatch_fp8_op.register_fake
-def _(x_TH, x_scale_TB, position_TK, slot_dst_N, num_routed_1, buffers, out_dtype):
+def _(x_TH, x_scale_TB, position_TK, slot_dst_N, num_routed_1, call_1, buffers, out_dtype):
     # NB: fixed capacity C, as symm_dispatch's.
     _require_fp8_buffers(buffers)
     C, H = buffers.capacity, x_TH.shape[1]
@@ -254,19 +261,19 @@ def _(x_TH, x_scale_TB, position_TK, slot_dst_N, num_routed_1, buffers, out_dtyp
 
 
 def _symm_dispatch_fp8_setup_context(ctx, inputs, output):
-    _, _, ctx.position_TK, slot_dst_N, num_routed_1, ctx.buffers, ctx.out_dtype = inputs
-    ctx.save_for_backward(slot_dst_N, output[2], num_routed_1)
+    _, _, ctx.position_TK, slot_dst_N, num_routed_1, call_1, ctx.buffers, ctx.out_dtype = inputs
+    ctx.save_for_backward(slot_dst_N, output[2], num_routed_1, call_1)
 
 
 def _symm_dispatch_fp8_backward(ctx, grad_routed_CH, _grad_scale_CB, _grad_row_src_C):
     # Straight-through: the adjoint of the dequantized dispatch is combine, in the gradient's
     # dtype (the buffers' dtype). fp8 rows (no out_dtype) carry no gradient.
     if ctx.out_dtype is None:
-        return None, None, None, None, None, None, None
-    slot_dst_N, row_src_C, num_routed_1 = ctx.saved_tensors
+        return None, None, None, None, None, None, None, None
+    slot_dst_N, row_src_C, num_routed_1, call_1 = ctx.saved_tensors
     grad_x_TH, _ = symm_combine_op(grad_routed_CH, None, ctx.position_TK, slot_dst_N, row_src_C, num_routed_1,
-                                   ctx.buffers, False)
-    return grad_x_TH, None, None, None, None, None, None
+                                   call_1, ctx.buffers, False)
+    return grad_x_TH, None, None, None, None, None, None, None
 
 
 symm_dispatch_fp8_op.register_autograd(_symm_dispatch_fp8_backward, setup_context=_symm_dispatch_fp8_setup_context)
@@ -280,6 +287,7 @@ def symm_combine_op(
     slot_dst_N: torch.Tensor,
     row_src_C: torch.Tensor,
     num_routed_1: torch.Tensor,
+    call_1: torch.Tensor,
     buffers: SymmBuffers,
     save_returned: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,12 +297,13 @@ def symm_combine_op(
     past num_routed_1, are not read); then y[t] = sum_k weights_TK[t, k] * row of slot (t, k),
     in k order, accumulated in fp32 (fp64) and rounded once. returned: every slot's row in send
     order (zero for unsent slots), when ``save_returned``, for the weights' gradient.
-    num_routed_1: dispatch's, for the backward (a dispatch)."""
+    num_routed_1: dispatch's, for the backward (a dispatch). call_1: (1,) int64, the call number
+    of the dispatch's metadata exchange (its barriers' stamp)."""
     k = loader.load()
     T, K = position_TK.shape
-    buffers._barrier()
+    buffers._segments.barrier(COMBINE_OP, call_1)
     k.put_rows(expert_out_CH, row_src_C, buffers.max_slots, buffers.table[RET], count=num_routed_1)
-    buffers._barrier()
+    buffers._segments.barrier(COMBINE_OP, call_1)
     H = expert_out_CH.shape[1]
     y_TH = expert_out_CH.new_empty(T, H)
     returned_NH = expert_out_CH.new_empty(T * K if save_returned else 0, H)
@@ -307,7 +316,7 @@ def symm_combine_op(
 
 
 @symm_combine_op.register_fake
-def _(expert_out_CH, weights_TK, position_TK, slot_dst_N, row_src_C, num_routed_1, buffers, save_returned):
+def _(expert_out_CH, weights_TK, position_TK, slot_dst_N, row_src_C, num_routed_1, call_1, buffers, save_returned):
     # NB: static shapes: T and K from position_TK.
     T, K = position_TK.shape
     H = expert_out_CH.shape[1]
@@ -315,24 +324,24 @@ def _(expert_out_CH, weights_TK, position_TK, slot_dst_N, row_src_C, num_routed_
 
 
 def _symm_combine_setup_context(ctx, inputs, output):
-    _, weights_TK, ctx.position_TK, slot_dst_N, _, num_routed_1, ctx.buffers, ctx.save_returned = inputs
+    _, weights_TK, ctx.position_TK, slot_dst_N, _, num_routed_1, call_1, ctx.buffers, ctx.save_returned = inputs
     ctx.set_materialize_grads(False)  # `returned_NH` gets a gradient only in double backward
-    ctx.save_for_backward(weights_TK, slot_dst_N, num_routed_1, output[1] if ctx.save_returned else None)
+    ctx.save_for_backward(weights_TK, slot_dst_N, num_routed_1, call_1, output[1] if ctx.save_returned else None)
 
 
 def _symm_combine_backward(ctx, grad_y_TH, grad_returned_NH):
-    weights_TK, slot_dst_N, num_routed_1, returned_NH = ctx.saved_tensors
+    weights_TK, slot_dst_N, num_routed_1, call_1, returned_NH = ctx.saved_tensors
     grad_expert_out_CH = grad_weights_TK = None
     if ctx.needs_input_grad[0] and grad_y_TH is not None:
         # The adjoint of combine is dispatch with each slot's row scaled by its weight.
         grad_expert_out_CH, _ = symm_dispatch_op(grad_y_TH, weights_TK, ctx.position_TK, slot_dst_N, num_routed_1,
-                                                 ctx.buffers)
+                                                 call_1, ctx.buffers)
     if ctx.needs_input_grad[0] and grad_returned_NH is not None and ctx.save_returned:
         # returned[position[t, k]] is the row of slot (t, k): dispatch the returned rows' gradient
         # back to those rows, as N "tokens" of K = 1 taken in slot order.
         by_slot_NH = grad_returned_NH.index_select(0, ctx.position_TK.reshape(-1))
         grad_rows_CH, _ = symm_dispatch_op(by_slot_NH, None, ctx.position_TK.reshape(-1, 1), slot_dst_N, num_routed_1,
-                                           ctx.buffers)
+                                           call_1, ctx.buffers)
         grad_expert_out_CH = grad_rows_CH if grad_expert_out_CH is None else grad_expert_out_CH + grad_rows_CH
     if ctx.needs_input_grad[1] and grad_y_TH is not None:
         if returned_NH is None:
@@ -341,7 +350,7 @@ def _symm_combine_backward(ctx, grad_y_TH, grad_returned_NH):
                 "save_returned=False; alltoall_ops.combine sets it when the weights require grad"
             )
         grad_weights_TK = symm_weight_grad_op(grad_y_TH, returned_NH, ctx.position_TK, weights_TK)
-    return grad_expert_out_CH, grad_weights_TK, None, None, None, None, None, None
+    return grad_expert_out_CH, grad_weights_TK, None, None, None, None, None, None, None
 
 
 symm_combine_op.register_autograd(_symm_combine_backward, setup_context=_symm_combine_setup_context)

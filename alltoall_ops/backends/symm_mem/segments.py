@@ -1,5 +1,13 @@
 """Allocators: memory every rank of a group can write (one rank, a CPU shared-memory stand-in,
-CUDA symmetric memory, simulated peers in one process)."""
+CUDA symmetric memory, simulated peers in one process), and their barriers.
+
+Every barrier carries a *stamp*, ``call * 4 + op``: the op (``META_OP``, ``DISPATCH_OP``, ``COMBINE_OP``;
+a backward is the op it runs) and the call number of the metadata exchange it belongs to (a
+dispatch's, and so its combine's and their backwards'). Ranks whose stamps at one barrier differ
+are out of step (a combine met a dispatch, or another layer's combine): the CPU stand-in raises
+:class:`GroupMismatchError` on every rank at once; the CUDA barrier kernel traps. The call number
+is device data (``call_1``): a CUDA graph's replays carry their own.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +21,38 @@ import torch
 import torch.distributed as dist
 
 from ... import comm
+from ...errors import CollectiveError, GroupMismatchError
 from ...groups import Group, process_group
 from ...kernels import loader
+
+META_OP, DISPATCH_OP, COMBINE_OP = 1, 2, 3
+"""Barrier op codes: the metadata exchange, a dispatch's row put, a combine's row put."""
+_OP_NAMES = {META_OP: "a dispatch's metadata exchange", DISPATCH_OP: "a dispatch's rows (or a combine's backward)",
+             COMBINE_OP: "a combine (or a dispatch's backward)"}
+
+
+def stamp(op: int, call: int) -> int:
+    """What a barrier of ``op`` in the step of metadata exchange ``call`` carries (the CUDA kernel
+    keeps its low 31 bits)."""
+    return call * 4 + op
+
+
+def describe_stamp(value: int) -> str:
+    return f"{_OP_NAMES.get(value % 4, f'op {value % 4}')} of call {value // 4}"
+
+
+def setup_gather(group_name: str, obj: Any) -> list:
+    """Every rank's ``obj``, by rank: an exchange while SymmBuffers are created. A failed one (a
+    peer that exited) raises :class:`CollectiveError` named like every fault
+    (``alltoall_ops.SymmBuffers on group <name> (rank r of W)``)."""
+    pg = process_group(group_name)
+    out: list = [None] * pg.size()
+    try:
+        dist.all_gather_object(out, obj, group=pg)
+    except RuntimeError as exc:
+        raise CollectiveError(f"{comm.where('SymmBuffers', pg)}: failed while the ranks created their buffers "
+                              f"(a peer exited or stalled?): {exc}") from exc
+    return out
 
 
 class _Segments:
@@ -23,12 +61,14 @@ class _Segments:
     local: torch.Tensor
     bases: list[int]
 
-    def barrier(self) -> None:
-        """Return once every rank has reached the barrier (in device order for device work)."""
+    def barrier(self, op: int, call_1: torch.Tensor, advance: bool = False) -> None:
+        """Return once every rank has reached the barrier (in device order for device work),
+        stamped ``stamp(op, call_1)``. call_1: (1,) int64 on the device; with ``advance`` (the
+        metadata exchange) first set to this rank's next call number on the segments. One rank
+        has no peers: nothing to wait for or compare, call_1 is left as it is."""
 
     def setup_barrier(self) -> None:
         """A host-level barrier for set-up, before any op runs."""
-        self.barrier()
 
     def gather_objects(self, obj: Any) -> list:
         """Every rank's ``obj``, by rank (a host exchange, for error messages only)."""
@@ -46,30 +86,52 @@ class _LocalSegments(_Segments):
 class _SharedMemorySegments(_Segments):
     """CPU stand-in for symmetric memory: each rank creates a file-backed shared mapping
     (``/dev/shm`` where it exists), every peer maps it, and the file is unlinked once all have.
-    Barriers go through the process group."""
+    Barriers go through the process group; their stamps through (2, W) int64 pads past the
+    segment (pad[i % 2, s]: rank s's stamp at barrier i; a peer writes pad i % 2 again only after
+    barrier i + 1, which this rank enters after reading it)."""
 
     def __init__(self, nbytes: int, group: Group, timeout: float):
         self._pg = process_group(group.name)
-        self._timeout = timeout
+        self._rank, self._timeout = group.rank, timeout
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         name = os.path.join(folder, f"alltoall_ops_{uuid.uuid4().hex}_{group.rank}")
-        self.local = torch.from_file(name, shared=True, size=nbytes, dtype=torch.uint8)
-        self.local.zero_()
-        names: list[Any] = [None] * group.size
+        size = nbytes + 2 * group.size * 8  # nbytes: a multiple of the regions' alignment (256)
+        mapped = torch.from_file(name, shared=True, size=size, dtype=torch.uint8)
+        mapped.zero_()
         try:
-            dist.all_gather_object(names, name, group=self._pg)
-            self._peers = [
-                self.local if r == group.rank
-                else torch.from_file(names[r], shared=True, size=nbytes, dtype=torch.uint8)
-                for r in range(group.size)
-            ]
-            dist.barrier(group=self._pg)  # every peer has mapped every file
+            names = setup_gather(self._pg.group_name, name)
+            peers = [mapped if r == group.rank else torch.from_file(names[r], shared=True, size=size, dtype=torch.uint8)
+                     for r in range(group.size)]
+            self.setup_barrier()  # every peer has mapped every file
         finally:
             os.unlink(name)
-        self.bases = [t.data_ptr() for t in self._peers]
+        self._peers = peers  # the mappings outlive their addresses in the pointer tables
+        self.local = mapped[:nbytes]
+        self.bases = [t.data_ptr() for t in peers]
+        self._pads = [t[nbytes:].view(torch.int64).view(2, group.size) for t in peers]  # every rank's pads
+        self._barriers = 0  # barriers passed: selects the pad
+        self._calls = 0  # metadata exchanges so far
 
-    def barrier(self) -> None:
+    def barrier(self, op: int, call_1: torch.Tensor, advance: bool = False) -> None:
+        if advance:
+            self._calls += 1
+            call_1.fill_(self._calls)
+        mine, i = stamp(op, int(call_1)), self._barriers % 2
+        for pads in self._pads:
+            pads[i, self._rank] = mine
         comm.run("symm_mem barrier", self._pg.group_name, lambda pg: dist.barrier(group=pg, async_op=True),
+                 timeout=self._timeout)
+        self._barriers += 1
+        seen = self._pads[self._rank][i].tolist()
+        if any(s != mine for s in seen):
+            per_rank = ", ".join(f"rank {r} is in {describe_stamp(s)}" for r, s in enumerate(seen))
+            raise GroupMismatchError(
+                f"{comm.where('symm_mem', self._pg)}: the ranks are out of step on these SymmBuffers: {per_rank}; "
+                "every rank must run dispatch, combine and their backwards on the same buffers in the same order"
+            )
+
+    def setup_barrier(self) -> None:
+        comm.run("SymmBuffers", self._pg.group_name, lambda pg: dist.barrier(group=pg, async_op=True),
                  timeout=self._timeout)
 
     def gather_objects(self, obj: Any) -> list:
@@ -90,16 +152,22 @@ class _CudaSymmetricSegments(_Segments):
         self._pg = process_group(group.name)
         self.local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
         self.local.zero_()
-        self._handle = symm_mem.rendezvous(self.local, group.name)
+        try:
+            self._handle = symm_mem.rendezvous(self.local, group.name)
+        except RuntimeError as exc:
+            raise CollectiveError(f"{comm.where('SymmBuffers', self._pg)}: symmetric-memory rendezvous failed: "
+                                  f"{exc}") from exc
         self.bases = list(self._handle.buffer_ptrs)
         self.pads_table = torch.tensor(list(self._handle.signal_pad_ptrs), dtype=torch.int64, device=device)
+        self._calls_1 = torch.zeros(1, dtype=torch.int64, device=device)  # metadata exchanges so far
 
-    def barrier(self) -> None:
-        loader.load().barrier(self.pads_table, self._rank, self._timeout)
+    def barrier(self, op: int, call_1: torch.Tensor, advance: bool = False) -> None:
+        loader.load().barrier(self.pads_table, self._rank, self._timeout, op, call_1,
+                              self._calls_1 if advance else None)
 
     def setup_barrier(self) -> None:
         torch.cuda.synchronize(self.local.device)
-        dist.barrier(group=self._pg)
+        comm.run("SymmBuffers", self._pg.group_name, lambda pg: dist.barrier(group=pg, async_op=True))
 
     def gather_objects(self, obj: Any) -> list:
         return comm.gather_objects("symm_mem", self._pg.group_name, obj)
@@ -110,15 +178,19 @@ class _SimulatedSegments(_Segments):
 
     The barrier is a thread barrier: every thread has queued its work before any goes on, and
     one device stream runs queued work in order, so no host-device sync is needed (CUDA graph
-    capture works when every thread queues onto the capturing stream)."""
+    capture works when every thread queues onto the capturing stream). Its stamps are not
+    compared (that would read the device); the metadata checks compare the call numbers."""
 
     def __init__(self, local: torch.Tensor, bases: list[int], barrier: threading.Barrier, rank: int,
                  board: list):
         self.local, self.bases = local, bases
         self._barrier = barrier
         self._rank, self._board = rank, board  # board: one slot per rank, shared by the threads
+        self._calls_1 = torch.zeros(1, dtype=torch.int64, device=local.device)  # metadata exchanges so far
 
-    def barrier(self) -> None:
+    def barrier(self, op: int, call_1: torch.Tensor, advance: bool = False) -> None:
+        if advance:
+            call_1.copy_(self._calls_1.add_(1))
         self._barrier.wait()
 
     def gather_objects(self, obj: Any) -> list:
