@@ -1,8 +1,11 @@
 """Version shims for the torch internals this package leans on (torch 2.11 through nightlies).
 
-Opaque objects (a Python object passed into custom ops, a graph input under torch.compile):
-- torch 2.11 / 2.13: base class ``torch._opaque_base.OpaqueBase``, registered with
-  ``torch._library.opaque_object.register_opaque_type(cls, typ=..., members=..., guard_fn=...)``;
+Opaque objects (a Python object passed into custom ops):
+- torch 2.11 / 2.13: base class ``torch._opaque_base.OpaqueBase`` (2.11 requires it for value
+  types too; 2.13 only for reference types), registered with
+  ``torch._library.opaque_object.register_opaque_type(cls, typ="reference" | "value", members=...)``;
+  both reject ``guard_fn`` for value types and require ``__eq__``, ``__hash__`` and
+  ``__fx_repr__`` of them;
 - newer nightlies: base class ``torch._custom_class_base.CustomClassBase`` and
   ``register_custom_class``.
 Keyword arguments that a version does not know are left out rather than failing.
@@ -15,14 +18,14 @@ and every op that communicates).
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable
 
 try:  # torch 2.11 - 2.13
     from torch._opaque_base import OpaqueBase
 except ImportError:  # pragma: no cover - nightlies after the rename
     from torch._custom_class_base import CustomClassBase as OpaqueBase  # type: ignore[no-redef]
 
-__all__ = ["OpaqueBase", "is_compiling", "register_reference_type"]
+__all__ = ["OpaqueBase", "is_compiling", "register_value_type"]
 
 
 def _register_function() -> Callable:
@@ -38,26 +41,23 @@ def _register_function() -> Callable:
     )
 
 
-def register_reference_type(
-    cls: type, *, constant_members: Iterable[str] = (), guard_fn: Optional[Callable[[Any], list]] = None
-) -> None:
-    """Register ``cls`` (a subclass of :data:`OpaqueBase`) as an opaque *reference* type.
+def register_value_type(cls: type, *, constant_members: Iterable[str] = ()) -> None:
+    """Register ``cls`` (a subclass of :data:`OpaqueBase`) as an opaque *value* type.
+
+    torch.compile embeds each object in the graph as a constant, written into the generated code
+    as ``cls.__fx_repr__()`` gives it, and guards on ``==`` (an object not equal to the one
+    compiled recompiles); fake implementations get the real object. So a value type is never a
+    graph input, which CUDA graphs (``mode="reduce-overhead"``) need on torch 2.11.
 
     constant_members: attributes read at trace time from the real object and baked into the
-        graph as constants (``MemberType.USE_REAL``); everything else is off limits under
-        torch.compile and in fake implementations.
-    guard_fn: values that torch.compile re-checks on every call (recompiles when they change).
+        graph as constants (``MemberType.USE_REAL``).
     """
     from torch._library.opaque_object import MemberType
 
     register = _register_function()
-    params = inspect.signature(register).parameters
-    kwargs: dict[str, Any] = {"typ": "reference"}
-    members = {name: MemberType.USE_REAL for name in constant_members}
-    if members and "members" in params:
-        kwargs["members"] = members
-    if guard_fn is not None and "guard_fn" in params:
-        kwargs["guard_fn"] = guard_fn
+    kwargs: dict[str, Any] = {"typ": "value"}
+    if constant_members and "members" in inspect.signature(register).parameters:
+        kwargs["members"] = {name: MemberType.USE_REAL for name in constant_members}
     register(cls, **kwargs)
 
 

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
+from ._compat import OpaqueBase
 from .comm import communication_ops
 
 
@@ -69,6 +70,8 @@ def _describe_arg(value: Any) -> str:
             return "<tensor>"
         real = getattr(meta, "real_obj", None)  # an opaque object's fake stands in for it
         return f"<opaque {type(real).__name__}>" if real is not None else "<symbolic>"
+    if isinstance(value, OpaqueBase):  # an opaque value type: a constant of the graph
+        return f"<constant {type(value).__name__}>"
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_describe_arg(v) for v in value) + "]"
     return repr(value)

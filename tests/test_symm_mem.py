@@ -380,13 +380,8 @@ def run_compiled(rank: int, world_size: int) -> tuple[str, list[bool], int, int]
             results.append((y, tpe, *torch.autograd.grad(y, (xx, ww), grad_y)))
         for a, b in zip(*results):
             assert torch.equal(a, b)
-    as_input = [
-        node.args[[a.name for a in node.target._schema.arguments].index("buffers")].op == "placeholder"
-        for gm in graphs.forward + graphs.backward
-        for node in gm.graph.nodes
-        if node.op == "call_function" and getattr(node.target, "name", lambda: "")() in SYMM_OPS
-    ]
-    return graphs.summary(), as_input, len(graphs.forward), len(graphs.backward)
+    constant = [b is bufs for gm in graphs.forward + graphs.backward for b in _buffers_arguments(gm)]
+    return graphs.summary(), constant, len(graphs.forward), len(graphs.backward)
 
 
 class TestCompiled(TestCase):
@@ -397,22 +392,22 @@ class TestCompiled(TestCase):
     def test_compiled_two_ranks(self):
         results = self.pool2.run(run_compiled)
         assert results[0] == results[1]
-        summary, as_input, num_forward, num_backward = results[0]
+        summary, constant, num_forward, num_backward = results[0]
         assert (num_forward, num_backward) == (1, 1)  # no graph break, no recompilation
-        assert as_input == [True] * 5  # every symm op takes the buffers straight from the inputs
+        assert constant == [True] * 5  # every symm op names the buffers themselves, a constant of the graph
         self.assertExpectedInline(summary, """\
 forward 0:
-  alltoall_ops.symm_exchange_meta(buffers=<opaque SymmBuffers>, expert_alignment=2)
-  alltoall_ops.symm_dispatch(scale_TK=None, buffers=<opaque SymmBuffers>)
-  alltoall_ops.symm_combine(weights_TK=<tensor>, buffers=<opaque SymmBuffers>, save_returned=True)
+  alltoall_ops.symm_exchange_meta(buffers=<constant SymmBuffers>, expert_alignment=2)
+  alltoall_ops.symm_dispatch(scale_TK=None, buffers=<constant SymmBuffers>)
+  alltoall_ops.symm_combine(weights_TK=<tensor>, buffers=<constant SymmBuffers>, save_returned=True)
 backward 0:
-  alltoall_ops.symm_dispatch(scale_TK=<tensor>, buffers=<opaque SymmBuffers>)
-  alltoall_ops.symm_combine(weights_TK=None, buffers=<opaque SymmBuffers>, save_returned=False)""")
+  alltoall_ops.symm_dispatch(scale_TK=<tensor>, buffers=<constant SymmBuffers>)
+  alltoall_ops.symm_combine(weights_TK=None, buffers=<constant SymmBuffers>, save_returned=False)""")
 
-    def test_buffers_of_other_sizes_recompile(self):
+    def test_each_buffers_object_compiles_once(self):
         torch._dynamo.reset()
         x, topk_idx, _, _ = _inputs(70, 0, 5, torch.float32, torch.float32)
-        same, bigger, same_again = (a2a.SymmBuffers(t, H, K, E, dtype=torch.float32, device="cpu") for t in (5, 7, 5))
+        first, bigger, same_size = (a2a.SymmBuffers(t, H, K, E, dtype=torch.float32, device="cpu") for t in (5, 7, 5))
 
         def step(x, topk_idx, bufs):
             routed, tokens_per_expert, handle = a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs)
@@ -421,13 +416,15 @@ backward 0:
         graphs = CompiledGraphs()
         compiled = torch.compile(step, backend=capturing_backend(graphs), fullgraph=True)
         compilations = []
-        for bufs in (same, bigger, same_again):
+        for bufs in (first, bigger, same_size, first):
             (routed, tpe, y), (ref_routed, ref_tpe, ref_y) = compiled(x, topk_idx, bufs), step(x, topk_idx, bufs)
             R = int(ref_tpe.sum())
             assert torch.equal(tpe, ref_tpe) and torch.equal(routed[:R], ref_routed[:R]) and torch.equal(y, ref_y)
             compilations.append(len(graphs.forward))
-        # Sizes are baked into the graph and guarded; the buffers themselves are a graph input.
-        assert compilations == [1, 2, 2]
+        # The buffers are a constant of the graph, equal only to themselves: other buffers, even of
+        # the same sizes, never reuse a graph compiled for these (nor its recorded CUDA graph).
+        assert compilations == [1, 2, 3, 3]
+        assert [_buffers_arguments(gm) for gm in graphs.forward] == [[b] * 3 for b in (first, bigger, same_size)]
 
     def test_compile_without_buffers_says_what_to_do(self):
         x, topk_idx, _, _ = _inputs(0, 0, 3, torch.float32, torch.float32)
@@ -437,9 +434,10 @@ backward 0:
             fn(x, topk_idx)
 
 
-def _buffers_arguments_are_placeholders(gm: torch.fx.GraphModule) -> list[bool]:
+def _buffers_arguments(gm: torch.fx.GraphModule) -> list:
+    """The buffers argument of every symm op of ``gm``."""
     return [
-        node.args[[a.name for a in node.target._schema.arguments].index("buffers")].op == "placeholder"
+        node.args[[a.name for a in node.target._schema.arguments].index("buffers")]
         for node in gm.graph.nodes
         if node.op == "call_function" and getattr(node.target, "name", lambda: "")() in SYMM_OPS
     ]
@@ -515,7 +513,7 @@ def test_dispatch_and_combine_compiled_apart_never_copy_the_buffers(monkeypatch)
                      if n.op == "get_attr" and isinstance(getattr(gm, n.target), torch.Tensor)]
         assert constants == [], f"tensor constants in a compiled graph: {constants}"
         assert not list(gm.buffers()) and not list(gm.parameters())
-        assert _buffers_arguments_are_placeholders(gm) in ([True], [True, True])
+        assert _buffers_arguments(gm) in ([bufs[0]], [bufs[0]] * 2)  # a constant of the graph, not an input
 
     # What torch pickles of them: the configuration, never the memory; a copy cannot be loaded.
     data = pickle.dumps(bufs[0])

@@ -1,4 +1,4 @@
-"""``SymmBuffers`` (an opaque reference type), its configuration, and ``run_simulated``."""
+"""``SymmBuffers`` (an opaque value type), its configuration, and ``run_simulated``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ... import fp8, layout
-from ..._compat import OpaqueBase, register_reference_type
+from ..._compat import OpaqueBase, register_value_type
 from ...comm import get_timeout
 from ...groups import Group, process_group, resolve_group
 from ...kernels.loader import check_kernels_run_on
@@ -121,8 +121,11 @@ class SymmBuffers(OpaqueBase):
     """Receive buffers, tags, returned rows, metadata and pointer tables for ``backend="symm_mem"``.
 
     Collective: every rank of ``group`` creates it with the same arguments, once, and passes it
-    as ``buffers=`` to :func:`alltoall_ops.dispatch`. Under torch.compile it is one graph input
-    (an opaque reference), and its sizes are compile-time constants.
+    as ``buffers=`` to :func:`alltoall_ops.dispatch`. Under torch.compile it is a constant of the
+    graph (an opaque value type, equal only to itself), never a graph input, so
+    ``mode="reduce-overhead"`` captures the layer: each distinct ``SymmBuffers`` compiles once,
+    and buffers embedded in compiled code are held for the life of the process (a recorded CUDA
+    graph keeps the addresses of their memory).
 
     Args:
         max_tokens_per_rank: T_max, the most tokens any rank dispatches in one call.
@@ -238,6 +241,8 @@ class SymmBuffers(OpaqueBase):
         self._segments = segments
         self._calls = 0  # metadata exchanges so far: every rank's count must agree
         self._own_error: Optional[str] = None  # this rank's argument error, while it tells its peers
+        self._key: Optional[int] = None  # in _COMPILED, once compiled code names these buffers
+        self._config_key = (cfg.rank, *cfg.shared, cfg.group_name)
         for field in dataclasses.fields(cfg):
             setattr(self, field.name, getattr(cfg, field.name))
         self.num_local_experts = cfg.num_experts // cfg.world_size
@@ -266,6 +271,35 @@ class SymmBuffers(OpaqueBase):
         segments.setup_barrier()  # every rank's tags are -1 before any peer writes
         logger.info("%r: %.1f MiB per rank (%s)", self, segment_bytes / 2**20, type(segments).__name__)
 
+    # NB: an opaque value type (torch.compile embeds it as a constant, guarded on ``==``): equal
+    # only to itself, so two buffers never share one compiled graph (nor its recorded CUDA graph,
+    # which replays fixed addresses). The generated code names it by a key in _COMPILED, with
+    # its configuration, which the compile caches hash: a cached graph is reused only for
+    # buffers of the same configuration, and the lookup checks it.
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    __hash__ = object.__hash__
+
+    def __fx_repr__(self) -> tuple[str, dict[str, type]]:
+        with _COMPILED_LOCK:
+            if self._key is None:
+                self._key = len(_COMPILED)
+                _COMPILED[self._key] = self
+        return f"SymmBuffers._compiled({self._key}, {self._config_key!r})", {"SymmBuffers": SymmBuffers}
+
+    @staticmethod
+    def _compiled(key: int, config_key: tuple) -> "SymmBuffers":
+        """The buffers that compiled code names (see ``__fx_repr__``)."""
+        bufs = _COMPILED.get(key)
+        if bufs is None or bufs._config_key != config_key:
+            raise RuntimeError(
+                f"compiled code names SymmBuffers #{key} with (rank, W, T_max, H, K, E, alignment, C, overflow, "
+                f"dtype, device type, payload dtype, group) = {config_key}, but this process holds "
+                f"{'no such buffers' if bufs is None else bufs._config_key} (code from another process's compile cache?)"
+            )
+        return bufs
+
     # NB: a handle to memory that peers write: a copy would read buffers nobody writes. Graph
     # modules deep-copy their attributes (seen with AOTAutograd's dynamic-shape path), so copies
     # are the object itself.
@@ -275,14 +309,13 @@ class SymmBuffers(OpaqueBase):
     def __deepcopy__(self, memo: dict) -> "SymmBuffers":
         return self
 
-    # NB: torch pickles an opaque graph input. The compile caches hash it (their pickler turns
-    # every tensor attribute into a Python list: seconds to minutes and many GB for a large
-    # segment, and a cache key that depends on the buffers' contents), and torch 2.11's inductor
-    # writes ``pickle.loads(<the object's bytes>)`` into the generated module (a GB-sized literal
-    # that then fails to import). The compiled code depends on the configuration only: pickle
-    # that, never the memory; a loaded copy would be memory no peer writes, so loading raises.
+    # NB: torch's compile caches pickle what they hash; torch 2.11's inductor wrote
+    # ``pickle.loads(<the object's bytes>)`` into the generated module for an opaque graph input
+    # (a GB-sized literal for a large segment, which then failed to import). Pickle the
+    # configuration, never the memory; a loaded copy would be memory no peer writes, so loading
+    # raises.
     def __reduce__(self) -> tuple:
-        return _load_pickled_buffers, (self._guard_key(),)
+        return _load_pickled_buffers, (list(self._config_key),)
 
     # Host-side helpers, used inside the ops only.
     def _barrier(self) -> None:
@@ -291,9 +324,6 @@ class SymmBuffers(OpaqueBase):
     def _next_call(self) -> int:
         self._calls += 1
         return self._calls
-
-    def _guard_key(self) -> list:
-        return [self.rank, *self._cfg.shared, self.group_name]
 
     def __repr__(self) -> str:
         return (f"SymmBuffers(rank={self.rank}, world_size={self.world_size}, T_max={self.max_tokens_per_rank}, "
@@ -307,7 +337,11 @@ _CONSTANT_MEMBERS = (
     "expert_alignment", "capacity", "overflow", "dtype", "device", "num_local_experts", "max_slots",
     "meta_columns", "payload_dtype",
 )
-register_reference_type(SymmBuffers, constant_members=_CONSTANT_MEMBERS, guard_fn=SymmBuffers._guard_key)
+register_value_type(SymmBuffers, constant_members=_CONSTANT_MEMBERS)
+
+_COMPILED: dict[int, SymmBuffers] = {}
+"""Buffers that compiled code names, by key: held for the process."""
+_COMPILED_LOCK = threading.Lock()
 
 
 def _load_pickled_buffers(key: list) -> SymmBuffers:
