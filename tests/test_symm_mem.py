@@ -11,6 +11,7 @@ compared to a few ulps of the accumulation dtype.
 
 from __future__ import annotations
 
+import os
 import pickle
 import subprocess
 import sys
@@ -25,7 +26,8 @@ from hypothesis import strategies as st
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import alltoall_ops as a2a
-from alltoall_ops.testing import CommOpCounter, nan_unwritten_rows
+from alltoall_ops.errors import GroupMismatchError
+from alltoall_ops.testing import CommOpCounter, DistributedPool, RankFailures, nan_unwritten_rows
 from alltoall_ops.backends import symm_mem
 from alltoall_ops.backends.symm_mem import backend as symm_backend
 from alltoall_ops.backends.symm_mem import ops as symm_ops
@@ -89,7 +91,7 @@ def _assert_same_as_collective(symm: dict, coll: dict, capacity: int) -> None:
     R = int(coll["tokens_per_expert"].sum())
     assert symm["routed"].shape[0] == capacity >= R
     # Rows [0, R), padding (zero) included, are the collective backend's; the rest unspecified.
-    assert torch.equal(symm["routed"][:R], coll["routed"]), "routed rows differ from the collective backend"
+    assert torch.equal(symm["routed"][:R], coll["routed"][:R]), "routed rows differ from the collective backend"
     assert symm["handle"].num_routed_1.tolist() == [R]
     assert (symm["handle"].row_src_C[R:] == -1).all(), "rows past tokens_per_expert.sum() have no source"
     assert torch.equal(symm["y"], coll["y"])
@@ -137,7 +139,7 @@ def test_bf16_products_round_like_torch():
     bufs = a2a.SymmBuffers(T, H, k, 1, dtype=torch.bfloat16, device="cpu")
     topk_idx = torch.zeros(T, k, dtype=torch.int64)
     _, _, h = a2a.dispatch(x, topk_idx, num_experts=1, buffers=bufs)
-    routed, _ = symm_ops.symm_dispatch_op(x, scale, h.position_TK, h.slot_dst_N, h.num_routed_1, bufs)
+    routed, _ = symm_ops.symm_dispatch_op(x, scale, h.position_TK, h.slot_dst_N, h.num_routed_1, h.call_1, bufs)
     slots = torch.argsort(h.position_TK.reshape(-1))  # one rank, no padding: row i carries send position i
     expected = (x.float()[slots // k] * scale.reshape(-1)[slots, None]).to(torch.bfloat16)
     torch.testing.assert_close(routed, expected, rtol=0, atol=0, equal_nan=True)
@@ -225,6 +227,78 @@ def test_errors_agree_on_every_rank(pool2):
     assert "overflow='drop'" in overflow
     assert "topk_idx on rank 1" in bad_ids and "max 11" in bad_ids
     assert "rank 0 dispatched T * K = 10 slots" in too_many
+
+
+# --------------------------------------------------------------------------------------------
+# Ranks out of step (W = 2): every barrier carries its op and the call number of its dispatch,
+# so no exchange pairs with another one on any rank
+
+
+def run_out_of_step(rank: int, world_size: int, case: str) -> str:
+    """Rank 1 skips one exchange that rank 0 makes: it caught its own combine's error
+    ("next_dispatch", "other_layer": its first layer's combine next) or skipped its backward
+    ("backward"), and went on. Returns what the rank raised there, or "returned"."""
+    bufs = a2a.SymmBuffers(4, H, K, E, dtype=torch.float32, device="cpu", timeout=10.0)
+    x, topk_idx, weights, grad_y = _inputs(9, rank, 4, torch.float32, torch.float32)
+    x = x.requires_grad_()
+    layers = [a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs) for _ in range(2 if case == "other_layer" else 1)]
+    routed, _, handle = layers[-1]
+    try:
+        if rank == 0:
+            y = a2a.combine(routed, handle, weights)
+            if case == "backward":
+                torch.autograd.grad(y, x, grad_y)
+        elif case == "backward":  # its combine pairs with rank 0's; it skips its backward
+            a2a.combine(routed, handle, weights)
+            a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs)
+        else:
+            with pytest.raises(ValueError, match="expert_out"):  # raised before any exchange: rank 0 is not told
+                a2a.combine(routed[:, :1], handle, weights)
+            if case == "other_layer":
+                a2a.combine(layers[0][0], layers[0][2], weights)
+            else:
+                a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs)
+    except GroupMismatchError as exc:
+        return f"GroupMismatchError: {exc}"
+    return "returned"
+
+
+OUT_OF_STEP = {  # case -> where each rank is, in every rank's message
+    "next_dispatch": "rank 0 is in a combine (or a dispatch's backward) of call 1, rank 1 is in a dispatch's "
+                     "metadata exchange of call 2",
+    "other_layer": "rank 0 is in a combine (or a dispatch's backward) of call 2, rank 1 is in a combine (or a "
+                   "dispatch's backward) of call 1",
+    "backward": "rank 0 is in a dispatch's rows (or a combine's backward) of call 1, rank 1 is in a dispatch's "
+                "metadata exchange of call 2",
+}
+
+
+@pytest.mark.parametrize("case", list(OUT_OF_STEP))
+def test_out_of_step_raises_on_every_rank(pool2, case):
+    # Before the stamps: rank 0's combine paired with rank 1's dispatch (or other combine) and
+    # returned a wrong y (the backward: a wrong gradient, then a timeout).
+    for rank, message in enumerate(pool2.run(run_out_of_step, case)):
+        assert message.startswith("GroupMismatchError: alltoall_ops.symm_mem on group"), message
+        assert f"(rank {rank} of 2): the ranks are out of step" in message and OUT_OF_STEP[case] in message, message
+
+
+def run_peer_exits_while_creating(rank: int, world_size: int, where: str) -> None:
+    if rank == 1 and where == "before":
+        os._exit(3)
+    if rank == 1:  # inside the allocator, after the ranks agreed on the configuration
+        symm_mem.segments._SharedMemorySegments.__init__ = lambda *args: os._exit(3)
+    a2a.SymmBuffers(4, H, K, E, dtype=torch.float32, device="cpu")
+
+
+@pytest.mark.parametrize("where", ["before", "during"])
+def test_peer_exit_while_creating_buffers_is_named(where):
+    with DistributedPool(2) as pool:
+        with pytest.raises(RankFailures) as info:
+            pool.run(run_peer_exits_while_creating, where, timeout=60)
+    assert set(info.value.errors) == {0}, str(info.value)  # rank 1 died
+    err = info.value.errors[0]
+    assert err.type_name == "CollectiveError", err
+    assert err.message.startswith("alltoall_ops.SymmBuffers on group") and "(rank 0 of 2): failed" in err.message, err
 
 
 def _dropped_slots(topk_idxs: list[torch.Tensor], capacity: int, world_size: int) -> list[set]:
@@ -653,11 +727,12 @@ def test_opcheck():
     ops = symm_ops
     cases = [
         (ops.symm_exchange_meta_op, (h.meta_WL[0].clone(), bufs, 1)),
-        (ops.symm_dispatch_op, (x, None, h.position_TK, h.slot_dst_N, h.num_routed_1, bufs)),
-        (ops.symm_dispatch_op, (x, w.detach(), h.position_TK, h.slot_dst_N, h.num_routed_1, bufs)),
+        (ops.symm_dispatch_op, (x, None, h.position_TK, h.slot_dst_N, h.num_routed_1, h.call_1, bufs)),
+        (ops.symm_dispatch_op, (x, w.detach(), h.position_TK, h.slot_dst_N, h.num_routed_1, h.call_1, bufs)),
         (ops.symm_combine_op,
-         (routed.requires_grad_(), w, h.position_TK, h.slot_dst_N, h.row_src_C, h.num_routed_1, bufs, True)),
-        (ops.symm_combine_op, (routed, None, h.position_TK, h.slot_dst_N, h.row_src_C, h.num_routed_1, bufs, False)),
+         (routed.requires_grad_(), w, h.position_TK, h.slot_dst_N, h.row_src_C, h.num_routed_1, h.call_1, bufs, True)),
+        (ops.symm_combine_op,
+         (routed, None, h.position_TK, h.slot_dst_N, h.row_src_C, h.num_routed_1, h.call_1, bufs, False)),
         (ops.symm_weight_grad_op,
          (grad_y, torch.randn(routed.shape[0], H, dtype=torch.float64), h.position_TK, w.detach())),
     ]
@@ -670,7 +745,8 @@ def test_opcheck():
 def test_weights_gradient_needs_save_returned():
     bufs, _, weights, grad_y, routed, h = _one_rank_call()
     w = weights.requires_grad_()
-    y, _ = symm_ops.symm_combine_op(routed, w, h.position_TK, h.slot_dst_N, h.row_src_C, h.num_routed_1, bufs, False)
+    y, _ = symm_ops.symm_combine_op(routed, w, h.position_TK, h.slot_dst_N, h.row_src_C, h.num_routed_1, h.call_1,
+                                    bufs, False)
     with pytest.raises(RuntimeError, match="save_returned=False"):
         torch.autograd.grad(y, w, grad_y)
 
@@ -784,7 +860,7 @@ def test_opcheck_second_order_paths():
     returned = torch.randn(h.position_TK.numel(), H, dtype=torch.float64)
     cases = [
         (symm_ops.symm_dispatch_op,
-         (x.requires_grad_(), weights.requires_grad_(), h.position_TK, h.slot_dst_N, h.num_routed_1, bufs)),
+         (x.requires_grad_(), weights.requires_grad_(), h.position_TK, h.slot_dst_N, h.num_routed_1, h.call_1, bufs)),
         (symm_ops.symm_weight_grad_op,
          (grad_y.requires_grad_(), returned.requires_grad_(), h.position_TK, weights.detach())),
     ]

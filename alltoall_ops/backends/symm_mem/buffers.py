@@ -10,14 +10,14 @@ import uuid
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from ... import fp8, layout
 from ..._compat import OpaqueBase, register_value_type
 from ...comm import get_timeout
-from ...groups import Group, process_group, resolve_group
+from ...groups import Group, resolve_group
 from ...kernels.loader import check_kernels_run_on
-from .segments import _CudaSymmetricSegments, _LocalSegments, _Segments, _SharedMemorySegments, _SimulatedSegments
+from .segments import (_CudaSymmetricSegments, _LocalSegments, _Segments, _SharedMemorySegments, _SimulatedSegments,
+                       setup_gather)
 
 logger = logging.getLogger(__name__)
 
@@ -354,8 +354,7 @@ def _load_pickled_buffers(key: list) -> SymmBuffers:
 
 def _check_same_config(cfg: _Config, grp: Group) -> None:
     """Every rank must create its buffers with the same sizes (one all-gather, at set-up)."""
-    configs: list[Any] = [None] * grp.size
-    dist.all_gather_object(configs, cfg.shared, group=process_group(grp.name))
+    configs = setup_gather(grp.name, cfg.shared)
     if any(c != configs[0] for c in configs):
         raise ValueError(
             "SymmBuffers: every rank must pass the same sizes; got (W, T_max, H, K, E, alignment, "
