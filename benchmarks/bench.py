@@ -147,11 +147,10 @@ def ours_combine(expert_out, handle, weights):
 
 
 def ours_layout(topk_idx, num_experts: int):
-    """The layout step alone (W = 1): routing -> send order, each slot's destination row,
-    tokens per expert."""
-    plan = layout.plan_routing(topk_idx, num_experts, 1)
-    counts, _ = layout.split_meta(plan.send_meta)
-    return plan.order, plan.position, layout.padded_tokens_per_expert(counts, 1)
+    """The local backend's layout step alone (W = 1): routing -> each row's slot, each slot's
+    row, tokens per expert (``layout.plan_rows``)."""
+    plan = layout.plan_rows(topk_idx, num_experts, 1)
+    return plan.row_src, plan.row, plan.tokens_per_expert
 
 
 def torch_fp8_dispatch(x: torch.Tensor, topk_idx: torch.Tensor):

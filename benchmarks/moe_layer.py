@@ -10,7 +10,7 @@ Layers (T, H, F, E, K) = (T, 2048, 1408, 64, 6), SwiGLU, one GPU, bf16; the expe
 combine only:
 - ``plain``: argsort of the slots + ``index_select``, experts, fp32 ``index_add_`` of the
   weighted rows: what a user writes by hand, with no host sync (the row count is T * K).
-- ``local``: ``alltoall_ops.moe.MoE`` with ``backend="local"`` (one host read per step).
+- ``local``: ``alltoall_ops.moe.MoE`` with ``backend="local"`` (no host sync; C = T * K rows).
 - ``symm``: ``backend="symm_mem"`` with ``SymmBuffers`` (no host sync; capacity C = T * K).
 
 Suffixes: ``.compile`` (fullgraph), ``.compile.graph`` (``mode="reduce-overhead"``, CUDA graph
@@ -40,8 +40,9 @@ from alltoall_ops.moe import MoE
 
 from .bench import Captured, host_us, timer
 
-MOE_SHAPES = {"decode": (128, 2048, 1408, 64, 6), "train": (4096, 2048, 1408, 64, 6)}
-SMOKE_SHAPES = {"decode": (8, 32, 48, 8, 2), "train": (64, 32, 48, 8, 2)}
+MOE_SHAPES = {"decode": (128, 2048, 1408, 64, 6), "train": (4096, 2048, 1408, 64, 6),
+              "train16k": (16384, 2048, 1408, 64, 6)}
+SMOKE_SHAPES = {"decode": (8, 32, 48, 8, 2), "train": (64, 32, 48, 8, 2), "train16k": (128, 32, 48, 8, 2)}
 
 
 def plain_forward(layer: MoE, x_TH: torch.Tensor) -> torch.Tensor:
@@ -70,7 +71,11 @@ def kernels_outside_graphs(step: Callable[[], object]) -> tuple[int, int]:
     return graphs, kernels
 
 
-def run_shape(name: str, shape, device: torch.device, backend: str, time_us, rows: list, notes: list) -> None:
+LAYERS = ("plain", "local", "symm")
+
+
+def run_shape(name: str, shape, device: torch.device, backend: str, time_us, rows: list, notes: list,
+              wanted: tuple = LAYERS) -> None:
     T, H, F, E, K = shape
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(T + H)
@@ -80,14 +85,15 @@ def run_shape(name: str, shape, device: torch.device, backend: str, time_us, row
     symm.load_state_dict(local.state_dict())
     x = torch.randn(T, H, device=device, dtype=dtype)
     grad_y = torch.randn(T, H, device=device, dtype=dtype)
-    training = name == "train"
+    training = name.startswith("train")
     layers = {"plain": (local, lambda x_: plain_forward(local, x_)), "local": (local, local), "symm": (symm, symm)}
+    layers = {label: layer for label, layer in layers.items() if label in wanted}
     reference: dict = {}  # op -> the eager plain layer's result
 
     for label, (module, fn) in layers.items():
         variants = [(label, fn)]
         variants.append((f"{label}.compile", torch.compile(fn, backend=backend, fullgraph=True)))
-        if device.type == "cuda" and label != "local":  # local reads the counts: nothing to capture
+        if device.type == "cuda":
             variants.append((f"{label}.compile.graph", torch.compile(fn, backend=backend, fullgraph=True,
                                                                      mode="reduce-overhead")))
         for impl, f in variants:
@@ -130,7 +136,7 @@ def run_shape(name: str, shape, device: torch.device, backend: str, time_us, row
                 rows.append({"shape": name, "T": T, "impl": row_impl, "op": op, "us": round(us, 1),
                              "host_us": round(host, 1), "first_calls_s": round(compile_s, 1)})
                 print(f"{name:>6} T={T:5d} {row_impl:>20} {op:>8}: {us:9.1f} us  host {host:9.1f} us", flush=True)
-        if device.type == "cuda" and label != "local":
+        if device.type == "cuda":
             # The compiled forward captured by hand (torch.cuda.graph), replayed: inference.
             compiled = torch.compile(fn, backend=backend, fullgraph=True)
 
@@ -165,6 +171,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="folder for moe_layer.json / moe_layer.md")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (times mean nothing)")
     parser.add_argument("--shapes", nargs="*", default=list(MOE_SHAPES), choices=list(MOE_SHAPES))
+    parser.add_argument("--layers", nargs="*", default=list(LAYERS), choices=LAYERS,
+                        help="which layers (plain, the baseline, is the reference of every check: keep it)")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     backend = "aot_eager" if device.type == "cpu" else "inductor"
@@ -172,7 +180,7 @@ def main(argv=None) -> int:
     rows: list = []
     notes: list = []
     for name in args.shapes:
-        run_shape(name, shapes[name], device, backend, timer(device), rows, notes)
+        run_shape(name, shapes[name], device, backend, timer(device), rows, notes, tuple(args.layers))
         torch._dynamo.reset()
     text = markdown(rows, notes)
     print(text)

@@ -25,14 +25,14 @@ def _stuck_barrier() -> None:
     """Child: a one-rank barrier whose own flag is already set, so the release never succeeds."""
     pad = torch.ones(1, dtype=torch.int32, device="cuda")
     table = torch.tensor([pad.data_ptr()], dtype=torch.int64, device="cuda")
-    loader.load().barrier(table, 0, 1.0)
+    loader.load().barrier(table, 0, 1.0, 1, torch.ones(1, dtype=torch.int64, device="cuda"))
     torch.cuda.synchronize()
 
 
 def check_barrier() -> bool:
     pad = torch.zeros(1, dtype=torch.int32, device="cuda")
     table = torch.tensor([pad.data_ptr()], dtype=torch.int64, device="cuda")
-    loader.load().barrier(table, 0, 1.0)
+    loader.load().barrier(table, 0, 1.0, 1, torch.ones(1, dtype=torch.int64, device="cuda"))
     torch.cuda.synchronize()
     ok = int(pad) == 0
     start = time.monotonic()

@@ -90,11 +90,11 @@ def symm_rank(rank: int, bufs: symm_mem.SymmBuffers, inputs: tuple) -> dict:
     A = bufs.expert_alignment
     routed, tpe, h = a2a.dispatch(x, topk_idx, num_experts=bufs.num_experts, expert_alignment=A, buffers=bufs)
     out = routed * 2 + 1
-    args = (h.position_TK, h.slot_dst_N, h.row_src_C, h.num_routed_1, bufs)
+    args = (h.position_TK, h.slot_dst_N, h.row_src_C, h.num_routed_1, h.call_1, bufs)
     y, returned = symm_ops.symm_combine_op(out, weights, *args, True)
     y1, _ = symm_ops.symm_combine_op(out, None, *args, False)
     grad_out, _ = symm_ops.symm_dispatch_op(grad_y, weights, h.position_TK, h.slot_dst_N, h.num_routed_1,
-                                            bufs)  # combine's adjoint
+                                            h.call_1, bufs)  # combine's adjoint
     grad_x, _ = symm_ops.symm_combine_op(grad_out * 2, None, *args, False)  # dispatch's adjoint
     grad_w = symm_ops.symm_weight_grad_op(grad_y, returned, h.position_TK, weights)
     return dict(routed=routed, tpe=tpe, y=y, y1=y1, grad_x=grad_x, grad_w=grad_w, dropped=h.dropped_W)
@@ -329,6 +329,7 @@ def check_barrier_streams() -> str:
     data = torch.zeros(1 << 24, device=DEVICE)
     seen = torch.empty_like(data)
     streams = [torch.cuda.Stream() for _ in range(W)]
+    call_1 = torch.ones(1, dtype=torch.int64, device=DEVICE)  # both ranks in the same op and call
     data.fill_(0.0)
     seen.copy_(data)  # first launches (module loads) before any barrier spins
     done = threading.Event()
@@ -337,9 +338,9 @@ def check_barrier_streams() -> str:
     for it in range(50):
         with torch.cuda.stream(streams[0]):
             data.fill_(float(it + 1))
-            k.barrier(table, 0)
+            k.barrier(table, 0, 60.0, 1, call_1)
         with torch.cuda.stream(streams[1]):
-            k.barrier(table, 1)
+            k.barrier(table, 1, 60.0, 1, call_1)
             seen.copy_(data)
         torch.cuda.synchronize()
         assert bool((seen == it + 1).all()), it
@@ -362,7 +363,7 @@ def check_bf16_rounding() -> str:
     scale = scale.to(DEVICE)
     bufs = a2a.SymmBuffers(T, H, k, 1, dtype=torch.bfloat16, device=DEVICE)
     _, _, h = a2a.dispatch(x, torch.zeros(T, k, dtype=torch.int64, device=DEVICE), num_experts=1, buffers=bufs)
-    routed, _ = symm_ops.symm_dispatch_op(x, scale, h.position_TK, h.slot_dst_N, h.num_routed_1, bufs)
+    routed, _ = symm_ops.symm_dispatch_op(x, scale, h.position_TK, h.slot_dst_N, h.num_routed_1, h.call_1, bufs)
     order = torch.argsort(h.position_TK.reshape(-1))  # send position i holds slot order[i]
     expected = (x.float()[order // k] * scale.reshape(-1)[order, None]).to(torch.bfloat16)
     torch.testing.assert_close(routed, expected, rtol=0, atol=0, equal_nan=True)

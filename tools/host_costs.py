@@ -31,25 +31,30 @@ def pieces(T: int, dev: torch.device) -> dict[str, float]:
     kernels = loader.load()
     x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
     weights, topk_idx = torch.randn(T, E, device=dev).softmax(-1).topk(K, dim=-1)
-    plan = layout.plan_routing(topk_idx, E, 1)
-    out = x.new_empty(T * K, H)
+    C = layout.local_capacity(T * K, E, 1)
+    plan = layout.plan_rows(topk_idx, E, 1)
     routed, _, handle = a2a.dispatch(x, topk_idx, num_experts=E, backend="local")
 
     def plain_dispatch():
         order = topk_idx.reshape(-1).argsort(stable=True)
         return x.index_select(0, order // K)
 
+    compiled_local = torch.compile(lambda x, i: a2a.dispatch(x, i, num_experts=E)[0], fullgraph=True)
+    compiled_plain = torch.compile(plain_dispatch, fullgraph=True)
     return {
         "torch.empty": timed(lambda: torch.empty(T * K, H, device=dev, dtype=torch.bfloat16)),
-        "tiny add": timed(lambda: plan.send_meta.add(0)),
-        "plan_slots (kernels)": timed(lambda: kernels.plan_slots(topk_idx, E, 1)),
-        "plan_routing op": timed(lambda: layout.plan_routing_op(topk_idx, E, 1)),
-        "put_rows launcher": timed(lambda: kernels.put_rows(x, plan.position.reshape(-1), T * K, out=out, top_k=K)),
-        "read_splits (sync)": timed(lambda: layout.read_splits(plan.send_meta, plan.send_meta, 1)),
-        "meta.tolist (sync)": timed(lambda: plan.send_meta.tolist()),
+        "tiny add": timed(lambda: plan.status.add(0)),
+        "torch.full (C,)": timed(lambda: torch.full((C,), -1, dtype=torch.int64, device=dev)),
+        "plan_rows (kernels)": timed(lambda: kernels.plan_rows(topk_idx, E, 1, C)),
+        "check_status": timed(lambda: layout.check_status(plan.status, E)),
+        "plan_rows op": timed(lambda: layout.plan_rows_op(topk_idx, E, 1)),
+        "layout.plan_rows": timed(lambda: layout.plan_rows(topk_idx, E, 1)),
+        "gather_rows launcher": timed(lambda: kernels.gather_rows(x, plan.row_src, routed, top_k=K)),
         "local dispatch": timed(lambda: a2a.dispatch(x, topk_idx, num_experts=E, backend="local")),
         "local combine": timed(lambda: a2a.combine(routed, handle, weights)),
         "plain dispatch": timed(plain_dispatch),
+        "compiled local dispatch": timed(lambda: compiled_local(x, topk_idx)),
+        "compiled plain dispatch": timed(compiled_plain),
     }
 
 
