@@ -506,7 +506,7 @@ def bench_shape(b: Bench, shape) -> None:
             R = int(tpe.sum())
             s_routed[:R] += row_offsets(R, 0, s_routed)  # expert outputs that differ per row
             local_out = routed.clone()
-            local_out += row_offsets(R, 0, local_out)
+            local_out[:R] += row_offsets(R, 0, local_out)
             s_y = a2a.combine(s_routed, s_handle, weights)
             differ = check_y("symm W=1 combine vs local", s_y, ours_combine(local_out, handle, weights))
             b.note(f"{shape} symm W=1 (C={bufs.capacity}) = local backend: routed exact; y: {differ} "

@@ -155,7 +155,8 @@ def main(argv=None) -> int:
                     traceback.print_exc()
                     ok, seen = False, f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
                 failed += not ok
-                print(f"{'PASS' if ok else 'FAIL'} {backend} {'train' if train else 'decode'} T={T}: {seen}", flush=True)
+                case = f"{backend} {'train' if train else 'decode'} T={T}"
+                print(f"{'PASS' if ok else 'FAIL'} {case}: {seen}", flush=True)
     dry = " (CPU dry run: nothing is captured on the CPU; run it on a GPU)" if args.cpu else ""
     print(("ALL PASS" if not failed else f"{failed} FAILED") + dry, flush=True)
     return 1 if failed else 0

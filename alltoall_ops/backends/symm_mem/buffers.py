@@ -239,7 +239,6 @@ class SymmBuffers(OpaqueBase):
     def _setup(self, cfg: _Config, segments: _Segments) -> None:
         self._cfg = cfg
         self._segments = segments
-        self._calls = 0  # metadata exchanges so far: every rank's count must agree
         self._own_error: Optional[str] = None  # this rank's argument error, while it tells its peers
         self._key: Optional[int] = None  # in _COMPILED, once compiled code names these buffers
         self._config_key = (cfg.rank, *cfg.shared, cfg.group_name)
@@ -296,7 +295,8 @@ class SymmBuffers(OpaqueBase):
             raise RuntimeError(
                 f"compiled code names SymmBuffers #{key} with (rank, W, T_max, H, K, E, alignment, C, overflow, "
                 f"dtype, device type, payload dtype, group) = {config_key}, but this process holds "
-                f"{'no such buffers' if bufs is None else bufs._config_key} (code from another process's compile cache?)"
+                f"{'no such buffers' if bufs is None else bufs._config_key} (code from another process's compile "
+                "cache?)"
             )
         return bufs
 
@@ -316,14 +316,6 @@ class SymmBuffers(OpaqueBase):
     # raises.
     def __reduce__(self) -> tuple:
         return _load_pickled_buffers, (list(self._config_key),)
-
-    # Host-side helpers, used inside the ops only.
-    def _barrier(self) -> None:
-        self._segments.barrier()
-
-    def _next_call(self) -> int:
-        self._calls += 1
-        return self._calls
 
     def __repr__(self) -> str:
         return (f"SymmBuffers(rank={self.rank}, world_size={self.world_size}, T_max={self.max_tokens_per_rank}, "
