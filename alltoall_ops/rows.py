@@ -154,7 +154,7 @@ def _weight_grad_backward(ctx, grad_grad_w_TK):
     # slot_dot. weights only give the dtype: no gradient.
     grad_y_TH, rows_nH = ctx.saved_tensors
     T, K = ctx.position_TK.shape
-    n = rows_nH.shape[0]
+    n, H = rows_nH.shape
     slots_N = ctx.position_TK.reshape(-1)
     valid_N = (slots_N >= 0) & (slots_N < n)
     slots_N = slots_N.clamp(0, max(n - 1, 0))
@@ -162,11 +162,11 @@ def _weight_grad_backward(ctx, grad_grad_w_TK):
     gg_TK1 = torch.where(valid_N.view(T, K), grad_grad_w_TK.to(acc), 0)[:, :, None]
     grad_grad_y_TH = grad_rows_nH = None
     if ctx.needs_input_grad[0]:
-        slot_rows_TKH = rows_nH.index_select(0, slots_N).view(T, K, -1).to(acc) if n else \
-            rows_nH.new_zeros(T, K, grad_y_TH.shape[1], dtype=acc)
+        slot_rows_TKH = rows_nH.index_select(0, slots_N).view(T, K, H).to(acc) if n else \
+            rows_nH.new_zeros(T, K, H, dtype=acc)
         grad_grad_y_TH = (gg_TK1 * slot_rows_TKH).sum(1).to(grad_y_TH.dtype)
     if ctx.needs_input_grad[1]:
-        per_slot_NH = (gg_TK1 * grad_y_TH.to(acc)[:, None, :]).reshape(T * K, -1)
+        per_slot_NH = (gg_TK1 * grad_y_TH.to(acc)[:, None, :]).reshape(T * K, H)
         grad_rows_nH = torch.zeros_like(rows_nH).index_add(0, slots_N, per_slot_NH.to(rows_nH.dtype))
     return grad_grad_y_TH, grad_rows_nH, None, None
 

@@ -64,9 +64,29 @@ def opcheck_all(rank: int, world_size: int, group_name: str | None, configs=CONF
     return checked
 
 
-def test_opcheck_local_backend():
+def test_opcheck_collective_ops_on_one_rank():
     assert not dist.is_initialized()
     assert len(opcheck_all(0, 1, LOCAL)) == 3
+
+
+@pytest.mark.parametrize("T, K, alignment, weighted", CONFIGS)
+def test_opcheck_local_backend(T, K, alignment, weighted):
+    """plan_rows, local_dispatch (forward, and scaled as combine's backward), local_combine and
+    weight_grad: the local backend's ops, static shapes."""
+    E, H = 4, 3
+    g = torch.Generator().manual_seed(10 * T + K)
+    x = torch.randn(T, H, generator=g, dtype=torch.float64, requires_grad=True)
+    idx = torch.randint(-1, E, (T, K), generator=g)
+    w = torch.rand(T, K, generator=g, dtype=torch.float64, requires_grad=True) if weighted else None
+    torch.library.opcheck(OPS.plan_rows.default, (idx, E, alignment))
+    row_src, row, _ = OPS.plan_rows(idx, E, alignment)
+    assert row_src.shape == (layout.local_capacity(T * K, E, alignment),)
+    torch.library.opcheck(OPS.local_dispatch.default, (x, None, row_src, row))
+    torch.library.opcheck(OPS.local_dispatch.default, (x, w, row_src, row))
+    expert_out = torch.randn(row_src.shape[0], H, generator=g, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(OPS.local_combine.default, (expert_out, w, row, row_src))
+    if weighted:
+        torch.library.opcheck(OPS.weight_grad.default, (x, expert_out, row, w))
 
 
 @pytest.mark.parametrize("pool, config", [(1, CONFIGS[0]), (2, CONFIGS[1])], indirect=["pool"])

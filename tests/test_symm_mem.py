@@ -34,6 +34,7 @@ from alltoall_ops.backends.symm_mem import ops as symm_ops
 from alltoall_ops.kernels import loader
 from alltoall_ops.inspect import CompiledGraphs, capturing_backend
 from alltoall_ops.layout import expert_of_rows
+from alltoall_ops.rows import weight_grad_op
 
 # Triton decides at import whether kernels run compiled or in its interpreter, for the whole
 # process: without CUDA this package sets TRITON_INTERPRET=1. (The GPU path: test_symm_mem_gpu.py.)
@@ -733,7 +734,7 @@ def test_opcheck():
          (routed.requires_grad_(), w, h.position_TK, h.slot_dst_N, h.row_src_C, h.num_routed_1, h.call_1, bufs, True)),
         (ops.symm_combine_op,
          (routed, None, h.position_TK, h.slot_dst_N, h.row_src_C, h.num_routed_1, h.call_1, bufs, False)),
-        (ops.symm_weight_grad_op,
+        (weight_grad_op,
          (grad_y, torch.randn(routed.shape[0], H, dtype=torch.float64), h.position_TK, w.detach())),
     ]
     for op, args in cases:
@@ -861,7 +862,7 @@ def test_opcheck_second_order_paths():
     cases = [
         (symm_ops.symm_dispatch_op,
          (x.requires_grad_(), weights.requires_grad_(), h.position_TK, h.slot_dst_N, h.num_routed_1, h.call_1, bufs)),
-        (symm_ops.symm_weight_grad_op,
+        (weight_grad_op,
          (grad_y.requires_grad_(), returned.requires_grad_(), h.position_TK, weights.detach())),
     ]
     for op, args in cases:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import alltoall_ops as a2a
 from alltoall_ops import layout
+from alltoall_ops.layout import expert_of_rows
 from alltoall_ops.inspect import compiled_graphs
 
 DEVICE = torch.device(os.environ.get("GPU_CHECK_DEVICE", "cuda:0"))  # "cpu": a dry run here
@@ -33,9 +34,8 @@ def moe_layer(x, topk_idx, weights, expert_w, num_experts, alignment=1, backend=
     routed, tokens_per_expert, handle = a2a.dispatch(
         x, topk_idx, num_experts=num_experts, expert_alignment=alignment, backend=backend
     )
-    expert_of_row = torch.repeat_interleave(
-        torch.arange(e, device=x.device), tokens_per_expert, output_size=routed.shape[0]
-    )
+    # rows past the last group (the local backend's zero tail) take the last expert: never read
+    expert_of_row = expert_of_rows(tokens_per_expert, routed.shape[0]).clamp(max=e - 1)
     # Expert math in fp32 at least, so that bf16 errors measure the ops, not bf16 bmm sums.
     acc = torch.promote_types(x.dtype, torch.float32)
     rows = torch.bmm(routed.unsqueeze(1).to(acc), expert_w.to(acc)[expert_of_row]).squeeze(1)
@@ -120,7 +120,14 @@ def opcheck_cuda():
     eo = torch.randn_like(routed, requires_grad=True)
     torch.library.opcheck(ops.combine.default, (eo, w.detach(), *args, False))
     torch.library.opcheck(ops.combine.default, (eo, w, *args, True))
-    return "exchange_counts, read_splits, dispatch, combine"
+    # the local backend's ops (static rows)
+    torch.library.opcheck(ops.plan_rows.default, (idx, 8, 4))
+    row_src, row, _ = ops.plan_rows(idx, 8, 4)
+    torch.library.opcheck(ops.local_dispatch.default, (x, w, row_src, row))
+    out = torch.randn(row_src.shape[0], 16, device=DEVICE, requires_grad=True)
+    torch.library.opcheck(ops.local_combine.default, (out, w, row, row_src))
+    torch.library.opcheck(ops.weight_grad.default, (x, out, row, w))
+    return "exchange_counts, read_splits, dispatch, combine, plan_rows, local_dispatch, local_combine, weight_grad"
 
 
 @check

@@ -11,7 +11,7 @@ from ... import fp8, layout
 from ...comm import comm_op
 from ...errors import CapacityError, GroupMismatchError, PeerInputError, RoutingError
 from ...kernels import loader
-from ...rows import accumulation_dtype, quantize
+from ...rows import accumulation_dtype, quantize, weight_grad_op
 from .buffers import ALIGNMENT, CALL, FAILED, META, N_SLOTS, RECV, RET, TAGS, SymmBuffers
 from .segments import COMBINE_OP, DISPATCH_OP, META_OP
 
@@ -201,7 +201,7 @@ def _symm_dispatch_backward(ctx, grad_routed_CH, _grad_row_src_C):
         x_TH is not None,
     )
     # d scale[t, k] = <x[t], grad_routed[row of slot (t, k)]>: the returned rows are those rows.
-    grad_scale_TK = None if x_TH is None else symm_weight_grad_op(x_TH, returned_NH, ctx.position_TK, scale_TK)
+    grad_scale_TK = None if x_TH is None else weight_grad_op(x_TH, returned_NH, ctx.position_TK, scale_TK)
     return grad_x_TH, grad_scale_TK, None, None, None, None, None
 
 
@@ -349,51 +349,8 @@ def _symm_combine_backward(ctx, grad_y_TH, grad_returned_NH):
                 "symm_combine: topk_weights need a gradient, but the op was called with "
                 "save_returned=False; alltoall_ops.combine sets it when the weights require grad"
             )
-        grad_weights_TK = symm_weight_grad_op(grad_y_TH, returned_NH, ctx.position_TK, weights_TK)
+        grad_weights_TK = weight_grad_op(grad_y_TH, returned_NH, ctx.position_TK, weights_TK)
     return grad_expert_out_CH, grad_weights_TK, None, None, None, None, None, None, None
 
 
 symm_combine_op.register_autograd(_symm_combine_backward, setup_context=_symm_combine_setup_context)
-
-
-@torch.library.custom_op("alltoall_ops::symm_weight_grad", mutates_args=())
-def symm_weight_grad_op(
-    grad_y_TH: torch.Tensor, returned_NH: torch.Tensor, position_TK: torch.Tensor, weights_TK: torch.Tensor
-) -> torch.Tensor:
-    """grad_w (T, K) = <grad_y_TH[t], returned_NH[position_TK[t, k]]> in fp32 (fp64), in
-    weights_TK's dtype. Local: no communication."""
-    grad_w_TK = torch.empty(position_TK.shape, dtype=weights_TK.dtype, device=grad_y_TH.device)
-    acc = accumulation_dtype(returned_NH.dtype, weights_TK.dtype, grad_y_TH.dtype)
-    loader.load().weight_grad(grad_y_TH, returned_NH, position_TK, grad_w_TK, acc)
-    return grad_w_TK
-
-
-@symm_weight_grad_op.register_fake
-def _(grad_y_TH, returned_NH, position_TK, weights_TK):
-    return weights_TK.new_empty(position_TK.shape)
-
-
-def _symm_weight_grad_setup_context(ctx, inputs, output):
-    grad_y_TH, returned_NH, ctx.position_TK, _ = inputs
-    ctx.save_for_backward(grad_y_TH, returned_NH)
-
-
-def _symm_weight_grad_backward(ctx, grad_grad_w_TK):
-    # grad_w is bilinear in (grad_y, returned) and local: its backward is plain torch (gathers, a
-    # sum over k, an index_add), differentiable again. weights only give the dtype: no gradient.
-    grad_y_TH, returned_NH = ctx.saved_tensors
-    T, K = ctx.position_TK.shape
-    slots_N = ctx.position_TK.reshape(-1)  # row of returned_NH of each slot t * K + k
-    acc = accumulation_dtype(returned_NH.dtype, grad_y_TH.dtype, grad_grad_w_TK.dtype)
-    gg_TK1 = grad_grad_w_TK.to(acc)[:, :, None]
-    grad_grad_y_TH = grad_returned_NH = None
-    if ctx.needs_input_grad[0]:
-        slot_rows_TKH = returned_NH.index_select(0, slots_N).view(T, K, -1).to(acc)
-        grad_grad_y_TH = (gg_TK1 * slot_rows_TKH).sum(1).to(grad_y_TH.dtype)
-    if ctx.needs_input_grad[1]:
-        per_slot_NH = (gg_TK1 * grad_y_TH.to(acc)[:, None, :]).reshape(T * K, -1)
-        grad_returned_NH = torch.zeros_like(returned_NH).index_add(0, slots_N, per_slot_NH.to(returned_NH.dtype))
-    return grad_grad_y_TH, grad_returned_NH, None, None
-
-
-symm_weight_grad_op.register_autograd(_symm_weight_grad_backward, setup_context=_symm_weight_grad_setup_context)
