@@ -142,13 +142,14 @@ def plan_rows(topk_idx: torch.Tensor, num_experts: int, expert_alignment: int) -
     memsets and two kernel launches (``kernels/routing_plan.py``), a stable sort elsewhere and
     above ``kernels.routing_plan.MAX_SLOTS`` slots."""
     row_src, row, meta = call(plan_rows_op, topk_idx, num_experts, expert_alignment)
-    return RowPlan(row_src, row, meta[0, :num_experts], meta[0, num_experts:])
+    return RowPlan(row_src, row, meta[0, :num_experts], meta[0, num_experts : num_experts + STATUS_COLUMNS])
 
 
 def _plan_rows(
     topk_idx: torch.Tensor, num_experts: int, expert_alignment: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(T, K) integer expert ids -> row_src (C,), row (T, K), meta (1, E + STATUS_COLUMNS)."""
+    """(T, K) integer expert ids -> row_src (C,), row (T, K), meta (1, E + STATUS_COLUMNS + 1):
+    tokens per expert, the status, and 1 where no id is bad (0 else)."""
     C = local_capacity(topk_idx.numel(), num_experts, expert_alignment)
     if loader.use_kernels(topk_idx) and topk_idx.numel() <= loader.load().routing_plan.MAX_SLOTS:
         planned = loader.load().plan_rows(topk_idx, num_experts, expert_alignment, C)
@@ -162,19 +163,19 @@ BAD_IDS = "alltoall_ops.dispatch: topk_idx holds expert ids outside [-1, num_exp
 """The device-side assert's message on CUDA (torch takes fewer than 255 characters)."""
 
 
-def check_status(status_S: torch.Tensor, num_experts: int) -> None:
-    """Raise :class:`RoutingError` if the routing status (num_bad, min id, max id) of one rank
-    reports bad expert ids; no host read: a device-side assert on CUDA (it surfaces at the next
-    synchronisation, as a CUDA error), on the CPU the same assert, re-raised as the typed error
-    with the ids it saw."""
-    ok = status_S[0] == 0
-    if status_S.device.type != "cpu":
-        torch._assert_async(ok, BAD_IDS)
+def check_status(status_ok: torch.Tensor, num_experts: int) -> None:
+    """Raise :class:`RoutingError` if one rank's routing status (num_bad, min id, max id, then 1
+    where no id is bad) reports bad expert ids; no host read: a device-side assert on CUDA (it
+    surfaces at the next synchronisation, as a CUDA error), on the CPU the same assert, re-raised
+    as the typed error with the ids it saw."""
+    ok_1 = status_ok[STATUS_COLUMNS:]
+    if status_ok.device.type != "cpu":
+        torch._assert_async(ok_1, BAD_IDS)
         return
     try:
-        torch._assert_async(ok, BAD_IDS)
+        torch._assert_async(ok_1, BAD_IDS)
     except RuntimeError:
-        raise bad_ids_error(0, status_S.tolist(), num_experts) from None
+        raise bad_ids_error(0, status_ok[:STATUS_COLUMNS].tolist(), num_experts) from None
 
 
 plan_rows_op = custom_op("alltoall_ops::plan_rows", _plan_rows)
@@ -187,7 +188,7 @@ def _(topk_idx, num_experts, expert_alignment):
     new = dict(dtype=torch.int64, device=topk_idx.device)
     C = local_capacity(T * K, num_experts, expert_alignment)
     return (topk_idx.new_empty(C, **new), topk_idx.new_empty(T, K, **new),
-            topk_idx.new_empty(1, num_experts + STATUS_COLUMNS, **new))
+            topk_idx.new_empty(1, num_experts + STATUS_COLUMNS + 1, **new))
 
 
 def _plan_rows_torch(topk_idx: torch.Tensor, num_experts: int, expert_alignment: int, num_rows: int):
@@ -204,7 +205,8 @@ def _plan_rows_torch(topk_idx: torch.Tensor, num_experts: int, expert_alignment:
                         num_rows)
     row_src = torch.full((num_rows + 1,), -1, dtype=torch.int64, device=topk_idx.device)
     row_src.scatter_(0, row_N, torch.arange(T * K, device=topk_idx.device))  # dropped slots land on row C
-    return row_src[:num_rows].clone(), row_N.view(T, K), torch.cat([padded_E, status_S])[None]
+    ok_1 = (status_S[:1] == 0).to(torch.int64)
+    return row_src[:num_rows].clone(), row_N.view(T, K), torch.cat([padded_E, status_S, ok_1])[None]
 
 
 class DispatchLayout(NamedTuple):

@@ -118,6 +118,41 @@ def test_plan_routing_kernels_many_blocks(E, W):
 
 
 @LAYOUT_EXAMPLES
+@given(routings(), st.integers(1, 5))
+def test_plan_rows_is_the_padded_expert_major_layout(case, alignment):
+    """The local backend's rows against a plain Python walk: experts in order, each group's slots
+    in slot order, groups padded to the alignment; row_src and row inverse on the valid slots."""
+    topk_idx, E, _ = case
+    T, K = topk_idx.shape
+    C = layout.local_capacity(T * K, E, alignment)
+    row_src, row, meta = layout._plan_rows_torch(topk_idx, E, alignment, C)
+    ids = topk_idx.reshape(-1).tolist()
+    want_src, want_row = [], [C] * (T * K)
+    for g in range(E):
+        slots = [s for s, i in enumerate(ids) if i == g]
+        for s in slots:
+            want_row[s] = len(want_src)
+            want_src.append(s)
+        want_src += [-1] * (-len(slots) % alignment)  # the group's padding
+    want_src += [-1] * (C - len(want_src))  # the tail
+    counts = [ids.count(g) for g in range(E)]
+    assert row_src.tolist() == want_src and row.reshape(-1).tolist() == want_row
+    assert meta[0, :E].tolist() == [layout.round_up(c, alignment) for c in counts]
+    bad = sum(not -1 <= i < E for i in ids)
+    assert meta[0, E].item() == bad and meta[0, E + 3].item() == int(bad == 0)
+
+
+@LAYOUT_EXAMPLES
+@given(routings(), st.integers(1, 5))
+def test_plan_rows_kernels_match_torch(case, alignment):
+    topk_idx, E, _ = case
+    C = layout.local_capacity(topk_idx.numel(), E, alignment)
+    got = loader.load().plan_rows(topk_idx, E, alignment, C)
+    want = layout._plan_rows_torch(topk_idx, E, alignment, C)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@LAYOUT_EXAMPLES
 @given(recv_count_matrices())
 def test_padded_tokens_per_expert(case):
     counts, align = case

@@ -14,8 +14,9 @@ of ``BLOCK_S``. Reference semantics::
 
 which is the stable sort of the slots by bucket (``layout.plan_routing``'s contract). ``plan_rows``
 (one rank, ``ROWS``): the same with each expert's total padded to the alignment in the sums,
-``order`` (C,) holding the slot of each row (-1 where none), ``position`` C for a dropped slot and
-``send_meta`` the padded totals (``layout.plan_rows``'s contract). The counts
+``order`` (C,) holding the slot of each row (-1 where none, set by ``block_counts``), ``position``
+C for a dropped slot and ``send_meta`` the padded totals, the status and a flag that no id is
+bad (``layout.plan_rows``'s contract). The counts
 are integers, so the atomics give the same result in any order: deterministic. Each program of
 ``slot_positions`` sums the count rows of the blocks before it in (BLOCK_P, NB) tiles, writes its
 buckets' first positions to a scratch row and reads them back per slot (a gather), and ranks its
@@ -44,10 +45,17 @@ largest N measured); above it the sort path (linear in N) is used."""
 
 @triton.jit
 def _block_counts_kernel(
-    idx_ptr, counts_ptr, N, E, num_blocks,
+    idx_ptr, counts_ptr, fill_ptr, N, E, num_blocks, n_fill,
     BLOCK_S: tl.constexpr,
 ):
     i_b = tl.program_id(0)
+    # plan_rows: rows no slot fills read -1; each program sets its share of them before any slot
+    # is placed (the next launch)
+    fill_chunk = tl.cdiv(n_fill, num_blocks)
+    fill_end = tl.minimum((i_b + 1) * fill_chunk, n_fill)
+    for i_f in range(i_b * fill_chunk, fill_end, BLOCK_S):
+        o_f = i_f + tl.arange(0, BLOCK_S)
+        tl.store(fill_ptr + o_f, tl.full([BLOCK_S], -1, tl.int64), mask=o_f < fill_end)
     o_s = i_b * BLOCK_S + tl.arange(0, BLOCK_S)  # [BS] slots
     m_s = o_s < N
     b_idx = tl.load(idx_ptr + o_s, mask=m_s, other=-1).to(tl.int64)
@@ -116,6 +124,8 @@ def _slot_positions_kernel(
         tl.store(p_row, b_zero + tl.load(p_status), mask=m_w)
         tl.store(p_row + 1, b_zero + tl.load(p_status + 1) - 1, mask=m_w)
         tl.store(p_row + 2, b_zero + tl.load(p_status + 2) - 1, mask=m_w)
+        if ROWS:  # one rank: its routing is valid (no bad ids), for a device-side assert
+            tl.store(send_meta_ptr + e + 3, (tl.load(p_status) == 0).to(tl.int64))
 
 
 def plan_slots(
@@ -135,15 +145,17 @@ def plan_rows(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One rank's expert-major rows, as ``layout.plan_rows`` defines them: topk_idx (T, K) ->
     row_src (C = num_rows,) slot of each row (-1: none), row (T, K) row of each slot (C: none),
-    meta (1, E + 3) padded rows per expert and the status. Two memsets and two kernel launches."""
-    row_src = torch.full((num_rows,), -1, dtype=torch.int64, device=topk_idx.device)
+    meta (1, E + 4) padded rows per expert, the status and 1 where no id is bad. A memset and two
+    kernel launches."""
+    row_src = torch.empty(num_rows, dtype=torch.int64, device=topk_idx.device)
     row, meta = _launch(topk_idx, num_experts, 1, row_src, expert_alignment, True)
     return row_src, row, meta
 
 
 def _launch(topk_idx: torch.Tensor, num_experts: int, world_size: int, order: torch.Tensor, alignment: int,
             rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both kernels: position (T, K) and send_meta (W, e + 3), ``order`` written in place."""
+    """Both kernels: position (T, K) and send_meta (W, e + 3; rows: (1, E + 4)), ``order`` written in
+    place (rows: -1 first)."""
     T, K = topk_idx.shape
     N, E, W = T * K, num_experts, world_size
     e = E // W
@@ -158,10 +170,11 @@ def _launch(topk_idx: torch.Tensor, num_experts: int, world_size: int, order: to
     NB = triton.next_power_of_2(E + 1)
     scratch = torch.empty(B, NB, dtype=torch.int32, device=dev)
     position = torch.empty(N, dtype=torch.int64, device=dev)
-    send_meta = torch.empty(W, e + 3, dtype=torch.int64, device=dev)
+    send_meta = torch.empty(W, e + 3 + rows, dtype=torch.int64, device=dev)
     num_warps = 1 if interpreting() else GPU_NUM_WARPS
     with LAUNCH_LOCK:
-        _block_counts_kernel[(B,)](idx, counts, N, E, B, BLOCK_S=block_s, num_warps=num_warps)
+        _block_counts_kernel[(B,)](idx, counts, order, N, E, B, order.numel() if rows else 0, BLOCK_S=block_s,
+                                   num_warps=num_warps)
         _slot_positions_kernel[(B,)](
             idx, counts, scratch, position, order, send_meta, N, E, e, W, B, alignment, order.numel(),
             NB=NB, BLOCK_S=block_s, BLOCK_J=min(block_s, 64), BLOCK_P=max(1, min(16, 8192 // NB)),
