@@ -21,7 +21,7 @@ import torch
 from .. import comm, fp8, layout
 from .._compat import call
 from ..groups import LOCAL, Group, process_group
-from ..rows import quantize, rows_in_send_order, slot_dot, weighted_slot_sum
+from ..rows import quantize, rows_in_send_order, weight_grad_op, weighted_slot_sum
 from ..validation import check_dispatch_args
 from .base import Backend, DispatchHandle, save_returned
 
@@ -177,7 +177,7 @@ def _dispatch_backward(ctx, grad_routed_RH):
     scale_TK, x_TH = ctx.saved_tensors
     # The adjoint of dispatch is combine, weighted by the same per-slot scale.
     grad_x_TH, returned_NH = combine_op(grad_routed_RH, scale_TK, *ctx.route, x_TH is not None)
-    grad_scale_TK = None if x_TH is None else slot_dot(returned_NH, ctx.route.position_TK, x_TH, scale_TK.dtype)
+    grad_scale_TK = None if x_TH is None else weight_grad_op(x_TH, returned_NH, ctx.route.position_TK, scale_TK)
     return grad_x_TH, grad_scale_TK, None, None, None, None, None, None, None
 
 
@@ -325,7 +325,7 @@ def _combine_backward(ctx, grad_y_TH, grad_returned_NH):
     if ctx.needs_input_grad[1] and grad_y_TH is not None:
         if returned_NH is None:
             raise RuntimeError("combine: the weights need a gradient, but the forward ran with save_returned=False")
-        grad_weights_TK = slot_dot(returned_NH, route.position_TK, grad_y_TH, weights_TK.dtype)
+        grad_weights_TK = weight_grad_op(grad_y_TH, returned_NH, route.position_TK, weights_TK)
     return grad_expert_out, grad_weights_TK, None, None, None, None, None, None, None
 
 
