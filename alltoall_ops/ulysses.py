@@ -234,7 +234,9 @@ def _exchange(op: str, x: torch.Tensor, group_name: str, seq_dim: int, head_dim:
     send, in_bytes = _pack(x, split_dim, send_sizes, header)
     out_bytes = [_piece_bytes(s, x.element_size()) for s in recv_shapes]
     received = send.new_empty(sum(out_bytes))
-    comm.all_to_all(op, group_name, received, send, out_bytes, in_bytes)
+    # NB: equal pieces go without split sizes: gloo then runs its alltoall, not the slower alltoallv
+    uneven = len(set(out_bytes)) > 1 or len(set(in_bytes)) > 1
+    comm.all_to_all(op, group_name, received, send, *((out_bytes, in_bytes) if uneven else ()))
     headers, payload = _unpack(received, out_bytes, recv_shapes, x.dtype, cat_dim)
     described = {"dtype": x.dtype, "ndim": x.ndim, "seq_dim": seq_dim, "head_dim": head_dim, "shape": tuple(shape),
                  "ulysses_attention arguments": _attention_text(attention)}
