@@ -13,7 +13,7 @@ from .backends.collective import exchange_counts_op
 from .backends.symm_mem import SymmBuffers
 from .backends.symm_mem.backend import checked as symm_checked
 from .groups import Group, resolve_group
-from .validation import check_layout_args
+from .validation import check_counts, check_layout_args, check_payload_args
 
 
 def dispatch(
@@ -87,12 +87,7 @@ def dispatch(
 
 def _choose_backend(backend: str, group: Group, buffers: Any, x: torch.Tensor, x_scale: Optional[torch.Tensor],
                     payload_dtype: Optional[torch.dtype], dequantize: bool) -> backends.Backend:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x: expected a torch.Tensor or a pair (values, scales), got {type(x).__name__}")
-    if x_scale is not None and not isinstance(x_scale, torch.Tensor):
-        raise TypeError(f"x: expected scales as a torch.Tensor, got {type(x_scale).__name__}")
-    if x.ndim == 2:  # other shapes: the backend's checks name the problem
-        fp8.check_args(x, x_scale, payload_dtype, dequantize)
+    check_payload_args(x, x_scale, payload_dtype, dequantize)
     return backends.choose(backend, group, buffers)
 
 
@@ -141,7 +136,13 @@ def exchange_counts(
     tokens_per_expert_global: torch.Tensor, group: Any = None, backend: str = "auto"
 ) -> torch.Tensor:
     """(E,) counts this rank sends to each global expert -> (W, e) counts it receives:
-    ``out[s, j]`` is what rank s sends to this rank's local expert j."""
+    ``out[s, j]`` is what rank s sends to this rank's local expert j.
+
+    backend: how the counts move. "local": one rank, no process group needed, nothing moves
+    (the output is the input as (1, E)); "collective": the group's header agreement and one
+    all-to-all (a host sync); "auto": "local" on one rank, else "collective". "symm_mem" is
+    refused: its counts move inside its dispatch, through the buffers' metadata exchange
+    (``symm_exchange_meta``), which needs the dispatch's buffers."""
     grp = resolve_group(group)
     comm.checked("exchange_counts", grp.name, _check_counts, tokens_per_expert_global, grp, backend)
     E = tokens_per_expert_global.shape[0]
@@ -150,12 +151,13 @@ def exchange_counts(
 
 
 def _check_counts(counts: torch.Tensor, group: Group, backend: str) -> None:
-    backends.choose(backend, group)
-    if not isinstance(counts, torch.Tensor) or counts.ndim != 1 or counts.dtype.is_floating_point \
-            or counts.dtype == torch.bool:
-        got = f"{counts.dtype} of shape {tuple(counts.shape)}" if isinstance(counts, torch.Tensor) else type(counts)
-        raise TypeError(f"tokens_per_expert_global: expected a 1-D integer tensor of shape (E,), got {got}")
-    if counts.shape[0] % group.size != 0:
+    if backends.choose(backend, group).name not in COUNTS_BACKENDS:
         raise ValueError(
-            f"tokens_per_expert_global: E = {counts.shape[0]} is not divisible by the group size {group.size}"
+            f"backend: exchange_counts runs on {COUNTS_BACKENDS} (symm_mem exchanges its counts inside its "
+            f"dispatch, through the buffers' metadata exchange), got {backend!r}"
         )
+    check_counts(counts, group.size)
+
+
+COUNTS_BACKENDS = ("local", "collective")
+"""The backends whose transport ``exchange_counts`` has ("auto" picks one of them)."""

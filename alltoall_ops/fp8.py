@@ -1,5 +1,6 @@
 """fp8 payloads with block scales (DeepEP's format): the quantize / dequantize reference and the
-packed wire rows an fp8 dispatch moves.
+packed wire rows an fp8 dispatch moves, and the format's own checks (a dispatch's fp8
+arguments: ``validation.check_payload_args``).
 
 Format: ``torch.float8_e4m3fn`` values with one fp32 scale per token per ``BLOCK`` = 128
 channels; ``H`` must be a multiple of 128, ``B = H / 128`` scales per row. A block's scale is
@@ -103,37 +104,3 @@ def check_hidden(name: str, hidden: int) -> None:
     if hidden % BLOCK != 0:
         raise ValueError(f"{name}: an fp8 payload needs H divisible by {BLOCK} (one scale per {BLOCK} channels), "
                          f"got H = {hidden}")
-
-
-def check_args(
-    x_TH: torch.Tensor, x_scale_TB: Optional[torch.Tensor], payload_dtype: Optional[torch.dtype], dequantize: bool
-) -> None:
-    """Raise on a bad fp8 argument of ``dispatch`` (shapes and dtypes only: every rank alike)."""
-    check_payload_dtype(payload_dtype)
-    if x_scale_TB is None:
-        if x_TH.dtype == FP8:
-            raise ValueError("x: an fp8 x comes with its scales: pass x=(values, scales) "
-                             "(see alltoall_ops.fp8.quantize)")
-        if payload_dtype is None:
-            if dequantize:
-                raise ValueError("dequantize: only an fp8 payload is dequantized; pass "
-                                 "payload_dtype=torch.float8_e4m3fn")
-            return
-    elif x_TH.dtype != FP8:
-        raise TypeError(f"x: expected (values, scales) with values of dtype {FP8}, got values of dtype {x_TH.dtype}")
-    T, H = x_TH.shape
-    check_hidden("x", H)
-    if x_scale_TB is not None:
-        expected = (T, num_blocks(H))
-        if x_scale_TB.dtype != torch.float32 or tuple(x_scale_TB.shape) != expected:
-            raise TypeError(
-                f"x: expected scales of dtype torch.float32 and shape {expected} (one per {BLOCK} channels), got "
-                f"{x_scale_TB.dtype} of shape {tuple(x_scale_TB.shape)}"
-            )
-        if x_scale_TB.device != x_TH.device:
-            raise ValueError(f"x: expected scales on {x_TH.device} (that of the values), got {x_scale_TB.device}")
-    if x_TH.requires_grad and torch.is_grad_enabled() and not dequantize:
-        raise ValueError(
-            "x requires grad, but fp8 rows cannot carry a gradient: pass dequantize=True (rows travel as fp8 and "
-            "arrive dequantized in x's dtype; the backward is a combine of the gradient), or detach x"
-        )

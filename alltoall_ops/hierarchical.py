@@ -33,16 +33,15 @@ from . import comm, fp8, layout
 from ._compat import is_compiling
 from .api import combine
 from .backends import DispatchHandle
-from .backends.collective import RouteHandle, dispatch_op, dispatch_route, exchange_routing_op
+# NB: the collective backend's, not the Backend interface: the first stage's counts move in its
+# own exchange (hierarchical_exchange, below) and the weights and ids follow a stage's route
+# (send_along), both of which need a variable-size route that a handle exposes; symm_mem's
+# fixed-capacity buffers serve one group each.
+from .backends.collective import RouteHandle, dispatch_planned, dispatch_route, send_along
 from .groups import LOCAL, Group, communication_group, process_group, resolve_group
-from .validation import check_dispatch_args
+from .validation import check_dispatch_args, check_payload_args
 
 OP = "hierarchical_dispatch"
-
-
-def _rows_along(handle: RouteHandle, rows_TC: torch.Tensor) -> torch.Tensor:
-    """Dispatch extra per-token rows (T, C) float along a stage's existing route: (R, C)."""
-    return dispatch_op(rows_TC, None, *handle.route, handle.num_rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +75,7 @@ class HierarchicalHandle(DispatchHandle):
         """(R, H) expert outputs -> (T, H): per node, then across nodes."""
         arrived_weights = None
         if topk_weights_TK is not None:  # each arrived token's K weights, at its forwarding rank
-            arrived_weights = _rows_along(self.node_stage, topk_weights_TK)
+            arrived_weights = send_along(self.node_stage, topk_weights_TK)
         partial_AH = combine(expert_out_RH, self.local_stage, arrived_weights)  # this node's share
         return combine(partial_AH, self.node_stage)  # one row per (token, node), summed
 
@@ -155,15 +154,14 @@ def hierarchical_dispatch(
     send_meta_NL = torch.cat([counts_Ne.sum(1, keepdim=True), status_NS[:, :2], max_id.expand(N, 1)], 1)
     recv_meta_NL, splits_S = node_exchange_op(send_meta_NL, node_name, local_name, header)
     arrived, _, node_stage = dispatch_route(x_TH, plan, recv_meta_NL, splits_S, 1, node_name, payload)
-    arrived_idx_AK = _rows_along(node_stage, idx_TK.to(torch.float64)).to(torch.int64)
+    arrived_idx_AK = send_along(node_stage, idx_TK)  # int64 rows, as any rows
     on_this_node_AK = (arrived_idx_AK >= 0) & (arrived_idx_AK // per_node == across.rank)
     local_idx_AK = torch.where(on_this_node_AK, arrived_idx_AK - across.rank * per_node, -1)
     local_plan = layout.plan_routing(local_idx_AK, per_node, L)
-    recv_meta_LM, local_splits_S = exchange_routing_op(local_plan.send_meta, local_name, header, expert_alignment)
     arrived_AH, arrived_scale_AB = arrived if isinstance(arrived, tuple) else (arrived, None)
     local_payload = None if arrived_scale_AB is None else fp8.Payload.of(arrived_AH, arrived_scale_AB, False)
-    routed_RH, tokens_per_expert_e, local_stage = dispatch_route(
-        arrived_AH, local_plan, recv_meta_LM, local_splits_S, expert_alignment, local_name, local_payload)
+    routed_RH, tokens_per_expert_e, local_stage = dispatch_planned(
+        arrived_AH, local_plan, header, expert_alignment, local_name, local_payload)
     return routed_RH, tokens_per_expert_e, HierarchicalHandle(node_stage, local_stage)
 
 
@@ -218,8 +216,8 @@ def _check_args(x: Any, topk_idx: torch.Tensor, num_experts: int, num_nodes: int
     if num_nodes > MAX_NODES:
         raise ValueError(f"node_group: expected at most {MAX_NODES} ranks (one per node), got {num_nodes}")
     values, scales = x if isinstance(x, (tuple, list)) else (x, None)
+    check_payload_args(values, scales, payload_dtype, dequantize)
     E = check_dispatch_args(values, topk_idx, num_experts, num_nodes * ranks_per_node, expert_alignment)
-    fp8.check_args(values, scales, payload_dtype, dequantize)
     if scales is None and payload_dtype is not None and not dequantize and values.dtype != torch.bfloat16:
         # NB: the second stage moves fp8 pairs, whose combine takes bf16 expert outputs.
         raise ValueError(f"x: a two-stage fp8 dispatch without dequantize takes bf16 tokens (combine then takes bf16 "

@@ -34,6 +34,7 @@ from .api import combine, dispatch
 from .groups import resolve_group
 from .layout import expert_of_rows
 from .rows import accumulation_dtype
+from .validation import check_num_experts, check_top_k
 
 ACTIVATIONS = ("swiglu", "gelu")
 EXPERT_IMPLS = ("auto", "masked", "grouped_mm")
@@ -46,8 +47,7 @@ class Router(nn.Module):
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, device=None, dtype=None):
         super().__init__()
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k: expected 1 <= top_k <= num_experts = {num_experts}, got {top_k}")
+        check_top_k(top_k, num_experts)
         self.top_k = top_k
         self.proj = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
 
@@ -163,10 +163,7 @@ class MoE(_ExpertParams):
     ):
         grp = resolve_group(group)
         backends.choose(backend, grp, buffers)
-        if num_experts % grp.size != 0:
-            raise ValueError(
-                f"num_experts: expected a multiple of the group size {grp.size}, got {num_experts}"
-            )
+        num_experts = check_num_experts(num_experts, grp.size)
         if expert_impl not in EXPERT_IMPLS:
             raise ValueError(f"expert_impl: expected one of {EXPERT_IMPLS}, got {expert_impl!r}")
         e = num_experts // grp.size

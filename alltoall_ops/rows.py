@@ -45,9 +45,15 @@ def rows_in_send_order(
     return send_VH
 
 
-def quantize(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`fp8.quantize` (one kernel launch on CUDA): x (T, H) float -> values (T, H) as uint8
-    (float8_e4m3fn bits) and scales (T, H / 128) fp32."""
+def quantize_bits(
+    x_TH: torch.Tensor, x_scale_TB: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bits an fp8 payload moves: values (T, H) as uint8 (float8_e4m3fn bits) and scales
+    (T, H / 128) fp32. x (T, H) float is quantized (:func:`fp8.quantize`, which returns float8
+    values; one kernel launch on CUDA); with ``x_scale_TB``, x already holds float8_e4m3fn values
+    and those scales, returned as they are."""
+    if x_scale_TB is not None:
+        return x_TH.view(torch.uint8), x_scale_TB
     if loader.use_kernels(x_TH):
         return loader.load().quantize_rows(x_TH)
     values_TH, scales_TB = fp8.quantize(x_TH)

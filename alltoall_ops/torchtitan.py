@@ -27,6 +27,7 @@ from . import backends
 from .api import combine, dispatch
 from .backends import DispatchHandle
 from .groups import NO_GROUP
+from .validation import check_top_k
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,9 +56,7 @@ class TokenDispatcher:
         buffers: Any = None
 
     def __init__(self, config: Config):
-        if not 1 <= config.top_k <= config.num_experts:
-            raise ValueError(f"Config.top_k: expected 1 <= top_k <= num_experts = {config.num_experts}, "
-                             f"got {config.top_k}")
+        check_top_k(config.top_k, config.num_experts, "Config.top_k")
         if config.backend not in backends.names():
             raise ValueError(f"Config.backend: expected one of {backends.names()}, got {config.backend!r}")
         self.config = config

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from . import fp8
 from ._compat import is_compiling
 
 
@@ -60,15 +61,15 @@ def positive_int(name: str, value, maximum: Optional[int] = None) -> int:
     return number
 
 
-def check_dispatch_args(
-    x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, world_size: int, expert_alignment: int
-) -> int:
-    """Raise on a bad dispatch argument; return ``num_experts`` as an int."""
-    _require_float_matrix("x", x, "(T, H)")
+def check_topk_idx(topk_idx: torch.Tensor, x: Optional[torch.Tensor] = None) -> None:
+    """Raise unless ``topk_idx`` is a 2-D integer tensor (T, K); with ``x`` (T, H), unless it
+    also has x's T rows, K >= 1 columns and x's device."""
     _require_tensor("topk_idx", topk_idx)
     dtype = topk_idx.dtype
     if topk_idx.ndim != 2 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
         raise TypeError(f"topk_idx: expected a 2-D integer tensor (T, K), got {_describe(topk_idx)}")
+    if x is None:
+        return
     if topk_idx.shape[0] != x.shape[0]:
         raise ValueError(
             f"topk_idx: expected {x.shape[0]} rows (T of x), got {_describe(topk_idx)}"
@@ -77,28 +78,99 @@ def check_dispatch_args(
         raise ValueError(f"topk_idx: expected K >= 1 columns, got {_describe(topk_idx)}")
     if topk_idx.device != x.device:
         raise ValueError(f"topk_idx: expected device {x.device} (that of x), got {topk_idx.device}")
+
+
+def check_num_experts(num_experts: int, world_size: int) -> int:
+    """``num_experts`` as an int, checked to be positive and a multiple of the group size."""
     num_experts = positive_int("num_experts", num_experts)
     if num_experts % world_size != 0:
         raise ValueError(
             f"num_experts: expected a multiple of the group size {world_size}, got {num_experts}"
         )
+    return num_experts
+
+
+def check_top_k(top_k: int, num_experts: int, name: str = "top_k") -> None:
+    """Raise unless 1 <= ``top_k`` <= ``num_experts`` (a router's or a config's K)."""
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"{name}: expected 1 <= top_k <= num_experts = {num_experts}, got {top_k}")
+
+
+def check_dispatch_args(
+    x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, world_size: int, expert_alignment: int
+) -> int:
+    """Raise on a bad dispatch argument; return ``num_experts`` as an int."""
+    _require_float_matrix("x", x, "(T, H)")
+    check_topk_idx(topk_idx, x)
+    num_experts = check_num_experts(num_experts, world_size)
     positive_int("expert_alignment", expert_alignment, MAX_EXPERT_ALIGNMENT)
     return num_experts
 
 
 def check_layout_args(topk_idx: torch.Tensor, num_experts: int, world_size: int, num_nodes: int) -> tuple[int, int]:
     """Raise on a bad ``dispatch_layout`` argument; return (num_experts, num_nodes) as ints."""
-    _require_tensor("topk_idx", topk_idx)
-    dtype = topk_idx.dtype
-    if topk_idx.ndim != 2 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-        raise TypeError(f"topk_idx: expected a 2-D integer tensor (T, K), got {_describe(topk_idx)}")
-    num_experts = positive_int("num_experts", num_experts)
-    if num_experts % world_size != 0:
-        raise ValueError(f"num_experts: expected a multiple of the group size {world_size}, got {num_experts}")
+    check_topk_idx(topk_idx)
+    num_experts = check_num_experts(num_experts, world_size)
     num_nodes = positive_int("num_nodes", num_nodes)
     if world_size % num_nodes != 0:
         raise ValueError(f"num_nodes: expected a divisor of the group size {world_size}, got {num_nodes}")
     return num_experts, num_nodes
+
+
+def check_counts(counts: torch.Tensor, world_size: int) -> None:
+    """Raise on a bad ``exchange_counts`` argument: (E,) integer counts, E a multiple of W."""
+    if not isinstance(counts, torch.Tensor) or counts.ndim != 1 or counts.dtype.is_floating_point \
+            or counts.dtype == torch.bool:
+        got = _describe(counts) if isinstance(counts, torch.Tensor) else type(counts).__name__
+        raise TypeError(f"tokens_per_expert_global: expected a 1-D integer tensor of shape (E,), got {got}")
+    if counts.shape[0] % world_size != 0:
+        raise ValueError(
+            f"tokens_per_expert_global: expected a length E that is a multiple of the group size {world_size}, "
+            f"got E = {counts.shape[0]}"
+        )
+
+
+def check_payload_args(
+    x_TH: torch.Tensor, x_scale_TB: Optional[torch.Tensor], payload_dtype: Optional[torch.dtype], dequantize: bool
+) -> None:
+    """Raise on a bad payload argument of a dispatch: x (T, H) (with ``x_scale_TB``: fp8 values
+    and their (T, H / 128) fp32 scales), ``payload_dtype``, ``dequantize``; shapes and dtypes
+    only, so every rank raises alike."""
+    if not isinstance(x_TH, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor or a pair (values, scales), got {type(x_TH).__name__}")
+    _require_float_matrix("x", x_TH, "(T, H)")
+    if x_scale_TB is not None and not isinstance(x_scale_TB, torch.Tensor):
+        raise TypeError(f"x: expected scales as a torch.Tensor, got {type(x_scale_TB).__name__}")
+    fp8.check_payload_dtype(payload_dtype)
+    if x_scale_TB is None:
+        if x_TH.dtype == fp8.FP8:
+            raise ValueError("x: an fp8 x comes with its scales: pass x=(values, scales) "
+                             "(see alltoall_ops.fp8.quantize)")
+        if payload_dtype is None:
+            if dequantize:
+                raise ValueError("dequantize: only an fp8 payload is dequantized; pass "
+                                 "payload_dtype=torch.float8_e4m3fn")
+            return
+    elif x_TH.dtype != fp8.FP8:
+        raise TypeError(
+            f"x: expected (values, scales) with values of dtype {fp8.FP8}, got values of dtype {x_TH.dtype}"
+        )
+    T, H = x_TH.shape
+    fp8.check_hidden("x", H)
+    if x_scale_TB is not None:
+        expected = (T, fp8.num_blocks(H))
+        if x_scale_TB.dtype != torch.float32 or tuple(x_scale_TB.shape) != expected:
+            raise TypeError(
+                f"x: expected scales of dtype torch.float32 and shape {expected} (one per {fp8.BLOCK} channels), "
+                f"got {x_scale_TB.dtype} of shape {tuple(x_scale_TB.shape)}"
+            )
+        if x_scale_TB.device != x_TH.device:
+            raise ValueError(f"x: expected scales on {x_TH.device} (that of the values), got {x_scale_TB.device}")
+    if x_TH.requires_grad and torch.is_grad_enabled() and not dequantize:
+        raise ValueError(
+            "x requires grad, but fp8 rows cannot carry a gradient: pass dequantize=True (rows travel as fp8 and "
+            "arrive dequantized in x's dtype; the backward is a combine of the gradient), or detach x"
+        )
 
 
 def check_combine_args(expert_out: torch.Tensor, handle, topk_weights: Optional[torch.Tensor]) -> None:

@@ -181,6 +181,19 @@ def test_expert_out_wrong_rows_on_one_rank_raises_everywhere_in_debug_mode(pool2
     pool2.run(healthy)
 
 
+def test_exchange_counts_backend_without_process_group():
+    """exchange_counts(backend=): "local" and "auto" on one rank need no process group and move
+    nothing; "collective" needs a process group; "symm_mem" has no counts exchange of its own."""
+    assert not dist.is_initialized()
+    counts = torch.tensor([3, 0, 5, 1])
+    for backend in ("local", "auto"):
+        assert torch.equal(alltoall_ops.exchange_counts(counts, backend=backend), counts.view(1, 4))
+    with pytest.raises(ValueError, match="backend='collective' needs an initialised process group"):
+        alltoall_ops.exchange_counts(counts, backend="collective")
+    with pytest.raises(ValueError, match="backend: exchange_counts runs on .*symm_mem exchanges its counts inside"):
+        alltoall_ops.exchange_counts(counts, backend="symm_mem")
+
+
 def test_errors_without_process_group():
     assert not dist.is_initialized()
     x, idx, _ = _inputs(0)

@@ -5,7 +5,7 @@ runs on a group of one rank (no exchange).
 A dispatch reads its split sizes on the host once (``exchange_routing`` on a group,
 ``layout.read_splits`` on one rank: the one device sync of a layer step); combine and both
 backward ops reuse them from a small CPU tensor. Its routing layout travels as a
-:class:`Route` (the ops' arguments after the payload):
+:class:`RouteArgs` (the ops' arguments after the payload):
     order_N (N,), position_TK (T, K), recv_meta_WL (W, e + STATUS_COLUMNS), all int64 on the
     payload's device; splits_S (2W + 2,) int64 on the CPU (``layout.HostSplits``);
     expert_alignment, group_name. W = recv_meta_WL.shape[0]; W == 1 exchanges nothing.
@@ -21,13 +21,14 @@ import torch
 from .. import comm, fp8, layout
 from .._compat import call
 from ..groups import LOCAL, Group, process_group
-from ..rows import quantize, rows_in_send_order, weight_grad_op, weighted_slot_sum
+from ..rows import quantize_bits, rows_in_send_order, weight_grad_op, weighted_slot_sum
 from ..validation import check_dispatch_args
 from .base import Backend, DispatchHandle, save_returned
 
 
-class Route(NamedTuple):
-    """One dispatch's routing layout on this rank, in the ops' argument order."""
+class RouteArgs(NamedTuple):
+    """One dispatch's routing layout on this rank: the arguments of the ``dispatch`` /
+    ``dispatch_fp8`` / ``combine`` ops after the payload, in their order."""
 
     order_N: torch.Tensor
     position_TK: torch.Tensor
@@ -169,7 +170,7 @@ def _(x_TH, scale_TK, order_N, position_TK, recv_meta_WL, splits_S, expert_align
 
 def _dispatch_setup_context(ctx, inputs, output):
     x_TH, scale_TK = inputs[:2]
-    ctx.route = Route(*inputs[2:8])
+    ctx.route = RouteArgs(*inputs[2:8])
     ctx.save_for_backward(scale_TK, x_TH if scale_TK is not None and scale_TK.requires_grad else None)
 
 
@@ -209,7 +210,7 @@ def dispatch_fp8_op(
     backward is combine, the quantize straight-through). No host sync."""
     H = x_TH.shape[1]
     splits = layout.HostSplits.of(splits_S)
-    values_TH, scales_TB = quantize(x_TH) if x_scale_TB is None else (x_TH.view(torch.uint8), x_scale_TB)
+    values_TH, scales_TB = quantize_bits(x_TH, x_scale_TB)
     if recv_meta_WL.shape[0] == 1:  # nothing to exchange: values and scales move apart
         parts = [rows_in_send_order(p, None, order_N, position_TK, splits.num_valid) for p in (values_TH, scales_TB)]
     else:  # one exchange of packed rows (fp8.pack)
@@ -234,7 +235,7 @@ def _(x_TH, x_scale_TB, order_N, position_TK, recv_meta_WL, splits_S, expert_ali
 
 
 def _dispatch_fp8_setup_context(ctx, inputs, output):
-    ctx.route = Route(*inputs[2:8])
+    ctx.route = RouteArgs(*inputs[2:8])
 
 
 def _dispatch_fp8_backward(ctx, grad_routed_RH, grad_scale_RB):
@@ -302,7 +303,7 @@ def _(expert_out_RH, weights_TK, order_N, position_TK, recv_meta_WL, splits_S, e
 
 def _combine_setup_context(ctx, inputs, output):
     expert_out_RH, weights_TK = inputs[:2]
-    ctx.route, ctx.save_returned = Route(*inputs[2:8]), inputs[8]
+    ctx.route, ctx.save_returned = RouteArgs(*inputs[2:8]), inputs[8]
     ctx.num_rows = expert_out_RH.shape[0]
     ctx.set_materialize_grads(False)  # `returned` gets a gradient only in double backward
     ctx.save_for_backward(weights_TK, output[1] if ctx.save_returned else None)
@@ -338,10 +339,11 @@ combine_op.register_autograd(_combine_backward, setup_context=_combine_setup_con
 
 @dataclasses.dataclass(frozen=True)
 class RouteHandle(DispatchHandle):
-    """The handle of the ``local`` and ``collective`` backends: the dispatch's :class:`Route`, R,
-    and the hidden size and dtype of the routed rows (which every rank agreed on)."""
+    """The handle of the ``collective`` backend (and of each stage of ``hierarchical_dispatch``):
+    the dispatch's :class:`RouteArgs`, R, and the hidden size and dtype of the routed rows (which
+    every rank agreed on)."""
 
-    route: Route
+    route: RouteArgs
     num_rows: int
     hidden_size: int
     dtype: torch.dtype
@@ -385,7 +387,7 @@ def dispatch_route(x_TH: torch.Tensor, plan: layout.RoutingPlan, recv_meta_WL: t
     """Dispatch ``x_TH`` along ``plan`` once its counts are exchanged (``recv_meta_WL``) and
     its split sizes read (``splits_S``): routed (R, H) (with an fp8 ``payload`` and no
     dequantization: the pair (values (R, H), scales (R, H / 128))), tokens_per_expert (e,), handle."""
-    route = Route(plan.order, plan.position, recv_meta_WL, splits_S, expert_alignment, group_name)
+    route = RouteArgs(plan.order, plan.position, recv_meta_WL, splits_S, expert_alignment, group_name)
     if payload is None:
         routed = call(dispatch_op, x_TH, None, *route, None, differentiable=(x_TH,))
         num_rows, dtype = routed.shape[0], x_TH.dtype
@@ -397,6 +399,21 @@ def dispatch_route(x_TH: torch.Tensor, plan: layout.RoutingPlan, recv_meta_WL: t
     recv_counts_We, _ = layout.split_meta(recv_meta_WL)
     tokens_per_expert_e = layout.padded_tokens_per_expert(recv_counts_We, expert_alignment)
     return routed, tokens_per_expert_e, RouteHandle(route, num_rows, x_TH.shape[1], dtype)
+
+
+def dispatch_planned(x_TH: torch.Tensor, plan: layout.RoutingPlan, header: list[int], expert_alignment: int,
+                     group_name: str, payload: Optional[fp8.Payload] = None):
+    """Exchange ``plan``'s counts on the group (``exchange_routing``: the header agreement and
+    the one host read), then :func:`dispatch_route`: routed, tokens_per_expert (e,), handle."""
+    recv_meta_WL, splits_S = exchange_routing_op(plan.send_meta, group_name, header, expert_alignment)
+    return dispatch_route(x_TH, plan, recv_meta_WL, splits_S, expert_alignment, group_name, payload)
+
+
+def send_along(handle: RouteHandle, rows_TC: torch.Tensor) -> torch.Tensor:
+    """Per-token rows (T, C) (floats, or integers such as expert ids) dispatched along
+    ``handle``'s route: (R, C), laid out as its routed rows (padding rows zero). Differentiable
+    for float rows, as any dispatch."""
+    return dispatch_op(rows_TC, None, *handle.route, handle.num_rows)
 
 
 class CollectiveBackend(Backend):
@@ -419,8 +436,6 @@ class CollectiveBackend(Backend):
         plan = layout.plan_routing(topk_idx_TK, E, group.size)
         dtype, payload_dtype = (x_TH.dtype,) * 2 if payload is None else (payload.combine_dtype, fp8.FP8)
         fields = comm.dispatch_fields(x_TH, topk_idx_TK, E, expert_alignment, dtype, payload_dtype)
-        header = comm.header("dispatch", *fields)
-        recv_meta_WL, splits_S = exchange_routing_op(plan.send_meta, group.name, header, expert_alignment)
-        return dispatch_route(x_TH, plan, recv_meta_WL, splits_S, expert_alignment, group.name, payload)
+        return dispatch_planned(x_TH, plan, comm.header("dispatch", *fields), expert_alignment, group.name, payload)
 
 

@@ -32,7 +32,7 @@ import torch
 from .. import comm, fp8, layout
 from .._compat import call
 from ..groups import LOCAL, Group
-from ..rows import gather_rows, quantize, weight_grad_op, weighted_slot_sum
+from ..rows import gather_rows, quantize_bits, weight_grad_op, weighted_slot_sum
 from ..validation import check_dispatch_args
 from .base import Backend, DispatchHandle
 
@@ -85,7 +85,7 @@ def local_dispatch_fp8_op(
     (C, B) fp32, zero rows where row_src < 0. The backward (with out_dtype) is combine of the
     gradient: the quantize is straight-through."""
     K = row_TK.shape[1]
-    values_TH, scales_TB = quantize(x_TH) if x_scale_TB is None else (x_TH.view(torch.uint8), x_scale_TB)
+    values_TH, scales_TB = quantize_bits(x_TH, x_scale_TB)
     values_CH = gather_rows(values_TH, None, row_src_C, K).view(fp8.FP8)
     scales_CB = gather_rows(scales_TB, None, row_src_C, K)
     if out_dtype is None:

@@ -1,5 +1,6 @@
-"""The ``symm_mem`` backend: the routing on the device, :class:`SymmMemHandle`, buffers cached
-for eager calls, and :class:`SymmMemBackend` (see the package docstring and docs/symm_mem.md)."""
+"""The ``symm_mem`` backend: the slots' placement on the device (``place_slots``),
+:class:`SymmMemHandle`, buffers cached for eager calls, and :class:`SymmMemBackend` (see the
+package docstring and docs/symm_mem.md)."""
 
 from __future__ import annotations
 
@@ -14,21 +15,21 @@ from ...errors import CapacityError, PeerInputError
 from ...groups import LOCAL, Group, process_group
 from ...validation import check_combine_args, check_dispatch_args
 from ..base import Backend, DispatchHandle, save_returned
-from .buffers import CALL, FAILED, META_EXTRA, SymmBuffers
+from .buffers import CALL, FAILED, META_EXTRA, SymmBuffers, check_payload
 from .ops import symm_combine_op, symm_dispatch_fp8_op, symm_dispatch_op, symm_exchange_meta_op
 
 
 # --------------------------------------------------------------------------------------------
-# Routing on the device (plain tensor maths, traced by torch.compile)
+# The slots' placement on the device (plain tensor maths, traced by torch.compile)
 
 
 @dataclasses.dataclass(frozen=True)
-class SymmRoute:
-    """slot_dst: (N,) int64, destination code ``rank * C + row`` of each slot t * K + k, -1 where
-    nothing is sent (a dropped slot, or a row past capacity); tokens_per_expert: (e,) rows of
-    ``routed`` per local expert (padding included, cut at C); num_routed: (1,) their sum, every
-    row this rank receives lies below it; dropped: (W,) valid slots that did not fit in each
-    rank's capacity."""
+class SlotPlacement:
+    """Where :func:`place_slots` puts this rank's slots. slot_dst: (N,) int64, destination code
+    ``rank * C + row`` of each slot t * K + k, -1 where nothing is sent (a dropped slot, or a row
+    past capacity); tokens_per_expert: (e,) rows of ``routed`` per local expert (padding
+    included, cut at C); num_routed: (1,) their sum, every row this rank receives lies below it;
+    dropped: (W,) valid slots that did not fit in each rank's capacity."""
 
     slot_dst: torch.Tensor
     tokens_per_expert: torch.Tensor
@@ -36,8 +37,8 @@ class SymmRoute:
     dropped: torch.Tensor
 
 
-def route(meta_WL: torch.Tensor, topk_idx_TK: torch.Tensor, position_TK: torch.Tensor, bufs: SymmBuffers,
-          expert_alignment: int) -> SymmRoute:
+def place_slots(meta_WL: torch.Tensor, topk_idx_TK: torch.Tensor, position_TK: torch.Tensor, bufs: SymmBuffers,
+                expert_alignment: int) -> SlotPlacement:
     """Where every slot of this rank lands, from the exchanged metadata (W, L): the collective
     backend's expert-major, source-rank, send-order layout (``layout.slot_rows``), cut at C."""
     W, E, e, C = bufs.world_size, bufs.num_experts, bufs.num_local_experts, bufs.capacity
@@ -52,7 +53,7 @@ def route(meta_WL: torch.Tensor, topk_idx_TK: torch.Tensor, position_TK: torch.T
     tokens_per_expert_e = torch.minimum(padded_We[bufs.rank], (C - own_start_e).clamp(min=0))
     past_WE = (starts_WE + counts_WE - C).clamp(min=0)  # rows of block (s, g) past C
     dropped_W = torch.minimum(past_WE, counts_WE).sum(0).view(W, e).sum(1)
-    return SymmRoute(slot_dst_N, tokens_per_expert_e, tokens_per_expert_e.sum().reshape(1), dropped_W)
+    return SlotPlacement(slot_dst_N, tokens_per_expert_e, tokens_per_expert_e.sum().reshape(1), dropped_W)
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,17 +161,7 @@ def _check_buffers_fit(
             f"group: the buffers were created for group {bufs.group_name!r}, got group "
             f"{group.name!r}; pass group=None or the buffers' group"
         )
-    if payload is not None and bufs.payload_dtype != fp8.FP8:
-        raise ValueError(
-            f"payload_dtype: an fp8 dispatch needs buffers created with payload_dtype={fp8.FP8} (their receive "
-            f"region holds fp8 wire rows), got buffers with payload_dtype={bufs.payload_dtype}"
-        )
-    if payload is None and bufs.payload_dtype is not None:
-        raise ValueError(
-            f"payload_dtype: the buffers were created with payload_dtype={bufs.payload_dtype} and serve fp8 "
-            f"dispatches only: pass payload_dtype={bufs.payload_dtype} (or x=(values, scales)), or use buffers "
-            f"created without payload_dtype"
-        )
+    check_payload(bufs, payload is not None)
     dtype = x.dtype if payload is None else payload.combine_dtype  # fp8: the dtype of the expert outputs
     if dtype != bufs.dtype or x.shape[1] != bufs.hidden or x.device != bufs.device:
         got = f"{x.dtype}" if payload is None else f"{x.dtype} (expert outputs and gradients in {dtype})"
@@ -241,7 +232,7 @@ class SymmMemBackend(Backend):
         header[1].fill_(expert_alignment)
         send_row_L = torch.cat([plan.send_meta[:, :e].reshape(-1), plan.send_meta[0, e:], header])
         meta_WL = call(symm_exchange_meta_op, send_row_L, bufs, expert_alignment)
-        r = route(meta_WL, topk_idx_TK, plan.position, bufs, expert_alignment)
+        r = place_slots(meta_WL, topk_idx_TK, plan.position, bufs, expert_alignment)
         call_1 = meta_WL[bufs.rank, bufs.num_experts + CALL : bufs.num_experts + CALL + 1]  # this step's (device)
         if payload is None:
             routed_CH, row_src_C = call(symm_dispatch_op, x_TH, None, plan.position, r.slot_dst, r.num_routed, call_1,

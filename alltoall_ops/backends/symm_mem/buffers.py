@@ -16,6 +16,7 @@ from ..._compat import OpaqueBase, register_value_type
 from ...comm import get_timeout
 from ...groups import Group, resolve_group
 from ...kernels.loader import check_kernels_run_on
+from ...validation import check_num_experts, positive_int
 from .segments import (_CudaSymmetricSegments, _LocalSegments, _Segments, _SharedMemorySegments, _SimulatedSegments,
                        setup_gather)
 
@@ -93,13 +94,10 @@ def _make_config(
     num_experts: int, dtype: torch.dtype, device: torch.device, expert_alignment: int,
     capacity: Optional[int], overflow: str, payload_dtype: Optional[torch.dtype] = None,
 ) -> _Config:
-    for name, value in (("max_tokens_per_rank", max_tokens_per_rank), ("hidden", hidden),
-                        ("top_k", top_k), ("num_experts", num_experts),
-                        ("expert_alignment", expert_alignment)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    if num_experts % world_size:
-        raise ValueError(f"num_experts: expected a multiple of the group size {world_size}, got {num_experts}")
+    max_tokens_per_rank = positive_int("max_tokens_per_rank", max_tokens_per_rank)
+    hidden, top_k = positive_int("hidden", hidden), positive_int("top_k", top_k)
+    num_experts = check_num_experts(num_experts, world_size)
+    expert_alignment = positive_int("expert_alignment", expert_alignment)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype: expected a floating-point torch.dtype, got {dtype!r}")
     if overflow not in OVERFLOW_MODES:
@@ -111,8 +109,8 @@ def _make_config(
     worst = world_size * max_tokens_per_rank * top_k + e * (expert_alignment - 1)
     if capacity is None:
         capacity = worst
-    elif isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-        raise ValueError(f"capacity: expected a positive int or None, got {capacity!r}")
+    else:
+        capacity = positive_int("capacity", capacity)
     return _Config(rank, world_size, group_name, max_tokens_per_rank, hidden, top_k, num_experts,
                    expert_alignment, capacity, overflow, dtype, device, payload_dtype)
 
@@ -342,6 +340,22 @@ def _load_pickled_buffers(key: list) -> SymmBuffers:
         f"dtype, device type, payload dtype, group = {key}): they are memory that the group's peers write; create "
         "them collectively with alltoall_ops.SymmBuffers(...) in the process that uses them"
     )
+
+
+def check_payload(bufs: SymmBuffers, fp8_payload: bool) -> None:
+    """Raise unless ``bufs`` serve a dispatch with (``fp8_payload``) or without an fp8 payload:
+    buffers created with ``payload_dtype`` hold fp8 wire rows and serve fp8 dispatches only."""
+    if fp8_payload and bufs.payload_dtype != fp8.FP8:
+        raise ValueError(
+            f"payload_dtype: an fp8 dispatch needs buffers created with payload_dtype={fp8.FP8}: the buffers hold "
+            f"no fp8 wire rows (created with payload_dtype={bufs.payload_dtype})"
+        )
+    if not fp8_payload and bufs.payload_dtype is not None:
+        raise ValueError(
+            f"payload_dtype: the buffers were created with payload_dtype={bufs.payload_dtype} and serve fp8 "
+            f"dispatches only: pass payload_dtype={bufs.payload_dtype} (or x=(values, scales)), or use buffers "
+            f"created without payload_dtype"
+        )
 
 
 def _check_same_config(cfg: _Config, grp: Group) -> None:

@@ -11,8 +11,8 @@ from ... import fp8, layout
 from ...comm import comm_op
 from ...errors import CapacityError, GroupMismatchError, PeerInputError, RoutingError
 from ...kernels import loader
-from ...rows import accumulation_dtype, quantize, weight_grad_op
-from .buffers import ALIGNMENT, CALL, FAILED, META, N_SLOTS, RECV, RET, TAGS, SymmBuffers
+from ...rows import accumulation_dtype, quantize_bits, weight_grad_op
+from .buffers import ALIGNMENT, CALL, FAILED, META, N_SLOTS, RECV, RET, TAGS, SymmBuffers, check_payload
 from .segments import COMBINE_OP, DISPATCH_OP, META_OP
 
 
@@ -208,12 +208,6 @@ def _symm_dispatch_backward(ctx, grad_routed_CH, _grad_row_src_C):
 symm_dispatch_op.register_autograd(_symm_dispatch_backward, setup_context=_symm_dispatch_setup_context)
 
 
-def _require_fp8_buffers(buffers: SymmBuffers) -> None:
-    if buffers.payload_dtype != fp8.FP8:
-        raise ValueError(f"symm_dispatch_fp8: the buffers hold no fp8 wire rows (payload_dtype="
-                         f"{buffers.payload_dtype}); create SymmBuffers with payload_dtype={fp8.FP8}")
-
-
 @comm_op("symm_dispatch_fp8")
 def symm_dispatch_fp8_op(
     x_TH: torch.Tensor,
@@ -235,9 +229,9 @@ def symm_dispatch_fp8_op(
     (C,) int64, laid out as symm_dispatch's: rows [0, n) received, zero where none; rows [n, C)
     unspecified (not written). The backward (with out_dtype) is combine of the gradient, the
     quantize straight-through."""
-    _require_fp8_buffers(buffers)
+    check_payload(buffers, fp8_payload=True)
     C, H = buffers.capacity, x_TH.shape[1]
-    values_TH, scales_TB = quantize(x_TH) if x_scale_TB is None else (x_TH.view(torch.uint8), x_scale_TB)
+    values_TH, scales_TB = quantize_bits(x_TH, x_scale_TB)
     # NB: the copy-out splits each received wire row into values and scale bytes, rows < n only.
     values_CH = x_TH.new_empty(C, H, dtype=torch.uint8)
     scales_CB = x_TH.new_empty(C, fp8.num_blocks(H), dtype=torch.float32)
@@ -253,7 +247,7 @@ def symm_dispatch_fp8_op(
 @symm_dispatch_fp8_op.register_fake
 def _(x_TH, x_scale_TB, position_TK, slot_dst_N, num_routed_1, call_1, buffers, out_dtype):
     # NB: fixed capacity C, as symm_dispatch's.
-    _require_fp8_buffers(buffers)
+    check_payload(buffers, fp8_payload=True)
     C, H = buffers.capacity, x_TH.shape[1]
     return (x_TH.new_empty(C, H, dtype=out_dtype or fp8.FP8),
             x_TH.new_empty(C, fp8.num_blocks(H), dtype=torch.float32),
