@@ -1,4 +1,7 @@
-"""Multi-process test harness: W real processes joined in a gloo process group.
+"""What the tests, the GPU checks (``tools/gpu_*``) and the benchmarks share: a multi-process
+harness (W real processes joined in a gloo process group), counters of comm ops and host
+traffic, the debug and NaN-fill modes, and inputs (``routing``), a small MoE layer
+(``moe_step``) and timers (``timer``, ``host_us``).
 
 Example::
 
@@ -28,8 +31,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import api
 from .comm import communication_ops
-from .layout import HostSplits
+from .layout import HostSplits, expert_of_rows
 
 GLOO_TIMEOUT_S = 60.0
 
@@ -289,3 +293,80 @@ def nan_unwritten_rows() -> Iterator[list[int]]:
         yield unwritten
     finally:
         k.copy_out, k.dequantize_rows = copy_out, dequantize_rows
+
+
+# --- inputs, a layer and timers shared by the tests, the GPU checks and the benchmarks -------
+
+
+def routing(T: int, K: int, E: int, *, seed: int, device: torch.device | str = "cpu",
+            dropped: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random top-k routing: ``topk_idx`` (T, K) int64, K distinct experts per token, and
+    ``weights`` (T, K) fp32, their softmax probabilities. ``dropped``: the expected fraction of
+    slots set to -1 (routed nowhere; their weights stay)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    weights_TK, topk_idx_TK = torch.randn(T, E, device=device, generator=g).softmax(-1).topk(K, dim=-1)
+    if dropped:
+        topk_idx_TK = topk_idx_TK.masked_fill(torch.rand(T, K, device=device, generator=g) < dropped, -1)
+    return topk_idx_TK, weights_TK
+
+
+def moe_step(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, weights_TK: torch.Tensor,
+             expert_w_eHH: torch.Tensor, num_experts: int, **dispatch_kwargs: Any) -> torch.Tensor:
+    """A small MoE layer: dispatch, ``tanh(row @ expert_w_eHH[its expert])`` per routed row,
+    combine; ``dispatch_kwargs`` go to :func:`alltoall_ops.dispatch` (backend, buffers,
+    expert_alignment, ...). The expert matmul runs in fp32 at least, so that a bf16 error
+    measures the ops, not bf16 sums. Rows past ``tokens_per_expert.sum()`` (local: zero;
+    symm_mem: unspecified, may hold NaN) are masked out of the experts' input and output, so
+    that they reach no result and no gradient."""
+    routed_RH, tokens_per_expert_e, handle = api.dispatch(x_TH, topk_idx_TK, num_experts=num_experts,
+                                                          **dispatch_kwargs)
+    e = expert_w_eHH.shape[0]
+    expert_of_row_R = expert_of_rows(tokens_per_expert_e, routed_RH.shape[0])  # e past the last group
+    valid_R1 = (expert_of_row_R < e)[:, None]
+    acc = torch.promote_types(x_TH.dtype, torch.float32)
+    w_RHH = expert_w_eHH.to(acc)[expert_of_row_R.clamp(max=e - 1)]
+    rows_RH = torch.bmm(torch.where(valid_R1, routed_RH, 0).to(acc).unsqueeze(1), w_RHH).squeeze(1)
+    out_RH = torch.where(valid_R1, torch.tanh(rows_RH), 0).to(x_TH.dtype)
+    return api.combine(out_RH, handle, weights_TK)
+
+
+def timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
+    """Median microseconds of fn(): CUDA events via ``triton.testing.do_bench`` on a GPU, else
+    the wall clock over 5 calls::
+
+        time_us = timer(x.device)
+        us = time_us(lambda: a2a.dispatch(x, topk_idx, num_experts=E))
+    """
+    if device.type == "cuda":
+        import triton.testing
+
+        return lambda fn: 1e3 * triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+
+    def wall(fn) -> float:
+        fn()
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return 1e6 * sorted(times)[len(times) // 2]
+
+    return wall
+
+
+def host_us(fn: Callable[[], object], n: int = 20, warmup: int = 1) -> float:
+    """Microseconds of host time to issue one call of fn: ``warmup`` calls and a synchronisation,
+    then n calls timed with perf_counter and no synchronisation among them (equal to the call's
+    time when host-bound)."""
+    cuda = torch.cuda.is_available()
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t0) / n * 1e6
+    if cuda:
+        torch.cuda.synchronize()
+    return us

@@ -76,6 +76,7 @@ import alltoall_ops as a2a
 from alltoall_ops import SymmBuffers, fp8, layout
 from alltoall_ops.backends.symm_mem import run_simulated
 from alltoall_ops.moe import MoE
+from alltoall_ops.testing import routing, timer
 
 SHAPES = ((4096, 7168, 8, 256), (128, 7168, 8, 256), (8192, 7168, 8, 256), (16384, 4096, 8, 128))
 """The issue's shapes, the decode shape second (run in this order: a --deadline-s cut drops the last)."""
@@ -103,14 +104,6 @@ class Row:
     @property
     def ratio(self) -> float:
         return self.us / self.floor_us
-
-
-def routing(T: int, K: int, E: int, device: torch.device, seed: int):
-    """Top-k of random scores: K distinct experts per token, weights softmax-normalised."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    scores = torch.randn(T, E, device=device, generator=gen)
-    weights, topk_idx = scores.softmax(-1).topk(K, dim=-1)
-    return topk_idx, weights
 
 
 def tokens(T: int, H: int, device: torch.device, seed: int) -> torch.Tensor:
@@ -216,43 +209,6 @@ def check_y(what: str, y: torch.Tensor, y_ref: torch.Tensor) -> int:
 
 
 # --- timing ---------------------------------------------------------------------------------
-
-
-def timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
-    """Median microseconds of fn(): CUDA events via triton.testing.do_bench, else wall clock."""
-    if device.type == "cuda":
-        import triton.testing
-
-        return lambda fn: 1e3 * triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
-
-    def wall(fn) -> float:
-        fn()
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return 1e6 * sorted(times)[len(times) // 2]
-
-    return wall
-
-
-def host_us(fn: Callable[[], object], n: int = 20, warmup: int = 1) -> float:
-    """Microseconds of host time to issue one call of fn: ``warmup`` calls and a synchronisation,
-    then n calls timed with perf_counter and no synchronisation among them (equal to the call's
-    time when host-bound)."""
-    cuda = torch.cuda.is_available()
-    for _ in range(warmup):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t0) / n * 1e6
-    if cuda:
-        torch.cuda.synchronize()
-    return us
 
 
 def copy_bandwidth(device: torch.device, time_us) -> float:
@@ -405,7 +361,7 @@ def bench_shape(b: Bench, shape) -> None:
     compiled = backend != "none"
     torch._dynamo.reset()  # one static compilation per function and shape
     x = tokens(T, H, dev, seed=T + H)
-    topk_idx, weights = routing(T, K, E, dev, seed=T + H + 1)
+    topk_idx, weights = routing(T, K, E, device=dev, seed=T + H + 1)
     nbytes = (T + T * K) * H * x.element_size()
 
     # Both implementations against each other before timing (same grouping at W = 1).
@@ -658,7 +614,7 @@ def bench_peers(b: Bench, shape, W: int) -> None:
     impl = label(f"symm.w{W}")
 
     xs = [tokens(T, H, dev, seed=T + H + 7919 * (r + 1)) for r in range(W)]
-    routes = [routing(T, K, E, dev, seed=T + H + 7919 * (r + 1) + 1) for r in range(W)]
+    routes = [routing(T, K, E, device=dev, seed=T + H + 7919 * (r + 1) + 1) for r in range(W)]
     idxs, ws = [r[0] for r in routes], [r[1] for r in routes]
     dests = [idx // e for idx in idxs]
     recv = torch.stack([torch.bincount(d.reshape(-1), minlength=W) for d in dests]).sum(0).tolist()

@@ -32,8 +32,8 @@ import torch.distributed as dist
 
 import alltoall_ops as a2a
 from alltoall_ops import fp8
-from alltoall_ops.layout import expert_of_rows
 from alltoall_ops.reference import reference_combine, reference_dispatch
+from alltoall_ops.testing import moe_step, routing
 
 BENCH_SHAPES = ((4096, 7168, 8, 256), (128, 7168, 8, 256))
 
@@ -41,12 +41,6 @@ BENCH_SHAPES = ((4096, 7168, 8, 256), (128, 7168, 8, 256))
 def say(*args) -> None:
     if dist.get_rank() == 0:
         print(*args, flush=True)
-
-
-def routing(T, K, E, device, seed):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    weights, topk_idx = torch.randn(T, E, device=device, generator=gen).softmax(-1).topk(K, dim=-1)
-    return topk_idx, weights
 
 
 def gathered(t: torch.Tensor) -> list[torch.Tensor]:
@@ -146,7 +140,7 @@ def check_hierarchical(device) -> str:
     T, H, K, E = 48, 128, 4, 4 * W
     torch.manual_seed(3000 + rank)
     x = torch.randn(T, H, device=device, dtype=torch.float64)
-    topk_idx, weights = routing(T, K, E, device, seed=3000 + rank)
+    topk_idx, weights = routing(T, K, E, device=device, seed=3000 + rank)
     weights = weights.double()
 
     def step(dispatch_fn, x_):
@@ -183,26 +177,14 @@ def check_ulysses(device) -> str:
     return f"W={W} exact, inverse exact"
 
 
-def moe_step(x, topk_idx, weights, expert_w, E, backend, buffers=None):
-    kwargs = {"buffers": buffers} if buffers is not None else {}
-    routed, tokens_per_expert, handle = a2a.dispatch(x, topk_idx, num_experts=E, backend=backend, **kwargs)
-    # symm_mem's capacity rows past the valid ones are unspecified (may hold NaN), and so are
-    # their gradient rows: they are masked out of the experts' input and output, so that neither
-    # reaches a result or a gradient (combine ignores them).
-    expert_of_row = expert_of_rows(tokens_per_expert, routed.shape[0])
-    valid = (expert_of_row < expert_w.shape[0])[:, None]
-    routed = torch.where(valid, routed, 0)
-    weight_of_row = expert_w[expert_of_row.clamp(max=expert_w.shape[0] - 1)]
-    out = torch.tanh(torch.bmm(routed.unsqueeze(1), weight_of_row).squeeze(1))
-    return a2a.combine(torch.where(valid, out, 0), handle, weights)
-
-
 def check_compile(device, backend: str) -> str:
     from torch._dynamo.testing import CompileCounterWithBackend
 
     rank, W = dist.get_rank(), dist.get_world_size()
     T, H, K, E = 64, 32, 2, 4 * W
-    buffers = a2a.SymmBuffers(T, H, K, E, dtype=torch.float32, device=device) if backend == "symm_mem" else None
+    kwargs = {}
+    if backend == "symm_mem":
+        kwargs["buffers"] = a2a.SymmBuffers(T, H, K, E, dtype=torch.float32, device=device)
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(moe_step, backend=counter, fullgraph=True)
@@ -211,9 +193,9 @@ def check_compile(device, backend: str) -> str:
     for step in range(3):
         torch.manual_seed(100 * step + rank)
         x = torch.randn(T, H, device=device, requires_grad=True)
-        topk_idx, weights = routing(T, K, E, device, seed=10 * step + rank)
-        y = compiled(x, topk_idx, weights, expert_w, E, backend, buffers)
-        ye = moe_step(x, topk_idx, weights, expert_w, E, backend, buffers)
+        topk_idx, weights = routing(T, K, E, device=device, seed=10 * step + rank)
+        y = compiled(x, topk_idx, weights, expert_w, E, backend=backend, **kwargs)
+        ye = moe_step(x, topk_idx, weights, expert_w, E, backend=backend, **kwargs)
         g = torch.autograd.grad(y.sum(), (x, expert_w))
         ge = torch.autograd.grad(ye.sum(), (x, expert_w))
         torch.testing.assert_close(y, ye, rtol=1e-4, atol=1e-5)
@@ -235,7 +217,7 @@ def check_cuda_graph(device) -> str:
     def load(seed):
         torch.manual_seed(seed * 10 + rank)
         x.copy_(torch.randn(T, H, device=device))
-        idx, w = routing(T, K, E, device, seed * 10 + rank)
+        idx, w = routing(T, K, E, device=device, seed=seed * 10 + rank)
         topk_idx.copy_(idx)
         weights.copy_(w)
 
@@ -359,7 +341,7 @@ def implementations(x, topk_idx, weights, E: int, bufs, group) -> dict:
 def bench_shape(T: int, H: int, K: int, E: int, device) -> list[dict]:
     rank, W = dist.get_rank(), dist.get_world_size()
     x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
-    topk_idx, weights = routing(T, K, E, device, seed=rank + T)
+    topk_idx, weights = routing(T, K, E, device=device, seed=rank + T)
     dest = topk_idx // (E // W)  # (T, K) destination rank of each slot
     # Rows received per rank, own rows included (logical), and rows crossing to a peer (link),
     # both summed over ranks here and averaged below.
@@ -407,7 +389,7 @@ def bench_vdev2d(device) -> None:
     name = dist.group.WORLD.group_name
     for T, H, K, E in BENCH_SHAPES:
         e = E // W
-        topk_idx, _ = routing(T, K, E, device, seed=rank + T)
+        topk_idx, _ = routing(T, K, E, device=device, seed=rank + T)
         order = torch.argsort(topk_idx.reshape(-1), stable=True)
         counts = torch.bincount(topk_idx.reshape(-1), minlength=E)
         max_out = W * T * K

@@ -37,8 +37,9 @@ from torch.profiler import ProfilerActivity, profile
 
 import alltoall_ops as a2a
 from alltoall_ops.moe import MoE
+from alltoall_ops.testing import host_us, timer
 
-from .bench import Captured, host_us, timer
+from .bench import Captured
 
 MOE_SHAPES = {"decode": (128, 2048, 1408, 64, 6), "train": (4096, 2048, 1408, 64, 6),
               "train16k": (16384, 2048, 1408, 64, 6)}

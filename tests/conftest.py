@@ -1,11 +1,13 @@
 """Shared fixtures: multi-process gloo pools (W = 1, 2, 4), started lazily and reused by the whole
-session, and a hypothesis profile sized for a 2-core CI machine."""
+session, a hypothesis profile sized for a 2-core CI machine, and the skip of the tests marked
+``gpu`` where no CUDA GPU runs compiled kernels."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 from alltoall_ops import testing
@@ -69,3 +71,15 @@ def unwritten_as_nan():
     """:func:`alltoall_ops.testing.nan_unwritten_rows` for the whole test: yields its list."""
     with testing.nan_unwritten_rows() as unwritten:
         yield unwritten
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` (``python -m pytest -m gpu tests/`` on a GPU host) skip without CUDA,
+    and under ``TRITON_INTERPRET=1``: they check the compiled kernels on the device, whose CPU
+    path (the same kernels in Triton's interpreter) the rest of the suite runs."""
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU and compiled Triton kernels (TRITON_INTERPRET unset)")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)

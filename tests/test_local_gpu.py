@@ -1,7 +1,7 @@
 """backend="local" on a CUDA GPU: the routing-plan kernels in padded-rows mode and the gather
 kernel against their torch references, a whole step with no synchronising CUDA call, and CUDA
-graph capture (by hand and under ``mode="reduce-overhead"``) replayed on new routings. Skipped
-without CUDA; the same kernels run in Triton's interpreter in the CPU suite."""
+graph capture (by hand and under ``mode="reduce-overhead"``) replayed on new routings. Marked
+``gpu``: skipped without CUDA; the same kernels run in Triton's interpreter in the CPU suite."""
 
 from __future__ import annotations
 
@@ -11,17 +11,15 @@ import torch
 import alltoall_ops as a2a
 from alltoall_ops import layout
 from alltoall_ops.moe import MoE
-from alltoall_ops.testing import HostTraffic
+from alltoall_ops.testing import HostTraffic, routing
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("T, K, E, alignment", [(0, 2, 8, 4), (1, 1, 4, 1), (128, 8, 256, 1), (4096, 6, 64, 16),
                                                 (5000, 8, 256, 128)])
 def test_plan_rows_kernels_equal_the_torch_reference(T, K, E, alignment):
-    g = torch.Generator(device="cuda").manual_seed(T + K)
-    idx = torch.rand(T, E, device="cuda", generator=g).topk(K).indices
-    idx = torch.where(torch.rand(T, K, device="cuda", generator=g) < 0.1, -1, idx)
+    idx, _ = routing(T, K, E, seed=T + K, device="cuda", dropped=0.1)
     C = layout.local_capacity(T * K, E, alignment)
     got = layout._plan_rows(idx, E, alignment)
     want = layout._plan_rows_torch(idx, E, alignment, C)

@@ -2,23 +2,27 @@
 cuda against fp64 CPU references, opcheck, inductor compile (one compilation across routings),
 the collective backend over a one-rank NCCL group, Ulysses, and the SAC comm-op counts.
 
-    python tools/gpu_check.py            # prints one line per check and a final PASS / FAIL
+    python -m tools.gpu_check                    # prints one line per check and a final PASS / FAIL
+    GPU_CHECK_DEVICE=cpu python -m tools.gpu_check   # a dry run of the code path here (gloo)
+    python -m pytest -m gpu tests/test_core_gpu.py   # the same checks, one test each
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 import traceback
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 import alltoall_ops as a2a
 from alltoall_ops import layout
-from alltoall_ops.layout import expert_of_rows
 from alltoall_ops.inspect import compiled_graphs
+from alltoall_ops.testing import moe_step
 
 DEVICE = torch.device(os.environ.get("GPU_CHECK_DEVICE", "cuda:0"))  # "cpu": a dry run here
 CHECKS = []
@@ -27,19 +31,6 @@ CHECKS = []
 def check(fn):
     CHECKS.append(fn)
     return fn
-
-
-def moe_layer(x, topk_idx, weights, expert_w, num_experts, alignment=1, backend="auto"):
-    e = expert_w.shape[0]
-    routed, tokens_per_expert, handle = a2a.dispatch(
-        x, topk_idx, num_experts=num_experts, expert_alignment=alignment, backend=backend
-    )
-    # rows past the last group (the local backend's zero tail) take the last expert: never read
-    expert_of_row = expert_of_rows(tokens_per_expert, routed.shape[0]).clamp(max=e - 1)
-    # Expert math in fp32 at least, so that bf16 errors measure the ops, not bf16 bmm sums.
-    acc = torch.promote_types(x.dtype, torch.float32)
-    rows = torch.bmm(routed.unsqueeze(1).to(acc), expert_w.to(acc)[expert_of_row]).squeeze(1)
-    return a2a.combine(torch.tanh(rows).to(x.dtype), handle, weights)
 
 
 def dense_reference(x, topk_idx, weights, expert_w):
@@ -76,7 +67,7 @@ def local_backend_numerics():
     for dtype in (torch.float64, torch.float32, torch.bfloat16):
         for T, H, K, E, align in ((257, 64, 4, 16, 1), (1000, 128, 8, 32, 16), (0, 64, 2, 8, 4)):
             x, idx, w, ew = inputs(T, H, K, E, dtype, seed=T + H)
-            y = moe_layer(x, idx, w, ew, E, align)
+            y = moe_step(x, idx, w, ew, E, expert_alignment=align)
             grads = torch.autograd.grad(y, (x, w, ew), torch.ones_like(y), allow_unused=True)
             xr, wr, ewr = (t.detach().double().cpu().requires_grad_() for t in (x, w, ew))
             yr = dense_reference(xr, idx.cpu(), wr, ewr)
@@ -96,8 +87,8 @@ def local_backend_numerics():
 @check
 def determinism():
     x, idx, w, ew = inputs(2048, 256, 8, 64, torch.bfloat16, seed=3)
-    a = moe_layer(x, idx, w, ew, 64, 16)
-    b = moe_layer(x, idx, w, ew, 64, 16)
+    a = moe_step(x, idx, w, ew, 64, expert_alignment=16)
+    b = moe_step(x, idx, w, ew, 64, expert_alignment=16)
     assert torch.equal(a, b)
     return "bitwise equal"
 
@@ -136,17 +127,17 @@ def inductor_one_compilation():
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("inductor")
-    compiled = torch.compile(moe_layer, backend=counter, fullgraph=True)
+    compiled = torch.compile(moe_step, backend=counter, fullgraph=True)
     for step in range(3):
         x, idx, w, ew = inputs(512, 128, 4, 32, torch.bfloat16, seed=10 + step)
-        y = compiled(x, idx, w, ew, 32, 16)
+        y = compiled(x, idx, w, ew, 32, expert_alignment=16)
         gy = torch.autograd.grad(y, (x, w, ew), torch.ones_like(y))
-        ye = moe_layer(x, idx, w, ew, 32, 16)
+        ye = moe_step(x, idx, w, ew, 32, expert_alignment=16)
         ge = torch.autograd.grad(ye, (x, w, ew), torch.ones_like(ye))
         assert rel_err(y, ye) < 1e-2, rel_err(y, ye)
         assert all(rel_err(a, b) < 2e-2 for a, b in zip(gy, ge))
     assert counter.frame_count == 1, counter.frame_count
-    graphs = compiled_graphs(moe_layer, x, idx, w, ew, 32, 16, backend="inductor")
+    graphs = compiled_graphs(moe_step, x, idx, w, ew, 32, expert_alignment=16, backend="inductor")
     assert graphs.graph_breaks == 0
     return f"frames={counter.frame_count}; " + graphs.summary().replace("\n", " | ")
 
@@ -154,8 +145,8 @@ def inductor_one_compilation():
 @check
 def collective_backend_nccl_one_rank():
     x, idx, w, ew = inputs(300, 64, 4, 16, torch.float32, seed=5)
-    y_local = moe_layer(x, idx, w, ew, 16, 4, backend="local")
-    y_coll = moe_layer(x, idx, w, ew, 16, 4, backend="collective")
+    y_local = moe_step(x, idx, w, ew, 16, expert_alignment=4, backend="local")
+    y_coll = moe_step(x, idx, w, ew, 16, expert_alignment=4, backend="collective")
     assert torch.equal(y_local, y_coll)
     g = torch.autograd.grad(y_coll, (x, w, ew), torch.ones_like(y_coll))
     gl = torch.autograd.grad(y_local, (x, w, ew), torch.ones_like(y_local))
@@ -181,24 +172,33 @@ def ulysses_cuda():
     return "attention wrapper == sdpa, compiled ok"
 
 
-def main() -> int:
-    name = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu"
-    print(f"torch {torch.__version__}, {name}", flush=True)
+@contextlib.contextmanager
+def one_rank_group() -> Iterator[None]:
+    """The default process group the checks run in: one rank, NCCL on cuda (gloo for a dry run)."""
     store = dist.FileStore(f"/tmp/gpu_check_store_{os.getpid()}", 1)
     if DEVICE.type == "cuda":
         dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=DEVICE)
     else:
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> int:
+    name = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu"
+    print(f"torch {torch.__version__}, {name}", flush=True)
     failed = []
-    for fn in CHECKS:
-        t0 = time.perf_counter()
-        try:
-            detail = fn() or ""
-            print(f"PASS {fn.__name__}: {detail} ({time.perf_counter() - t0:.1f} s)", flush=True)
-        except Exception:
-            failed.append(fn.__name__)
-            print(f"FAIL {fn.__name__}:\n{traceback.format_exc()}", flush=True)
-    dist.destroy_process_group()
+    with one_rank_group():
+        for fn in CHECKS:
+            t0 = time.perf_counter()
+            try:
+                detail = fn() or ""
+                print(f"PASS {fn.__name__}: {detail} ({time.perf_counter() - t0:.1f} s)", flush=True)
+            except Exception:
+                failed.append(fn.__name__)
+                print(f"FAIL {fn.__name__}:\n{traceback.format_exc()}", flush=True)
     print("ALL PASS" if not failed else f"FAILED: {failed}")
     return 1 if failed else 0
 

@@ -6,19 +6,24 @@
 2. the kernel path with strided inputs and NaN / inf weights on dropped slots (local backend):
    equal to the contiguous call, finite, and equal to the run with those weights set to 0.
 
-    python3 tools/gpu_fault_check.py
+    python -m tools.gpu_fault_check                  # PASS / FAIL per check
+    python -m pytest -m gpu tests/test_faults_gpu.py  # the same checks, one test each
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
+import traceback
 
 import torch
 
 import alltoall_ops as a2a
 from alltoall_ops.kernels import loader
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _stuck_barrier() -> None:
@@ -29,23 +34,25 @@ def _stuck_barrier() -> None:
     torch.cuda.synchronize()
 
 
-def check_barrier() -> bool:
+def check_barrier() -> str:
     pad = torch.zeros(1, dtype=torch.int32, device="cuda")
     table = torch.tensor([pad.data_ptr()], dtype=torch.int64, device="cuda")
     loader.load().barrier(table, 0, 1.0, 1, torch.ones(1, dtype=torch.int64, device="cuda"))
     torch.cuda.synchronize()
     ok = int(pad) == 0
     start = time.monotonic()
-    child = subprocess.run([sys.executable, __file__, "--stuck-barrier"], capture_output=True, text=True, timeout=120)
+    child = subprocess.run([sys.executable, "-m", "tools.gpu_fault_check", "--stuck-barrier"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
     waited = time.monotonic() - start
     trapped = child.returncode != 0 and "CUDA" in child.stderr
-    print(f"barrier: passes when all arrive: {ok}; stuck barrier ended in {waited:.1f} s (deadline 1 s + start-up), "
-          f"exit code {child.returncode}, CUDA error reported: {trapped}")
-    print("  child stderr tail:", child.stderr.strip().splitlines()[-1:] if child.stderr else "")
-    return ok and trapped
+    seen = (f"passes when all arrive: {ok}; stuck barrier ended in {waited:.1f} s (deadline 1 s + start-up), "
+            f"exit code {child.returncode}, CUDA error reported: {trapped}; child stderr tail: "
+            f"{child.stderr.strip().splitlines()[-1:] if child.stderr else ''}")
+    assert ok and trapped, seen
+    return seen
 
 
-def check_kernel_inputs() -> bool:
+def check_kernel_inputs() -> str:
     torch.manual_seed(0)
     T, H, K, E = 300, 256, 4, 16
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
@@ -54,7 +61,7 @@ def check_kernel_inputs() -> bool:
     w = w_full[:, ::2]  # strided
     w_nan = w.clone()
     w_nan[idx < 0] = float("nan")
-    ok = True
+    seen = []
     for alignment in (1, 16):
         routed, _, handle = a2a.dispatch(x, idx, num_experts=E, expert_alignment=alignment)
         out = (routed.float() * 1.5).to(routed.dtype)
@@ -65,16 +72,25 @@ def check_kernel_inputs() -> bool:
         y_zero = a2a.combine(out, handle, torch.where(idx < 0, 0.0, w_nan))
         same = torch.equal(y_ref, y_strided)
         finite = bool(torch.isfinite(y_nan).all()) and torch.equal(y_nan, y_zero)
-        print(f"alignment {alignment}: strided weights / expert_out equal to contiguous: {same}; "
-              f"NaN weights on dropped slots: finite and equal to zero weights: {finite}")
-        ok = ok and same and finite
-    return ok
+        seen.append(f"alignment {alignment}: strided weights / expert_out equal to contiguous: {same}; "
+                    f"NaN weights on dropped slots: finite and equal to zero weights: {finite}")
+        assert same and finite, seen[-1]
+    return "; ".join(seen)
+
+
+CHECKS = [check_barrier, check_kernel_inputs]
 
 
 def main() -> int:
-    results = {"barrier": check_barrier(), "kernel inputs": check_kernel_inputs()}
-    print("ALL PASS" if all(results.values()) else f"FAILED: {[k for k, v in results.items() if not v]}")
-    return 0 if all(results.values()) else 1
+    failed = []
+    for fn in CHECKS:
+        try:
+            print(f"PASS {fn.__name__}: {fn()}", flush=True)
+        except Exception:
+            failed.append(fn.__name__)
+            print(f"FAIL {fn.__name__}:\n{traceback.format_exc()}", flush=True)
+    print("ALL PASS" if not failed else f"FAILED: {failed}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

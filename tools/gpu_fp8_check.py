@@ -4,24 +4,23 @@ from a CUDA graph; dispatch's fp8 modes (quantized, pre-quantized, dequantized w
 straight-through gradient) against the bf16 dispatch of the dequantized tokens, eager and
 compiled with inductor (one compilation across routings).
 
-    python tools/gpu_fp8_check.py      # prints PASS / FAIL per check; exit status 1 on a failure
+    python -m tools.gpu_fp8_check                    # PASS / FAIL per check; exit status 1 on a failure
+    python -m pytest -m gpu tests/test_fp8_gpu.py    # the same checks, one test each
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import traceback
 
 import torch
 import torch._dynamo.testing
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import alltoall_ops as a2a  # noqa: E402
-from alltoall_ops import fp8  # noqa: E402
-from alltoall_ops.kernels import loader  # noqa: E402
+import alltoall_ops as a2a
+from alltoall_ops import fp8
+from alltoall_ops.kernels import loader
+from alltoall_ops.testing import routing
 
 DEV = torch.device("cuda")
 FAILURES: list[str] = []
@@ -43,12 +42,6 @@ def tokens(T: int, H: int, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
     if T:
         x[0, :128] = 0
     return x.to(dtype)
-
-
-def routing(T: int, K: int, E: int, seed: int) -> torch.Tensor:
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    idx = torch.rand(T, E, device=DEV, generator=g).topk(K).indices
-    return torch.where(torch.rand(T, K, device=DEV, generator=g) < 0.1, -1, idx)
 
 
 def rounding_sweep() -> None:
@@ -84,7 +77,8 @@ def quantize(T: int, H: int, dtype) -> None:
 
 
 def dispatch_modes(T: int, H: int, K: int, E: int, alignment: int) -> None:
-    x, idx = tokens(T, H, 7 * T), routing(T, K, E, 11 * T)
+    x = tokens(T, H, 7 * T)
+    idx, _ = routing(T, K, E, seed=11 * T, device=DEV, dropped=0.1)
     deq = fp8.dequantize(*fp8.quantize(x), torch.float32)
     ref, ref_tpe, _ = a2a.dispatch(deq, idx, num_experts=E, expert_alignment=alignment)
     (values, scales), tpe, _ = a2a.dispatch(x, idx, num_experts=E, expert_alignment=alignment,
@@ -115,7 +109,8 @@ def compiled_and_graph() -> None:
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
     compiled = torch.compile(step, fullgraph=True, backend=counter)
     for seed in range(3):
-        x, idx = tokens(T, H, seed), routing(T, K, E, seed + 100)
+        x = tokens(T, H, seed)
+        idx, _ = routing(T, K, E, seed=seed + 100, device=DEV, dropped=0.1)
         w = torch.rand(T, K, device=DEV)
         torch.testing.assert_close(compiled(x, idx, w), step(x, idx, w), rtol=0, atol=0)
     assert counter.frame_count == 1, f"{counter.frame_count} compilations over 3 routings"
@@ -131,16 +126,22 @@ def compiled_and_graph() -> None:
     assert torch.equal(values, ref_values.view(torch.uint8)) and torch.equal(scales, ref_scales), "replay differs"
 
 
+CHECKS = [
+    ("rounding: every code, midpoint and neighbour", rounding_sweep),
+    ("non-finite tokens: their blocks NaN, as torch", non_finite),
+    *((f"quantize_rows T={T} H={H} {dtype}", functools.partial(quantize, T, H, dtype))
+      for T, H, dtype in [(4096, 7168, torch.bfloat16), (128, 7168, torch.bfloat16), (333, 384, torch.float32),
+                          (1, 128, torch.float16), (0, 256, torch.bfloat16)]),
+    *((f"dispatch fp8 modes T={T} H={H} K={K} E={E} alignment={a}", functools.partial(dispatch_modes, T, H, K, E, a))
+      for T, H, K, E, a in [(4096, 7168, 8, 256, 1), (300, 256, 4, 16, 8), (0, 128, 2, 4, 1)]),
+    ("compiled once across routings; kernel in a CUDA graph", compiled_and_graph),
+]
+"""(name, check): every check of this file, in the order main runs them."""
+
+
 def main() -> int:
-    check("rounding: every code, midpoint and neighbour", rounding_sweep)
-    check("non-finite tokens: their blocks NaN, as torch", non_finite)
-    for T, H, dtype in [(4096, 7168, torch.bfloat16), (128, 7168, torch.bfloat16), (333, 384, torch.float32),
-                        (1, 128, torch.float16), (0, 256, torch.bfloat16)]:
-        check(f"quantize_rows T={T} H={H} {dtype}", functools.partial(quantize, T, H, dtype))
-    for T, H, K, E, a in [(4096, 7168, 8, 256, 1), (300, 256, 4, 16, 8), (0, 128, 2, 4, 1)]:
-        check(f"dispatch fp8 modes T={T} H={H} K={K} E={E} alignment={a}",
-              functools.partial(dispatch_modes, T, H, K, E, a))
-    check("compiled once across routings; kernel in a CUDA graph", compiled_and_graph)
+    for name, fn in CHECKS:
+        check(name, fn)
     print("FAILURES:" if FAILURES else "ALL PASS", *FAILURES, sep="\n  ")
     return 1 if FAILURES else 0
 

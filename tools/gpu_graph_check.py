@@ -3,9 +3,10 @@ graphs (issue 21): :class:`alltoall_ops.moe.MoE` with backend "symm_mem" (one ra
 ``SymmBuffers`` on cuda) and "local", training steps (forward + backward) and decode forwards (no
 grad), one GPU (the H200 host: torch 2.11, triton 3.6).
 
-    PYTHONPATH=. python3 tools/gpu_graph_check.py                    # T = 128
-    PYTHONPATH=. python3 tools/gpu_graph_check.py --tokens 128 4096  # and the training shape
-    PYTHONPATH=. python3 tools/gpu_graph_check.py --cpu              # dry run of the code path here
+    python -m tools.gpu_graph_check                     # T = 128
+    python -m tools.gpu_graph_check --tokens 128 4096   # and the training shape
+    python -m tools.gpu_graph_check --cpu               # dry run of the code path here
+    python -m pytest -m gpu tests/test_graphs_gpu.py    # the cases at T = 128 and 4096, one test each
 
 Every step routes new tokens (a new routing). Replays are counted where they happen: each call
 of ``torch._inductor.cudagraph_trees.CUDAGraphNode.run_graph`` is one replay of a recorded graph
@@ -21,14 +22,16 @@ compiled and eager, and the kernel launches of a profiled step outside graphs; e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import traceback
+from typing import Iterator
 
 import torch
 
 import alltoall_ops as a2a
 from alltoall_ops.moe import MoE
-from benchmarks.bench import timer
+from alltoall_ops.testing import timer
 from benchmarks.moe_layer import kernels_outside_graphs
 
 SHAPE = (2048, 1408, 64, 6)  # H, F, E, K: the MoE layer of benchmarks/moe_layer.py
@@ -39,8 +42,9 @@ REL_TOL = 2e-2  # relative Frobenius error against eager (bf16 outputs, fused di
 REPLAYS = [0]
 
 
-def count_replays() -> None:
-    """Count every replay of a graph recorded by cudagraph trees into REPLAYS[0]."""
+@contextlib.contextmanager
+def counting_replays() -> Iterator[None]:
+    """Inside the block, count every replay of a graph recorded by cudagraph trees into REPLAYS[0]."""
     from torch._inductor import cudagraph_trees
 
     run_graph = cudagraph_trees.CUDAGraphNode.run_graph
@@ -50,6 +54,10 @@ def count_replays() -> None:
         return run_graph(node)
 
     cudagraph_trees.CUDAGraphNode.run_graph = counted
+    try:
+        yield
+    finally:
+        cudagraph_trees.CUDAGraphNode.run_graph = run_graph
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -142,7 +150,6 @@ def main(argv=None) -> int:
     shape = CPU_SHAPE if args.cpu else SHAPE
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, "
           f"(H, F, E, K) = {shape}", flush=True)
-    count_replays()
     if device.type == "cuda":
         torch._logging.set_logs(perf_hints=True)  # why a graph is not captured, where inductor says it
     failed = 0
@@ -150,7 +157,8 @@ def main(argv=None) -> int:
         for backend in args.backends:
             for train in (True, False):
                 try:
-                    ok, seen = run_case(backend, train, T, args.steps, shape, device)
+                    with counting_replays():
+                        ok, seen = run_case(backend, train, T, args.steps, shape, device)
                 except Exception as exc:  # a case that crashes is a FAIL; the others still run
                     traceback.print_exc()
                     ok, seen = False, f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"

@@ -8,8 +8,10 @@ routing; an fp8 payload (against the local backend's fp8 dispatch, then captured
 overflow='drop'; the overflow error as a device-side assert; torch.compile on this torch;
 the signal-pad barrier kernel across two streams; timings of one rank at a DeepSeek-like size.
 
-    python tools/gpu_symm_check.py           # everything, a table at the end
-    python tools/gpu_symm_check.py --quick   # the correctness checks only (used by the tests)
+    python -m tools.gpu_symm_check                    # everything, a table at the end
+    python -m tools.gpu_symm_check --quick            # the quick correctness checks only
+    GPU_SYMM_DEVICE=cpu python -m tools.gpu_symm_check --quick   # a dry run here (Triton's interpreter)
+    python -m pytest -m gpu tests/test_symm_mem_gpu.py   # every correctness check, one test each
 
 Exact where the arithmetic is the same (moving rows, sums without products, single products);
 the weighted sum may differ by the GPU's fused multiply-add (bound: one ulp of the output
@@ -29,15 +31,13 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
 import alltoall_ops as a2a
 from alltoall_ops import fp8
 from alltoall_ops.backends import symm_mem
 from alltoall_ops.backends.symm_mem import ops as symm_ops
 from alltoall_ops.kernels import loader
 from alltoall_ops.rows import weight_grad_op
-from alltoall_ops.testing import DistributedPool
+from alltoall_ops.testing import DistributedPool, timer
 
 DEVICE = torch.device(os.environ.get("GPU_SYMM_DEVICE", "cuda:0"))  # "cpu": a dry run (interpreter)
 ROWS: list[tuple[str, str, str]] = []
@@ -335,17 +335,19 @@ def check_barrier_streams() -> str:
     seen.copy_(data)  # first launches (module loads) before any barrier spins
     done = threading.Event()
     threading.Thread(target=lambda: done.wait(60) or os._exit(3), daemon=True).start()  # a hang ends the run
-    torch.cuda.synchronize()
-    for it in range(50):
-        with torch.cuda.stream(streams[0]):
-            data.fill_(float(it + 1))
-            k.barrier(table, 0, 60.0, 1, call_1)
-        with torch.cuda.stream(streams[1]):
-            k.barrier(table, 1, 60.0, 1, call_1)
-            seen.copy_(data)
+    try:
         torch.cuda.synchronize()
-        assert bool((seen == it + 1).all()), it
-    done.set()
+        for it in range(50):
+            with torch.cuda.stream(streams[0]):
+                data.fill_(float(it + 1))
+                k.barrier(table, 0, 60.0, 1, call_1)
+            with torch.cuda.stream(streams[1]):
+                k.barrier(table, 1, 60.0, 1, call_1)
+                seen.copy_(data)
+            torch.cuda.synchronize()
+            assert bool((seen == it + 1).all()), it
+    finally:
+        done.set()  # a failure that did not hang reports as one
     assert not pads.any()
     return "50 rounds, flags back to 0, writes before the barrier visible after it"
 
@@ -400,21 +402,6 @@ def check_symmetric_memory_one_rank() -> str:
         dist.destroy_process_group()
 
 
-def _bench(fn: Callable[[], Any], iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return sorted(times)[len(times) // 2]
-
-
 def check_timing() -> str:
     """One rank (no peers) at T=4096, H=7168, K=8, E=256, bf16: the kernels' cost alone."""
     T, H, K, E = 4096, 7168, 8, 256
@@ -424,8 +411,9 @@ def check_timing() -> str:
     topk_idx = torch.rand(T, E, device=DEVICE, generator=g).topk(K, dim=1).indices
     weights = torch.rand(T, K, device=DEVICE, generator=g)
     routed, _, h = a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs)
-    t_dispatch = _bench(lambda: a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs))
-    t_combine = _bench(lambda: a2a.combine(routed, h, weights))
+    time_us = timer(DEVICE)
+    t_dispatch = time_us(lambda: a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs))
+    t_combine = time_us(lambda: a2a.combine(routed, h, weights))
     static = {}
 
     def step():
@@ -440,7 +428,7 @@ def check_timing() -> str:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         step()
-    t_graph = _bench(graph.replay)
+    t_graph = time_us(graph.replay)
     y_ref = a2a.combine(*a2a.dispatch(x, topk_idx, num_experts=E, backend="local")[::2], weights)
     graph.replay()
     torch.cuda.synchronize()

@@ -16,8 +16,7 @@ import alltoall_ops as a2a
 from alltoall_ops import layout
 from alltoall_ops.kernels import loader
 from alltoall_ops.moe import MoE
-from alltoall_ops.testing import HostTraffic
-from benchmarks.bench import host_us
+from alltoall_ops.testing import HostTraffic, host_us
 
 H, K, E = 7168, 8, 256
 

@@ -23,18 +23,17 @@ import argparse
 import itertools
 
 import torch
-import triton.testing
 
 from alltoall_ops import layout
 from alltoall_ops.kernels import _config
 from alltoall_ops.kernels import routing_plan as routing
 from alltoall_ops.kernels import loader
+from alltoall_ops.testing import timer
 
 H, K, E = 7168, 8, 256
 
 
-def median_us(fn) -> float:
-    return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+median_us = timer(torch.device("cuda"))
 
 
 def sweep(name: str, fn, nbytes: int, bandwidth: float, configs, top: int) -> None:
