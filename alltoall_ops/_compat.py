@@ -81,8 +81,8 @@ def custom_op(name: str, fn: Callable, **kwargs: Any):
     return op
 
 
-def call(op: Any, *args: Any, differentiable: Iterable[Any] = ()) -> Any:
-    """``op(*args)`` for an op made by :func:`custom_op`. In plain eager code where no
+def call(op: Any, *args: Any, differentiable: Iterable[Any] = (), **kwargs: Any) -> Any:
+    """``op(*args, **kwargs)`` for an op made by :func:`custom_op`. In plain eager code where no
     ``differentiable`` input needs a gradient, its implementation directly: the same work
     without the dispatcher's and autograd's Python round trip (about 40 us of host time per
     call on an H200 host, docs/benchmarks.md). Plain eager: not tracing, no dispatch or
@@ -94,11 +94,32 @@ def call(op: Any, *args: Any, differentiable: Iterable[Any] = ()) -> Any:
     # NB: is_compiling first: dynamo cannot trace the mode queries.
     plain = (
         not is_compiling()
-        and all(type(a) is torch.Tensor for a in args if isinstance(a, torch.Tensor))
+        and all(type(a) is torch.Tensor for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
         and _get_current_dispatch_mode() is None
         and not torch._C._is_torch_function_mode_enabled()
         and not torch._C._are_functorch_transforms_active()
     )
     if plain and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)):
-        return _IMPLS[op](*args)
-    return op(*args)
+        return _IMPLS[op](*args, **kwargs)
+    return op(*args, **kwargs)
+
+
+def arg_names(op: Any) -> tuple[str, ...]:
+    """The argument names of a custom op, in its schema's order."""
+    return tuple(a.name for a in op._opoverload._schema.arguments)
+
+
+def named_inputs(op: Any, inputs: tuple) -> dict[str, Any]:
+    """An op's ``inputs`` as its autograd ``setup_context`` gets them (schema order), by name: a
+    schema edit cannot shift them silently."""
+    return dict(zip(arg_names(op), inputs))
+
+
+def input_grads(op: Any, **grads: Any) -> tuple:
+    """What an op's autograd backward returns: one entry per argument of ``op``, in schema order,
+    the gradients given by argument name and None for the rest."""
+    names = arg_names(op)
+    unknown = set(grads) - set(names)
+    if unknown:
+        raise TypeError(f"input_grads: {op._opoverload} has no argument {sorted(unknown)}; its arguments: {names}")
+    return tuple(grads.get(name) for name in names)

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from . import fp8
+from ._compat import input_grads
 from .kernels import loader
 
 
@@ -174,7 +175,7 @@ def _weight_grad_backward(ctx, grad_grad_w_TK):
     if ctx.needs_input_grad[1]:
         per_slot_NH = (gg_TK1 * grad_y_TH.to(acc)[:, None, :]).reshape(T * K, H)
         grad_rows_nH = torch.zeros_like(rows_nH).index_add(0, slots_N, per_slot_NH.to(rows_nH.dtype))
-    return grad_grad_y_TH, grad_rows_nH, None, None
+    return input_grads(weight_grad_op, grad_y_TH=grad_grad_y_TH, rows_nH=grad_rows_nH)
 
 
 weight_grad_op.register_autograd(_weight_grad_backward, setup_context=_weight_grad_setup_context)

@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from . import comm
-from ._compat import is_compiling
+from ._compat import input_grads, is_compiling
 from .errors import GroupMismatchError
 from .groups import LOCAL, communication_group, process_group, resolve_group
 from .comm import comm_op
@@ -390,11 +390,12 @@ def _head_to_seq_setup(ctx, inputs, output):
 
 # NB: the gradients have the shapes of the outputs, which the forward's check covered: no attention args.
 def _seq_to_head_backward(ctx, grad):
-    return head_to_seq_op(grad, ctx.group_name, ctx.seq_dim, ctx.head_dim, ctx.num_heads, []), None, None, None, None
+    grad_x = head_to_seq_op(grad, ctx.group_name, ctx.seq_dim, ctx.head_dim, ctx.num_heads, [])
+    return input_grads(seq_to_head_op, x=grad_x)
 
 
 def _head_to_seq_backward(ctx, grad):
-    return seq_to_head_op(grad, ctx.group_name, ctx.seq_dim, ctx.head_dim, []), None, None, None, None, None
+    return input_grads(head_to_seq_op, x=seq_to_head_op(grad, ctx.group_name, ctx.seq_dim, ctx.head_dim, []))
 
 
 seq_to_head_op.register_autograd(_seq_to_head_backward, setup_context=_seq_to_head_setup)

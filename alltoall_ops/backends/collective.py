@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import comm, fp8, layout
-from .._compat import call
+from .._compat import call, input_grads, named_inputs
 from ..groups import LOCAL, Group, process_group
 from ..rows import quantize_bits, rows_in_send_order, weight_grad_op, weighted_slot_sum
 from ..validation import check_dispatch_args
@@ -28,7 +28,7 @@ from .base import Backend, DispatchHandle, save_returned
 
 class RouteArgs(NamedTuple):
     """One dispatch's routing layout on this rank: the arguments of the ``dispatch`` /
-    ``dispatch_fp8`` / ``combine`` ops after the payload, in their order."""
+    ``dispatch_fp8`` / ``combine`` ops after the payload, passed by name (``**route.kwargs()``)."""
 
     order_N: torch.Tensor
     position_TK: torch.Tensor
@@ -36,6 +36,15 @@ class RouteArgs(NamedTuple):
     splits_S: torch.Tensor
     expert_alignment: int
     group_name: str
+
+    @classmethod
+    def of(cls, op, inputs: tuple) -> "RouteArgs":
+        """The route among an op's autograd ``inputs``, taken by argument name."""
+        named = named_inputs(op, inputs)
+        return cls(**{field: named[field] for field in cls._fields})
+
+    def kwargs(self) -> dict:
+        return self._asdict()
 
 
 def _rows_are_send_order(recv_meta_WL: torch.Tensor, expert_alignment: int) -> bool:
@@ -169,17 +178,18 @@ def _(x_TH, scale_TK, order_N, position_TK, recv_meta_WL, splits_S, expert_align
 
 
 def _dispatch_setup_context(ctx, inputs, output):
-    x_TH, scale_TK = inputs[:2]
-    ctx.route = RouteArgs(*inputs[2:8])
+    named = named_inputs(dispatch_op, inputs)
+    x_TH, scale_TK = named["x_TH"], named["scale_TK"]
+    ctx.route = RouteArgs.of(dispatch_op, inputs)
     ctx.save_for_backward(scale_TK, x_TH if scale_TK is not None and scale_TK.requires_grad else None)
 
 
 def _dispatch_backward(ctx, grad_routed_RH):
     scale_TK, x_TH = ctx.saved_tensors
     # The adjoint of dispatch is combine, weighted by the same per-slot scale.
-    grad_x_TH, returned_NH = combine_op(grad_routed_RH, scale_TK, *ctx.route, x_TH is not None)
+    grad_x_TH, returned_NH = combine_op(grad_routed_RH, scale_TK, **ctx.route.kwargs(), save_returned=x_TH is not None)
     grad_scale_TK = None if x_TH is None else weight_grad_op(x_TH, returned_NH, ctx.route.position_TK, scale_TK)
-    return grad_x_TH, grad_scale_TK, None, None, None, None, None, None, None
+    return input_grads(dispatch_op, x_TH=grad_x_TH, scale_TK=grad_scale_TK)
 
 
 dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup_context)
@@ -235,13 +245,13 @@ def _(x_TH, x_scale_TB, order_N, position_TK, recv_meta_WL, splits_S, expert_ali
 
 
 def _dispatch_fp8_setup_context(ctx, inputs, output):
-    ctx.route = RouteArgs(*inputs[2:8])
+    ctx.route = RouteArgs.of(dispatch_fp8_op, inputs)
 
 
 def _dispatch_fp8_backward(ctx, grad_routed_RH, grad_scale_RB):
     # Straight-through: the adjoint of the dequantized dispatch is combine, in the gradient's dtype.
-    grad_x_TH, _ = combine_op(grad_routed_RH, None, *ctx.route, False)
-    return grad_x_TH, None, None, None, None, None, None, None, None
+    grad_x_TH, _ = combine_op(grad_routed_RH, None, **ctx.route.kwargs(), save_returned=False)
+    return input_grads(dispatch_fp8_op, x_TH=grad_x_TH)
 
 
 dispatch_fp8_op.register_autograd(_dispatch_fp8_backward, setup_context=_dispatch_fp8_setup_context)
@@ -302,8 +312,9 @@ def _(expert_out_RH, weights_TK, order_N, position_TK, recv_meta_WL, splits_S, e
 
 
 def _combine_setup_context(ctx, inputs, output):
-    expert_out_RH, weights_TK = inputs[:2]
-    ctx.route, ctx.save_returned = RouteArgs(*inputs[2:8]), inputs[8]
+    named = named_inputs(combine_op, inputs)
+    expert_out_RH, weights_TK = named["expert_out_RH"], named["weights_TK"]
+    ctx.route, ctx.save_returned = RouteArgs.of(combine_op, inputs), named["save_returned"]
     ctx.num_rows = expert_out_RH.shape[0]
     ctx.set_materialize_grads(False)  # `returned` gets a gradient only in double backward
     ctx.save_for_backward(weights_TK, output[1] if ctx.save_returned else None)
@@ -315,19 +326,19 @@ def _combine_backward(ctx, grad_y_TH, grad_returned_NH):
     grads_expert_out = []
     if ctx.needs_input_grad[0] and grad_y_TH is not None:
         # The adjoint of combine is dispatch with each slot's row scaled by its weight.
-        grads_expert_out.append(dispatch_op(grad_y_TH, weights_TK, *route, ctx.num_rows))
+        grads_expert_out.append(dispatch_op(grad_y_TH, weights_TK, **route.kwargs(), num_rows=ctx.num_rows))
     if ctx.needs_input_grad[0] and grad_returned_NH is not None and ctx.save_returned:
         # `returned` holds rows already in send order: dispatch them as K = 1 "tokens".
         in_send_order = torch.arange(route.order_N.shape[0], device=route.order_N.device)
         as_tokens = route._replace(order_N=in_send_order, position_TK=in_send_order[:, None])
-        grads_expert_out.append(dispatch_op(grad_returned_NH, None, *as_tokens, ctx.num_rows))
+        grads_expert_out.append(dispatch_op(grad_returned_NH, None, **as_tokens.kwargs(), num_rows=ctx.num_rows))
     grad_expert_out = sum(grads_expert_out[1:], grads_expert_out[0]) if grads_expert_out else None
     grad_weights_TK = None
     if ctx.needs_input_grad[1] and grad_y_TH is not None:
         if returned_NH is None:
             raise RuntimeError("combine: the weights need a gradient, but the forward ran with save_returned=False")
         grad_weights_TK = weight_grad_op(grad_y_TH, returned_NH, route.position_TK, weights_TK)
-    return grad_expert_out, grad_weights_TK, None, None, None, None, None, None, None
+    return input_grads(combine_op, expert_out_RH=grad_expert_out, weights_TK=grad_weights_TK)
 
 
 combine_op.register_autograd(_combine_backward, setup_context=_combine_setup_context)
@@ -377,8 +388,8 @@ class RouteHandle(DispatchHandle):
 
     def combine(self, expert_out_RH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor]) -> torch.Tensor:
         self.check_combine_everywhere(expert_out_RH, topk_weights_TK)
-        y_TH, _ = call(combine_op, expert_out_RH, topk_weights_TK, *self.route, save_returned(topk_weights_TK),
-                            differentiable=(expert_out_RH, topk_weights_TK))
+        y_TH, _ = call(combine_op, expert_out_RH, topk_weights_TK, **self.route.kwargs(),
+                       save_returned=save_returned(topk_weights_TK), differentiable=(expert_out_RH, topk_weights_TK))
         return y_TH
 
 
@@ -389,11 +400,11 @@ def dispatch_route(x_TH: torch.Tensor, plan: layout.RoutingPlan, recv_meta_WL: t
     dequantization: the pair (values (R, H), scales (R, H / 128))), tokens_per_expert (e,), handle."""
     route = RouteArgs(plan.order, plan.position, recv_meta_WL, splits_S, expert_alignment, group_name)
     if payload is None:
-        routed = call(dispatch_op, x_TH, None, *route, None, differentiable=(x_TH,))
+        routed = call(dispatch_op, x_TH, None, **route.kwargs(), num_rows=None, differentiable=(x_TH,))
         num_rows, dtype = routed.shape[0], x_TH.dtype
     else:
-        values_RH, scale_RB = call(dispatch_fp8_op, x_TH, payload.scale_TB, *route, payload.out_dtype,
-                                   differentiable=(x_TH,))
+        values_RH, scale_RB = call(dispatch_fp8_op, x_TH, payload.scale_TB, **route.kwargs(),
+                                   out_dtype=payload.out_dtype, differentiable=(x_TH,))
         routed = payload.routed(values_RH, scale_RB)
         num_rows, dtype = values_RH.shape[0], payload.combine_dtype
     recv_counts_We, _ = layout.split_meta(recv_meta_WL)
@@ -413,7 +424,7 @@ def send_along(handle: RouteHandle, rows_TC: torch.Tensor) -> torch.Tensor:
     """Per-token rows (T, C) (floats, or integers such as expert ids) dispatched along
     ``handle``'s route: (R, C), laid out as its routed rows (padding rows zero). Differentiable
     for float rows, as any dispatch."""
-    return dispatch_op(rows_TC, None, *handle.route, handle.num_rows)
+    return dispatch_op(rows_TC, None, **handle.route.kwargs(), num_rows=handle.num_rows)
 
 
 class CollectiveBackend(Backend):

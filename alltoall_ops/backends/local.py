@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from .. import comm, fp8, layout
-from .._compat import call
+from .._compat import call, input_grads
 from ..groups import LOCAL, Group
 from ..rows import gather_rows, quantize_bits, weight_grad_op, weighted_slot_sum
 from ..validation import check_dispatch_args
@@ -68,7 +68,7 @@ def _local_dispatch_backward(ctx, grad_routed_CH):
     # The adjoint of dispatch is combine, weighted by the same per-slot scale.
     grad_x_TH = local_combine_op(grad_routed_CH, scale_TK, row_TK, row_src_C)
     grad_scale_TK = None if x_TH is None else weight_grad_op(x_TH, grad_routed_CH, row_TK, scale_TK)
-    return grad_x_TH, grad_scale_TK, None, None
+    return input_grads(local_dispatch_op, x_TH=grad_x_TH, scale_TK=grad_scale_TK)
 
 
 local_dispatch_op.register_autograd(_local_dispatch_backward, setup_context=_local_dispatch_setup_context)
@@ -106,7 +106,7 @@ def _local_dispatch_fp8_setup_context(ctx, inputs, output):
 
 def _local_dispatch_fp8_backward(ctx, grad_routed_CH, _grad_scale_CB):
     row_src_C, row_TK = ctx.saved_tensors
-    return local_combine_op(grad_routed_CH, None, row_TK, row_src_C), None, None, None, None
+    return input_grads(local_dispatch_fp8_op, x_TH=local_combine_op(grad_routed_CH, None, row_TK, row_src_C))
 
 
 local_dispatch_fp8_op.register_autograd(_local_dispatch_fp8_backward, setup_context=_local_dispatch_fp8_setup_context)
@@ -146,7 +146,7 @@ def _local_combine_backward(ctx, grad_y_TH):
         grad_expert_out_CH = local_dispatch_op(grad_y_TH, weights_TK, row_src_C, row_TK)
     if ctx.needs_input_grad[1]:
         grad_weights_TK = weight_grad_op(grad_y_TH, expert_out_CH, row_TK, weights_TK)
-    return grad_expert_out_CH, grad_weights_TK, None, None
+    return input_grads(local_combine_op, expert_out_CH=grad_expert_out_CH, weights_TK=grad_weights_TK)
 
 
 local_combine_op.register_autograd(_local_combine_backward, setup_context=_local_combine_setup_context)

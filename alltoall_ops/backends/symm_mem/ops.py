@@ -8,6 +8,7 @@ from typing import Callable, Optional
 import torch
 
 from ... import fp8, layout
+from ..._compat import input_grads
 from ...comm import comm_op
 from ...errors import CapacityError, GroupMismatchError, PeerInputError, RoutingError
 from ...kernels import loader
@@ -202,7 +203,7 @@ def _symm_dispatch_backward(ctx, grad_routed_CH, _grad_row_src_C):
     )
     # d scale[t, k] = <x[t], grad_routed[row of slot (t, k)]>: the returned rows are those rows.
     grad_scale_TK = None if x_TH is None else weight_grad_op(x_TH, returned_NH, ctx.position_TK, scale_TK)
-    return grad_x_TH, grad_scale_TK, None, None, None, None, None
+    return input_grads(symm_dispatch_op, x_TH=grad_x_TH, scale_TK=grad_scale_TK)
 
 
 symm_dispatch_op.register_autograd(_symm_dispatch_backward, setup_context=_symm_dispatch_setup_context)
@@ -263,11 +264,11 @@ def _symm_dispatch_fp8_backward(ctx, grad_routed_CH, _grad_scale_CB, _grad_row_s
     # Straight-through: the adjoint of the dequantized dispatch is combine, in the gradient's
     # dtype (the buffers' dtype). fp8 rows (no out_dtype) carry no gradient.
     if ctx.out_dtype is None:
-        return None, None, None, None, None, None, None, None
+        return input_grads(symm_dispatch_fp8_op)
     slot_dst_N, row_src_C, num_routed_1, call_1 = ctx.saved_tensors
     grad_x_TH, _ = symm_combine_op(grad_routed_CH, None, ctx.position_TK, slot_dst_N, row_src_C, num_routed_1,
                                    call_1, ctx.buffers, False)
-    return grad_x_TH, None, None, None, None, None, None, None
+    return input_grads(symm_dispatch_fp8_op, x_TH=grad_x_TH)
 
 
 symm_dispatch_fp8_op.register_autograd(_symm_dispatch_fp8_backward, setup_context=_symm_dispatch_fp8_setup_context)
@@ -344,7 +345,7 @@ def _symm_combine_backward(ctx, grad_y_TH, grad_returned_NH):
                 "save_returned=False; alltoall_ops.combine sets it when the weights require grad"
             )
         grad_weights_TK = weight_grad_op(grad_y_TH, returned_NH, ctx.position_TK, weights_TK)
-    return grad_expert_out_CH, grad_weights_TK, None, None, None, None, None, None, None
+    return input_grads(symm_combine_op, expert_out_CH=grad_expert_out_CH, weights_TK=grad_weights_TK)
 
 
 symm_combine_op.register_autograd(_symm_combine_backward, setup_context=_symm_combine_setup_context)
