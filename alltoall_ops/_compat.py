@@ -17,6 +17,7 @@ and every op that communicates).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Callable, Iterable
 
@@ -104,8 +105,9 @@ def call(op: Any, *args: Any, differentiable: Iterable[Any] = (), **kwargs: Any)
     return op(*args, **kwargs)
 
 
+@functools.cache
 def arg_names(op: Any) -> tuple[str, ...]:
-    """The argument names of a custom op, in its schema's order."""
+    """The argument names of a custom op, in its schema's order (read once per op)."""
     return tuple(a.name for a in op._opoverload._schema.arguments)
 
 
