@@ -13,7 +13,7 @@ $(PY):
 
 install: $(PY)
 	$(PY) -m pip install -q "$(TORCH_DEV_CONSTRAINT)"
-	$(PY) -m pip install -q -e ".[test,deepspeed]" "$(TORCH_DEV_CONSTRAINT)"
+	$(PY) -m pip install -q -e ".[test,deepspeed,transformers]" "$(TORCH_DEV_CONSTRAINT)"
 
 test: install
 	$(PY) -m pytest -q -x --durations=15

@@ -1,0 +1,154 @@
+"""Expert-parallel implementations for Hugging Face transformers (5.x), served by this library.
+
+transformers shards a MoE model's experts with ``DistributedConfig(ep_size=W, ep_implementation=
+name)`` and builds, once per experts module, the ``EPImplementation`` registered under ``name`` in
+``transformers.distributed.expert_parallel.EPImplementationInterface``. It is called with the
+tokens of this rank, ``(hidden_states_TH, top_k_index_TK, top_k_weights_TK)`` (global expert
+ids), runs the module's own experts forward on the rows it brings (local expert ids, one slot a
+row) and returns each token's weighted output. :func:`register` adds:
+
+- ``"alltoall_ops"``: :func:`alltoall_ops.dispatch` over the EP group ("collective": NCCL / gloo,
+  one host read per layer, in the dispatch; "local" on one rank), the experts on the rows grouped
+  by local expert, :func:`alltoall_ops.combine` with the router weights (fp32 accumulation).
+- ``"alltoall_ops_symm_mem"``: the same over :class:`alltoall_ops.SymmBuffers` (no host sync,
+  static shapes; CUDA-graph capturable). Each experts module gets its own buffers, made on its
+  first call for ``max_tokens_per_rank`` tokens (the class attribute; :func:`register` sets it).
+
+Usage (every rank)::
+
+    import alltoall_ops.integrations.transformers as a2a_hf
+    a2a_hf.register()
+    model = AutoModelForCausalLM.from_pretrained(
+        path, distributed_config=DistributedConfig(fsdp_size=W, ep_size=W, ep_implementation="alltoall_ops"))
+
+The rows handed to the experts carry local expert id e (``num_local_experts``, transformers'
+"not on this rank" sentinel, which its experts forwards skip) where they belong to no expert:
+the static rows past ``tokens_per_expert.sum()`` of the local and symm_mem backends (symm_mem's
+are zeroed first: they may hold NaN). TP groups (``tp_size > 1``: the ranks of a TP group hold
+the same batch) are handled as transformers' ``"all_to_all"`` handles them: each rank of the TP
+group dispatches its slice of the rows (a DTensor ``Replicate -> Shard(0)``, no communication;
+its backward all-gathers the gradients) and the outputs are gathered back over TP.
+
+Shape legend: T tokens of this rank, H hidden, K top-k, E global experts, e = E / W local
+experts, R routed rows (C, static, for local and symm_mem).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..api import combine, dispatch
+from ..backends.symm_mem import SymmBuffers
+from ..layout import expert_of_rows
+
+NAMES = ("alltoall_ops", "alltoall_ops_symm_mem")
+
+
+class AllToAllOpsEP:
+    """transformers ``EPImplementation`` over :func:`alltoall_ops.dispatch` / :func:`combine`.
+
+    Built by transformers as ``cls(experts, ep_mesh, tp_mesh)`` once per experts module, with
+    the experts' parameters already sharded (``experts.num_experts`` is e). Duck-typed like
+    ``EPImplementation`` (same attributes), so that this module imports without transformers."""
+
+    backend = "auto"
+    """As in :func:`alltoall_ops.dispatch`: "auto" is "local" on one rank, else "collective"."""
+    expert_alignment = 1
+    """Pad each local expert's rows to a multiple of this (zero rows, skipped by combine)."""
+    needs_shared_batch = False
+
+    def __init__(self, experts: torch.nn.Module, ep_mesh: Any, tp_mesh: Any):
+        self.experts_forward = experts.forward  # the experts' own forward, on local expert ids
+        self.num_local_experts = experts.num_experts
+        self.ep_mesh, self.tp_mesh = ep_mesh, tp_mesh
+        self.ep_group = ep_mesh.get_group()
+        self.num_experts = self.num_local_experts * ep_mesh.size()
+
+    def buffers_for(self, x_TH: torch.Tensor, top_k: int) -> Any:
+        """The :class:`SymmBuffers` of this module (None: not the symm_mem backend)."""
+        return None
+
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        """(T, H) tokens, (T, K) global expert ids, (T, K) router weights -> (T, H) outputs."""
+        num_tokens = hidden_states.shape[0]
+        if self.tp_mesh.size() > 1:
+            hidden_states, top_k_index, top_k_weights = (
+                _tp_slice(t, self.tp_mesh) for t in (hidden_states, top_k_index, top_k_weights))
+        routed_RH, tokens_per_expert_e, handle = dispatch(
+            hidden_states, top_k_index, num_experts=self.num_experts, group=self.ep_group, backend=self.backend,
+            expert_alignment=self.expert_alignment, buffers=self.buffers_for(hidden_states, top_k_index.shape[1]),
+        )
+        # expert_R1[r]: row r's local expert; e (transformers' off-rank sentinel) past the last group
+        expert_R1 = expert_of_rows(tokens_per_expert_e, routed_RH.shape[0]).unsqueeze(1)
+        if self.backend == "symm_mem":  # rows past the groups hold whatever the buffers held
+            routed_RH = torch.where(expert_R1 < self.num_local_experts, routed_RH, 0)
+        # one slot a row with weight 1: the router weights are applied by combine, on the sender
+        ones_R1 = torch.ones(expert_R1.shape, dtype=routed_RH.dtype, device=routed_RH.device)
+        out_RH = self.experts_forward(routed_RH, expert_R1, ones_R1)
+        y_TH = combine(out_RH, handle, top_k_weights)
+        if self.tp_mesh.size() > 1:
+            y_TH = _tp_gather(y_TH, self.tp_mesh, num_tokens)
+        return y_TH
+
+
+class AllToAllOpsSymmMemEP(AllToAllOpsEP):
+    """:class:`AllToAllOpsEP` over :class:`alltoall_ops.SymmBuffers`: no host sync, static
+    shapes. The buffers are made on the first call (collective: every rank of the EP group
+    calls together, as in any forward) for ``max_tokens_per_rank`` tokens a call, in the dtype
+    and on the device of the hidden states; more tokens raise on every rank."""
+
+    backend = "symm_mem"
+    max_tokens_per_rank = 4096
+
+    def __init__(self, experts: torch.nn.Module, ep_mesh: Any, tp_mesh: Any):
+        super().__init__(experts, ep_mesh, tp_mesh)
+        self.buffers = None
+
+    def buffers_for(self, x_TH: torch.Tensor, top_k: int) -> SymmBuffers:
+        if self.buffers is None:
+            if torch.compiler.is_compiling():
+                raise RuntimeError(
+                    "ep_implementation='alltoall_ops_symm_mem': the buffers are made by the first forward, which "
+                    "must run eagerly (a collective setup step); run one eager forward before torch.compile")
+            # NB: compiled code then sees the buffers as a constant of the graph
+            self.buffers = SymmBuffers(
+                max_tokens_per_rank=self.max_tokens_per_rank, hidden=x_TH.shape[1], top_k=top_k,
+                num_experts=self.num_experts, dtype=x_TH.dtype, device=x_TH.device, group=self.ep_group,
+                expert_alignment=self.expert_alignment)
+        return self.buffers
+
+
+IMPLEMENTATIONS = {"alltoall_ops": AllToAllOpsEP, "alltoall_ops_symm_mem": AllToAllOpsSymmMemEP}
+
+
+def register(*, max_tokens_per_rank: int | None = None) -> tuple[str, ...]:
+    """Register :data:`NAMES` in transformers' ``EPImplementationInterface`` (imports
+    transformers); returns the names. max_tokens_per_rank: T_max of the symm_mem buffers (tokens
+    of one rank in one forward: batch * sequence), default 4096."""
+    from transformers.distributed.expert_parallel import EPImplementationInterface
+
+    if max_tokens_per_rank is not None:
+        AllToAllOpsSymmMemEP.max_tokens_per_rank = int(max_tokens_per_rank)
+    for name, cls in IMPLEMENTATIONS.items():
+        EPImplementationInterface.register(name, cls)
+    return NAMES
+
+
+def _tp_slice(t: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
+    """This TP rank's slice of rows the TP group shares (``Replicate -> Shard(0)``: a local chunk;
+    its backward all-gathers the row gradients), as transformers' ``"all_to_all"`` does."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    return DTensor.from_local(t, tp_mesh, [Replicate()], run_check=False).redistribute(tp_mesh, [Shard(0)]).to_local()
+
+
+def _tp_gather(y_tH: torch.Tensor, tp_mesh: Any, num_tokens: int) -> torch.Tensor:
+    """The TP group's row slices back into (T, H) on every rank (``Shard(0) -> Replicate``)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    H = y_tH.shape[-1]
+    y = DTensor.from_local(y_tH.contiguous(), tp_mesh, [Shard(0)], shape=(num_tokens, H), stride=(H, 1))
+    return y.full_tensor()
