@@ -14,6 +14,8 @@ $(PY):
 install: $(PY)
 	$(PY) -m pip install -q "$(TORCH_DEV_CONSTRAINT)"
 	$(PY) -m pip install -q -e ".[test,deepspeed,transformers]" "$(TORCH_DEV_CONSTRAINT)"
+	# torchtitan without its heavy dependencies (datasets, wandb, ...): its MoE is all tests/test_torchtitan.py needs
+	$(PY) -m pip install -q --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring_parser==0.18.0
 
 test: install
 	$(PY) -m pytest -q -x --durations=15

@@ -1,11 +1,15 @@
 """A token dispatcher with torchtitan's interface (``torchtitan/models/common/token_dispatcher.py``:
 ``Config``, ``wire_meshes``, ``dispatch``, ``combine``), served by this library's backends.
 
-In a torchtitan MoE, replace the dispatcher's config::
+In a torchtitan (0.3.0) model config, replace the dispatcher's config; torchtitan's
+``RoutedExperts`` builds it (``Config.build()``), wires the EP mesh in its ``parallelize`` and calls
+``dispatch`` / ``combine`` around its ``GroupedExperts``::
 
     from alltoall_ops.torchtitan import TokenDispatcher
-    dispatcher = TokenDispatcher(TokenDispatcher.Config(num_experts=E, top_k=K, backend="auto"))
-    dispatcher.wire_meshes(ep_mesh=parallel_dims.world_mesh["ep"])   # None: no expert parallelism
+    moe_config.routed_experts.token_dispatcher = TokenDispatcher.Config(num_experts=E, top_k=K)
+    # what RoutedExperts then does:
+    dispatcher = config.token_dispatcher.build()
+    dispatcher.wire_meshes(ep_mesh=parallel_dims.get_optional_mesh("ep"))   # None: no expert parallelism
     routed_RD, tokens_per_local_expert_e, metadata = dispatcher.dispatch(
         x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
     out_TD = dispatcher.combine(experts(routed_RD, tokens_per_local_expert_e), metadata, x_TD)
@@ -13,7 +17,8 @@ In a torchtitan MoE, replace the dispatcher's config::
 Differences from torchtitan's own dispatchers: ``routed_RD`` is grouped by local expert, then
 source rank, then token, with each expert's rows padded to ``expert_alignment`` (zero rows);
 ``num_local_tokens_per_expert_E`` is not needed (the counts come from the ids, once) and is
-ignored; the scores weight the expert outputs in ``combine`` (fp32, rounded once), as there.
+ignored; the scores weight the expert outputs in ``combine``, summed in fp32 (fp64 for fp64 rows) and
+rounded once, where torchtitan's first rounds each row to fp32 (the same for bf16 experts).
 """
 
 from __future__ import annotations
@@ -54,6 +59,15 @@ class TokenDispatcher:
         backend: str = "auto"
         expert_alignment: int = 1
         buffers: Any = None
+
+        def build(self) -> "TokenDispatcher":
+            """The dispatcher, as torchtitan's ``Config.build()`` (``RoutedExperts`` calls it)."""
+            return TokenDispatcher(self)
+
+        def to_dict(self) -> dict:
+            """The fields, as torchtitan's config logging reads them (buffers by their repr)."""
+            fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+            return {**fields, "buffers": None if self.buffers is None else repr(self.buffers)}
 
     def __init__(self, config: Config):
         check_top_k(config.top_k, config.num_experts, "Config.top_k")

@@ -1,105 +1,222 @@
-"""``alltoall_ops.torchtitan.TokenDispatcher`` in a layer shaped like torchtitan's MoE (router,
-``num_tokens_per_expert`` by histc, dispatch, grouped experts, combine with the scores), against
-the dense single-process reference: forward and gradients in fp64 on 1, 2 and 4 gloo ranks,
-eager and compiled (aot_eager; inductor on two ranks; one compilation across routings).
+"""``alltoall_ops.torchtitan.TokenDispatcher`` inside torchtitan's own MoE (torchtitan 0.3.0:
+``torchtitan.models.common.moe.MoE`` with its ``TokenChoiceTopKRouter``, ``RoutedExperts``,
+``GroupedExperts`` and shared ``FeedForward``), on 1, 2 and 4 gloo ranks, against the same MoE
+in one process (torchtitan's ``LocalTokenDispatcher``, all experts, every rank's tokens) and
+against torchtitan's own ``AllToAllTokenDispatcher`` on the same ranks: forward and every
+gradient in fp64, eager and compiled (aot_eager; inductor on two ranks), one compilation across
+routings.
 
-torchtitan itself is not installed here: its 0.3.0 wheel imports tyro, datasets, wandb,
-tensorboard and spmd_types at module level, so the layer below follows its documented
-signatures (``torchtitan/models/common/token_dispatcher.py``) instead."""
+Expert parallelism is set up as torchtitan's ``RoutedExperts.parallelize`` leaves it: each rank
+holds the experts' dim-0 shard ``[r*e, (r+1)*e)`` (its ``expert_param_placement_sparse``: S(0) on
+the EP axis), router and shared experts replicated, its own tokens, and the dispatcher wired with
+``wire_meshes(ep_mesh=...)``. The dispatcher is built from its config by ``RoutedExperts`` itself
+(``config.token_dispatcher.build()``), as in a torchtitan model config.
+
+Precision: torchtitan's ``GroupedExperts.forward`` casts to bf16 (and CPU ``torch._grouped_mm``
+takes no fp64), so the fp64 tests give it the same SwiGLU in the input dtype
+(``Float64GroupedExperts``, which only overrides ``forward``); :func:`test_bf16_grouped_experts`
+runs the unmodified class. torchtitan's combine rounds each expert row to fp32 before weighting it
+(``routed_output_RD.to(torch.float32) * scores``), ours weights in the rows' dtype, so with fp64
+experts ours and torchtitan agree to fp32's rounding (``TITAN_TOL``) while torchtitan's two
+dispatchers agree to fp64's; with bf16 experts (exact in fp32) all three agree to fp64's. Seeds
+are fresh on every run and named in a failure.
+
+The torchtitan-shaped layer this file used to test (before torchtitan was installed) is gone:
+every case it covered (1, 2 and 4 ranks, alignment, EP off in a multi-rank job, compiled) runs
+here in the real module."""
 
 from __future__ import annotations
+
+import dataclasses
+import random
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torchtitan.distributed import utils as titan_dist_utils
+from torchtitan.models.common.feed_forward import FeedForward
+from torchtitan.models.common.linear import Linear
+from torchtitan.models.common.moe import MoE, RoutedExperts, GroupedExperts, TokenChoiceTopKRouter
+from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
 
-from alltoall_ops.groups import NO_GROUP
-from alltoall_ops.moe import DenseMoE, MoE
 from alltoall_ops.torchtitan import TokenDispatcher
 
-H, F, K, T = 6, 5, 2, 5
+B, L, K = 2, 3, 2  # per rank: B sequences of L tokens, top-K routing
+FP64_TOL = dict(rtol=1e-12, atol=1e-12)
+TITAN_TOL = dict(rtol=1e-6, atol=1e-6)  # torchtitan's fp32 rounding of expert rows (2^-24 relative)
 
 
-class TitanStyleMoE(torch.nn.Module):
-    """torchtitan's MoE.forward around its token dispatcher; router and experts from ``local``."""
+class Float64GroupedExperts(GroupedExperts):
+    """torchtitan's ``GroupedExperts`` (same parameters, same SwiGLU ``w2(silu(w1 x) * w3 x)`` per
+    expert group of rows) in the input dtype instead of bf16: each row finds its expert from the
+    offsets, no host sync, so it compiles with the dispatcher's data-dependent row count."""
 
-    def __init__(self, local: MoE, dispatcher: TokenDispatcher):
-        super().__init__()
-        self.local, self.dispatcher = local, dispatcher
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        pass
 
-    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        topk_expert_ids_TK, topk_scores_TK = self.local.router(x_TD)
-        E = self.dispatcher.config.num_experts
-        num_tokens_per_expert_E = torch.histc(topk_expert_ids_TK.reshape(-1).to(torch.float64), bins=E, min=0, max=E)
-        routed_RD, tokens_per_local_expert_e, metadata = self.dispatcher.dispatch(
-            x_TD, topk_scores_TK, topk_expert_ids_TK, num_tokens_per_expert_E)
-        routed_output_RD = self.local.experts(routed_RD, tokens_per_local_expert_e)
-        return self.dispatcher.combine(routed_output_RD, metadata, x_TD)
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        w1_EFD, w2_EDF, w3_EFD = (w.to_local() if isinstance(w, DTensor) else w
+                                  for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+        offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0)
+        expert_R = torch.searchsorted(offsets_E, torch.arange(x_RD.shape[0], device=x_RD.device), right=True)
+        expert_R = expert_R.clamp_max(w1_EFD.shape[0] - 1)  # rows past the last offset: no expert's, unread
+        h_RF = F.silu(torch.einsum("rd,rfd->rf", x_RD, w1_EFD[expert_R]))
+        h_RF = h_RF * torch.einsum("rd,rfd->rf", x_RD, w3_EFD[expert_R])
+        return torch.einsum("rf,rdf->rd", h_RF, w2_EDF[expert_R])
 
 
-def run_titan_layer(rank: int, world_size: int, alignment: int, compiled: bool, use_mesh: bool,
-                    compiler: str = "aot_eager") -> int:
-    """Two steps (two routings) of the layer against the dense reference; returns the frames
-    compiled. use_mesh False: expert parallelism off (``ep_mesh=None``), each rank on its own
-    tokens with all experts, also inside a multi-rank job."""
+def titan_moe(dispatcher_config, E: int, D: int, Fh: int, experts=Float64GroupedExperts) -> MoE:
+    """torchtitan's MoE with shared experts, built from its config tree, fp64, random weights
+    (the same on every rank: the caller seeds)."""
+    linear = lambda i, o: Linear.Config(in_features=i, out_features=o)  # noqa: E731
+    config = MoE.Config(
+        num_experts=E,
+        routed_experts=RoutedExperts.Config(
+            inner_experts=experts.Config(dim=D, hidden_dim=Fh, num_experts=E),
+            token_dispatcher=dispatcher_config),
+        router=TokenChoiceTopKRouter.Config(num_experts=E, gate=linear(D, E), top_k=K, score_func="softmax",
+                                            route_norm=True),
+        shared_experts=FeedForward.Config(w1=linear(D, Fh), w2=linear(Fh, D), w3=linear(D, Fh)),
+    )
+    moe = config.build().to(torch.float64)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.5)
+    return moe
+
+
+def shard_experts(moe: MoE, reference: MoE, rank: int, W: int) -> None:
+    """reference's weights into moe, the routed experts' dim-0 shard of rank only (EP)."""
+    moe.load_state_dict(reference.state_dict())
+    inner = moe.routed_experts.inner_experts
+    e = inner.num_experts // W
+    for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
+        setattr(inner, name, torch.nn.Parameter(getattr(inner, name).detach()[rank * e:(rank + 1) * e].clone()))
+
+
+def grads(moe: MoE, W: int, ep: bool) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient; replicated ones summed over the ranks (data parallel)."""
+    out = {}
+    for name, p in moe.named_parameters():
+        g = p.grad.clone()
+        if W > 1 and not (ep and name.startswith("routed_experts.inner_experts.")):
+            dist.all_reduce(g)
+        out[name] = g
+    return out
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, tol: dict, what: str) -> None:
+    try:
+        torch.testing.assert_close(got, want, **tol)
+    except AssertionError as error:
+        raise AssertionError(f"{what}: {error}") from None
+
+
+def fresh_seed() -> int:
+    return random.randrange(2**31)
+
+
+def run_in_titan_moe(rank: int, world_size: int, alignment: int, compiler: str | None, use_mesh: bool = True,
+                     E_per_rank: int = 2, D: int = 6, Fh: int = 5, experts=Float64GroupedExperts,
+                     tols: tuple[dict, dict] = (FP64_TOL, TITAN_TOL), seed: int = 0) -> int:
+    """Two steps (fresh tokens, so new routings) of torchtitan's MoE with our dispatcher, with
+    torchtitan's AllToAll dispatcher and in one process; asserts they agree; returns the frames
+    compiled. use_mesh False: EP off (``ep_mesh=None``), every rank alone with all experts.
+    seed: the weights' and tokens' (the same on every rank; the tests draw a fresh one)."""
     W = world_size if use_mesh else 1
-    E = 2 * W
-    torch.manual_seed(0)
-    dense = DenseMoE(H, F, E, K, dtype=torch.float64)
-    ep_mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))["ep"] if use_mesh else None
-    local = MoE.from_dense(dense, group=dist.group.WORLD if use_mesh else NO_GROUP, expert_impl="masked")
-    dispatcher = TokenDispatcher(TokenDispatcher.Config(num_experts=E, top_k=K, expert_alignment=alignment))
-    dispatcher.wire_meshes(ep_mesh=ep_mesh)
-    layer = TitanStyleMoE(local, dispatcher)
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend(compiler)
-    step = torch.compile(layer, backend=counter, fullgraph=True) if compiled else layer
+    E = E_per_rank * W
     r = rank if use_mesh else 0
-    for seed in (1, 2):  # fresh tokens, so the routing changes between steps
-        g = torch.Generator().manual_seed(100 * seed + (0 if use_mesh else rank))
-        x_all = torch.randn(W * T, H, generator=g, dtype=torch.float64)
-        upstream_all = torch.randn(W * T, H, generator=g, dtype=torch.float64)
-        full = x_all.clone().requires_grad_()
-        dense.zero_grad()
-        want = dense(full)
-        want.backward(upstream_all)
-        x = x_all[r * T : (r + 1) * T].clone().requires_grad_()
-        local.zero_grad()
-        got = step(x)
-        got.backward(upstream_all[r * T : (r + 1) * T])
-        torch.testing.assert_close(got, want[r * T : (r + 1) * T], rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(x.grad, full.grad[r * T : (r + 1) * T], rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(local.w_up.grad, dense.w_up.grad[local.local_expert_slice()], rtol=1e-12,
-                                   atol=1e-12)
+    saved_backend = titan_dist_utils.get_spmd_backend()
+    titan_dist_utils.set_spmd_backend("partial_dtensor")  # eager AllToAll over ep_mesh's group
+    try:
+        torch.manual_seed(seed)
+        reference = titan_moe(LocalTokenDispatcher.Config(num_experts=E, top_k=K), E, D, Fh, experts)
+        ep_mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))["ep"] if use_mesh else None
+        ours = titan_moe(TokenDispatcher.Config(num_experts=E, top_k=K, expert_alignment=alignment), E, D, Fh, experts)
+        titan = titan_moe(AllToAllTokenDispatcher.Config(num_experts=E, top_k=K), E, D, Fh, experts)
+        assert type(ours.routed_experts.token_dispatcher) is TokenDispatcher
+        for moe in (ours, titan):
+            shard_experts(moe, reference, r, W)
+            moe.routed_experts.token_dispatcher.wire_meshes(ep_mesh=ep_mesh)  # RoutedExperts.parallelize's call
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend(compiler or "eager")
+        step = torch.compile(ours, backend=counter, fullgraph=True) if compiler else ours
+        for step_seed in (1, 2):  # two routings, one compilation
+            g = torch.Generator().manual_seed(seed + step_seed + (0 if use_mesh else 7 * rank + 1))
+            x_all = torch.randn(W * B, L, D, generator=g, dtype=torch.float64)
+            upstream_all = torch.randn(W * B, L, D, generator=g, dtype=torch.float64)
+            mine = slice(r * B, (r + 1) * B)
+            results = {}
+            for name, moe, fn, tokens, upstream in (
+                ("reference", reference, reference, x_all, upstream_all),
+                ("titan", titan, titan, x_all[mine], upstream_all[mine]),
+                ("ours", ours, step, x_all[mine], upstream_all[mine]),
+            ):
+                x = tokens.clone().requires_grad_()
+                moe.zero_grad()
+                y = fn(x)
+                y.backward(upstream)
+                ep = name != "reference" and W > 1
+                results[name] = (y.detach(), x.grad, grads(moe, W if name != "reference" else 1, ep))
+            want_y, want_dx, want_grads = results["reference"]
+            e = E // W
+            experts_shard = slice(r * e, (r + 1) * e)
+            for name, tol in zip(("titan", "ours"), tols):
+                y, dx, got_grads = results[name]
+                assert_close(y, want_y[mine], tol, f"{name} forward (seed {seed})")
+                assert_close(dx, want_dx[mine], tol, f"{name} x.grad (seed {seed})")
+                assert got_grads.keys() == want_grads.keys()
+                for p, got in got_grads.items():
+                    want = want_grads[p]
+                    if p.startswith("routed_experts.inner_experts."):
+                        want = want[experts_shard]
+                    assert_close(got, want, tol, f"{name} grad of {p} (seed {seed})")
+            # ours against torchtitan's EP dispatcher: the same but for torchtitan's fp32 rounding
+            assert_close(results["ours"][0], results["titan"][0], tols[1], f"ours vs titan (seed {seed})")
+    finally:
+        titan_dist_utils.set_spmd_backend(saved_backend)
     return counter.frame_count
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_one_process_without_a_mesh(compiled):
-    frames = run_titan_layer(0, 1, 1, compiled, False)
-    assert frames == (1 if compiled else 0)
+@pytest.mark.parametrize("alignment, compiler", [(3, None), (1, "aot_eager")])
+def test_one_process_without_a_mesh(alignment, compiler):
+    assert run_in_titan_moe(0, 1, alignment, compiler, use_mesh=False, seed=fresh_seed()) == (1 if compiler else 0)
 
 
 @pytest.mark.parametrize("pool", [2, 4], indirect=True)
-@pytest.mark.parametrize("alignment, compiled", [(1, False), (3, False), (1, True)])
-def test_expert_parallel_ranks(pool, alignment, compiled):
-    frames = pool.run(run_titan_layer, alignment, compiled, True)
-    assert frames == [1 if compiled else 0] * pool.world_size
+@pytest.mark.parametrize("alignment, compiler", [(3, None), (1, "aot_eager")])
+def test_expert_parallel_ranks(pool, alignment, compiler):
+    frames = pool.run(run_in_titan_moe, alignment, compiler, seed=fresh_seed())
+    assert frames == [1 if compiler else 0] * pool.world_size
 
 
 def test_inductor_two_ranks(pool2):
-    assert pool2.run(run_titan_layer, 2, True, True, "inductor") == [1, 1]
+    assert pool2.run(run_in_titan_moe, 2, "inductor", seed=fresh_seed()) == [1, 1]
 
 
 def test_no_expert_parallelism_inside_a_multi_rank_job(pool2):
-    assert pool2.run(run_titan_layer, 1, False, False) == [0, 0]
+    assert pool2.run(run_in_titan_moe, 1, None, False, seed=fresh_seed()) == [0, 0]
 
 
-def test_config_errors():
+def test_bf16_grouped_experts(pool2):
+    """torchtitan's GroupedExperts unmodified (bf16 torch._grouped_mm; its strides need D and F
+    multiples of 8): ours, torchtitan's AllToAll and the one-process MoE give the same rows."""
+    assert pool2.run(run_in_titan_moe, 2, None, D=8, Fh=16, experts=GroupedExperts, tols=(FP64_TOL, FP64_TOL),
+                      seed=fresh_seed()) == [0, 0]
+
+
+def test_config_builds_and_errors():
+    config = TokenDispatcher.Config(num_experts=4, top_k=2, backend="collective")
+    assert isinstance(config.build(), TokenDispatcher) and config.build().config == config
+    assert config.to_dict() == {"num_experts": 4, "top_k": 2, "backend": "collective", "expert_alignment": 1,
+                                "buffers": None}
     with pytest.raises(ValueError, match="Config.top_k: expected 1 <= top_k <= num_experts = 4, got 5"):
-        TokenDispatcher(TokenDispatcher.Config(num_experts=4, top_k=5))
+        TokenDispatcher.Config(num_experts=4, top_k=5).build()
     with pytest.raises(ValueError, match="Config.backend: expected one of"):
         TokenDispatcher(TokenDispatcher.Config(num_experts=4, top_k=2, backend="nccl"))
     with pytest.raises(TypeError):
