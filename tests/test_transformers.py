@@ -222,3 +222,11 @@ def test_register_and_no_import_side_effects():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "alltoall_ops_symm_mem" in out.stdout
+
+
+def test_the_training_example_matches_one_rank():
+    """``python -m examples.train_hf_moe`` (2 spawned ranks, a few steps): every step's loss equals
+    the whole model's on one rank, so it exits 0."""
+    from examples import train_hf_moe
+
+    assert train_hf_moe.main(["--steps", "3", "--batch", "2", "--seq", "16"]) == 0
