@@ -20,7 +20,6 @@ compiled graphs; exits non-zero on a mismatch.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -31,6 +30,7 @@ from torch import nn
 from alltoall_ops import ulysses_attention
 from alltoall_ops.inspect import CompiledGraphs, capturing_backend
 from alltoall_ops.moe import DenseMoE, MoE
+from examples.launch import run_ranks
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2}
@@ -296,40 +296,9 @@ def run_rank(rank: int, world_size: int, args) -> bool:
     return all_ok
 
 
-def _spawned_rank(rank: int, world_size: int, args) -> bool:
-    """Entry point on a rank of :class:`alltoall_ops.testing.DistributedPool` (gloo, CPU)."""
-    return run_rank(rank, world_size, args)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: no CUDA device available", file=sys.stderr)
-        return 2
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: use the launcher's ranks
-        if args.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-        try:
-            ok = run_rank(dist.get_rank(), dist.get_world_size(), args)
-        finally:
-            dist.destroy_process_group()
-        return 0 if ok else 1
-    if args.world_size == 1 and args.backend != "collective":  # one process, no process group
-        return 0 if run_rank(0, 1, args) else 1
-    if args.device == "cuda":
-        print("--device cuda with several ranks: launch with torchrun --nproc-per-node W", file=sys.stderr)
-        return 2
-    from alltoall_ops.testing import DistributedPool, RankFailures
-    from examples import demo  # ranks find the entry point by its module name, also under -m
-
-    with DistributedPool(args.world_size) as pool:
-        try:
-            results = pool.run(demo._spawned_rank, args, timeout=300.0)
-        except RankFailures as exc:
-            print(exc, file=sys.stderr)
-            return 1
-    return 0 if all(results) else 1
+    return run_ranks("examples.demo", args, needs_group=args.backend == "collective")
 
 
 if __name__ == "__main__":

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
+
+from examples.launch import run_ranks
 
 TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-3, torch.bfloat16: 5e-2}
 """Largest relative loss difference (expert-parallel vs one rank) that passes, per dtype: AdamW
@@ -46,17 +49,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_config(kind: str):
-    """(config, model class): 2 layers, hidden 64, 8 experts, top-2, vocabulary 128."""
+def build_config(kind: str, *, vocab: int = 128, hidden: int = 64, ffn: int = 96, head_dim: int = 16):
+    """(config, model class) of a small random-init model: 2 layers, 4 attention heads of
+    ``head_dim`` (Qwen3-MoE), 8 experts of width ``ffn``, top-2."""
     import transformers
 
-    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                  num_experts_per_tok=2, max_position_embeddings=256)
+    common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, num_experts_per_tok=2, max_position_embeddings=256)
     if kind == "mixtral":
-        return transformers.MixtralConfig(intermediate_size=96, num_local_experts=8, **common), \
+        return transformers.MixtralConfig(intermediate_size=ffn, num_local_experts=8, **common), \
             transformers.MixtralForCausalLM
-    return transformers.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=96, num_experts=8, head_dim=16,
-                                       decoder_sparse_step=1, **common), transformers.Qwen3MoeForCausalLM
+    return transformers.Qwen3MoeConfig(intermediate_size=ffn, moe_intermediate_size=ffn, num_experts=8,
+                                       head_dim=head_dim, decoder_sparse_step=1, **common), \
+        transformers.Qwen3MoeForCausalLM
 
 
 def tokens(step: int, rows: int, seq: int, vocab: int) -> torch.Tensor:
@@ -85,7 +90,7 @@ def undo_expert_grad_division(model, world_size: int) -> None:
                 p.grad.mul_(world_size)
 
 
-def run_rank(rank: int, world_size: int, args: argparse.Namespace, path: str) -> bool:
+def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> bool:
     from transformers.distributed import DistributedConfig
 
     from alltoall_ops.integrations import transformers as a2a_hf
@@ -93,6 +98,9 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace, path: str) ->
     a2a_hf.register()
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     config, cls = build_config(args.model)
+    folder = [tempfile.mkdtemp() if rank == 0 else None]  # rank 0 saves the model, every rank loads it
+    dist.broadcast_object_list(folder)
+    path = os.path.join(folder[0], "model")
     if rank == 0:
         torch.manual_seed(0)
         cls(config).save_pretrained(path)
@@ -124,48 +132,16 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace, path: str) ->
             tok_s = (step + 1) * world_size * args.batch * args.seq / (time.perf_counter() - start)
             print(f"step {step + 1}/{args.steps}  loss {global_loss.item():.6f} (one rank {loss_whole.item():.6f})  "
                   f"rel diff {err:.1e}  {'PASS' if passed else 'FAIL'}  {tok_s:,.0f} tok/s", flush=True)
+    dist.barrier()  # every rank has loaded the model
     if rank == 0:
+        shutil.rmtree(folder[0])
         print(("PASS" if ok else "FAIL") + f": {args.model} with ep_implementation='alltoall_ops' on {world_size} "
               f"ranks matches the model on one rank (relative tolerance {TOLERANCE[dtype]:g})", flush=True)
     return ok
 
 
-def _spawned_rank(rank: int, world_size: int, args: argparse.Namespace, path: str) -> bool:
-    """Entry point on a rank of :class:`alltoall_ops.testing.DistributedPool` (gloo, CPU)."""
-    return run_rank(rank, world_size, args, path)
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: no CUDA device available", file=sys.stderr)
-        return 2
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "model")
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: the launcher's ranks
-            if args.device == "cuda":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-            try:  # NB: rank 0 saves the model into its own temporary folder; the ranks share a host
-                path = [path]
-                dist.broadcast_object_list(path)
-                ok = run_rank(dist.get_rank(), dist.get_world_size(), args, path[0])
-            finally:
-                dist.destroy_process_group()
-            return 0 if ok else 1
-        if args.device == "cuda":
-            print("--device cuda: launch with torchrun --nproc-per-node W", file=sys.stderr)
-            return 2
-        from alltoall_ops.testing import DistributedPool, RankFailures
-        from examples import train_hf_moe  # ranks find the entry point by its module name, also under -m
-
-        with DistributedPool(args.world_size) as pool:
-            try:
-                results = pool.run(train_hf_moe._spawned_rank, args, path, timeout=600.0)
-            except RankFailures as exc:
-                print(exc, file=sys.stderr)
-                return 1
-    return 0 if all(results) else 1
+    return run_ranks("examples.train_hf_moe", parse_args(argv), timeout=600.0)
 
 
 if __name__ == "__main__":

@@ -182,7 +182,7 @@ def test_demo_two_ranks_with_ulysses_attention(pool2):
     from examples import demo
 
     args = demo.parse_args(["--world-size", "2", "--steps", "2", "--ulysses", "--heads", "4"])
-    assert pool2.run(demo._spawned_rank, args) == [True, True]
+    assert pool2.run(demo.run_rank, args) == [True, True]
 
 
 def test_demo_fails_on_a_wrong_expert(monkeypatch, capsys):
