@@ -25,20 +25,16 @@ transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (make install adds it: the [transformers] extra)")
 
 from alltoall_ops.integrations import transformers as a2a_hf  # noqa: E402
+from examples.train_hf_moe import build_config  # noqa: E402
 
 VOCAB, BATCH, SEQ, STEPS, LR = 64, 2, 6, 3, 0.5
 TOL = {"rtol": 1e-10, "atol": 1e-12}
 
 
 def build(kind: str):
-    """(config, model class) of a tiny random-init model: 2 layers, 8 experts, top-2."""
-    common = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                  num_experts_per_tok=2, max_position_embeddings=64)
-    if kind == "mixtral":
-        return transformers.MixtralConfig(intermediate_size=8, num_local_experts=8, **common), \
-            transformers.MixtralForCausalLM
-    return transformers.Qwen3MoeConfig(intermediate_size=8, moe_intermediate_size=8, num_experts=8, head_dim=4,
-                                       decoder_sparse_step=1, **common), transformers.Qwen3MoeForCausalLM
+    """(config, model class) of a tiny random-init model: 2 layers, 8 experts, top-2 (the
+    example's models, smaller)."""
+    return build_config(kind, vocab=VOCAB, hidden=16, ffn=8, head_dim=4)
 
 
 def load(path: str, cls, config=None):
