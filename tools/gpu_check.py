@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import time
-import traceback
 from typing import Iterator
 
 import torch
@@ -23,6 +21,7 @@ import alltoall_ops as a2a
 from alltoall_ops import layout
 from alltoall_ops.inspect import compiled_graphs
 from alltoall_ops.testing import moe_step
+from tools.checks import run_checks
 
 DEVICE = torch.device(os.environ.get("GPU_CHECK_DEVICE", "cuda:0"))  # "cpu": a dry run here
 CHECKS = []
@@ -189,18 +188,8 @@ def one_rank_group() -> Iterator[None]:
 def main() -> int:
     name = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu"
     print(f"torch {torch.__version__}, {name}", flush=True)
-    failed = []
     with one_rank_group():
-        for fn in CHECKS:
-            t0 = time.perf_counter()
-            try:
-                detail = fn() or ""
-                print(f"PASS {fn.__name__}: {detail} ({time.perf_counter() - t0:.1f} s)", flush=True)
-            except Exception:
-                failed.append(fn.__name__)
-                print(f"FAIL {fn.__name__}:\n{traceback.format_exc()}", flush=True)
-    print("ALL PASS" if not failed else f"FAILED: {failed}")
-    return 1 if failed else 0
+        return run_checks(CHECKS)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,12 @@ import os
 import subprocess
 import sys
 import time
-import traceback
 
 import torch
 
 import alltoall_ops as a2a
 from alltoall_ops.kernels import loader
+from tools.checks import run_checks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -82,15 +82,7 @@ CHECKS = [check_barrier, check_kernel_inputs]
 
 
 def main() -> int:
-    failed = []
-    for fn in CHECKS:
-        try:
-            print(f"PASS {fn.__name__}: {fn()}", flush=True)
-        except Exception:
-            failed.append(fn.__name__)
-            print(f"FAIL {fn.__name__}:\n{traceback.format_exc()}", flush=True)
-    print("ALL PASS" if not failed else f"FAILED: {failed}")
-    return 1 if failed else 0
+    return run_checks(CHECKS)
 
 
 if __name__ == "__main__":
