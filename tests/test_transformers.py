@@ -25,6 +25,7 @@ transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (make install adds it: the [transformers] extra)")
 
 from alltoall_ops.integrations import transformers as a2a_hf  # noqa: E402
+from alltoall_ops.testing import nan_unwritten_rows  # noqa: E402
 from examples.train_hf_moe import build_config  # noqa: E402
 
 VOCAB, BATCH, SEQ, STEPS, LR = 64, 2, 6, 3, 0.5
@@ -99,40 +100,46 @@ def run_models(rank: int, world_size: int, path: str, kind: str, layout: str, im
         ours(input_ids=torch.zeros(1, SEQ, dtype=torch.long))  # with grad: the hooks are for gradients
         step = torch.compile(ours, backend=counter, fullgraph=True)
     losses = []
-    for s in range(STEPS):
-        # FSDP2's hooks are dynamo-disabled: compile inside them, the experts' forward; symm_mem
-        # after one eager step, which makes the buffers
-        if compiled and layout == "dp_ep" and s == (1 if impl.endswith("symm_mem") else 0):
-            for layer in ours.model.layers:
-                layer.mlp.experts.forward = torch.compile(layer.mlp.experts.forward, backend=counter, fullgraph=True)
-        g = torch.Generator().manual_seed(1000 * s + 17)  # fresh tokens: a new routing every step
-        ids_all = torch.randint(0, VOCAB, (W * BATCH, SEQ), generator=g)
-        # dp_ep: rank r holds rows [r*B, (r+1)*B); tp_ep: every rank the whole batch
-        mine = slice(rank * BATCH, (rank + 1) * BATCH) if layout == "dp_ep" else slice(None)
-        ids = ids_all[mine]
-        out, out_builtin, out_dense = step(input_ids=ids), builtin(input_ids=ids), dense(input_ids=ids_all)
-        torch.testing.assert_close(out.logits, out_dense.logits[mine], **TOL)
-        torch.testing.assert_close(out.logits, out_builtin.logits, **TOL)
-        loss, loss_builtin, loss_dense = (lm_loss(o.logits, i) for o, i in
-                                          ((out, ids), (out_builtin, ids), (out_dense, ids_all)))
-        for each in (loss, loss_builtin, loss_dense):
-            each.backward()
-        if layout == "dp_ep":
-            for m in (ours, builtin):
-                undo_expert_grad_division(m, W)
-        loss = loss.detach()
-        if layout == "dp_ep":  # each rank's loss is the mean of its batch: the global one is their mean
-            dist.all_reduce(loss)
-            loss /= W
-        torch.testing.assert_close(loss, loss_dense.detach(), **TOL)
-        grads = full_grads(ours)
-        assert all(torch.isfinite(g).all() for g in grads.values())
-        assert_same(grads, full_grads(dense), f"step {s}, vs the unsharded model")
-        assert_same(grads, full_grads(builtin), f"step {s}, vs ep_implementation='all_to_all'")
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad()
-        losses.append(loss.item())
+    # symm_mem: the rows its copy-outs leave unwritten (routed's and the gradient's past the
+    # groups, whatever the buffers held) are NaN here: none may reach a logit or a gradient
+    with nan_unwritten_rows() as unwritten:
+        for s in range(STEPS):
+            # FSDP2's hooks are dynamo-disabled: compile inside them, the experts' forward; symm_mem
+            # after one eager step, which makes the buffers
+            if compiled and layout == "dp_ep" and s == (1 if impl.endswith("symm_mem") else 0):
+                for layer in ours.model.layers:
+                    experts = layer.mlp.experts
+                    experts.forward = torch.compile(experts.forward, backend=counter, fullgraph=True)
+            g = torch.Generator().manual_seed(1000 * s + 17)  # fresh tokens: a new routing every step
+            ids_all = torch.randint(0, VOCAB, (W * BATCH, SEQ), generator=g)
+            # dp_ep: rank r holds rows [r*B, (r+1)*B); tp_ep: every rank the whole batch
+            mine = slice(rank * BATCH, (rank + 1) * BATCH) if layout == "dp_ep" else slice(None)
+            ids = ids_all[mine]
+            out, out_builtin, out_dense = step(input_ids=ids), builtin(input_ids=ids), dense(input_ids=ids_all)
+            torch.testing.assert_close(out.logits, out_dense.logits[mine], **TOL)
+            torch.testing.assert_close(out.logits, out_builtin.logits, **TOL)
+            loss, loss_builtin, loss_dense = (lm_loss(o.logits, i) for o, i in
+                                              ((out, ids), (out_builtin, ids), (out_dense, ids_all)))
+            for each in (loss, loss_builtin, loss_dense):
+                each.backward()
+            if layout == "dp_ep":
+                for m in (ours, builtin):
+                    undo_expert_grad_division(m, W)
+            loss = loss.detach()
+            if layout == "dp_ep":  # each rank's loss is the mean of its batch: the global one is their mean
+                dist.all_reduce(loss)
+                loss /= W
+            torch.testing.assert_close(loss, loss_dense.detach(), **TOL)
+            grads = full_grads(ours)
+            assert all(torch.isfinite(g).all() for g in grads.values())
+            assert_same(grads, full_grads(dense), f"step {s}, vs the unsharded model")
+            assert_same(grads, full_grads(builtin), f"step {s}, vs ep_implementation='all_to_all'")
+            for opt in optimizers:
+                opt.step()
+                opt.zero_grad()
+            losses.append(loss.item())
+    if impl.endswith("symm_mem"):
+        assert min(unwritten) > 0  # the rows were there
     assert len(set(losses)) == STEPS, losses  # the parameters (and tokens) changed between steps
     return counter.frame_count, losses
 

@@ -24,10 +24,11 @@ Usage (every rank)::
 The rows handed to the experts carry local expert id e (``num_local_experts``, transformers'
 "not on this rank" sentinel, which its experts forwards skip) where they belong to no expert:
 the static rows past ``tokens_per_expert.sum()`` of the local and symm_mem backends (symm_mem's
-are zeroed first: they may hold NaN). TP groups (``tp_size > 1``: the ranks of a TP group hold
-the same batch) are handled as transformers' ``"all_to_all"`` handles them: each rank of the TP
-group dispatches its slice of the rows (a DTensor ``Replicate -> Shard(0)``, no communication;
-its backward all-gathers the gradients) and the outputs are gathered back over TP.
+may hold NaN, and so may their rows of combine's backward: both are masked). TP groups
+(``tp_size > 1``: the ranks of a TP group hold the same batch) are handled as transformers'
+``"all_to_all"`` handles them: each rank of the TP group dispatches its slice of the rows (a
+DTensor ``Replicate -> Shard(0)``, no communication; its backward all-gathers the gradients) and
+the outputs are gathered back over TP.
 
 Shape legend: T tokens of this rank, H hidden, K top-k, E global experts, e = E / W local
 experts, R routed rows (C, static, for local and symm_mem).
@@ -83,11 +84,15 @@ class AllToAllOpsEP:
         )
         # expert_R1[r]: row r's local expert; e (transformers' off-rank sentinel) past the last group
         expert_R1 = expert_of_rows(tokens_per_expert_e, routed_RH.shape[0]).unsqueeze(1)
-        if self.backend == "symm_mem":  # rows past the groups hold whatever the buffers held
-            routed_RH = torch.where(expert_R1 < self.num_local_experts, routed_RH, 0)
+        masked = self.backend == "symm_mem"
+        if masked:  # rows past the groups hold whatever the buffers held
+            valid_R1 = expert_R1 < self.num_local_experts
+            routed_RH = torch.where(valid_R1, routed_RH, 0)
         # one slot a row with weight 1: the router weights are applied by combine, on the sender
         ones_R1 = torch.ones(expert_R1.shape, dtype=routed_RH.dtype, device=routed_RH.device)
         out_RH = self.experts_forward(routed_RH, expert_R1, ones_R1)
+        if masked:  # and so do those rows of combine's backward: keep them out of the experts' gradients
+            out_RH = torch.where(valid_R1, out_RH, 0)
         y_TH = combine(out_RH, handle, top_k_weights)
         if self.tp_mesh.size() > 1:
             y_TH = _tp_gather(y_TH, self.tp_mesh, num_tokens)
