@@ -4,20 +4,24 @@ Copy and adapt. :class:`MoE` is what runs on each rank of an expert-parallel gro
 :class:`DenseMoE` holds every expert in one process and computes the same function on the
 tokens of all ranks together, in the most direct way (one expert at a time), so that the
 parallel block can be checked against it. :meth:`MoE.from_dense` builds rank r's block from a
-dense one: the router is replicated, experts [r*e, (r+1)*e) are rank r's.
+dense one: the router is replicated, experts [r*e, (r+1)*e) are rank r's. Both can add a
+:class:`SharedExpert` (``shared_ffn_size=``), a dense SwiGLU every token runs, replicated.
 
-Shape legend (as in ``layout.py``): T local tokens, H hidden, F expert FFN width, E global
-experts, e = E / W local experts, K top-k, R rows routed to this rank (padding included).
+Shape legend (as in ``layout.py``): T local tokens, H hidden, F expert FFN width, Fs the shared
+expert's FFN width, E global experts, e = E / W local experts, K top-k, R rows routed to this rank
+(padding included).
 Parameters of the experts are stacked along their first dimension (E in the dense block, e in
 the parallel one) and share names, so ``MoE.w_up`` is a slice of ``DenseMoE.w_up``.
 
 Example (on every rank)::
 
-    dense = DenseMoE(hidden_size=64, ffn_size=128, num_experts=8, top_k=2)   # same seed everywhere
+    dense = DenseMoE(hidden_size=64, ffn_size=128, num_experts=8, top_k=2,   # same seed everywhere
+                     shared_ffn_size=256)                                     # optional shared expert
     moe = MoE.from_dense(dense, group=ep_group)
     y_TH = torch.compile(moe, fullgraph=True)(x_TH)
-    # Replicated parameters (the router) need their gradients summed over the group, as in
-    # data parallelism; the experts' gradients are complete on their own rank.
+    # Replicated parameters (router, shared expert: moe.replicated_parameters()) need their
+    # gradients summed over the group, as in data parallelism; the experts' gradients are
+    # complete on their own rank.
 """
 
 from __future__ import annotations
@@ -98,25 +102,82 @@ class _ExpertParams(nn.Module):
             w.uniform_(-bound, bound)
 
 
+class SharedExpert(nn.Module):
+    """A dense SwiGLU MLP that every token runs, added to the routed experts' output (DeepSeek-MoE's
+    shared expert; its n shared experts of width F are one of width n * F). Gated: scaled per token
+    by ``sigmoid(x @ w_output_gate)``, as Qwen2-MoE / Qwen3-Next's ``shared_expert_gate``.
+
+    Parameters: w_gate (H, Fs), w_up (H, Fs), w_down (Fs, H) and, gated, w_output_gate (H, 1);
+    initialised like nn.Linear (uniform, bound 1/sqrt(fan_in)), in that order.
+
+    forward(x_TH (T, H)) -> (T, H) in x's dtype::
+
+        y_TH = (silu(x_TH @ w_gate) * (x_TH @ w_up)) @ w_down
+        y_TH = sigmoid(x_TH @ w_output_gate) * y_TH        # gated only
+    """
+
+    def __init__(self, hidden_size: int, ffn_size: int, *, gated: bool = False, device=None, dtype=None):
+        super().__init__()
+        if isinstance(ffn_size, bool) or not isinstance(ffn_size, int) or ffn_size < 1:
+            raise ValueError(f"shared_ffn_size: expected a positive int or None, got {ffn_size!r}")
+        self.hidden_size, self.ffn_size, self.gated = hidden_size, ffn_size, gated
+        kw = {"device": device, "dtype": dtype}
+        H, Fs = hidden_size, ffn_size
+        self.w_gate = nn.Parameter(torch.empty(H, Fs, **kw))
+        self.w_up = nn.Parameter(torch.empty(H, Fs, **kw))
+        self.w_down = nn.Parameter(torch.empty(Fs, H, **kw))
+        self.w_output_gate = nn.Parameter(torch.empty(H, 1, **kw)) if gated else None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        for w in (self.w_gate, self.w_up, self.w_down, self.w_output_gate):
+            if w is not None:
+                bound = 1.0 / math.sqrt(w.shape[0])
+                w.uniform_(-bound, bound)
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        y_TH = _activate(x_TH @ self.w_up, x_TH @ self.w_gate) @ self.w_down
+        if self.w_output_gate is not None:
+            y_TH = torch.sigmoid(x_TH @ self.w_output_gate) * y_TH  # (T, 1) gate of each token
+        return y_TH
+
+
+def _shared_expert(hidden_size, shared_ffn_size, gated, device, dtype) -> SharedExpert | None:
+    """The block's shared expert, or None for shared_ffn_size None. Built after the router, so
+    that a seed gives the router and the routed experts the weights they had without one."""
+    if shared_ffn_size is None:
+        if gated:
+            raise ValueError("gated_shared_expert=True needs a shared expert: give shared_ffn_size")
+        return None
+    return SharedExpert(hidden_size, shared_ffn_size, gated=gated, device=device, dtype=dtype)
+
+
 class DenseMoE(_ExpertParams):
     """Single-process reference: the router and ALL E experts.
 
     forward(x_TH) computes y[t] = sum_k w[t, k] * expert_{idx[t, k]}(x[t]) one expert at a time:
     gather the tokens routed to it, run its MLP, add the weighted rows back (fp32 accumulation,
-    fp64 for fp64). No communication, no routing layout: an independent check of :class:`MoE`.
+    fp64 for fp64), rounded to x's dtype, then adds the shared expert's output if there is one.
+    No communication, no routing layout: an independent check of :class:`MoE`.
 
     Args:
         hidden_size: H. ffn_size: F. num_experts: E. top_k: K.
-        activation: "swiglu" (w_gate, w_up, w_down) or "gelu" (w_up, w_down).
+        activation: "swiglu" (w_gate, w_up, w_down) or "gelu" (w_up, w_down) for the routed experts.
+        shared_ffn_size: Fs, the width of a :class:`SharedExpert` (always SwiGLU) every token
+            runs; None (default): no shared expert.
+        gated_shared_expert: scale the shared expert's output by sigmoid(x @ w_output_gate).
     """
 
     def __init__(
         self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int, *,
-        activation: str = "swiglu", device=None, dtype=None,
+        activation: str = "swiglu", shared_ffn_size: int | None = None, gated_shared_expert: bool = False,
+        device=None, dtype=None,
     ):
         super().__init__(num_experts, hidden_size, ffn_size, activation, device=device, dtype=dtype)
         self.num_experts = num_experts
         self.router = Router(hidden_size, num_experts, top_k, device=device, dtype=dtype)
+        self.shared_expert = _shared_expert(hidden_size, shared_ffn_size, gated_shared_expert, device, dtype)
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         """x_TH (T, H) -> y_TH (T, H), in x's dtype."""
@@ -128,17 +189,23 @@ class DenseMoE(_ExpertParams):
             out_nH = self.expert_mlp(x_TH[tok_n], j)
             weight_n = topk_weights_TK[tok_n, slot_n]
             y_TH = y_TH.index_add(0, tok_n, out_nH.to(acc_dtype) * weight_n[:, None].to(acc_dtype))
-        return y_TH.to(x_TH.dtype)
+        y_TH = y_TH.to(x_TH.dtype)
+        return y_TH if self.shared_expert is None else y_TH + self.shared_expert(x_TH)
 
 
 class MoE(_ExpertParams):
     """Expert-parallel MoE block of one rank: route, dispatch, run the e local experts, combine.
 
-    Rank r of a group of W holds the router (replicated) and experts [r*e, (r+1)*e), e = E / W.
+    Rank r of a group of W holds the router and the shared expert, if any (both replicated), and
+    experts [r*e, (r+1)*e), e = E / W.
 
     Args:
         hidden_size: H. ffn_size: F. num_experts: E, global, divisible by W. top_k: K.
-        activation: "swiglu" or "gelu".
+        activation: "swiglu" or "gelu" (the routed experts).
+        shared_ffn_size: Fs, the width of a :class:`SharedExpert` (SwiGLU, on every token of this
+            rank, added to the combined output); None (default): no shared expert.
+        gated_shared_expert: scale the shared expert's output by sigmoid(x @ w_output_gate)
+            (Qwen2-MoE / Qwen3-Next).
         group: ProcessGroup, 1-D DeviceMesh or None (default group; single process when
             torch.distributed is not initialised), as in :func:`alltoall_ops.dispatch`.
         backend: "auto" | "local" | "collective" | "symm_mem", as in :func:`alltoall_ops.dispatch`.
@@ -157,9 +224,9 @@ class MoE(_ExpertParams):
 
     def __init__(
         self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int, *,
-        activation: str = "swiglu", group: Any = None, backend: str = "auto",
-        expert_alignment: int = 1, expert_impl: str = "auto", buffers: Any = None,
-        device=None, dtype=None,
+        activation: str = "swiglu", shared_ffn_size: int | None = None, gated_shared_expert: bool = False,
+        group: Any = None, backend: str = "auto", expert_alignment: int = 1, expert_impl: str = "auto",
+        buffers: Any = None, device=None, dtype=None,
     ):
         grp = resolve_group(group)
         backends.choose(backend, grp, buffers)
@@ -176,23 +243,30 @@ class MoE(_ExpertParams):
         self.expert_impl = expert_impl
         self.buffers = buffers
         self.router = Router(hidden_size, num_experts, top_k, device=device, dtype=dtype)
+        self.shared_expert = _shared_expert(hidden_size, shared_ffn_size, gated_shared_expert, device, dtype)
 
     @classmethod
     def from_dense(cls, dense: DenseMoE, **kwargs: Any) -> MoE:
-        """This rank's block holding a copy of ``dense``'s router and of its experts
-        [rank*e, (rank+1)*e). kwargs: group, backend, expert_alignment, expert_impl."""
-        w_up = dense.w_up
+        """This rank's block holding a copy of ``dense``'s router, shared expert (if any) and of its
+        experts [rank*e, (rank+1)*e). kwargs: group, backend, expert_alignment, expert_impl, buffers."""
+        w_up, shared = dense.w_up, dense.shared_expert
         moe = cls(
             dense.hidden_size, dense.ffn_size, dense.num_experts, dense.router.top_k,
-            activation=dense.activation, device=w_up.device, dtype=w_up.dtype, **kwargs,
+            activation=dense.activation, shared_ffn_size=None if shared is None else shared.ffn_size,
+            gated_shared_expert=shared is not None and shared.gated,
+            device=w_up.device, dtype=w_up.dtype, **kwargs,
         )
         moe.load_dense_parameters(dense)
         return moe
 
     @torch.no_grad()
     def load_dense_parameters(self, dense: DenseMoE) -> None:
-        """Copy the router and this rank's slice of the experts from ``dense``."""
+        """Copy the router, the shared expert and this rank's slice of the experts from ``dense``."""
+        if (self.shared_expert is None) != (dense.shared_expert is None):
+            raise ValueError("load_dense_parameters: one block has a shared expert, the other none")
         self.router.load_state_dict(dense.router.state_dict())
+        if self.shared_expert is not None:
+            self.shared_expert.load_state_dict(dense.shared_expert.state_dict())
         local = self.local_expert_slice()
         for mine, full in zip(self.expert_parameters(), dense.expert_parameters()):
             mine.copy_(full[local])
@@ -203,8 +277,10 @@ class MoE(_ExpertParams):
         return slice(self.rank * e, (self.rank + 1) * e)
 
     def replicated_parameters(self) -> list[nn.Parameter]:
-        """Parameters every rank holds alike (the router): sum their gradients over the group."""
-        return list(self.router.parameters())
+        """Parameters every rank holds alike (the router, the shared expert): sum their gradients
+        over the group."""
+        shared = [] if self.shared_expert is None else list(self.shared_expert.parameters())
+        return list(self.router.parameters()) + shared
 
     def _use_grouped_mm(self, x: torch.Tensor) -> bool:
         if self.expert_impl != "auto":
@@ -250,4 +326,7 @@ class MoE(_ExpertParams):
             backend=self.backend, expert_alignment=self.expert_alignment, buffers=self.buffers,
         )
         out_RH = self.experts(routed_RH, tokens_per_expert_e)
-        return combine(out_RH, handle, topk_weights_TK)
+        y_TH = combine(out_RH, handle, topk_weights_TK)
+        # The shared expert reads x_TH only, never the exchange's rows: it can run between the start
+        # and the wait of an asynchronous combine (overlapping its matmuls with the all-to-all).
+        return y_TH if self.shared_expert is None else y_TH + self.shared_expert(x_TH)
