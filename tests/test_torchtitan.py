@@ -1,10 +1,12 @@
 """``alltoall_ops.torchtitan.TokenDispatcher`` inside torchtitan's own MoE (torchtitan 0.3.0:
 ``torchtitan.models.common.moe.MoE`` with its ``TokenChoiceTopKRouter``, ``RoutedExperts``,
-``GroupedExperts`` and shared ``FeedForward``), on 1, 2 and 4 gloo ranks, against the same MoE
-in one process (torchtitan's ``LocalTokenDispatcher``, all experts, every rank's tokens) and
-against torchtitan's own ``AllToAllTokenDispatcher`` on the same ranks: forward and every
-gradient in fp64, eager and compiled (aot_eager; inductor on two ranks), one compilation across
-routings.
+``GroupedExperts`` and shared experts: ``FeedForward``, ``SigmoidGatedFeedForward`` (Qwen3-Next's
+gated shared expert) or none), on 1, 2 and 4 gloo ranks, against the same MoE in one process
+(torchtitan's ``LocalTokenDispatcher``, all experts, every rank's tokens) and against
+torchtitan's own ``AllToAllTokenDispatcher`` on the same ranks: forward and every gradient in
+fp64, eager and compiled (aot_eager; inductor on two ranks), one compilation across routings.
+Then ``alltoall_ops.moe``'s own block (and its dense reference) with a shared expert, plain and
+gated, against torchtitan's MoE holding the same weights.
 
 Expert parallelism is set up as torchtitan's ``RoutedExperts.parallelize`` leaves it: each rank
 holds the experts' dim-0 shard ``[r*e, (r+1)*e)`` (its ``expert_param_placement_sparse``: S(0) on
@@ -38,11 +40,12 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torchtitan.distributed import utils as titan_dist_utils
-from torchtitan.models.common.feed_forward import FeedForward
+from torchtitan.models.common.feed_forward import FeedForward, SigmoidGatedFeedForward
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import MoE, RoutedExperts, GroupedExperts, TokenChoiceTopKRouter
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
 
+from alltoall_ops import moe as a2a_moe
 from alltoall_ops.torchtitan import TokenDispatcher
 
 B, L, K = 2, 3, 2  # per rank: B sequences of L tokens, top-K routing
@@ -70,9 +73,22 @@ class Float64GroupedExperts(GroupedExperts):
         return torch.einsum("rf,rdf->rd", h_RF, w2_EDF[expert_R])
 
 
-def titan_moe(dispatcher_config, E: int, D: int, Fh: int, experts=Float64GroupedExperts) -> MoE:
-    """torchtitan's MoE with shared experts, built from its config tree, fp64, random weights
-    (the same on every rank: the caller seeds)."""
+def shared_experts_config(shared: str | None, D: int, Fh: int):
+    """torchtitan's shared experts: "plain" FeedForward (w2(silu(w1 x) * w3 x)), "gated"
+    SigmoidGatedFeedForward (times sigmoid(gate x), gate D -> 1), None: no shared experts."""
+    linear = lambda i, o: Linear.Config(in_features=i, out_features=o)  # noqa: E731
+    if shared is None:
+        return None
+    if shared == "gated":
+        return SigmoidGatedFeedForward.Config(w1=linear(D, Fh), w2=linear(Fh, D), w3=linear(D, Fh), gate=linear(D, 1))
+    assert shared == "plain", shared
+    return FeedForward.Config(w1=linear(D, Fh), w2=linear(Fh, D), w3=linear(D, Fh))
+
+
+def titan_moe(dispatcher_config, E: int, D: int, Fh: int, experts=Float64GroupedExperts,
+              shared: str | None = "plain") -> MoE:
+    """torchtitan's MoE with shared experts (``shared_experts_config``), built from its config
+    tree, fp64, random weights (the same on every rank: the caller seeds)."""
     linear = lambda i, o: Linear.Config(in_features=i, out_features=o)  # noqa: E731
     config = MoE.Config(
         num_experts=E,
@@ -81,7 +97,7 @@ def titan_moe(dispatcher_config, E: int, D: int, Fh: int, experts=Float64Grouped
             token_dispatcher=dispatcher_config),
         router=TokenChoiceTopKRouter.Config(num_experts=E, gate=linear(D, E), top_k=K, score_func="softmax",
                                             route_norm=True),
-        shared_experts=FeedForward.Config(w1=linear(D, Fh), w2=linear(Fh, D), w3=linear(D, Fh)),
+        shared_experts=shared_experts_config(shared, D, Fh),
     )
     moe = config.build().to(torch.float64)
     with torch.no_grad():
@@ -123,11 +139,13 @@ def fresh_seed() -> int:
 
 def run_in_titan_moe(rank: int, world_size: int, alignment: int, compiler: str | None, use_mesh: bool = True,
                      E_per_rank: int = 2, D: int = 6, Fh: int = 5, experts=Float64GroupedExperts,
-                     tols: tuple[dict, dict] = (FP64_TOL, TITAN_TOL), seed: int = 0) -> int:
+                     tols: tuple[dict, dict] = (FP64_TOL, TITAN_TOL), seed: int = 0,
+                     shared: str | None = "plain") -> int:
     """Two steps (fresh tokens, so new routings) of torchtitan's MoE with our dispatcher, with
     torchtitan's AllToAll dispatcher and in one process; asserts they agree; returns the frames
     compiled. use_mesh False: EP off (``ep_mesh=None``), every rank alone with all experts.
-    seed: the weights' and tokens' (the same on every rank; the tests draw a fresh one)."""
+    seed: the weights' and tokens' (the same on every rank; the tests draw a fresh one).
+    shared: the MoE's shared experts, as in :func:`shared_experts_config`."""
     W = world_size if use_mesh else 1
     E = E_per_rank * W
     r = rank if use_mesh else 0
@@ -135,10 +153,11 @@ def run_in_titan_moe(rank: int, world_size: int, alignment: int, compiler: str |
     titan_dist_utils.set_spmd_backend("partial_dtensor")  # eager AllToAll over ep_mesh's group
     try:
         torch.manual_seed(seed)
-        reference = titan_moe(LocalTokenDispatcher.Config(num_experts=E, top_k=K), E, D, Fh, experts)
+        reference = titan_moe(LocalTokenDispatcher.Config(num_experts=E, top_k=K), E, D, Fh, experts, shared)
         ep_mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))["ep"] if use_mesh else None
-        ours = titan_moe(TokenDispatcher.Config(num_experts=E, top_k=K, expert_alignment=alignment), E, D, Fh, experts)
-        titan = titan_moe(AllToAllTokenDispatcher.Config(num_experts=E, top_k=K), E, D, Fh, experts)
+        ours = titan_moe(TokenDispatcher.Config(num_experts=E, top_k=K, expert_alignment=alignment), E, D, Fh,
+                         experts, shared)
+        titan = titan_moe(AllToAllTokenDispatcher.Config(num_experts=E, top_k=K), E, D, Fh, experts, shared)
         assert type(ours.routed_experts.token_dispatcher) is TokenDispatcher
         for moe in (ours, titan):
             shard_experts(moe, reference, r, W)
@@ -164,6 +183,9 @@ def run_in_titan_moe(rank: int, world_size: int, alignment: int, compiler: str |
                 ep = name != "reference" and W > 1
                 results[name] = (y.detach(), x.grad, grads(moe, W if name != "reference" else 1, ep))
             want_y, want_dx, want_grads = results["reference"]
+            shared_grads = [g for p, g in want_grads.items() if p.startswith("shared_experts.")]
+            assert len(shared_grads) == {None: 0, "plain": 3, "gated": 4}[shared]  # configured as asked
+            assert all(g.abs().max() > 1e-3 for g in shared_grads)  # and in the loss
             e = E // W
             experts_shard = slice(r * e, (r + 1) * e)
             for name, tol in zip(("titan", "ours"), tols):
@@ -183,24 +205,31 @@ def run_in_titan_moe(rank: int, world_size: int, alignment: int, compiler: str |
     return counter.frame_count
 
 
-@pytest.mark.parametrize("alignment, compiler", [(3, None), (1, "aot_eager")])
-def test_one_process_without_a_mesh(alignment, compiler):
-    assert run_in_titan_moe(0, 1, alignment, compiler, use_mesh=False, seed=fresh_seed()) == (1 if compiler else 0)
+CASES = [(3, None, "plain"), (1, "aot_eager", "gated")]
+"""(alignment, compiler, shared experts): eager with torchtitan's FeedForward, compiled with its
+SigmoidGatedFeedForward."""
+
+
+@pytest.mark.parametrize("alignment, compiler, shared", CASES)
+def test_one_process_without_a_mesh(alignment, compiler, shared):
+    frames = run_in_titan_moe(0, 1, alignment, compiler, use_mesh=False, seed=fresh_seed(), shared=shared)
+    assert frames == (1 if compiler else 0)
 
 
 @pytest.mark.parametrize("pool", [2, 4], indirect=True)
-@pytest.mark.parametrize("alignment, compiler", [(3, None), (1, "aot_eager")])
-def test_expert_parallel_ranks(pool, alignment, compiler):
-    frames = pool.run(run_in_titan_moe, alignment, compiler, seed=fresh_seed())
+@pytest.mark.parametrize("alignment, compiler, shared", CASES)
+def test_expert_parallel_ranks(pool, alignment, compiler, shared):
+    frames = pool.run(run_in_titan_moe, alignment, compiler, seed=fresh_seed(), shared=shared)
     assert frames == [1 if compiler else 0] * pool.world_size
 
 
 def test_inductor_two_ranks(pool2):
-    assert pool2.run(run_in_titan_moe, 2, "inductor", seed=fresh_seed()) == [1, 1]
+    assert pool2.run(run_in_titan_moe, 2, "inductor", seed=fresh_seed(), shared="gated") == [1, 1]
 
 
 def test_no_expert_parallelism_inside_a_multi_rank_job(pool2):
-    assert pool2.run(run_in_titan_moe, 1, None, False, seed=fresh_seed()) == [0, 0]
+    """EP off, and an MoE without shared experts."""
+    assert pool2.run(run_in_titan_moe, 1, None, False, seed=fresh_seed(), shared=None) == [0, 0]
 
 
 def test_bf16_grouped_experts(pool2):
@@ -208,6 +237,62 @@ def test_bf16_grouped_experts(pool2):
     multiples of 8): ours, torchtitan's AllToAll and the one-process MoE give the same rows."""
     assert pool2.run(run_in_titan_moe, 2, None, D=8, Fh=16, experts=GroupedExperts, tols=(FP64_TOL, FP64_TOL),
                       seed=fresh_seed()) == [0, 0]
+
+
+OUR_NAMES = {  # alltoall_ops.moe's parameter -> torchtitan MoE's; ours are (in, out), torchtitan's (out, in)
+    "w_gate": "routed_experts.inner_experts.w1_EFD", "w_up": "routed_experts.inner_experts.w3_EFD",
+    "w_down": "routed_experts.inner_experts.w2_EDF", "router.proj.weight": "router.gate.weight",
+    "shared_expert.w_gate": "shared_experts.w1.weight", "shared_expert.w_up": "shared_experts.w3.weight",
+    "shared_expert.w_down": "shared_experts.w2.weight", "shared_expert.w_output_gate": "shared_experts.gate.weight",
+}
+
+
+def as_titan(name: str, w: torch.Tensor) -> torch.Tensor:
+    """One of our parameters (or its gradient) in torchtitan's layout."""
+    return w if name == "router.proj.weight" else w.transpose(-2, -1)
+
+
+@pytest.mark.parametrize("shared", ["plain", "gated"])
+def test_our_moe_with_a_shared_expert_is_torchtitans(shared):
+    """``alltoall_ops.moe``'s MoE (one rank) and DenseMoE with a shared expert, holding the weights
+    of torchtitan's MoE with FeedForward / SigmoidGatedFeedForward shared experts, compute its
+    function: forward and every gradient in fp64 (TITAN_TOL: its combine rounds expert rows to
+    fp32), and the shared expert alone to fp64's rounding. The shared expert and its gate are
+    code MoE and DenseMoE share: this is their independent check."""
+    seed, E, D, Fh = fresh_seed(), 4, 6, 5
+    torch.manual_seed(seed)
+    titan = titan_moe(LocalTokenDispatcher.Config(num_experts=E, top_k=K), E, D, Fh, shared=shared)
+    dense = a2a_moe.DenseMoE(D, Fh, E, K, shared_ffn_size=Fh, gated_shared_expert=shared == "gated",
+                             dtype=torch.float64)
+    titan_params = dict(titan.named_parameters())
+    assert sorted(OUR_NAMES[name] for name, _ in dense.named_parameters()) == sorted(titan_params)
+    with torch.no_grad():
+        for name, w in dense.named_parameters():
+            w.copy_(as_titan(name, titan_params[OUR_NAMES[name]]))
+    ours = a2a_moe.MoE.from_dense(dense, backend="local", expert_alignment=2)
+    g = torch.Generator().manual_seed(seed + 1)
+    x_BLD = torch.randn(B, L, D, generator=g, dtype=torch.float64)
+    upstream_BLD = torch.randn(B, L, D, generator=g, dtype=torch.float64)
+
+    def run(module, x, shape):
+        x = x.clone().requires_grad_()
+        module.zero_grad()
+        y = module(x.view(shape))
+        y.backward(upstream_BLD.view(y.shape))
+        return y.detach().view(B, L, D), x.grad, {name: p.grad for name, p in module.named_parameters()}
+
+    want_y, want_dx, want_grads = run(titan, x_BLD, (B, L, D))
+    for label, module in (("DenseMoE", dense), ("MoE", ours)):
+        y, dx, got_grads = run(module, x_BLD, (B * L, D))
+        assert_close(y, want_y, TITAN_TOL, f"{label} forward (seed {seed})")
+        assert_close(dx, want_dx, TITAN_TOL, f"{label} x.grad (seed {seed})")
+        for name, got in got_grads.items():
+            want = want_grads[OUR_NAMES[name]]
+            assert_close(as_titan(name, got), want, TITAN_TOL, f"{label} grad of {name} (seed {seed})")
+    with torch.no_grad():
+        x_TD = x_BLD.view(B * L, D)
+        assert_close(ours.shared_expert(x_TD), titan.shared_experts(x_TD), FP64_TOL, f"shared expert (seed {seed})")
+        assert ours.shared_expert(x_TD).abs().max() > 1e-2
 
 
 def test_config_builds_and_errors():
