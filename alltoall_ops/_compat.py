@@ -117,6 +117,13 @@ def named_inputs(op: Any, inputs: tuple) -> dict[str, Any]:
     return dict(zip(arg_names(op), inputs))
 
 
+def inputs_as(cls: Any, op: Any, inputs: tuple) -> Any:
+    """The NamedTuple ``cls`` (a bundle of an op's arguments, such as a route) from the op's
+    autograd ``inputs``, its fields taken by argument name."""
+    named = named_inputs(op, inputs)
+    return cls(**{field: named[field] for field in cls._fields})
+
+
 def input_grads(op: Any, **grads: Any) -> tuple:
     """What an op's autograd backward returns: one entry per argument of ``op``, in schema order,
     the gradients given by argument name and None for the rest."""

@@ -7,12 +7,13 @@ from typing import Any, Optional, Union
 
 import torch
 
-from . import backends, comm, fp8, layout
+from . import backends, comm, layout
 from .backends import DispatchHandle
 from .backends.collective import exchange_counts_op
 from .backends.symm_mem import SymmBuffers
 from .backends.symm_mem.backend import checked as symm_checked
 from .groups import Group, resolve_group
+from .payload import Payload
 from .validation import check_counts, check_layout_args, check_payload_args
 
 
@@ -81,7 +82,7 @@ def dispatch(
         impl = comm.checked("dispatch", grp.name, _choose_backend, *args)
     payload = None
     if x_scale is not None or payload_dtype is not None:
-        payload = fp8.Payload.of(x, x_scale, dequantize)
+        payload = Payload.of(x, x_scale, dequantize)
     return impl.dispatch(x, topk_idx, num_experts, grp, expert_alignment, buffers, payload)
 
 

@@ -1,6 +1,6 @@
-"""fp8 payloads with block scales (DeepEP's format): the quantize / dequantize reference and the
-packed wire rows an fp8 dispatch moves, and the format's own checks (a dispatch's fp8
-arguments: ``validation.check_payload_args``).
+"""fp8 payloads with block scales (DeepEP's format): the quantize / dequantize reference, the
+width of a wire row, and the format's own checks (a dispatch's fp8 arguments:
+``validation.check_payload_args``). How the rows travel: ``payload.FP8Format``.
 
 Format: ``torch.float8_e4m3fn`` values with one fp32 scale per token per ``BLOCK`` = 128
 channels; ``H`` must be a multiple of 128, ``B = H / 128`` scales per row. A block's scale is
@@ -8,14 +8,14 @@ channels; ``H`` must be a multiple of 128, ``B = H / 128`` scales per row. A blo
 to nearest even, so ``dequantize(*quantize(x))`` is within half an fp8 step (2**-4 relative,
 plus the subnormal floor) of ``x``.
 
-On the wire a row is ``P = H + 4 * B`` bytes: its H fp8 values, then its B fp32 scales (uint8
-rows, so every backend moves them as it moves any rows): 0.52 of a bf16 row's bytes.
+On the wire a row is ``P = H + 4 * B`` bytes: its H fp8 values, then its B fp32 scales
+(``payload.pack``: uint8 rows, so every backend moves them as it moves any rows): 0.52 of a
+bf16 row's bytes.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -26,28 +26,6 @@ FP8_MAX = 448.0
 """The largest finite float8_e4m3fn value: a block's amax maps to it."""
 AMAX_FLOOR = 1e-4
 """A block's amax is clamped to at least this (all-zero blocks get scale AMAX_FLOOR / 448)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Payload:
-    """How an fp8 dispatch's rows travel and arrive (``dispatch(payload_dtype=...)``).
-
-    scale_TB: (T, H / 128) fp32 scales of an x that holds fp8 values; None: quantize x.
-    out_dtype: dequantize the routed rows to this dtype; None: fp8 values and their scales.
-    combine_dtype: the dtype of the expert outputs combine takes back (x's, bf16 for fp8 x)."""
-
-    scale_TB: Optional[torch.Tensor]
-    out_dtype: Optional[torch.dtype]
-    combine_dtype: torch.dtype
-
-    @classmethod
-    def of(cls, x_TH: torch.Tensor, scale_TB: Optional[torch.Tensor], dequantize: bool) -> "Payload":
-        combine_dtype = torch.bfloat16 if x_TH.dtype == FP8 else x_TH.dtype
-        return cls(scale_TB, combine_dtype if dequantize else None, combine_dtype)
-
-    def routed(self, rows_RH: torch.Tensor, scales_RB: torch.Tensor) -> Any:
-        """What dispatch returns as routed: the dequantized rows, or the pair (values, scales)."""
-        return rows_RH if self.out_dtype is not None else (rows_RH, scales_RB)
 
 
 def num_blocks(hidden: int) -> int:
@@ -80,17 +58,6 @@ def dequantize(values_TH: torch.Tensor, scales_TB: torch.Tensor, dtype: torch.dt
     T, H = values_TH.shape
     x_TBC = values_TH.float().view(T, num_blocks(H), BLOCK) * scales_TB.float()[..., None]
     return x_TBC.view(T, H).to(dtype)
-
-
-def pack(values_TH: torch.Tensor, scales_TB: torch.Tensor) -> torch.Tensor:
-    """values (T, H) fp8 and scales (T, B) fp32 -> wire rows (T, P) uint8."""
-    return torch.cat([values_TH.view(torch.uint8), scales_TB.float().contiguous().view(torch.uint8)], dim=1)
-
-
-def unpack(rows_TP: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Wire rows (T, P) uint8 -> strided views of their values (T, H) as uint8 (fp8 bits) and
-    their scales (T, B) fp32 (no copy)."""
-    return rows_TP[:, :hidden], rows_TP[:, hidden:].view(torch.float32)
 
 
 def check_payload_dtype(payload_dtype: Optional[torch.dtype]) -> None:

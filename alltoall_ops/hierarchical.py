@@ -29,7 +29,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import comm, fp8, layout
+from . import comm, layout
 from ._compat import is_compiling
 from .api import combine
 from .backends import DispatchHandle
@@ -39,6 +39,7 @@ from .backends import DispatchHandle
 # fixed-capacity buffers serve one group each.
 from .backends.collective import RouteHandle, dispatch_planned, dispatch_route, send_along
 from .groups import LOCAL, Group, communication_group, process_group, resolve_group
+from .payload import Payload
 from .validation import check_dispatch_args, check_payload_args
 
 OP = "hierarchical_dispatch"
@@ -133,8 +134,8 @@ def hierarchical_dispatch(
     x_TH, x_scale_TB = x if isinstance(x, (tuple, list)) else (x, None)
     payload = None
     if x_scale_TB is not None or payload_dtype is not None:
-        payload = fp8.Payload.of(x_TH, x_scale_TB, dequantize)
-    dtype, wire_dtype = (x_TH.dtype,) * 2 if payload is None else (payload.combine_dtype, fp8.FP8)
+        payload = Payload.of(x_TH, x_scale_TB, dequantize)
+    dtype, wire_dtype = (x_TH.dtype,) * 2 if payload is None else (payload.combine_dtype, payload.format.payload_dtype)
     header = comm.header(OP, *comm.dispatch_fields(x_TH, topk_idx, E, expert_alignment, dtype, wire_dtype), N, L)
     per_node = E // N
     idx_TK = topk_idx.to(torch.int64)
@@ -159,7 +160,7 @@ def hierarchical_dispatch(
     local_idx_AK = torch.where(on_this_node_AK, arrived_idx_AK - across.rank * per_node, -1)
     local_plan = layout.plan_routing(local_idx_AK, per_node, L)
     arrived_AH, arrived_scale_AB = arrived if isinstance(arrived, tuple) else (arrived, None)
-    local_payload = None if arrived_scale_AB is None else fp8.Payload.of(arrived_AH, arrived_scale_AB, False)
+    local_payload = None if arrived_scale_AB is None else Payload.of(arrived_AH, arrived_scale_AB, False)
     routed_RH, tokens_per_expert_e, local_stage = dispatch_planned(
         arrived_AH, local_plan, header, expert_alignment, local_name, local_payload)
     return routed_RH, tokens_per_expert_e, HierarchicalHandle(node_stage, local_stage)

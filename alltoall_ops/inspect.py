@@ -40,7 +40,8 @@ class CompiledGraphs:
         return [_op_name(n.target) for gm in getattr(self, which) for n in _comm_nodes(gm)]
 
     def summary(self) -> str:
-        """The comm ops of every graph, in order, with their non-tensor arguments."""
+        """The comm ops of every graph, in order, with their non-tensor arguments (but those at
+        their schema's default)."""
         lines = []
         for which in ("forward", "backward"):
             for i, gm in enumerate(getattr(self, which)):
@@ -86,6 +87,8 @@ def _describe_call(node: torch.fx.Node) -> str:
         value = bound.get(arg.name, arg.default_value if arg.has_default_value() else None)
         if isinstance(arg.type, torch.TensorType):
             continue  # required tensors: always there, shapes are version-dependent
+        if arg.has_default_value() and value == arg.default_value:
+            continue  # e.g. the plain payload format of a dispatch
         shown.append(f"{arg.name}={_describe_arg(value)}")
     return f"{_op_name(node.target)}({', '.join(shown)})"
 

@@ -156,11 +156,12 @@ class DistributedPool:
 
 
 class CommOpCounter(TorchDispatchMode):
-    """A dispatch mode recording the names of this library's comm ops as they run::
+    """A dispatch mode recording the names of this library's comm ops as they run, a dispatch
+    of a quantized payload with its format::
 
         with CommOpCounter() as counter:
             loss.backward()
-        counter.ops  # ['alltoall_ops::dispatch', 'alltoall_ops::combine']
+        counter.ops  # ['alltoall_ops::dispatch', 'alltoall_ops::combine'] ('alltoall_ops::dispatch(payload=fp8)')
     """
 
     def __init__(self):
@@ -169,7 +170,9 @@ class CommOpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in communication_ops():
-            self.ops.append(func.name())
+            named = {**dict(zip((a.name for a in func._schema.arguments), args)), **(kwargs or {})}
+            payload = named.get("payload", "plain")
+            self.ops.append(func.name() + ("" if payload == "plain" else f"(payload={payload})"))
         return func(*args, **(kwargs or {}))
 
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 import alltoall_ops as a2a
 from alltoall_ops import fp8
+from alltoall_ops.payload import pack
 from alltoall_ops.reference import reference_combine, reference_dispatch
 from alltoall_ops.testing import moe_step, routing
 
@@ -302,8 +303,8 @@ def time_us(fn, device, iters: int = 30) -> float:
 
 def plain_fp8_dispatch(x, topk_idx, E, group):
     """The same by hand with an fp8 payload: quantize (``fp8.quantize``), pack values and scales
-    into one wire row, then the plain path on the packed rows."""
-    return plain_dispatch(fp8.pack(*fp8.quantize(x)), topk_idx, E, group)
+    into one wire row (``payload.pack``), then the plain path on the packed rows."""
+    return plain_dispatch(pack(*fp8.quantize(x)), topk_idx, E, group)
 
 
 def fp8_implementations(x, topk_idx, E: int, bufs8, group) -> dict:

@@ -269,11 +269,13 @@ def test_opcheck():
     splits = layout.read_splits(plan.send_meta, plan.send_meta, 2)
     route = (plan.order, plan.position, plan.send_meta, splits, 2, "")
     x = torch.randn(6, 128, generator=g, requires_grad=True)
-    torch.library.opcheck(torch.ops.alltoall_ops.dispatch_fp8.default, (x, None, *route, torch.float32))
+    fp8_kwargs = {"payload": "fp8", "out_dtype": torch.float32}
+    torch.library.opcheck(torch.ops.alltoall_ops.dispatch.default, (x, None, *route, None), fp8_kwargs)
     values, scales = fp8.quantize(x.detach())
     # NB: opcheck's schema test compares inputs before and after with arithmetic torch lacks for
     # fp8 tensors on the CPU; the other three checks run.
-    torch.library.opcheck(torch.ops.alltoall_ops.dispatch_fp8.default, (values, scales, *route, None),
+    torch.library.opcheck(torch.ops.alltoall_ops.dispatch.default, (values, None, *route, None),
+                          {"x_scale_TB": scales, "payload": "fp8"},
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
@@ -286,8 +288,8 @@ def test_sac_policy_saves_the_fp8_dispatch():
 
     from alltoall_ops.testing import CommOpCounter
 
-    op = "alltoall_ops::local_dispatch_fp8"  # one process: the local backend's fp8 dispatch
-    assert torch.ops.alltoall_ops.local_dispatch_fp8.default in a2a.communication_ops()
+    op = "alltoall_ops::local_dispatch(payload=fp8)"  # one process: the local backend's fp8 dispatch
+    assert torch.ops.alltoall_ops.local_dispatch.default in a2a.communication_ops()
     g = torch.Generator().manual_seed(8)
     topk_idx = torch.rand(12, 8, generator=g).topk(2).indices
     weights = torch.rand(12, 2, generator=g)

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import alltoall_ops as a2a
 from alltoall_ops import fp8, layout
 from alltoall_ops.hierarchical import node_crossings
+from alltoall_ops.payload import pack
 
 H, T, K = 5, 7, 3
 
@@ -266,7 +267,7 @@ def run_two_stage_fp8(rank: int, world_size: int, seed: int) -> None:
     (v_s, s_s), tpe_s, handle = a2a.hierarchical_dispatch(x.bfloat16(), idx, num_experts=E, payload_dtype=fp8.FP8,
                                                           **groups)
     assert torch.equal(tpe_f, tpe_s)
-    assert _rows_by_expert(fp8.pack(v_f, s_f), tpe_f) == _rows_by_expert(fp8.pack(v_s, s_s), tpe_s)
+    assert _rows_by_expert(pack(v_f, s_f), tpe_f) == _rows_by_expert(pack(v_s, s_s), tpe_s)
     y_s = a2a.combine(fp8.dequantize(v_s, s_s), handle, w.bfloat16())  # combine takes bf16 rows back
     assert y_s.dtype == torch.bfloat16 and y_s.shape == (T, H8)
 

@@ -243,7 +243,7 @@ def test_dropped_slots_dispatch_scale(alignment, kernels):
         scale = scale.detach().masked_fill(topk_idx < 0, bad).requires_grad_()
         with _rows_by_kernels(kernels):
             splits = layout.read_splits(plan.send_meta, plan.send_meta, alignment)
-            routed = dispatch_op(xr, scale, plan.order, plan.position, plan.send_meta, splits, alignment, "", None)
+            routed, _ = dispatch_op(xr, scale, plan.order, plan.position, plan.send_meta, splits, alignment, "", None)
             routed.backward(torch.ones_like(routed))
         grads.append((xr.grad, scale.grad))
     for got, zeroed in zip(*grads):

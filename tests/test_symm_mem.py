@@ -140,7 +140,7 @@ def test_bf16_products_round_like_torch():
     bufs = a2a.SymmBuffers(T, H, k, 1, dtype=torch.bfloat16, device="cpu")
     topk_idx = torch.zeros(T, k, dtype=torch.int64)
     _, _, h = a2a.dispatch(x, topk_idx, num_experts=1, buffers=bufs)
-    routed, _ = symm_ops.symm_dispatch_op(x, scale, h.position_TK, h.slot_dst_N, h.num_routed_1, h.call_1, bufs)
+    routed, _, _ = symm_ops.symm_dispatch_op(x, scale, h.position_TK, h.slot_dst_N, h.num_routed_1, h.call_1, bufs)
     slots = torch.argsort(h.position_TK.reshape(-1))  # one rank, no padding: row i carries send position i
     expected = (x.float()[slots // k] * scale.reshape(-1)[slots, None]).to(torch.bfloat16)
     torch.testing.assert_close(routed, expected, rtol=0, atol=0, equal_nan=True)

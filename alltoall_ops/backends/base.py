@@ -12,9 +12,10 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
-from .. import comm, fp8
+from .. import comm
 from .._compat import is_compiling
 from ..groups import Group
+from ..payload import Payload
 from ..validation import check_combine_args, check_combine_rows
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class Backend:
 
     def dispatch(
         self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int, group: Group, expert_alignment: int,
-        buffers: Any, payload: Optional[fp8.Payload] = None,
+        buffers: Any, payload: Optional[Payload] = None,
     ) -> tuple[Any, torch.Tensor, DispatchHandle]:
         """routed (R, H) (with an fp8 ``payload``: see :func:`alltoall_ops.dispatch`),
         tokens_per_expert (e,), handle."""

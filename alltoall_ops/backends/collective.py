@@ -18,17 +18,18 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .. import comm, fp8, layout
-from .._compat import call, input_grads, named_inputs
+from .. import comm, layout
+from .._compat import call, input_grads, inputs_as, named_inputs
 from ..groups import LOCAL, Group, process_group
-from ..rows import quantize_bits, rows_in_send_order, weight_grad_op, weighted_slot_sum
+from ..payload import FORMATS, PLAIN, Payload, op_kwargs, pack, routed, unpack
+from ..rows import rows_in_send_order, weight_grad_op, weighted_slot_sum
 from ..validation import check_dispatch_args
 from .base import Backend, DispatchHandle, save_returned
 
 
 class RouteArgs(NamedTuple):
     """One dispatch's routing layout on this rank: the arguments of the ``dispatch`` /
-    ``dispatch_fp8`` / ``combine`` ops after the payload, passed by name (``**route.kwargs()``)."""
+    ``combine`` ops after the rows, passed by name (``**route.kwargs()``)."""
 
     order_N: torch.Tensor
     position_TK: torch.Tensor
@@ -40,8 +41,7 @@ class RouteArgs(NamedTuple):
     @classmethod
     def of(cls, op, inputs: tuple) -> "RouteArgs":
         """The route among an op's autograd ``inputs``, taken by argument name."""
-        named = named_inputs(op, inputs)
-        return cls(**{field: named[field] for field in cls._fields})
+        return inputs_as(cls, op, inputs)
 
     def kwargs(self) -> dict:
         return self._asdict()
@@ -139,17 +139,36 @@ def dispatch_op(
     expert_alignment: int,
     group_name: str,
     num_rows: Optional[int],
-) -> torch.Tensor:
-    """(T, H) tokens -> (R, H) rows grouped by local expert, then source rank, then token.
+    x_scale_TB: Optional[torch.Tensor] = None,
+    payload: str = "plain",
+    out_dtype: Optional[torch.dtype] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, H) tokens -> routed (R, H) rows grouped by local expert, then source rank, then
+    token, and routed_scale (R, B); padding rows zero. No host sync: the split sizes come from
+    splits_S (on the CPU).
 
-    scale_TK: multiplies each slot's row (in fp32, rounded once) before sending.
-    num_rows: R when the caller knows it (in backward: sizes the fake), else None. Padding rows
-    are zero. No host sync: the split sizes come from splits_S (on the CPU)."""
+    scale_TK: multiplies each slot's row (in fp32, rounded once) before sending (plain rows).
+    num_rows: R when the caller knows it (in backward: sizes the fake), else None.
+    payload: the rows' format (``payload.FORMATS``): "plain", routed in x's dtype and
+    routed_scale (R, 0); "fp8", x quantized once per token (or, with x_scale_TB (T, B), x's
+    float8_e4m3fn values and those scales), routed float8_e4m3fn (with ``out_dtype``:
+    dequantized to it; the backward is combine, the quantize straight-through) and its fp32
+    scales."""
+    fmt = FORMATS[payload]
     splits = layout.HostSplits.of(splits_S)
-    send_VH = rows_in_send_order(x_TH, scale_TK, order_N, position_TK, splits.num_valid)
-    received_H = _exchange_rows("dispatch", send_VH, recv_meta_WL, splits, group_name)
+    values_TH, scale_TB = fmt.encode(x_TH, x_scale_TB)
+    if scale_TB is None:
+        send_VH = rows_in_send_order(values_TH, scale_TK, order_N, position_TK, splits.num_valid)
+        parts = [_exchange_rows("dispatch", send_VH, recv_meta_WL, splits, group_name), None]
+    elif recv_meta_WL.shape[0] == 1:  # nothing to exchange: values and scales move apart
+        parts = [rows_in_send_order(p, None, order_N, position_TK, splits.num_valid) for p in (values_TH, scale_TB)]
+    else:  # one exchange of packed rows
+        send_VP = rows_in_send_order(pack(values_TH, scale_TB), None, order_N, position_TK, splits.num_valid)
+        parts = unpack(_exchange_rows("dispatch", send_VP, recv_meta_WL, splits, group_name), values_TH, scale_TB)
     expert_major_R = _expert_major_rows(recv_meta_WL, splits, expert_alignment)
-    return received_H if expert_major_R is None else _place_rows(received_H, expert_major_R, splits.num_rows)
+    if expert_major_R is not None:
+        parts = [None if p is None else _place_rows(p, expert_major_R, splits.num_rows) for p in parts]
+    return fmt.decode(*parts, out_dtype)
 
 
 def _exchange_rows(op: str, send_VX: torch.Tensor, recv_meta_WL: torch.Tensor, splits: layout.HostSplits,
@@ -170,22 +189,29 @@ def _place_rows(received_X: torch.Tensor, expert_major_R: torch.Tensor, num_rows
 
 
 @dispatch_op.register_fake
-def _(x_TH, scale_TK, order_N, position_TK, recv_meta_WL, splits_S, expert_alignment, group_name, num_rows):
-    # NB: R depends on what the peers send: in splits_S, whose values the trace does not see.
+def _(x_TH, scale_TK, order_N, position_TK, recv_meta_WL, splits_S, expert_alignment, group_name, num_rows,
+      x_scale_TB=None, payload="plain", out_dtype=None):
+    # NB: R depends on what the peers send: in splits_S, whose values the trace does not see (one
+    # unbacked size for both outputs).
     if num_rows is None:
         num_rows = torch.library.get_ctx().new_dynamic_size()
-    return x_TH.new_empty(num_rows, x_TH.shape[1])
+    return FORMATS[payload].empty_routed(x_TH, num_rows, out_dtype)
 
 
 def _dispatch_setup_context(ctx, inputs, output):
     named = named_inputs(dispatch_op, inputs)
     x_TH, scale_TK = named["x_TH"], named["scale_TK"]
     ctx.route = RouteArgs.of(dispatch_op, inputs)
+    # fp8-valued rows carry no gradient; dequantized ones the combine of theirs (straight-through)
+    ctx.differentiable = named["payload"] == PLAIN.name or named["out_dtype"] is not None
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(scale_TK, x_TH if scale_TK is not None and scale_TK.requires_grad else None)
 
 
-def _dispatch_backward(ctx, grad_routed_RH):
+def _dispatch_backward(ctx, grad_routed_RH, _grad_scale_RB):
     scale_TK, x_TH = ctx.saved_tensors
+    if not ctx.differentiable or grad_routed_RH is None:
+        return input_grads(dispatch_op)
     # The adjoint of dispatch is combine, weighted by the same per-slot scale.
     grad_x_TH, returned_NH = combine_op(grad_routed_RH, scale_TK, **ctx.route.kwargs(), save_returned=x_TH is not None)
     grad_scale_TK = None if x_TH is None else weight_grad_op(x_TH, returned_NH, ctx.route.position_TK, scale_TK)
@@ -193,68 +219,6 @@ def _dispatch_backward(ctx, grad_routed_RH):
 
 
 dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup_context)
-
-
-# --------------------------------------------------------------------------------------------
-# dispatch with an fp8 payload
-
-
-@comm.comm_op("dispatch_fp8")
-def dispatch_fp8_op(
-    x_TH: torch.Tensor,
-    x_scale_TB: Optional[torch.Tensor],
-    order_N: torch.Tensor,
-    position_TK: torch.Tensor,
-    recv_meta_WL: torch.Tensor,
-    splits_S: torch.Tensor,
-    expert_alignment: int,
-    group_name: str,
-    out_dtype: Optional[torch.dtype],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`dispatch_op` with rows that travel as fp8 with block scales (:mod:`alltoall_ops.fp8`).
-
-    x_TH: (T, H) float tokens, quantized once per token (``x_scale_TB`` None), or
-    their float8_e4m3fn values with scales x_scale_TB (T, B = H / 128) fp32. Returns routed (R,
-    H) and routed_scale (R, B) fp32, laid out as dispatch's rows (padding rows zero): routed is
-    float8_e4m3fn, or with ``out_dtype`` the rows dequantized to it (the gradient's path: the
-    backward is combine, the quantize straight-through). No host sync."""
-    H = x_TH.shape[1]
-    splits = layout.HostSplits.of(splits_S)
-    values_TH, scales_TB = quantize_bits(x_TH, x_scale_TB)
-    if recv_meta_WL.shape[0] == 1:  # nothing to exchange: values and scales move apart
-        parts = [rows_in_send_order(p, None, order_N, position_TK, splits.num_valid) for p in (values_TH, scales_TB)]
-    else:  # one exchange of packed rows (fp8.pack)
-        send_VP = rows_in_send_order(fp8.pack(values_TH, scales_TB), None, order_N, position_TK, splits.num_valid)
-        parts = fp8.unpack(_exchange_rows("dispatch_fp8", send_VP, recv_meta_WL, splits, group_name), H)
-    expert_major_R = _expert_major_rows(recv_meta_WL, splits, expert_alignment)  # None: one rank only
-    if expert_major_R is not None:
-        parts = [_place_rows(p, expert_major_R, splits.num_rows) for p in parts]
-    values_RH, scale_RB = parts[0].view(fp8.FP8), parts[1]
-    if out_dtype is not None:
-        return fp8.dequantize(values_RH, scale_RB, out_dtype), scale_RB
-    return values_RH, scale_RB
-
-
-@dispatch_fp8_op.register_fake
-def _(x_TH, x_scale_TB, order_N, position_TK, recv_meta_WL, splits_S, expert_alignment, group_name, out_dtype):
-    # NB: as dispatch's: R is what the peers send (splits_S), one unbacked size for both outputs.
-    H = x_TH.shape[1]
-    num_rows = torch.library.get_ctx().new_dynamic_size()
-    return (x_TH.new_empty(num_rows, H, dtype=out_dtype or fp8.FP8),
-            x_TH.new_empty(num_rows, fp8.num_blocks(H), dtype=torch.float32))
-
-
-def _dispatch_fp8_setup_context(ctx, inputs, output):
-    ctx.route = RouteArgs.of(dispatch_fp8_op, inputs)
-
-
-def _dispatch_fp8_backward(ctx, grad_routed_RH, grad_scale_RB):
-    # Straight-through: the adjoint of the dequantized dispatch is combine, in the gradient's dtype.
-    grad_x_TH, _ = combine_op(grad_routed_RH, None, **ctx.route.kwargs(), save_returned=False)
-    return input_grads(dispatch_fp8_op, x_TH=grad_x_TH)
-
-
-dispatch_fp8_op.register_autograd(_dispatch_fp8_backward, setup_context=_dispatch_fp8_setup_context)
 
 
 # --------------------------------------------------------------------------------------------
@@ -326,12 +290,12 @@ def _combine_backward(ctx, grad_y_TH, grad_returned_NH):
     grads_expert_out = []
     if ctx.needs_input_grad[0] and grad_y_TH is not None:
         # The adjoint of combine is dispatch with each slot's row scaled by its weight.
-        grads_expert_out.append(dispatch_op(grad_y_TH, weights_TK, **route.kwargs(), num_rows=ctx.num_rows))
+        grads_expert_out.append(dispatch_op(grad_y_TH, weights_TK, **route.kwargs(), num_rows=ctx.num_rows)[0])
     if ctx.needs_input_grad[0] and grad_returned_NH is not None and ctx.save_returned:
         # `returned` holds rows already in send order: dispatch them as K = 1 "tokens".
         in_send_order = torch.arange(route.order_N.shape[0], device=route.order_N.device)
         as_tokens = route._replace(order_N=in_send_order, position_TK=in_send_order[:, None])
-        grads_expert_out.append(dispatch_op(grad_returned_NH, None, **as_tokens.kwargs(), num_rows=ctx.num_rows))
+        grads_expert_out.append(dispatch_op(grad_returned_NH, None, **as_tokens.kwargs(), num_rows=ctx.num_rows)[0])
     grad_expert_out = sum(grads_expert_out[1:], grads_expert_out[0]) if grads_expert_out else None
     grad_weights_TK = None
     if ctx.needs_input_grad[1] and grad_y_TH is not None:
@@ -394,26 +358,22 @@ class RouteHandle(DispatchHandle):
 
 
 def dispatch_route(x_TH: torch.Tensor, plan: layout.RoutingPlan, recv_meta_WL: torch.Tensor, splits_S: torch.Tensor,
-                   expert_alignment: int, group_name: str, payload: Optional[fp8.Payload] = None):
+                   expert_alignment: int, group_name: str, payload: Optional[Payload] = None):
     """Dispatch ``x_TH`` along ``plan`` once its counts are exchanged (``recv_meta_WL``) and
     its split sizes read (``splits_S``): routed (R, H) (with an fp8 ``payload`` and no
     dequantization: the pair (values (R, H), scales (R, H / 128))), tokens_per_expert (e,), handle."""
     route = RouteArgs(plan.order, plan.position, recv_meta_WL, splits_S, expert_alignment, group_name)
-    if payload is None:
-        routed = call(dispatch_op, x_TH, None, **route.kwargs(), num_rows=None, differentiable=(x_TH,))
-        num_rows, dtype = routed.shape[0], x_TH.dtype
-    else:
-        values_RH, scale_RB = call(dispatch_fp8_op, x_TH, payload.scale_TB, **route.kwargs(),
-                                   out_dtype=payload.out_dtype, differentiable=(x_TH,))
-        routed = payload.routed(values_RH, scale_RB)
-        num_rows, dtype = values_RH.shape[0], payload.combine_dtype
+    routed_RH, scale_RB = call(dispatch_op, x_TH=x_TH, scale_TK=None, **route.kwargs(), num_rows=None,
+                               **op_kwargs(payload), differentiable=(x_TH,))
     recv_counts_We, _ = layout.split_meta(recv_meta_WL)
     tokens_per_expert_e = layout.padded_tokens_per_expert(recv_counts_We, expert_alignment)
-    return routed, tokens_per_expert_e, RouteHandle(route, num_rows, x_TH.shape[1], dtype)
+    dtype = x_TH.dtype if payload is None else payload.combine_dtype
+    handle = RouteHandle(route, routed_RH.shape[0], x_TH.shape[1], dtype)
+    return routed(payload, routed_RH, scale_RB), tokens_per_expert_e, handle
 
 
 def dispatch_planned(x_TH: torch.Tensor, plan: layout.RoutingPlan, header: list[int], expert_alignment: int,
-                     group_name: str, payload: Optional[fp8.Payload] = None):
+                     group_name: str, payload: Optional[Payload] = None):
     """Exchange ``plan``'s counts on the group (``exchange_routing``: the header agreement and
     the one host read), then :func:`dispatch_route`: routed, tokens_per_expert (e,), handle."""
     recv_meta_WL, splits_S = exchange_routing_op(plan.send_meta, group_name, header, expert_alignment)
@@ -424,7 +384,7 @@ def send_along(handle: RouteHandle, rows_TC: torch.Tensor) -> torch.Tensor:
     """Per-token rows (T, C) (floats, or integers such as expert ids) dispatched along
     ``handle``'s route: (R, C), laid out as its routed rows (padding rows zero). Differentiable
     for float rows, as any dispatch."""
-    return dispatch_op(rows_TC, None, **handle.route.kwargs(), num_rows=handle.num_rows)
+    return dispatch_op(rows_TC, None, **handle.route.kwargs(), num_rows=handle.num_rows)[0]
 
 
 class CollectiveBackend(Backend):
@@ -445,7 +405,8 @@ class CollectiveBackend(Backend):
         E = comm.checked("dispatch", group.name, check_dispatch_args, x_TH, topk_idx_TK, num_experts, group.size,
                          expert_alignment)
         plan = layout.plan_routing(topk_idx_TK, E, group.size)
-        dtype, payload_dtype = (x_TH.dtype,) * 2 if payload is None else (payload.combine_dtype, fp8.FP8)
+        dtype, payload_dtype = (x_TH.dtype,) * 2 if payload is None else (payload.combine_dtype,
+                                                                          payload.format.payload_dtype)
         fields = comm.dispatch_fields(x_TH, topk_idx_TK, E, expert_alignment, dtype, payload_dtype)
         return dispatch_planned(x_TH, plan, comm.header("dispatch", *fields), expert_alignment, group.name, payload)
 

@@ -8,10 +8,10 @@ combine's gradient for it, so expert code that runs on all C rows (a per-expert 
 matmul) cannot leak them into a result or a weight gradient. The routing layout lives on the
 device (``layout.plan_rows``: two kernel launches on CUDA, or a sort); the ops:
 
-    local_dispatch      (T, H) tokens -> (C, H) rows: one gather (``rows.gather_rows``)
-    local_dispatch_fp8  the same for fp8 values and their block scales (``alltoall_ops.fp8``)
-    local_combine       (C, H) expert outputs -> (T, H): one top-k reduction reading the rows in
-                        place (``rows.weighted_slot_sum``)
+    local_dispatch  (T, H) tokens -> (C, H) rows: one gather (``rows.gather_rows``); with an
+                    fp8 payload (``alltoall_ops.payload``) one for the values, one for the scales
+    local_combine   (C, H) expert outputs -> (T, H): one top-k reduction reading the rows in
+                    place (``rows.weighted_slot_sum``)
 
 The ops are in the library's comm-op registry (``comm.comm_op``) like every backend's dispatch
 and combine: a group of one exchanges with itself, and selective checkpointing saves them, so a
@@ -29,10 +29,11 @@ from typing import Optional
 
 import torch
 
-from .. import comm, fp8, layout
-from .._compat import call, input_grads
+from .. import comm, layout
+from .._compat import call, input_grads, named_inputs
 from ..groups import LOCAL, Group
-from ..rows import gather_rows, quantize_bits, weight_grad_op, weighted_slot_sum
+from ..payload import FORMATS, PLAIN, op_kwargs, routed
+from ..rows import gather_rows, weight_grad_op, weighted_slot_sum
 from ..validation import check_dispatch_args
 from .base import Backend, DispatchHandle
 
@@ -43,73 +44,47 @@ from .base import Backend, DispatchHandle
 
 @comm.comm_op("local_dispatch")
 def local_dispatch_op(
-    x_TH: torch.Tensor, scale_TK: Optional[torch.Tensor], row_src_C: torch.Tensor, row_TK: torch.Tensor
-) -> torch.Tensor:
-    """(T, H) tokens -> (C, H) expert-major rows: row d is x[row_src[d] // K] (times
-    scale_TK.flat[row_src[d]] in fp32, rounded once), zero where row_src[d] < 0. row_TK: each
-    slot's row (C: none), for the backward."""
-    return gather_rows(x_TH, scale_TK, row_src_C, row_TK.shape[1])
+    x_TH: torch.Tensor, scale_TK: Optional[torch.Tensor], row_src_C: torch.Tensor, row_TK: torch.Tensor,
+    x_scale_TB: Optional[torch.Tensor] = None, payload: str = "plain", out_dtype: Optional[torch.dtype] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, H) tokens -> (C, H) expert-major rows and their (C, B) scales: row d is
+    x[row_src[d] // K] (times scale_TK.flat[row_src[d]] in fp32, rounded once), zero where
+    row_src[d] < 0. row_TK: each slot's row (C: none), for the backward. payload, x_scale_TB,
+    out_dtype: the rows' format, as the collective ``dispatch`` op's (fp8: values and scales
+    gathered apart, each once)."""
+    fmt, K = FORMATS[payload], row_TK.shape[1]
+    values_TH, scale_TB = fmt.encode(x_TH, x_scale_TB)
+    values_CH = gather_rows(values_TH, scale_TK, row_src_C, K)
+    return fmt.decode(values_CH, None if scale_TB is None else gather_rows(scale_TB, None, row_src_C, K), out_dtype)
 
 
 @local_dispatch_op.register_fake
-def _(x_TH, scale_TK, row_src_C, row_TK):
+def _(x_TH, scale_TK, row_src_C, row_TK, x_scale_TB=None, payload="plain", out_dtype=None):
     # NB: C rows whatever the routing: no data-dependent size.
-    return x_TH.new_empty(row_src_C.shape[0], x_TH.shape[1])
+    return FORMATS[payload].empty_routed(x_TH, row_src_C.shape[0], out_dtype)
 
 
 def _local_dispatch_setup_context(ctx, inputs, output):
-    x_TH, scale_TK, row_src_C, row_TK = inputs
+    named = named_inputs(local_dispatch_op, inputs)
+    x_TH, scale_TK = named["x_TH"], named["scale_TK"]
+    # fp8-valued rows carry no gradient; dequantized ones the combine of theirs (straight-through)
+    ctx.differentiable = named["payload"] == PLAIN.name or named["out_dtype"] is not None
+    ctx.set_materialize_grads(False)
     scale_needs_grad = scale_TK is not None and scale_TK.requires_grad
-    ctx.save_for_backward(scale_TK, row_src_C, row_TK, x_TH if scale_needs_grad else None)
+    ctx.save_for_backward(scale_TK, named["row_src_C"], named["row_TK"], x_TH if scale_needs_grad else None)
 
 
-def _local_dispatch_backward(ctx, grad_routed_CH):
+def _local_dispatch_backward(ctx, grad_routed_CH, _grad_scale_CB):
     scale_TK, row_src_C, row_TK, x_TH = ctx.saved_tensors
+    if not ctx.differentiable or grad_routed_CH is None:
+        return input_grads(local_dispatch_op)
     # The adjoint of dispatch is combine, weighted by the same per-slot scale.
-    grad_x_TH = local_combine_op(grad_routed_CH, scale_TK, row_TK, row_src_C)
+    grad_x_TH = local_combine_op(expert_out_CH=grad_routed_CH, weights_TK=scale_TK, row_TK=row_TK, row_src_C=row_src_C)
     grad_scale_TK = None if x_TH is None else weight_grad_op(x_TH, grad_routed_CH, row_TK, scale_TK)
     return input_grads(local_dispatch_op, x_TH=grad_x_TH, scale_TK=grad_scale_TK)
 
 
 local_dispatch_op.register_autograd(_local_dispatch_backward, setup_context=_local_dispatch_setup_context)
-
-
-@comm.comm_op("local_dispatch_fp8")
-def local_dispatch_fp8_op(
-    x_TH: torch.Tensor, x_scale_TB: Optional[torch.Tensor], row_src_C: torch.Tensor, row_TK: torch.Tensor,
-    out_dtype: Optional[torch.dtype],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`local_dispatch_op` with fp8 rows: x_TH (T, H) float tokens quantized once
-    (``x_scale_TB`` None), or float8_e4m3fn values with their scales x_scale_TB (T, B) fp32.
-    Returns routed (C, H) float8_e4m3fn (with ``out_dtype``: dequantized to it) and routed_scale
-    (C, B) fp32, zero rows where row_src < 0. The backward (with out_dtype) is combine of the
-    gradient: the quantize is straight-through."""
-    K = row_TK.shape[1]
-    values_TH, scales_TB = quantize_bits(x_TH, x_scale_TB)
-    values_CH = gather_rows(values_TH, None, row_src_C, K).view(fp8.FP8)
-    scales_CB = gather_rows(scales_TB, None, row_src_C, K)
-    if out_dtype is None:
-        return values_CH, scales_CB
-    return fp8.dequantize(values_CH, scales_CB, out_dtype), scales_CB
-
-
-@local_dispatch_fp8_op.register_fake
-def _(x_TH, x_scale_TB, row_src_C, row_TK, out_dtype):
-    C, H = row_src_C.shape[0], x_TH.shape[1]
-    return x_TH.new_empty(C, H, dtype=out_dtype or fp8.FP8), x_TH.new_empty(C, fp8.num_blocks(H), dtype=torch.float32)
-
-
-def _local_dispatch_fp8_setup_context(ctx, inputs, output):
-    _, _, row_src_C, row_TK, _ = inputs
-    ctx.save_for_backward(row_src_C, row_TK)
-
-
-def _local_dispatch_fp8_backward(ctx, grad_routed_CH, _grad_scale_CB):
-    row_src_C, row_TK = ctx.saved_tensors
-    return input_grads(local_dispatch_fp8_op, x_TH=local_combine_op(grad_routed_CH, None, row_TK, row_src_C))
-
-
-local_dispatch_fp8_op.register_autograd(_local_dispatch_fp8_backward, setup_context=_local_dispatch_fp8_setup_context)
 
 
 # --------------------------------------------------------------------------------------------
@@ -132,9 +107,11 @@ def _(expert_out_CH, weights_TK, row_TK, row_src_C):
 
 
 def _local_combine_setup_context(ctx, inputs, output):
-    expert_out_CH, weights_TK, row_TK, row_src_C = inputs
+    named = named_inputs(local_combine_op, inputs)
+    weights_TK = named["weights_TK"]
     weights_need_grad = weights_TK is not None and weights_TK.requires_grad
-    ctx.save_for_backward(weights_TK, row_TK, row_src_C, expert_out_CH if weights_need_grad else None)
+    ctx.save_for_backward(weights_TK, named["row_TK"], named["row_src_C"],
+                          named["expert_out_CH"] if weights_need_grad else None)
 
 
 def _local_combine_backward(ctx, grad_y_TH):
@@ -143,7 +120,8 @@ def _local_combine_backward(ctx, grad_y_TH):
     if ctx.needs_input_grad[0]:
         # The adjoint of combine is dispatch with each slot's row scaled by its weight: rows no
         # slot fills get a zero gradient.
-        grad_expert_out_CH = local_dispatch_op(grad_y_TH, weights_TK, row_src_C, row_TK)
+        grad_expert_out_CH, _ = local_dispatch_op(x_TH=grad_y_TH, scale_TK=weights_TK, row_src_C=row_src_C,
+                                                  row_TK=row_TK)
     if ctx.needs_input_grad[1]:
         grad_weights_TK = weight_grad_op(grad_y_TH, expert_out_CH, row_TK, weights_TK)
     return input_grads(local_combine_op, expert_out_CH=grad_expert_out_CH, weights_TK=grad_weights_TK)
@@ -177,8 +155,8 @@ class LocalHandle(DispatchHandle):
 
     def combine(self, expert_out_CH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor]) -> torch.Tensor:
         self.check_combine(expert_out_CH, topk_weights_TK)
-        return call(local_combine_op, expert_out_CH, topk_weights_TK, self.row_TK, self.row_src_C,
-                    differentiable=(expert_out_CH, topk_weights_TK))
+        return call(local_combine_op, expert_out_CH=expert_out_CH, weights_TK=topk_weights_TK, row_TK=self.row_TK,
+                    row_src_C=self.row_src_C, differentiable=(expert_out_CH, topk_weights_TK))
 
 
 class LocalBackend(Backend):
@@ -194,10 +172,7 @@ class LocalBackend(Backend):
     def dispatch(self, x_TH, topk_idx_TK, num_experts, group, expert_alignment, buffers, payload=None):
         E = check_dispatch_args(x_TH, topk_idx_TK, num_experts, 1, expert_alignment)
         plan = layout.plan_rows(topk_idx_TK, E, expert_alignment)
-        if payload is None:
-            routed = call(local_dispatch_op, x_TH, None, plan.row_src, plan.row, differentiable=(x_TH,))
-        else:
-            values_CH, scale_CB = call(local_dispatch_fp8_op, x_TH, payload.scale_TB, plan.row_src, plan.row,
-                                       payload.out_dtype, differentiable=(x_TH,))
-            routed = payload.routed(values_CH, scale_CB)
-        return routed, plan.tokens_per_expert, LocalHandle(plan.row_src, plan.row, expert_alignment)
+        routed_CH, scale_CB = call(local_dispatch_op, x_TH=x_TH, scale_TK=None, row_src_C=plan.row_src,
+                                   row_TK=plan.row, **op_kwargs(payload), differentiable=(x_TH,))
+        handle = LocalHandle(plan.row_src, plan.row, expert_alignment)
+        return routed(payload, routed_CH, scale_CB), plan.tokens_per_expert, handle

@@ -9,14 +9,15 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ... import comm, fp8, layout
+from ... import comm, layout
 from ..._compat import call, is_compiling
 from ...errors import CapacityError, PeerInputError
 from ...groups import LOCAL, Group, process_group
+from ...payload import PLAIN, Payload, op_kwargs, routed
 from ...validation import check_combine_args, check_dispatch_args
 from ..base import Backend, DispatchHandle, save_returned
 from .buffers import CALL, FAILED, META_EXTRA, SymmBuffers, check_payload
-from .ops import symm_combine_op, symm_dispatch_fp8_op, symm_dispatch_op, symm_exchange_meta_op
+from .ops import SlotArgs, symm_combine_op, symm_dispatch_op, symm_exchange_meta_op
 
 
 # --------------------------------------------------------------------------------------------
@@ -82,6 +83,10 @@ class SymmMemHandle(DispatchHandle):
     expert_alignment: int
 
     @property
+    def slots(self) -> SlotArgs:
+        return SlotArgs(self.position_TK, self.slot_dst_N, self.num_routed_1, self.call_1, self.buffers)
+
+    @property
     def group_name(self) -> str:
         return self.buffers.group_name
 
@@ -101,11 +106,10 @@ class SymmMemHandle(DispatchHandle):
     def combine(self, expert_out_CH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor]) -> torch.Tensor:
         """y (T, H); rows of expert_out that dispatch did not fill (padding, rows past
         tokens_per_expert.sum()) are ignored."""
-        bufs = self.buffers
         self.check_combine_everywhere(expert_out_CH, topk_weights_TK)  # without debug mode, a rank that
         # raises here leaves its peers in the op's barrier until the deadline
-        y_TH, _ = call(symm_combine_op, expert_out_CH, topk_weights_TK, self.position_TK, self.slot_dst_N,
-                       self.row_src_C, self.num_routed_1, self.call_1, bufs, save_returned(topk_weights_TK),
+        y_TH, _ = call(symm_combine_op, expert_out_CH=expert_out_CH, weights_TK=topk_weights_TK,
+                       row_src_C=self.row_src_C, **self.slots.kwargs(), save_returned=save_returned(topk_weights_TK),
                        differentiable=(expert_out_CH, topk_weights_TK))
         return y_TH
 
@@ -114,7 +118,7 @@ _AUTO_BUFFERS: dict[tuple, SymmBuffers] = {}
 
 
 def cached_buffers(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, grp: Group,
-                   expert_alignment: int, payload: Optional[fp8.Payload] = None) -> SymmBuffers:
+                   expert_alignment: int, payload: Optional[Payload] = None) -> SymmBuffers:
     """Eager convenience: buffers cached per (group, H, dtype, device, payload dtype), created
     sized from the largest T, K and expert_alignment over the ranks and re-created larger when a
     call needs more, on every rank alike. Collective: the arguments' checks and the sizes go
@@ -129,7 +133,7 @@ def cached_buffers(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, gr
     num_experts = comm.checked("symm_buffers", grp.name, check_dispatch_args, x, topk_idx, num_experts, grp.size,
                                expert_alignment)
     (T, H), K = x.shape, topk_idx.shape[1]
-    dtype, payload_dtype = (x.dtype, None) if payload is None else (payload.combine_dtype, fp8.FP8)
+    dtype, payload_dtype = (x.dtype, None) if payload is None else (payload.combine_dtype, payload.format.payload_dtype)
     sizes = [T, K, expert_alignment]
     if grp.name != LOCAL:  # equal E, H, dtype and payload dtype; the largest T, K and alignment
         codes = [comm.dtype_code(dtype), comm.dtype_code(payload_dtype or dtype)]
@@ -152,7 +156,7 @@ def cached_buffers(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, gr
 
 def _check_buffers_fit(
     bufs: SymmBuffers, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, group: Group, expert_alignment: int,
-    payload: Optional[fp8.Payload] = None,
+    payload: Optional[Payload] = None,
 ) -> int:
     """The dispatch's checks against its buffers; returns E as an int."""
     num_experts = check_dispatch_args(x, topk_idx, num_experts, bufs.world_size, expert_alignment)
@@ -161,7 +165,7 @@ def _check_buffers_fit(
             f"group: the buffers were created for group {bufs.group_name!r}, got group "
             f"{group.name!r}; pass group=None or the buffers' group"
         )
-    check_payload(bufs, payload is not None)
+    check_payload(bufs, PLAIN if payload is None else payload.format)
     dtype = x.dtype if payload is None else payload.combine_dtype  # fp8: the dtype of the expert outputs
     if dtype != bufs.dtype or x.shape[1] != bufs.hidden or x.device != bufs.device:
         got = f"{x.dtype}" if payload is None else f"{x.dtype} (expert outputs and gradients in {dtype})"
@@ -234,15 +238,9 @@ class SymmMemBackend(Backend):
         meta_WL = call(symm_exchange_meta_op, send_row_L, bufs, expert_alignment)
         r = place_slots(meta_WL, topk_idx_TK, plan.position, bufs, expert_alignment)
         call_1 = meta_WL[bufs.rank, bufs.num_experts + CALL : bufs.num_experts + CALL + 1]  # this step's (device)
-        if payload is None:
-            routed_CH, row_src_C = call(symm_dispatch_op, x_TH, None, plan.position, r.slot_dst, r.num_routed, call_1,
-                                        bufs, differentiable=(x_TH,))
-            routed = routed_CH
-        else:
-            values_CH, scale_CB, row_src_C = call(symm_dispatch_fp8_op, x_TH, payload.scale_TB, plan.position,
-                                                  r.slot_dst, r.num_routed, call_1, bufs, payload.out_dtype,
-                                                  differentiable=(x_TH,))
-            routed = payload.routed(values_CH, scale_CB)
+        slots = SlotArgs(plan.position, r.slot_dst, r.num_routed, call_1, bufs)
+        routed_CH, scale_CB, row_src_C = call(symm_dispatch_op, x_TH=x_TH, scale_TK=None, **slots.kwargs(),
+                                              **op_kwargs(payload), differentiable=(x_TH,))
         handle = SymmMemHandle(plan.position, meta_WL, r.slot_dst, row_src_C, r.num_routed, call_1, r.dropped, bufs,
                                bufs.capacity, expert_alignment)
-        return routed, r.tokens_per_expert, handle
+        return routed(payload, routed_CH, scale_CB), r.tokens_per_expert, handle

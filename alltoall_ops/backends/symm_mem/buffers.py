@@ -13,6 +13,7 @@ import torch
 
 from ... import fp8, layout
 from ..._compat import OpaqueBase, register_value_type
+from ...payload import PLAIN, Format, format_of
 from ...comm import get_timeout
 from ...groups import Group, resolve_group
 from ...kernels.loader import check_kernels_run_on
@@ -68,9 +69,7 @@ class _Config:
         meta_cols = self.num_experts + META_EXTRA
         # NB: with an fp8 payload, RECV holds the (C, P) uint8 wire rows of a dispatch and, in
         # the backward, the (C, H) ``dtype`` rows of combine's adjoint (a dispatch of gradients).
-        recv_row_bytes = self.hidden * itemsize
-        if self.payload_dtype is not None:
-            recv_row_bytes = max(recv_row_bytes, fp8.packed_width(self.hidden))
+        recv_row_bytes = max(self.hidden * itemsize, format_of(self.payload_dtype).wire_bytes(self.hidden, self.dtype))
         sizes = [self.capacity * recv_row_bytes, self.capacity * 8,
                  N_max * self.hidden * itemsize, self.world_size * meta_cols * 8]
         offsets, total = [], 0
@@ -147,7 +146,8 @@ class SymmBuffers(OpaqueBase):
         payload_dtype: None, or ``torch.float8_e4m3fn`` for dispatches with an fp8 payload
             (``dispatch(..., payload_dtype=torch.float8_e4m3fn)`` or ``x=(values, scales)``; H
             divisible by 128): the receive region then holds packed wire rows of
-            ``fp8.packed_width(H)`` bytes. Such buffers serve fp8 dispatches only.
+            ``fp8.packed_width(H)`` bytes (``payload.FP8Format``). Such buffers serve fp8 dispatches
+            only.
 
     Example::
 
@@ -257,7 +257,8 @@ class SymmBuffers(OpaqueBase):
 
         self.recv = region(RECV, cfg.dtype, (C, H))  # dispatches in dtype (with fp8: combine's backward)
         # fp8 dispatches: packed wire rows (C, P) uint8 in the same region (None without fp8)
-        self.recv_packed = None if cfg.payload_dtype is None else region(RECV, torch.uint8, (C, fp8.packed_width(H)))
+        wire_bytes = format_of(cfg.payload_dtype).wire_bytes(H, cfg.dtype)
+        self.recv_packed = None if cfg.payload_dtype is None else region(RECV, torch.uint8, (C, wire_bytes))
         self.tags = region(TAGS, torch.int64, (C,))
         self.ret = region(RET, cfg.dtype, (self.max_slots, H))
         self.meta = region(META, torch.int64, (W, self.meta_columns))
@@ -342,20 +343,22 @@ def _load_pickled_buffers(key: list) -> SymmBuffers:
     )
 
 
-def check_payload(bufs: SymmBuffers, fp8_payload: bool) -> None:
-    """Raise unless ``bufs`` serve a dispatch with (``fp8_payload``) or without an fp8 payload:
-    buffers created with ``payload_dtype`` hold fp8 wire rows and serve fp8 dispatches only."""
-    if fp8_payload and bufs.payload_dtype != fp8.FP8:
+def check_payload(bufs: SymmBuffers, fmt: Format) -> None:
+    """Raise unless ``bufs`` serve dispatches of the payload format ``fmt``: buffers created with
+    a ``payload_dtype`` hold its wire rows and serve that format only."""
+    own = format_of(bufs.payload_dtype)
+    if fmt is own:
+        return
+    if fmt is not PLAIN:
         raise ValueError(
-            f"payload_dtype: an fp8 dispatch needs buffers created with payload_dtype={fp8.FP8}: the buffers hold "
-            f"no fp8 wire rows (created with payload_dtype={bufs.payload_dtype})"
+            f"payload_dtype: an {fmt.name} dispatch needs buffers created with payload_dtype={fmt.payload_dtype}: the "
+            f"buffers hold no {fmt.name} wire rows (created with payload_dtype={bufs.payload_dtype})"
         )
-    if not fp8_payload and bufs.payload_dtype is not None:
-        raise ValueError(
-            f"payload_dtype: the buffers were created with payload_dtype={bufs.payload_dtype} and serve fp8 "
-            f"dispatches only: pass payload_dtype={bufs.payload_dtype} (or x=(values, scales)), or use buffers "
-            f"created without payload_dtype"
-        )
+    raise ValueError(
+        f"payload_dtype: the buffers were created with payload_dtype={bufs.payload_dtype} and serve "
+        f"{own.name} dispatches only: pass payload_dtype={bufs.payload_dtype} (or x=(values, scales)), "
+        f"or use buffers created without payload_dtype"
+    )
 
 
 def _check_same_config(cfg: _Config, grp: Group) -> None:

@@ -3,16 +3,17 @@ run on the exchanged metadata."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from ... import fp8, layout
-from ..._compat import input_grads
+from ... import layout
+from ..._compat import input_grads, inputs_as, named_inputs
 from ...comm import comm_op
 from ...errors import CapacityError, GroupMismatchError, PeerInputError, RoutingError
 from ...kernels import loader
-from ...rows import accumulation_dtype, quantize_bits, weight_grad_op
+from ...payload import FORMATS, PLAIN, pack
+from ...rows import accumulation_dtype, weight_grad_op
 from .buffers import ALIGNMENT, CALL, FAILED, META, N_SLOTS, RECV, RET, TAGS, SymmBuffers, check_payload
 from .segments import COMBINE_OP, DISPATCH_OP, META_OP
 
@@ -90,6 +91,26 @@ def _check_meta(meta_WL: torch.Tensor, bufs: SymmBuffers, expert_alignment: int,
     raise kind(message())
 
 
+class SlotArgs(NamedTuple):
+    """One dispatch's slots on these buffers: the arguments of the ``symm_dispatch`` /
+    ``symm_combine`` ops after the rows (combine's ``row_src_C`` aside), passed by name
+    (``**slots.kwargs()``)."""
+
+    position_TK: torch.Tensor
+    slot_dst_N: torch.Tensor
+    num_routed_1: torch.Tensor
+    call_1: torch.Tensor
+    buffers: SymmBuffers
+
+    @classmethod
+    def of(cls, op, inputs: tuple) -> "SlotArgs":
+        """The slots among an op's autograd ``inputs``, taken by argument name."""
+        return inputs_as(cls, op, inputs)
+
+    def kwargs(self) -> dict:
+        return self._asdict()
+
+
 # --------------------------------------------------------------------------------------------
 # Ops. Each: entry barrier (peers are done reading what we will overwrite), kernel writes into
 # peers' buffers, barrier (all writes landed), copy out of our own buffers into fresh tensors.
@@ -131,19 +152,35 @@ def symm_dispatch_op(
     num_routed_1: torch.Tensor,
     call_1: torch.Tensor,
     buffers: SymmBuffers,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(T, H) rows -> routed (C, H), row_src (C,) int64.
+    x_scale_TB: Optional[torch.Tensor] = None,
+    payload: str = "plain",
+    out_dtype: Optional[torch.dtype] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(T, H) rows -> routed (C, H), routed_scale (C, B), row_src (C,) int64.
 
     Slot (t, k) carries row ``x_TH[t]`` (times ``scale_TK[t, k]`` in fp32, rounded once) to
     ``slot_dst_N[t * K + k]``, tagged with its send position ``position_TK[t, k]``. num_routed_1:
     (1,) int64 n = tokens_per_expert.sum(), every received row lies below it. call_1: (1,) int64,
     the call number of the dispatch's metadata exchange (its barriers' stamp). routed: rows
     [0, n) received, zero where none; rows [n, C) unspecified (not written). row_src: each row's
-    source code (``rank * N_max + position``), -1 where none."""
-    routed_CH = x_TH.new_empty(buffers.capacity, x_TH.shape[1])
-    row_src_C = _put_rows_and_copy_out(x_TH, scale_TK, position_TK, slot_dst_N, num_routed_1, call_1, buffers,
-                                       buffers.recv, routed_CH)
-    return routed_CH, row_src_C
+    source code (``rank * N_max + position``), -1 where none. payload, x_scale_TB, out_dtype: the
+    rows' format, as the collective ``dispatch`` op's; a format with scales needs buffers created
+    for it (``payload_dtype``): each slot's packed wire row (``payload.pack``, P bytes) goes to
+    the peers' RECV region and the copy-out splits it into values and scales."""
+    fmt, C, H = FORMATS[payload], buffers.capacity, x_TH.shape[1]
+    values_TH, scale_TB = fmt.encode(x_TH, x_scale_TB)
+    values_CH = values_TH.new_empty(C, H)
+    if scale_TB is None:
+        row_src_C = _put_rows_and_copy_out(values_TH, scale_TK, position_TK, slot_dst_N, num_routed_1, call_1,
+                                           buffers, buffers.recv, values_CH)
+        scale_CB = None
+    else:
+        check_payload(buffers, fmt)
+        # NB: the copy-out splits each received wire row into values and scale bytes, rows < n only.
+        scale_CB = scale_TB.new_empty(C, scale_TB.shape[1])
+        row_src_C = _put_rows_and_copy_out(pack(values_TH, scale_TB), None, position_TK, slot_dst_N, num_routed_1,
+                                           call_1, buffers, buffers.recv_packed, values_CH, scale_CB.view(torch.uint8))
+    return (*fmt.decode(values_CH, scale_CB, out_dtype, num_routed_1), row_src_C)
 
 
 def _put_rows_and_copy_out(
@@ -180,98 +217,40 @@ def _put_rows_and_copy_out(
 
 
 @symm_dispatch_op.register_fake
-def _(x_TH, scale_TK, position_TK, slot_dst_N, num_routed_1, call_1, buffers):
+def _(x_TH, scale_TK, position_TK, slot_dst_N, num_routed_1, call_1, buffers, x_scale_TB=None, payload="plain",
+      out_dtype=None):
     # NB: fixed capacity C, so no data-dependent size: the graph never waits for the counts.
-    C = buffers.capacity
-    return x_TH.new_empty(C, x_TH.shape[1]), x_TH.new_empty(C, dtype=torch.int64)
+    fmt, C = FORMATS[payload], buffers.capacity
+    if fmt is not PLAIN:
+        check_payload(buffers, fmt)
+    return (*fmt.empty_routed(x_TH, C, out_dtype), x_TH.new_empty(C, dtype=torch.int64))
 
 
 def _symm_dispatch_setup_context(ctx, inputs, output):
-    x_TH, scale_TK, ctx.position_TK, slot_dst_N, num_routed_1, call_1, ctx.buffers = inputs
+    named = named_inputs(symm_dispatch_op, inputs)
+    x_TH, scale_TK = named["x_TH"], named["scale_TK"]
+    ctx.slots = SlotArgs.of(symm_dispatch_op, inputs)
+    # fp8-valued rows carry no gradient; dequantized ones the combine of theirs (straight-through)
+    ctx.differentiable = named["payload"] == PLAIN.name or named["out_dtype"] is not None
+    ctx.set_materialize_grads(False)
     scale_needs_grad = scale_TK is not None and scale_TK.requires_grad
-    # slot_dst_N, row_src_C, num_routed_1, call_1; scale_TK and, for scale_TK's gradient, x_TH
-    ctx.save_for_backward(slot_dst_N, output[1], num_routed_1, call_1, scale_TK, x_TH if scale_needs_grad else None)
+    ctx.save_for_backward(output[2], scale_TK, x_TH if scale_needs_grad else None)  # row_src_C
 
 
-def _symm_dispatch_backward(ctx, grad_routed_CH, _grad_row_src_C):
+def _symm_dispatch_backward(ctx, grad_routed_CH, _grad_scale_CB, _grad_row_src_C):
     # The adjoint of dispatch is combine, weighted by the same per-slot scale. Built from the ops
     # themselves (like the local backend), so double backward is exact too.
-    slot_dst_N, row_src_C, num_routed_1, call_1, scale_TK, x_TH = ctx.saved_tensors
-    grad_x_TH, returned_NH = symm_combine_op(
-        grad_routed_CH, scale_TK, ctx.position_TK, slot_dst_N, row_src_C, num_routed_1, call_1, ctx.buffers,
-        x_TH is not None,
-    )
+    row_src_C, scale_TK, x_TH = ctx.saved_tensors
+    if not ctx.differentiable or grad_routed_CH is None:
+        return input_grads(symm_dispatch_op)
+    grad_x_TH, returned_NH = symm_combine_op(expert_out_CH=grad_routed_CH, weights_TK=scale_TK, row_src_C=row_src_C,
+                                             **ctx.slots.kwargs(), save_returned=x_TH is not None)
     # d scale[t, k] = <x[t], grad_routed[row of slot (t, k)]>: the returned rows are those rows.
-    grad_scale_TK = None if x_TH is None else weight_grad_op(x_TH, returned_NH, ctx.position_TK, scale_TK)
+    grad_scale_TK = None if x_TH is None else weight_grad_op(x_TH, returned_NH, ctx.slots.position_TK, scale_TK)
     return input_grads(symm_dispatch_op, x_TH=grad_x_TH, scale_TK=grad_scale_TK)
 
 
 symm_dispatch_op.register_autograd(_symm_dispatch_backward, setup_context=_symm_dispatch_setup_context)
-
-
-@comm_op("symm_dispatch_fp8")
-def symm_dispatch_fp8_op(
-    x_TH: torch.Tensor,
-    x_scale_TB: Optional[torch.Tensor],
-    position_TK: torch.Tensor,
-    slot_dst_N: torch.Tensor,
-    num_routed_1: torch.Tensor,
-    call_1: torch.Tensor,
-    buffers: SymmBuffers,
-    out_dtype: Optional[torch.dtype],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`symm_dispatch_op` with rows that travel as fp8 with block scales
-    (:mod:`alltoall_ops.fp8`), into buffers created with ``payload_dtype=torch.float8_e4m3fn``.
-
-    x_TH: (T, H) float tokens, quantized once per token (``x_scale_TB`` None), or their
-    float8_e4m3fn values with scales x_scale_TB (T, B = H / 128) fp32. Each slot's packed wire
-    row (``fp8.pack``, P bytes) goes to the peers' RECV region. Returns routed (C, H)
-    float8_e4m3fn (with ``out_dtype``: dequantized to it), routed_scale (C, B) fp32 and row_src
-    (C,) int64, laid out as symm_dispatch's: rows [0, n) received, zero where none; rows [n, C)
-    unspecified (not written). The backward (with out_dtype) is combine of the gradient, the
-    quantize straight-through."""
-    check_payload(buffers, fp8_payload=True)
-    C, H = buffers.capacity, x_TH.shape[1]
-    values_TH, scales_TB = quantize_bits(x_TH, x_scale_TB)
-    # NB: the copy-out splits each received wire row into values and scale bytes, rows < n only.
-    values_CH = x_TH.new_empty(C, H, dtype=torch.uint8)
-    scales_CB = x_TH.new_empty(C, fp8.num_blocks(H), dtype=torch.float32)
-    row_src_C = _put_rows_and_copy_out(fp8.pack(values_TH, scales_TB), None, position_TK, slot_dst_N, num_routed_1,
-                                       call_1, buffers, buffers.recv_packed, values_CH, scales_CB.view(torch.uint8))
-    if out_dtype is None:
-        return values_CH.view(fp8.FP8), scales_CB, row_src_C
-    routed_CH = x_TH.new_empty(C, H, dtype=out_dtype)
-    loader.load().dequantize_rows(values_CH, scales_CB, num_routed_1, routed_CH)
-    return routed_CH, scales_CB, row_src_C
-
-
-@symm_dispatch_fp8_op.register_fake
-def _(x_TH, x_scale_TB, position_TK, slot_dst_N, num_routed_1, call_1, buffers, out_dtype):
-    # NB: fixed capacity C, as symm_dispatch's.
-    check_payload(buffers, fp8_payload=True)
-    C, H = buffers.capacity, x_TH.shape[1]
-    return (x_TH.new_empty(C, H, dtype=out_dtype or fp8.FP8),
-            x_TH.new_empty(C, fp8.num_blocks(H), dtype=torch.float32),
-            x_TH.new_empty(C, dtype=torch.int64))
-
-
-def _symm_dispatch_fp8_setup_context(ctx, inputs, output):
-    _, _, ctx.position_TK, slot_dst_N, num_routed_1, call_1, ctx.buffers, ctx.out_dtype = inputs
-    ctx.save_for_backward(slot_dst_N, output[2], num_routed_1, call_1)
-
-
-def _symm_dispatch_fp8_backward(ctx, grad_routed_CH, _grad_scale_CB, _grad_row_src_C):
-    # Straight-through: the adjoint of the dequantized dispatch is combine, in the gradient's
-    # dtype (the buffers' dtype). fp8 rows (no out_dtype) carry no gradient.
-    if ctx.out_dtype is None:
-        return input_grads(symm_dispatch_fp8_op)
-    slot_dst_N, row_src_C, num_routed_1, call_1 = ctx.saved_tensors
-    grad_x_TH, _ = symm_combine_op(grad_routed_CH, None, ctx.position_TK, slot_dst_N, row_src_C, num_routed_1,
-                                   call_1, ctx.buffers, False)
-    return input_grads(symm_dispatch_fp8_op, x_TH=grad_x_TH)
-
-
-symm_dispatch_fp8_op.register_autograd(_symm_dispatch_fp8_backward, setup_context=_symm_dispatch_fp8_setup_context)
 
 
 @comm_op("symm_combine")
@@ -319,24 +298,25 @@ def _(expert_out_CH, weights_TK, position_TK, slot_dst_N, row_src_C, num_routed_
 
 
 def _symm_combine_setup_context(ctx, inputs, output):
-    _, weights_TK, ctx.position_TK, slot_dst_N, _, num_routed_1, call_1, ctx.buffers, ctx.save_returned = inputs
+    named = named_inputs(symm_combine_op, inputs)
+    ctx.slots, ctx.save_returned = SlotArgs.of(symm_combine_op, inputs), named["save_returned"]
     ctx.set_materialize_grads(False)  # `returned_NH` gets a gradient only in double backward
-    ctx.save_for_backward(weights_TK, slot_dst_N, num_routed_1, call_1, output[1] if ctx.save_returned else None)
+    ctx.save_for_backward(named["weights_TK"], output[1] if ctx.save_returned else None)
 
 
 def _symm_combine_backward(ctx, grad_y_TH, grad_returned_NH):
-    weights_TK, slot_dst_N, num_routed_1, call_1, returned_NH = ctx.saved_tensors
+    weights_TK, returned_NH = ctx.saved_tensors
+    slots = ctx.slots
     grad_expert_out_CH = grad_weights_TK = None
     if ctx.needs_input_grad[0] and grad_y_TH is not None:
         # The adjoint of combine is dispatch with each slot's row scaled by its weight.
-        grad_expert_out_CH, _ = symm_dispatch_op(grad_y_TH, weights_TK, ctx.position_TK, slot_dst_N, num_routed_1,
-                                                 call_1, ctx.buffers)
+        grad_expert_out_CH, _, _ = symm_dispatch_op(x_TH=grad_y_TH, scale_TK=weights_TK, **slots.kwargs())
     if ctx.needs_input_grad[0] and grad_returned_NH is not None and ctx.save_returned:
         # returned[position[t, k]] is the row of slot (t, k): dispatch the returned rows' gradient
         # back to those rows, as N "tokens" of K = 1 taken in slot order.
-        by_slot_NH = grad_returned_NH.index_select(0, ctx.position_TK.reshape(-1))
-        grad_rows_CH, _ = symm_dispatch_op(by_slot_NH, None, ctx.position_TK.reshape(-1, 1), slot_dst_N, num_routed_1,
-                                           call_1, ctx.buffers)
+        by_slot_NH = grad_returned_NH.index_select(0, slots.position_TK.reshape(-1))
+        as_tokens = slots._replace(position_TK=slots.position_TK.reshape(-1, 1))
+        grad_rows_CH, _, _ = symm_dispatch_op(x_TH=by_slot_NH, scale_TK=None, **as_tokens.kwargs())
         grad_expert_out_CH = grad_rows_CH if grad_expert_out_CH is None else grad_expert_out_CH + grad_rows_CH
     if ctx.needs_input_grad[1] and grad_y_TH is not None:
         if returned_NH is None:
@@ -344,7 +324,7 @@ def _symm_combine_backward(ctx, grad_y_TH, grad_returned_NH):
                 "symm_combine: topk_weights need a gradient, but the op was called with "
                 "save_returned=False; alltoall_ops.combine sets it when the weights require grad"
             )
-        grad_weights_TK = weight_grad_op(grad_y_TH, returned_NH, ctx.position_TK, weights_TK)
+        grad_weights_TK = weight_grad_op(grad_y_TH, returned_NH, slots.position_TK, weights_TK)
     return input_grads(symm_combine_op, expert_out_CH=grad_expert_out_CH, weights_TK=grad_weights_TK)
 
 
