@@ -10,8 +10,6 @@ import torch
 from . import backends, comm, layout
 from .backends import DispatchHandle
 from .backends.collective import exchange_counts_op
-from .backends.symm_mem import SymmBuffers
-from .backends.symm_mem.backend import checked as symm_checked
 from .groups import Group, resolve_group
 from .payload import Payload
 from .validation import check_counts, check_layout_args, check_payload_args
@@ -75,11 +73,9 @@ def dispatch(
     else:
         grp = resolve_group(group)
     x, x_scale = x if isinstance(x, (tuple, list)) else (x, None)
-    args = (backend, grp, buffers, x, x_scale, payload_dtype, dequantize)
-    if isinstance(buffers, SymmBuffers):  # the peers wait in the buffers' metadata exchange, not the group's
-        impl = symm_checked(buffers, _choose_backend, *args)
-    else:
-        impl = comm.checked("dispatch", grp.name, _choose_backend, *args)
+    # NB: the peers wait in the exchange of the backend "auto" picks (symm_mem: the buffers' metadata exchange)
+    impl = backends.checked(grp, buffers, _choose_backend, backend, grp, buffers, x, x_scale, payload_dtype,
+                            dequantize)
     payload = None
     if x_scale is not None or payload_dtype is not None:
         payload = Payload.of(x, x_scale, dequantize)

@@ -8,7 +8,7 @@ public ``dispatch`` / ``combine`` resolve the group, :func:`choose` a backend an
 from __future__ import annotations
 
 import logging
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
@@ -85,6 +85,12 @@ class Backend:
         if buffers is not None:
             raise ValueError(f"buffers: only backend='symm_mem' uses buffers, got backend={self.name!r}")
 
+    def checked(self, group: Group, buffers: Any, check: Callable[..., Any], *args: Any) -> Any:
+        """``check(*args)`` (argument checks of a dispatch) through this backend's failure
+        channel: on a group, a rank whose checks raise tells its peers in the exchange they wait
+        in, and they raise a PeerInputError. Default: the group's agreement (``comm.checked``)."""
+        return comm.checked("dispatch", group.name, check, *args)
+
     def dispatch(
         self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int, group: Group, expert_alignment: int,
         buffers: Any, payload: Optional[Payload] = None,
@@ -110,12 +116,23 @@ def names() -> tuple[str, ...]:
     return ("auto", *_REGISTRY)
 
 
+def _auto(group: Group, buffers: Any) -> str:
+    return "symm_mem" if buffers is not None else "local" if group.size == 1 else "collective"
+
+
+def checked(group: Group, buffers: Any, check: Callable[..., Any], *args: Any) -> Any:
+    """``check(*args)`` before a backend is chosen (the choice's own checks among them), through
+    the failure channel of the backend "auto" picks for ``group`` and ``buffers``: the exchange
+    every rank's dispatch waits in first."""
+    return _REGISTRY[_auto(group, buffers)].checked(group, buffers, check, *args)
+
+
 def choose(name: str, group: Group, buffers: Any = None) -> Backend:
     """The backend ``backend=name`` selects for ``group``. "auto": "symm_mem" when ``buffers`` is
     given, else "local" on a group of one rank (or none), else "collective". Raises if that
     backend cannot serve it."""
     if name == "auto":
-        name = "symm_mem" if buffers is not None else "local" if group.size == 1 else "collective"
+        name = _auto(group, buffers)
     if name not in _REGISTRY:
         raise ValueError(f"backend: expected one of {names()}, got {name!r}")
     backend = _REGISTRY[name]

@@ -216,6 +216,12 @@ class SymmMemBackend(Backend):
         if buffers is not None and not isinstance(buffers, SymmBuffers):
             raise TypeError(f"buffers: expected alltoall_ops.SymmBuffers, got {type(buffers).__name__}")
 
+    def checked(self, group: Group, buffers, check: Callable[..., Any], *args: Any) -> Any:
+        """With ``SymmBuffers``: a failure row through their metadata exchange (:func:`checked`)."""
+        if isinstance(buffers, SymmBuffers):
+            return checked(buffers, check, *args)
+        return super().checked(group, buffers, check, *args)
+
     def dispatch(self, x_TH, topk_idx_TK, num_experts, group, expert_alignment, buffers, payload=None):
         """routed (C, H), tokens_per_expert (e,), handle. The first ``tokens_per_expert.sum()``
         rows of routed are the collective backend's routed rows; the rest are unspecified (not
