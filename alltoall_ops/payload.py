@@ -62,8 +62,7 @@ class Format:
 
     def wire_bytes(self, hidden: int, dtype: torch.dtype) -> int:
         """P, the bytes of one packed row of x's ``dtype`` (values, then scales)."""
-        itemsize = torch.empty((), dtype=self.routed_dtype(dtype)).element_size()
-        return hidden * itemsize + self.scale_columns(hidden) * self.scale_dtype.itemsize
+        return hidden * self.routed_dtype(dtype).itemsize + self.scale_columns(hidden) * self.scale_dtype.itemsize
 
 
 class FP8Format(Format):

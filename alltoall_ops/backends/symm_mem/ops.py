@@ -168,6 +168,8 @@ def symm_dispatch_op(
     for it (``payload_dtype``): each slot's packed wire row (``payload.pack``, P bytes) goes to
     the peers' RECV region and the copy-out splits it into values and scales."""
     fmt, C, H = FORMATS[payload], buffers.capacity, x_TH.shape[1]
+    if fmt is not PLAIN:  # plain rows fit any buffers' RECV region (with fp8: combine's backward)
+        check_payload(buffers, fmt)
     values_TH, scale_TB = fmt.encode(x_TH, x_scale_TB)
     values_CH = values_TH.new_empty(C, H)
     if scale_TB is None:
@@ -175,7 +177,6 @@ def symm_dispatch_op(
                                            buffers, buffers.recv, values_CH)
         scale_CB = None
     else:
-        check_payload(buffers, fmt)
         # NB: the copy-out splits each received wire row into values and scale bytes, rows < n only.
         scale_CB = scale_TB.new_empty(C, scale_TB.shape[1])
         row_src_C = _put_rows_and_copy_out(pack(values_TH, scale_TB), None, position_TK, slot_dst_N, num_routed_1,
