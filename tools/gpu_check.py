@@ -106,7 +106,7 @@ def opcheck_cuda():
     splits = ops.read_splits(plan.send_meta, recv, 4)
     args = (plan.order, plan.position, recv, splits, 4, "")
     torch.library.opcheck(ops.dispatch.default, (x, None, *args, None))
-    routed = ops.dispatch(x, None, *args, None)
+    routed, _ = ops.dispatch(x, None, *args, None)
     eo = torch.randn_like(routed, requires_grad=True)
     torch.library.opcheck(ops.combine.default, (eo, w.detach(), *args, False))
     torch.library.opcheck(ops.combine.default, (eo, w, *args, True))
