@@ -159,25 +159,25 @@ def dispatch_op(
     values_TH, scale_TB = fmt.encode(x_TH, x_scale_TB)
     if scale_TB is None:
         send_VH = rows_in_send_order(values_TH, scale_TK, order_N, position_TK, splits.num_valid)
-        parts = [_exchange_rows("dispatch", send_VH, recv_meta_WL, splits, group_name), None]
+        parts = [_exchange_rows(send_VH, recv_meta_WL, splits, group_name), None]
     elif recv_meta_WL.shape[0] == 1:  # nothing to exchange: values and scales move apart
         parts = [rows_in_send_order(p, None, order_N, position_TK, splits.num_valid) for p in (values_TH, scale_TB)]
     else:  # one exchange of packed rows
         send_VP = rows_in_send_order(pack(values_TH, scale_TB), None, order_N, position_TK, splits.num_valid)
-        parts = unpack(_exchange_rows("dispatch", send_VP, recv_meta_WL, splits, group_name), values_TH, scale_TB)
+        parts = unpack(_exchange_rows(send_VP, recv_meta_WL, splits, group_name), values_TH, scale_TB)
     expert_major_R = _expert_major_rows(recv_meta_WL, splits, expert_alignment)
     if expert_major_R is not None:
         parts = [None if p is None else _place_rows(p, expert_major_R, splits.num_rows) for p in parts]
     return fmt.decode(*parts, out_dtype)
 
 
-def _exchange_rows(op: str, send_VX: torch.Tensor, recv_meta_WL: torch.Tensor, splits: layout.HostSplits,
+def _exchange_rows(send_VX: torch.Tensor, recv_meta_WL: torch.Tensor, splits: layout.HostSplits,
                    group_name: str) -> torch.Tensor:
     """Rows in send order (V, X) -> the rows every rank sent this one, rank-major."""
     if recv_meta_WL.shape[0] == 1:
         return send_VX  # one rank: what it sends is what it receives
     received_X = send_VX.new_empty(sum(splits.recv_splits), send_VX.shape[1])
-    comm.all_to_all(op, group_name, received_X, send_VX, splits.recv_splits, splits.send_splits)
+    comm.all_to_all("dispatch", group_name, received_X, send_VX, splits.recv_splits, splits.send_splits)
     return received_X
 
 
