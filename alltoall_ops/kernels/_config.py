@@ -1,4 +1,4 @@
-"""Launch configuration shared by the kernels."""
+"""Launch configuration shared by the kernels: blocks, the SM budget's grid, the launch lock, casts."""
 
 from __future__ import annotations
 
@@ -49,6 +49,21 @@ class RowBlocks:
     def grid(self, n_rows: int, H: int) -> tuple[int, int]:
         """Programs over (row blocks, column blocks): each program owns a [BLOCK_R, BLOCK_H] tile."""
         return triton.cdiv(max(n_rows, 0), self.BLOCK_R), triton.cdiv(max(H, 1), self.BLOCK_H)
+
+
+def program_grid(row_programs: int, col_programs: int = 1, max_programs: Optional[int] = None) -> tuple[int, int]:
+    """The launch grid (row programs, column programs) under a budget of ``max_programs``.
+
+    None: the grid as given, one program per row block (the kernels' row loop runs once).
+    A number: the row dimension is capped at ``max(1, max_programs // col_programs)`` programs,
+    and program i handles row blocks i, i + P, i + 2P, ... (each kernel's grid-stride row loop),
+    so a launch has at most max_programs programs (column blocks permitting: at least one row of
+    them). An SM budget: a program is one SM's worth of work at a time (docs/symm_mem.md)."""
+    if max_programs is None:
+        return row_programs, col_programs
+    if isinstance(max_programs, bool) or not isinstance(max_programs, int) or max_programs < 1:
+        raise ValueError(f"max_programs: expected None or a positive int, got {max_programs!r}")
+    return min(row_programs, max(1, max_programs // max(col_programs, 1))), col_programs
 
 
 GPU_BLOCKS: dict[str, tuple[int, int, int]] = {

@@ -8,6 +8,9 @@ Reference semantics::
     dequantize_rows:  out[:n] = fp8.dequantize(values[:n].view(fp8), scales[:n], out.dtype)
                       # n = num_routed (on the device); out[n:] not written
 
+``max_programs`` (None: one program per row block and channel block): at most that many programs,
+each striding over row blocks (``_config.program_grid``: an SM budget); same results.
+
 Both the scale division and the fp8 rounding (nearest even, on the bits) are exact, so the
 kernel equals the torch reference bit for bit, in Triton's interpreter too (whose own fp8
 conversion does not round to nearest even).
@@ -15,12 +18,14 @@ conversion does not round to nearest even).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
 from ..fp8 import AMAX_FLOOR, BLOCK, FP8_MAX
-from ._config import LAUNCH_LOCK, cast_rne, interpreting, require_contiguous, upcast
+from ._config import LAUNCH_LOCK, cast_rne, interpreting, program_grid, require_contiguous, upcast
 
 
 @triton.jit
@@ -51,19 +56,20 @@ def _quantize_rows_kernel(
     x_ptr, values_ptr, scales_ptr, T, H, B,
     FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    i_r, i_b = tl.program_id(0), tl.program_id(1)  # a block of tokens, one 128-channel block
-    o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR] tokens
+    i_b = tl.program_id(1)  # one 128-channel block
     o_c = i_b * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC] channels of this block
-    m_r = o_r < T
-    o_x = o_r[:, None] * H + o_c[None, :]  # [BR, BC]
-    b_x = upcast(tl.load(x_ptr + o_x, mask=m_r[:, None], other=0), tl.float32)
-    b_amax = tl.maximum(tl.max(tl.abs(b_x), axis=1), AMAX_FLOOR)  # [BR]
-    # NB: a NaN makes its block's amax NaN, as torch's amax does (a GPU max skips NaN): the whole
-    # block then dequantizes to NaN instead of a NaN turning into a finite value.
-    b_amax = tl.where(tl.max((b_x != b_x).to(tl.int32), axis=1) > 0, float("nan"), b_amax)
-    b_max = tl.full([BLOCK_R], FP8_MAX, tl.float32)
-    tl.store(values_ptr + o_x, e4m3_bits(b_x * tl.math.div_rn(b_max, b_amax)[:, None]), mask=m_r[:, None])
-    tl.store(scales_ptr + o_r * B + i_b, tl.math.div_rn(b_amax, b_max), mask=m_r)
+    for i_r in range(tl.program_id(0), tl.cdiv(T, BLOCK_R), tl.num_programs(0)):  # blocks of tokens
+        o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR] tokens
+        m_r = o_r < T
+        o_x = o_r[:, None] * H + o_c[None, :]  # [BR, BC]
+        b_x = upcast(tl.load(x_ptr + o_x, mask=m_r[:, None], other=0), tl.float32)
+        b_amax = tl.maximum(tl.max(tl.abs(b_x), axis=1), AMAX_FLOOR)  # [BR]
+        # NB: a NaN makes its block's amax NaN, as torch's amax does (a GPU max skips NaN): the
+        # whole block then dequantizes to NaN instead of a NaN turning into a finite value.
+        b_amax = tl.where(tl.max((b_x != b_x).to(tl.int32), axis=1) > 0, float("nan"), b_amax)
+        b_max = tl.full([BLOCK_R], FP8_MAX, tl.float32)
+        tl.store(values_ptr + o_x, e4m3_bits(b_x * tl.math.div_rn(b_max, b_amax)[:, None]), mask=m_r[:, None])
+        tl.store(scales_ptr + o_r * B + i_b, tl.math.div_rn(b_amax, b_max), mask=m_r)
 
 
 GPU_BLOCK_R, GPU_NUM_WARPS = 8, 2
@@ -72,9 +78,10 @@ Swept on an H200 at H = 7168 (block 1..64 x warps 1..8): 38.7 us at T = 4096 (fl
 took 44.0, the best 37.9), 6.3 us at T = 128; torch ops (``fp8.quantize``) take 355 / 68 us."""
 
 
-def quantize_rows(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x_TH: torch.Tensor, max_programs: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`alltoall_ops.fp8.quantize` in one launch: x (T, H) float, H a multiple of 128 ->
-    values (T, H) as uint8 (float8_e4m3fn bits) and scales (T, H / 128) fp32."""
+    values (T, H) as uint8 (float8_e4m3fn bits) and scales (T, H / 128) fp32. ``max_programs``:
+    at most that many programs (an SM budget), each striding over token blocks."""
     T, H = x_TH.shape
     values_TH = x_TH.new_empty(T, H, dtype=torch.uint8)
     scales_TB = x_TH.new_empty(T, H // BLOCK, dtype=torch.float32)
@@ -84,7 +91,7 @@ def quantize_rows(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     block_r, num_warps = (triton.next_power_of_2(max(1, min(T, 256))), 1) if interpreting() else \
         (GPU_BLOCK_R, GPU_NUM_WARPS)
     with LAUNCH_LOCK:
-        _quantize_rows_kernel[(triton.cdiv(T, block_r), H // BLOCK)](
+        _quantize_rows_kernel[program_grid(triton.cdiv(T, block_r), H // BLOCK, max_programs)](
             x_TH, values_TH, scales_TB, T, H, H // BLOCK,
             FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, BLOCK_R=block_r, BLOCK_C=BLOCK, num_warps=num_warps,
         )
@@ -106,12 +113,13 @@ def e4m3_value(b_bits):
 def _dequantize_rows_kernel(
     values_ptr, scales_ptr, num_routed_ptr, out_ptr, C, H, B, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    i_r, i_b = tl.program_id(0), tl.program_id(1)
-    n_routed = tl.load(num_routed_ptr)
-    if i_r * BLOCK_R < n_routed:  # NB: rows past n_routed are not read or written
+    i_b = tl.program_id(1)
+    o_c = i_b * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC] channels of this block
+    n_routed = tl.minimum(tl.load(num_routed_ptr), C)
+    # NB: rows past n_routed are not read or written: no block past it is visited
+    for i_r in range(tl.program_id(0), tl.cdiv(n_routed, BLOCK_R), tl.num_programs(0)):
         o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR]
-        o_c = i_b * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC] channels of this block
-        m_r = (o_r < C) & (o_r < n_routed)
+        m_r = o_r < n_routed
         o_x = o_r[:, None] * H + o_c[None, :]
         b_v = e4m3_value(tl.load(values_ptr + o_x, mask=m_r[:, None], other=0))  # [BR, BC]
         b_scale = tl.load(scales_ptr + o_r * B + i_b, mask=m_r, other=0)  # [BR]
@@ -119,10 +127,11 @@ def _dequantize_rows_kernel(
 
 
 def dequantize_rows(values_CH: torch.Tensor, scales_CB: torch.Tensor, num_routed_1: torch.Tensor,
-                    out_CH: torch.Tensor) -> None:
+                    out_CH: torch.Tensor, max_programs: Optional[int] = None) -> None:
     """:func:`alltoall_ops.fp8.dequantize` of the first n = ``num_routed_1`` rows (a one-element
     int64 device tensor: no host sync) into ``out_CH`` (C, H) float; values (C, H) as uint8
-    (float8_e4m3fn bits), scales (C, H / 128) fp32. Rows [n, C) of out are not written."""
+    (float8_e4m3fn bits), scales (C, H / 128) fp32. Rows [n, C) of out are not written.
+    ``max_programs``: at most that many programs (an SM budget), each striding over row blocks."""
     C, H = values_CH.shape
     if C == 0 or H == 0:
         return
@@ -131,7 +140,7 @@ def dequantize_rows(values_CH: torch.Tensor, scales_CB: torch.Tensor, num_routed
     block_r, num_warps = (triton.next_power_of_2(max(1, min(C, 256))), 1) if interpreting() else \
         (GPU_BLOCK_R, GPU_NUM_WARPS)
     with LAUNCH_LOCK:
-        _dequantize_rows_kernel[(triton.cdiv(C, block_r), H // BLOCK)](
+        _dequantize_rows_kernel[program_grid(triton.cdiv(C, block_r), H // BLOCK, max_programs)](
             values_CH, scales_CB, num_routed_1, out_CH, C, H, H // BLOCK, BLOCK_R=block_r, BLOCK_C=BLOCK,
             num_warps=num_warps,
         )

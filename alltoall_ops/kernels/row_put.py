@@ -16,6 +16,10 @@ Reference semantics (``tables[r]`` is rank r's buffer)::
                 row_src[n:] = -1                                             # out[n:] not written
                 (with ``tail``: out[d], tail[d] = the first and the last columns of that row)
 
+``max_programs`` (put_rows, copy_out; None: one program per row block): at most that many
+programs, each striding over row blocks i, i + P, ... (``_config.program_grid``), as a
+device-side count already bounds put_rows' (``MAX_COUNTED_PROGRAMS``); same results.
+
 The kernels index every tensor as contiguous: the launchers copy strided inputs (``.contiguous()``,
 a no-op for contiguous ones) and raise ``ValueError`` for a strided tensor they write into.
 """
@@ -28,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import LAUNCH_LOCK, cast_rne, require_contiguous, row_blocks, tl_acc_dtype, upcast
+from ._config import LAUNCH_LOCK, cast_rne, program_grid, require_contiguous, row_blocks, tl_acc_dtype, upcast
 
 
 MAX_COUNTED_PROGRAMS = 8192
@@ -92,6 +96,7 @@ def put_rows(
     tag_base: int = 0,
     acc_dtype: torch.dtype = torch.float32,
     count: Optional[torch.Tensor] = None,
+    max_programs: Optional[int] = None,
 ) -> None:
     """Write row ``i // top_k`` of ``src`` (rows, H) to the destination code ``dst[i]`` for every
     i < n, times ``scale.flat[i]`` when given; neighbouring i of one source row share its read.
@@ -101,7 +106,8 @@ def put_rows(
     instead of ``rows_table``: one local (dst_stride, H) destination, no pointer table.
     ``count``: a one-element int64 device tensor; rows i >= count have no destination (-1) and
     are not visited: at most ``MAX_COUNTED_PROGRAMS`` row programs stride over the first count
-    rows, so a mostly empty capacity C costs no launch of a program per row."""
+    rows, so a mostly empty capacity C costs no launch of a program per row. ``max_programs``: at
+    most that many programs in all (an SM budget, ``_config.program_grid``), striding the same way."""
     n, H = dst.numel(), src.shape[1]
     if n == 0 or H == 0:
         return
@@ -115,6 +121,7 @@ def put_rows(
     row_programs, h_programs = blocks.grid(n, H)
     if count is not None:
         row_programs = min(row_programs, MAX_COUNTED_PROGRAMS)
+    row_programs, h_programs = program_grid(row_programs, h_programs, max_programs)
     with LAUNCH_LOCK:
         _put_rows_kernel[(row_programs, h_programs)](
             src, scale if scale is not None else src, dst, count if count is not None else dst,
@@ -152,41 +159,44 @@ def _copy_out_kernel(
     recv_ptr, tags_ptr, num_routed_ptr, out_ptr, tail_ptr, row_src_ptr, n_rows, X, X_OUT,
     HAS_TAIL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    i_r = tl.program_id(0)
-    o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    m_r = o_r < n_rows
     n_routed = tl.load(num_routed_ptr)  # rows [0, n_routed) of out are written, the rest left as they are
-    m_routed = m_r & (o_r < n_routed)
-    b_tag = tl.load(tags_ptr + o_r, mask=m_routed, other=-1)  # [BR] source code of each row, -1: none
-    if i_r * BLOCK_R < n_routed:  # NB: a program past n_routed moves no row, only writes row_src
-        m_valid = m_routed & (b_tag >= 0)
-        for i_h in range(tl.cdiv(X, BLOCK_H)):
-            o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
-            m_h = (o_h < X)[None, :]
-            b_x = tl.load(recv_ptr + o_r[:, None] * X + o_h[None, :], mask=m_valid[:, None] & m_h, other=0)
-            if HAS_TAIL:  # columns [0, X_OUT) to out, [X_OUT, X) to tail
-                m_out = (o_h < X_OUT)[None, :]
-                tl.store(out_ptr + o_r[:, None] * X_OUT + o_h[None, :], b_x, mask=m_routed[:, None] & m_h & m_out)
-                tl.store(tail_ptr + o_r[:, None] * (X - X_OUT) + (o_h - X_OUT)[None, :], b_x,
-                         mask=m_routed[:, None] & m_h & ~m_out)
-            else:
-                tl.store(out_ptr + o_r[:, None] * X + o_h[None, :], b_x, mask=m_routed[:, None] & m_h)
-        # NB: each program owns its rows across all of X, so resetting the tags here cannot race
-        # with another program's read of them. Past n_routed no row arrives: the tags stay -1.
-        tl.store(tags_ptr + o_r, tl.full([BLOCK_R], -1, tl.int64), mask=m_routed)
-    tl.store(row_src_ptr + o_r, b_tag, mask=m_r)
+    for i_r in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_R), tl.num_programs(0)):  # row blocks
+        o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR]
+        m_r = o_r < n_rows
+        m_routed = m_r & (o_r < n_routed)
+        b_tag = tl.load(tags_ptr + o_r, mask=m_routed, other=-1)  # [BR] source code of each row, -1: none
+        if i_r * BLOCK_R < n_routed:  # NB: a block past n_routed moves no row, only writes row_src
+            m_valid = m_routed & (b_tag >= 0)
+            for i_h in range(tl.cdiv(X, BLOCK_H)):
+                o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
+                m_h = (o_h < X)[None, :]
+                b_x = tl.load(recv_ptr + o_r[:, None] * X + o_h[None, :], mask=m_valid[:, None] & m_h, other=0)
+                if HAS_TAIL:  # columns [0, X_OUT) to out, [X_OUT, X) to tail
+                    m_out = (o_h < X_OUT)[None, :]
+                    tl.store(out_ptr + o_r[:, None] * X_OUT + o_h[None, :], b_x,
+                             mask=m_routed[:, None] & m_h & m_out)
+                    tl.store(tail_ptr + o_r[:, None] * (X - X_OUT) + (o_h - X_OUT)[None, :], b_x,
+                             mask=m_routed[:, None] & m_h & ~m_out)
+                else:
+                    tl.store(out_ptr + o_r[:, None] * X + o_h[None, :], b_x, mask=m_routed[:, None] & m_h)
+            # NB: each program owns its row blocks across all of X, so resetting the tags here
+            # cannot race with another program's read of them. Past n_routed the tags stay -1.
+            tl.store(tags_ptr + o_r, tl.full([BLOCK_R], -1, tl.int64), mask=m_routed)
+        tl.store(row_src_ptr + o_r, b_tag, mask=m_r)
 
 
 def copy_out(
     recv: torch.Tensor, tags: torch.Tensor, num_routed: torch.Tensor, out: torch.Tensor, row_src: torch.Tensor,
     tail: Optional[torch.Tensor] = None,
+    max_programs: Optional[int] = None,
 ) -> None:
     """Copy the first n = ``num_routed`` rows of this rank's receive buffer recv (C, X) into
     ``out``, zero where no row arrived; rows [n, C) of ``out`` are not written. ``num_routed``: a
     one-element int64 tensor on the device (read by the kernel: no host sync). ``row_src`` (C,)
     gets each row's tag (-1 past n); the tags are reset to -1 for the next call. With ``tail``
     (C, X - X_out) of recv's dtype, out (C, X_out) takes the first X_out columns of each row and
-    tail the rest (fp8 wire rows into values and scale bytes, no copy of the whole buffer)."""
+    tail the rest (fp8 wire rows into values and scale bytes, no copy of the whole buffer).
+    ``max_programs``: at most that many programs, each striding over row blocks (an SM budget)."""
     C, X = recv.shape
     if C == 0:
         return
@@ -198,7 +208,7 @@ def copy_out(
     recv = recv.contiguous()
     blocks = row_blocks("copy_out", C, X, recv.element_size())
     with LAUNCH_LOCK:  # NB: one program per row block across all of X (see the kernel)
-        _copy_out_kernel[blocks.grid(C, X)[:1]](
+        _copy_out_kernel[program_grid(blocks.grid(C, X)[0], 1, max_programs)[:1]](
             recv, tags, num_routed, out, tail if tail is not None else out, row_src, C, X, x_out,
             HAS_TAIL=tail is not None, BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H, num_warps=blocks.num_warps,
         )

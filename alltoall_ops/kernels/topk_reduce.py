@@ -11,6 +11,9 @@ is given, reads a zero row)::
                           acc += row * weights[t, k] if valid else 0   # even a NaN weight adds 0
                           returned[p] = row                      # when asked for
                       y[t] = acc rounded once to y's dtype
+
+``max_programs`` (None: one program per token block): at most that many programs, each striding
+over token blocks i, i + P, ... (``_config.program_grid``: an SM budget); same results.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import LAUNCH_LOCK, cast_rne, require_contiguous, row_blocks, tl_acc_dtype, upcast
+from ._config import LAUNCH_LOCK, cast_rne, program_grid, require_contiguous, row_blocks, tl_acc_dtype, upcast
 
 
 @triton.jit
@@ -31,29 +34,30 @@ def _topk_reduce_kernel(
     K: tl.constexpr, HAS_SLOT_DST: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SAVE_RETURNED: tl.constexpr,
     ACC_DTYPE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    i_t, i_h = tl.program_id(0), tl.program_id(1)
-    o_t = (i_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BT] tokens
+    i_h = tl.program_id(1)
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
-    m_t = o_t < T
     m_h = (o_h < H)[None, :]
-    b_acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=ACC_DTYPE)
-    for k in tl.static_range(K):  # slots in k order: deterministic
-        b_pos = tl.load(position_ptr + o_t * K + k, mask=m_t, other=0)  # [BT]
-        m_pos = m_t & (b_pos >= 0) & (b_pos < T * K)  # never out of bounds (of returned)
-        m_row = m_t & (b_pos >= 0) & (b_pos < n_valid)  # n_valid <= the rows of ret (launcher)
-        if HAS_SLOT_DST:
-            m_row = m_row & (tl.load(slot_dst_ptr + o_t * K + k, mask=m_t, other=-1) >= 0)
-        p_row = ret_ptr + b_pos[:, None] * H + o_h[None, :]
-        b_row = tl.load(p_row, mask=m_row[:, None] & m_h, other=0)  # [BT, BH]
-        if SAVE_RETURNED:
-            tl.store(returned_ptr + b_pos[:, None] * H + o_h[None, :], b_row, mask=m_pos[:, None] & m_h)
-        if HAS_WEIGHTS:  # the row's mask: a dropped slot's product is 0 * 0, whatever its weight
-            b_w = upcast(tl.load(weights_ptr + o_t * K + k, mask=m_row, other=0), ACC_DTYPE)
-            b_acc += upcast(b_row, ACC_DTYPE) * b_w[:, None]
-        else:
-            b_acc += upcast(b_row, ACC_DTYPE)
-    b_y = cast_rne(b_acc, y_ptr.dtype.element_ty)
-    tl.store(y_ptr + o_t[:, None] * H + o_h[None, :], b_y, mask=m_t[:, None] & m_h)
+    for i_t in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):  # token blocks
+        o_t = (i_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BT] tokens
+        m_t = o_t < T
+        b_acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=ACC_DTYPE)
+        for k in tl.static_range(K):  # slots in k order: deterministic
+            b_pos = tl.load(position_ptr + o_t * K + k, mask=m_t, other=0)  # [BT]
+            m_pos = m_t & (b_pos >= 0) & (b_pos < T * K)  # never out of bounds (of returned)
+            m_row = m_t & (b_pos >= 0) & (b_pos < n_valid)  # n_valid <= the rows of ret (launcher)
+            if HAS_SLOT_DST:
+                m_row = m_row & (tl.load(slot_dst_ptr + o_t * K + k, mask=m_t, other=-1) >= 0)
+            p_row = ret_ptr + b_pos[:, None] * H + o_h[None, :]
+            b_row = tl.load(p_row, mask=m_row[:, None] & m_h, other=0)  # [BT, BH]
+            if SAVE_RETURNED:
+                tl.store(returned_ptr + b_pos[:, None] * H + o_h[None, :], b_row, mask=m_pos[:, None] & m_h)
+            if HAS_WEIGHTS:  # the row's mask: a dropped slot's product is 0 * 0, whatever its weight
+                b_w = upcast(tl.load(weights_ptr + o_t * K + k, mask=m_row, other=0), ACC_DTYPE)
+                b_acc += upcast(b_row, ACC_DTYPE) * b_w[:, None]
+            else:
+                b_acc += upcast(b_row, ACC_DTYPE)
+        b_y = cast_rne(b_acc, y_ptr.dtype.element_ty)  # [BT, BH]
+        tl.store(y_ptr + o_t[:, None] * H + o_h[None, :], b_y, mask=m_t[:, None] & m_h)
 
 
 def topk_reduce(
@@ -65,12 +69,14 @@ def topk_reduce(
     returned: Optional[torch.Tensor],
     acc_dtype: torch.dtype,
     num_valid: Optional[int] = None,
+    max_programs: Optional[int] = None,
 ) -> None:
     """y (T, H) = weighted sum over k of the returned rows ``ret[position[t, k]]`` (n, H) of the
     valid slots; ``returned`` (N, H), when given, receives every slot's row in send order (zero
     for unsent slots). A slot is valid if its position is below ``num_valid`` (default: n) and,
     when slot_dst (N,) is given, it sent its row (``slot_dst[t * K + k] >= 0``); any other slot
-    adds nothing, whatever its weight (T, K)."""
+    adds nothing, whatever its weight (T, K). ``max_programs``: at most that many programs (an SM
+    budget), each striding over token blocks."""
     T, K = position.shape
     H = y.shape[1]
     if T == 0 or H == 0:
@@ -84,7 +90,7 @@ def topk_reduce(
     )
     blocks = row_blocks("topk_reduce", T, H, ret.element_size())
     with LAUNCH_LOCK:
-        _topk_reduce_kernel[blocks.grid(T, H)](
+        _topk_reduce_kernel[program_grid(*blocks.grid(T, H), max_programs)](
             ret, position, slot_dst if slot_dst is not None else position,
             weights if weights is not None else y, y,
             returned if returned is not None else y, T, H, n_valid,

@@ -55,6 +55,7 @@ class _Config:
     dtype: torch.dtype
     device: torch.device
     payload_dtype: Optional[torch.dtype] = None
+    num_sms: Optional[int] = None  # this rank's SM budget (not agreed: it changes no result)
 
     @property
     def shared(self) -> tuple:
@@ -92,6 +93,7 @@ def _make_config(
     rank: int, world_size: int, group_name: str, max_tokens_per_rank: int, hidden: int, top_k: int,
     num_experts: int, dtype: torch.dtype, device: torch.device, expert_alignment: int,
     capacity: Optional[int], overflow: str, payload_dtype: Optional[torch.dtype] = None,
+    num_sms: Optional[int] = None,
 ) -> _Config:
     max_tokens_per_rank = positive_int("max_tokens_per_rank", max_tokens_per_rank)
     hidden, top_k = positive_int("hidden", hidden), positive_int("top_k", top_k)
@@ -110,8 +112,9 @@ def _make_config(
         capacity = worst
     else:
         capacity = positive_int("capacity", capacity)
+    num_sms = None if num_sms is None else positive_int("num_sms", num_sms)
     return _Config(rank, world_size, group_name, max_tokens_per_rank, hidden, top_k, num_experts,
-                   expert_alignment, capacity, overflow, dtype, device, payload_dtype)
+                   expert_alignment, capacity, overflow, dtype, device, payload_dtype, num_sms)
 
 
 class SymmBuffers(OpaqueBase):
@@ -148,6 +151,12 @@ class SymmBuffers(OpaqueBase):
             divisible by 128): the receive region then holds packed wire rows of
             ``fp8.packed_width(H)`` bytes (``payload.FP8Format``). Such buffers serve fp8 dispatches
             only.
+        num_sms: None (no cap, the default) or the SM budget of the kernels that dispatch and
+            combine launch on these buffers (DeepEP's ``Buffer.set_num_sms``), so that a GEMM on
+            another stream keeps the other SMs: each such launch runs at most ``num_sms``
+            programs (one program per SM; each strides over its row blocks), the one-program
+            barrier and metadata kernels aside. Results are the same for every budget. A
+            setting of this rank only: ranks may differ.
 
     Example::
 
@@ -173,13 +182,15 @@ class SymmBuffers(OpaqueBase):
         allocator: str = "auto",
         timeout: Optional[float] = None,
         payload_dtype: Optional[torch.dtype] = None,
+        num_sms: Optional[int] = None,
     ):
         if allocator not in ("auto", "symmetric"):
             raise ValueError(f"allocator: expected 'auto' or 'symmetric', got {allocator!r}")
         grp = resolve_group(group)
         device = _default_device(device)
         cfg = _make_config(grp.rank, grp.size, grp.name, max_tokens_per_rank, hidden, top_k,
-                           num_experts, dtype, device, expert_alignment, capacity, overflow, payload_dtype)
+                           num_experts, dtype, device, expert_alignment, capacity, overflow, payload_dtype,
+                           num_sms)
         check_kernels_run_on(device)
         if grp.size > 1:
             _check_same_config(cfg, grp)
@@ -211,6 +222,7 @@ class SymmBuffers(OpaqueBase):
         overflow: str = "error",
         timeout: float = 120.0,
         payload_dtype: Optional[torch.dtype] = None,
+        num_sms: Optional[int] = None,
     ) -> list["SymmBuffers"]:
         """Buffers of ``world_size`` simulated ranks in this process, on one device: run rank r's
         calls with ``buffers[r]`` in its own thread (see :func:`run_simulated`)."""
@@ -219,7 +231,7 @@ class SymmBuffers(OpaqueBase):
         name = f"simulated-{uuid.uuid4().hex[:8]}"
         cfgs = [
             _make_config(r, world_size, name, max_tokens_per_rank, hidden, top_k, num_experts,
-                         dtype, device, expert_alignment, capacity, overflow, payload_dtype)
+                         dtype, device, expert_alignment, capacity, overflow, payload_dtype, num_sms)
             for r in range(world_size)
         ]
         nbytes = cfgs[0].region_offsets()[1]
@@ -239,7 +251,7 @@ class SymmBuffers(OpaqueBase):
         self._segments = segments
         self._own_error: Optional[str] = None  # this rank's argument error, while it tells its peers
         self._key: Optional[int] = None  # in _COMPILED, once compiled code names these buffers
-        self._config_key = (cfg.rank, *cfg.shared, cfg.group_name)
+        self._config_key = (cfg.rank, *cfg.shared, cfg.group_name, cfg.num_sms)
         for field in dataclasses.fields(cfg):
             setattr(self, field.name, getattr(cfg, field.name))
         self.num_local_experts = cfg.num_experts // cfg.world_size
@@ -293,7 +305,7 @@ class SymmBuffers(OpaqueBase):
         if bufs is None or bufs._config_key != config_key:
             raise RuntimeError(
                 f"compiled code names SymmBuffers #{key} with (rank, W, T_max, H, K, E, alignment, C, overflow, "
-                f"dtype, device type, payload dtype, group) = {config_key}, but this process holds "
+                f"dtype, device type, payload dtype, group, num_sms) = {config_key}, but this process holds "
                 f"{'no such buffers' if bufs is None else bufs._config_key} (code from another process's compile "
                 "cache?)"
             )
@@ -320,13 +332,14 @@ class SymmBuffers(OpaqueBase):
         return (f"SymmBuffers(rank={self.rank}, world_size={self.world_size}, T_max={self.max_tokens_per_rank}, "
                 f"H={self.hidden}, K={self.top_k}, E={self.num_experts}, C={self.capacity}, "
                 f"dtype={self.dtype}, device={self.device}, overflow={self.overflow!r}"
-                + ("" if self.payload_dtype is None else f", payload_dtype={self.payload_dtype}") + ")")
+                + ("" if self.payload_dtype is None else f", payload_dtype={self.payload_dtype}")
+                + ("" if self.num_sms is None else f", num_sms={self.num_sms}") + ")")
 
 
 _CONSTANT_MEMBERS = (
     "rank", "world_size", "group_name", "max_tokens_per_rank", "hidden", "top_k", "num_experts",
     "expert_alignment", "capacity", "overflow", "dtype", "device", "num_local_experts", "max_slots",
-    "meta_columns", "payload_dtype",
+    "meta_columns", "payload_dtype", "num_sms",
 )
 register_value_type(SymmBuffers, constant_members=_CONSTANT_MEMBERS)
 
@@ -338,8 +351,8 @@ _COMPILED_LOCK = threading.Lock()
 def _load_pickled_buffers(key: list) -> SymmBuffers:
     raise RuntimeError(
         f"SymmBuffers cannot be unpickled (pickled: rank, W, T_max, H, K, E, alignment, C, overflow, "
-        f"dtype, device type, payload dtype, group = {key}): they are memory that the group's peers write; create "
-        "them collectively with alltoall_ops.SymmBuffers(...) in the process that uses them"
+        f"dtype, device type, payload dtype, group, num_sms = {key}): they are memory that the group's peers write; "
+        "create them collectively with alltoall_ops.SymmBuffers(...) in the process that uses them"
     )
 
 

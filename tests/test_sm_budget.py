@@ -1,0 +1,202 @@
+"""The SM budget of the symm_mem kernels (``max_programs`` of the launchers, ``SymmBuffers(num_sms=)``).
+
+Each capped launcher, with ``max_programs`` 1, 2 and 3, writes exactly what it writes uncapped:
+the row blocks are made tiny (4 rows, 4 columns: ``_tiny_blocks``) so that a few rows make
+several row blocks, a number that is no multiple of the cap, and some launches have two column
+blocks. Zero rows, a device-side count below the rows (put_rows ``count=``, copy_out's and
+dequantize_rows' ``num_routed``) included. fp64 values (bf16 for the fp8 kernels' input).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import alltoall_ops as a2a
+from alltoall_ops.kernels import loader
+
+needs_interpreter = pytest.mark.skipif(
+    not loader.load().interpreting(), reason="the kernels run on CPU tensors only in Triton's interpreter"
+)
+pytestmark = needs_interpreter
+
+CAPS = [1, 2, 3]
+ROWS = [0, 5, 13]  # 0, 2 and 4 row blocks of 4 rows
+F64 = dict(dtype=torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def _tiny_blocks(monkeypatch):
+    """4 x 4 blocks for the kernels that take theirs from ``row_blocks``; the fp8 kernels take
+    their GPU blocks (8 rows, one 128-channel block a program)."""
+    from alltoall_ops.kernels import _config, quantize, row_put, topk_reduce, weight_grad
+
+    def tiny(kernel, n_rows, H, element_size=2):
+        return _config.RowBlocks(4, 4, 1)
+
+    for module in (row_put, topk_reduce, weight_grad):
+        monkeypatch.setattr(module, "row_blocks", tiny)
+    monkeypatch.setattr(quantize, "interpreting", lambda: False)
+
+
+def _same(got: tuple, want: tuple) -> None:
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+
+
+def test_program_grid():
+    from alltoall_ops.kernels._config import program_grid
+
+    assert program_grid(7, 2) == (7, 2)  # None: today's grid
+    assert program_grid(7, 1, 3) == (3, 1)
+    assert program_grid(7, 2, 3) == (1, 2)  # at least one row of column programs
+    assert program_grid(7, 2, 8) == (4, 2)
+    assert program_grid(2, 1, 3) == (2, 1)  # fewer blocks than the budget: one program each
+    assert program_grid(0, 1, 3) == (0, 1)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="max_programs"):
+            program_grid(7, 1, bad)
+
+
+@pytest.mark.parametrize("H", [3, 6])  # one and two column blocks
+@pytest.mark.parametrize("n", ROWS)
+@pytest.mark.parametrize("count", [None, 0, 6])  # a device-side count below the rows
+def test_put_rows(n, H, count):
+    k = loader.load()
+    K, rows_out = 2, 20
+    g = torch.Generator().manual_seed(n * 10 + H)
+    src = torch.randn(n // K + 1, H, generator=g, **F64)
+    scale = torch.randn(n, generator=g, **F64)
+    dst = torch.randperm(rows_out, generator=g)[:n]
+    dst[::3] = -1
+    count_1 = None if count is None else torch.tensor([count])
+
+    def run(max_programs):
+        out = torch.full((rows_out, H), float("nan"), **F64)
+        buf, tags = torch.full((rows_out, H), float("nan"), **F64), torch.full((rows_out,), -1)
+        k.put_rows(src, dst, rows_out, out=out, top_k=K, scale=scale, acc_dtype=torch.float64, count=count_1,
+                   max_programs=max_programs)
+        table, tags_table = torch.tensor([buf.data_ptr()]), torch.tensor([tags.data_ptr()])
+        k.put_rows(src, dst, rows_out, table, top_k=K, tags_table=tags_table,
+                   tag_index=dst.flip(0), tag_base=100, count=count_1, max_programs=max_programs)
+        return out, buf, tags
+
+    want = run(None)
+    for cap in CAPS:
+        _same(run(cap), want)
+
+
+@pytest.mark.parametrize("tail", [False, True])
+@pytest.mark.parametrize("C", ROWS)
+def test_copy_out(C, tail):
+    k = loader.load()
+    X, x_out = 6, 4
+    g = torch.Generator().manual_seed(C)
+    recv = torch.randn(C, X, generator=g, **F64)
+    tags0 = torch.arange(C).masked_fill(torch.rand(C, generator=g) < 0.3, -1)
+    for n in sorted({0, C // 2 + 1, C}):  # num_routed: none, part (not a block boundary), all
+        def run(max_programs, n=n):
+            tags = tags0.clone()
+            out = torch.full((C, x_out if tail else X), float("nan"), **F64)
+            rest = torch.full((C, X - x_out), float("nan"), **F64) if tail else None
+            row_src = torch.full((C,), -7)
+            k.copy_out(recv, tags, torch.tensor([n]), out, row_src, tail=rest, max_programs=max_programs)
+            return out, row_src, tags, *(() if rest is None else (rest,))
+
+        want = run(None)
+        for cap in CAPS:
+            _same(run(cap), want)
+
+
+@pytest.mark.parametrize("H", [3, 6])
+@pytest.mark.parametrize("T", ROWS)
+def test_topk_reduce(T, H):
+    k = loader.load()
+    K = 3
+    N = T * K
+    g = torch.Generator().manual_seed(T * 10 + H)
+    ret = torch.randn(N, H, generator=g, **F64)
+    position = torch.randperm(N, generator=g).view(T, K)
+    slot_dst = torch.randint(-1, 4, (N,), generator=g)
+    weights = torch.randn(T, K, generator=g, **F64)
+
+    def run(max_programs):
+        y, returned = torch.full((T, H), float("nan"), **F64), torch.full((N, H), float("nan"), **F64)
+        k.topk_reduce(ret, position, slot_dst, weights, y, returned, torch.float64, num_valid=N - N // 3,
+                      max_programs=max_programs)
+        return y, returned
+
+    want = run(None)
+    for cap in CAPS:
+        _same(run(cap), want)
+
+
+@pytest.mark.parametrize("T", ROWS)
+def test_weight_grad(T):
+    k = loader.load()
+    K, H = 2, 6
+    g = torch.Generator().manual_seed(T)
+    grad_y = torch.randn(T, H, generator=g, **F64)
+    returned = torch.randn(T * K, H, generator=g, **F64)
+    position = torch.randperm(T * K, generator=g).view(T, K)
+
+    def run(max_programs):
+        grad_w = torch.full((T, K), float("nan"), **F64)
+        k.weight_grad(grad_y, returned, position, grad_w, torch.float64, max_programs=max_programs)
+        return (grad_w,)
+
+    want = run(None)
+    for cap in CAPS:
+        _same(run(cap), want)
+
+
+@pytest.mark.parametrize("H", [128, 256])  # one and two 128-channel blocks
+@pytest.mark.parametrize("T", [0, 5, 21])  # 0, 1 and 3 blocks of 8 rows
+def test_fp8_rows(T, H):
+    k = loader.load()
+    g = torch.Generator().manual_seed(T + H)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    values, scales = k.quantize_rows(x)
+    for cap in CAPS:
+        _same(k.quantize_rows(x, max_programs=cap), (values, scales))
+    for n in sorted({0, T // 2 + 1, T}):
+        def run(max_programs, n=n):
+            out = torch.full((T, H), float("nan"), dtype=torch.bfloat16)
+            k.dequantize_rows(values, scales, torch.tensor([n]), out, max_programs=max_programs)
+            return (out,)
+
+        want = run(None)
+        for cap in CAPS:
+            _same(run(cap), want)
+
+
+# --------------------------------------------------------------------------------------------
+# SymmBuffers(num_sms=)
+
+
+def _buffers(**kwargs) -> a2a.SymmBuffers:
+    return a2a.SymmBuffers(4, 8, 2, 4, dtype=torch.float32, device="cpu", **kwargs)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_buffers_reject_a_bad_num_sms(bad):
+    with pytest.raises(ValueError, match=r"num_sms: expected a positive int, got"):
+        _buffers(num_sms=bad)
+    with pytest.raises(ValueError, match="num_sms"):
+        a2a.SymmBuffers.simulated(2, 4, 8, 2, 4, dtype=torch.float32, device="cpu", num_sms=bad)
+
+
+def test_buffers_take_num_sms():
+    bufs = _buffers()
+    assert bufs.num_sms is None and "num_sms" not in repr(bufs)
+    bufs = _buffers(num_sms=16)
+    assert bufs.num_sms == 16 and repr(bufs).endswith(", num_sms=16)")
+    assert bufs._config_key[-1] == 16  # the key compiled code names the buffers by
+    assert a2a.SymmBuffers._compiled(*_key_of(bufs)) is bufs
+    simulated = a2a.SymmBuffers.simulated(2, 4, 8, 2, 4, dtype=torch.float32, device="cpu", num_sms=3)
+    assert [b.num_sms for b in simulated] == [3, 3]
+
+
+def _key_of(bufs: a2a.SymmBuffers) -> tuple:
+    bufs.__fx_repr__()
+    return bufs._key, bufs._config_key
