@@ -12,7 +12,7 @@ from .backends import DispatchHandle
 from .backends.collective import exchange_counts_op
 from .groups import Group, resolve_group
 from .payload import Payload
-from .validation import check_counts, check_layout_args, check_payload_args
+from .validation import check_bool, check_counts, check_layout_args, check_payload_args
 
 
 def dispatch(
@@ -26,6 +26,7 @@ def dispatch(
     buffers: Any = None,
     payload_dtype: Optional[torch.dtype] = None,
     dequantize: bool = False,
+    async_op: bool = False,
 ) -> tuple[Any, torch.Tensor, DispatchHandle]:
     """Send each token to the ranks that own its top-k experts.
 
@@ -51,6 +52,10 @@ def dispatch(
         dequantize: with an fp8 payload, return the routed rows dequantized to x's dtype (bf16
             for an fp8 x) instead of (values, scales); the only fp8 mode where x may require
             grad: the backward is the combine of the gradient (the quantize is straight-through).
+        async_op: start the rows' exchange on a communication stream and return at once:
+            routed (and every output) is ready after :func:`wait` ``(routed)``; work that does
+            not read it can run in between (:mod:`alltoall_ops.overlap`). The routing plan and
+            the counts' exchange run before the return, as without it.
 
     Returns:
         routed: (R, H) received rows, grouped by local expert, then source rank, then source
@@ -75,21 +80,23 @@ def dispatch(
     x, x_scale = x if isinstance(x, (tuple, list)) else (x, None)
     # NB: the peers wait in the exchange of the backend "auto" picks (symm_mem: the buffers' metadata exchange)
     impl = backends.checked(grp, buffers, _choose_backend, backend, grp, buffers, x, x_scale, payload_dtype,
-                            dequantize)
+                            dequantize, async_op)
     payload = None
     if x_scale is not None or payload_dtype is not None:
         payload = Payload.of(x, x_scale, dequantize)
-    return impl.dispatch(x, topk_idx, num_experts, grp, expert_alignment, buffers, payload)
+    return impl.dispatch(x, topk_idx, num_experts, grp, expert_alignment, buffers, payload, async_op)
 
 
 def _choose_backend(backend: str, group: Group, buffers: Any, x: torch.Tensor, x_scale: Optional[torch.Tensor],
-                    payload_dtype: Optional[torch.dtype], dequantize: bool) -> backends.Backend:
+                    payload_dtype: Optional[torch.dtype], dequantize: bool, async_op: bool) -> backends.Backend:
     check_payload_args(x, x_scale, payload_dtype, dequantize)
+    check_bool("async_op", async_op)
     return backends.choose(backend, group, buffers)
 
 
 def combine(
-    expert_out: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None
+    expert_out: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None, *,
+    async_op: bool = False,
 ) -> torch.Tensor:
     """Bring expert outputs back and reduce each token's top-k slots.
 
@@ -98,6 +105,9 @@ def combine(
             in the dispatched hidden size and dtype, so that every rank's rows mean the same.
         handle: the :class:`DispatchHandle` of that dispatch.
         topk_weights: (T, K) float router weights, or None for weight 1.
+        async_op: start the exchange on a communication stream and return at once: y is ready
+            after :func:`wait` ``(y)``; work that does not read it (a shared expert) runs in
+            between (:mod:`alltoall_ops.overlap`).
 
     Returns:
         y: (T, H) in expert_out's dtype, y[t] = sum_k w[t, k] * expert_out[row of (t, k)],
@@ -106,7 +116,7 @@ def combine(
     """
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"handle: expected the DispatchHandle returned by dispatch, got {type(handle).__name__}")
-    return handle.combine(expert_out, topk_weights)
+    return handle.combine(expert_out, topk_weights, check_bool("async_op", async_op))
 
 
 def dispatch_layout(

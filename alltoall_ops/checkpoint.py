@@ -18,12 +18,14 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from .comm import communication_ops
 
-_FUNCTIONAL_ALL_TO_ALL = ("all_to_all_single",)
+_FUNCTIONAL_COLLECTIVES = ("all_to_all_single", "wait_tensor")
+"""The functional all-to-all, and the wait that ends it and every async exchange of this library
+(``alltoall_ops.wait``): a start and its wait are both saved, never re-run."""
 
 
-def _functional_all_to_all_ops() -> tuple[torch._ops.OpOverload, ...]:
+def _functional_collective_ops() -> tuple[torch._ops.OpOverload, ...]:
     ops = torch.ops._c10d_functional
-    return tuple(getattr(ops, name).default for name in _FUNCTIONAL_ALL_TO_ALL if hasattr(ops, name))
+    return tuple(getattr(ops, name).default for name in _FUNCTIONAL_COLLECTIVES if hasattr(ops, name))
 
 
 def _is_device_to_host_copy(op, args, kwargs) -> bool:
@@ -44,10 +46,11 @@ def sac_policy(save: Iterable = (), recompute: Iterable = ()) -> Callable:
     """A policy for ``torch.utils.checkpoint.create_selective_checkpoint_contexts``.
 
     MUST_SAVE: every communication op of this library (read from the op registry, so ops of new
-    backends are covered), the functional-collective all-to-all, device-to-host copies, and the
-    ops in ``save``. MUST_RECOMPUTE: the ops in ``recompute``. PREFER_RECOMPUTE: everything else.
-    ``save`` / ``recompute`` take OpOverloads (``torch.ops.aten.mm.default``). Stateless."""
-    must_save = frozenset(communication_ops()) | frozenset(_functional_all_to_all_ops()) | frozenset(save)
+    backends are covered; with ``async_op`` they are the starts), the functional-collective
+    all-to-all and ``wait_tensor`` (the waits), device-to-host copies, and the ops in ``save``.
+    MUST_RECOMPUTE: the ops in ``recompute``. PREFER_RECOMPUTE: everything else. ``save`` /
+    ``recompute`` take OpOverloads (``torch.ops.aten.mm.default``). Stateless."""
+    must_save = frozenset(communication_ops()) | frozenset(_functional_collective_ops()) | frozenset(save)
     must_recompute = frozenset(recompute)
     overlap = must_save & must_recompute
     if overlap:

@@ -72,13 +72,15 @@ class HierarchicalHandle(DispatchHandle):
     def world_size(self) -> int:
         return self.node_stage.world_size * self.local_stage.world_size
 
-    def combine(self, expert_out_RH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor]) -> torch.Tensor:
-        """(R, H) expert outputs -> (T, H): per node, then across nodes."""
+    def combine(self, expert_out_RH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor],
+                async_op: bool = False) -> torch.Tensor:
+        """(R, H) expert outputs -> (T, H): per node, then across nodes (with ``async_op``, the
+        exchange across nodes is the one pending until the wait)."""
         arrived_weights = None
         if topk_weights_TK is not None:  # each arrived token's K weights, at its forwarding rank
             arrived_weights = send_along(self.node_stage, topk_weights_TK)
         partial_AH = combine(expert_out_RH, self.local_stage, arrived_weights)  # this node's share
-        return combine(partial_AH, self.node_stage)  # one row per (token, node), summed
+        return combine(partial_AH, self.node_stage, async_op=async_op)  # one row per (token, node), summed
 
 
 def _members(group: Group) -> list[int]:

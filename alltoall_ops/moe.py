@@ -37,6 +37,7 @@ from . import backends
 from .api import combine, dispatch
 from .groups import resolve_group
 from .layout import expert_of_rows
+from .overlap import wait
 from .rows import accumulation_dtype
 from .validation import check_num_experts, check_top_k
 
@@ -326,7 +327,12 @@ class MoE(_ExpertParams):
             backend=self.backend, expert_alignment=self.expert_alignment, buffers=self.buffers,
         )
         out_RH = self.experts(routed_RH, tokens_per_expert_e)
-        y_TH = combine(out_RH, handle, topk_weights_TK)
-        # The shared expert reads x_TH only, never the exchange's rows: it can run between the start
-        # and the wait of an asynchronous combine (overlapping its matmuls with the all-to-all).
-        return y_TH if self.shared_expert is None else y_TH + self.shared_expert(x_TH)
+        if self.shared_expert is None:
+            return combine(out_RH, handle, topk_weights_TK)
+        # The shared expert reads x_TH only, never the exchange's rows: it runs between the start
+        # and the wait of the combine, beside its exchange (alltoall_ops.overlap; passed to the
+        # wait so that compilers keep it there).
+        y_TH = combine(out_RH, handle, topk_weights_TK, async_op=True)
+        shared_TH = self.shared_expert(x_TH)
+        y_TH, shared_TH = wait(y_TH, shared_TH)
+        return y_TH + shared_TH

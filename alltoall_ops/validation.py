@@ -48,6 +48,13 @@ def as_int(value):
         return None
 
 
+def check_bool(name: str, value) -> bool:
+    """``value`` if it is a bool; raises ``TypeError`` naming ``name`` otherwise."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {value!r}")
+    return value
+
+
 def positive_int(name: str, value, maximum: Optional[int] = None) -> int:
     """``value`` as an int (integer-likes such as numpy ints accepted), checked to be in
     [1, maximum]; raises ``ValueError`` naming ``name`` otherwise."""

@@ -95,6 +95,7 @@ def test_policy_marks():
     for op in a2a.communication_ops():
         assert policy(None, op) == CheckpointPolicy.MUST_SAVE
     assert policy(None, torch.ops._c10d_functional.all_to_all_single.default) == CheckpointPolicy.MUST_SAVE
+    assert policy(None, torch.ops._c10d_functional.wait_tensor.default) == CheckpointPolicy.MUST_SAVE  # async waits
     assert policy(None, torch.ops.aten.mm.default) == CheckpointPolicy.MUST_SAVE
     assert policy(None, torch.ops.aten.tanh.default) == CheckpointPolicy.MUST_RECOMPUTE
     assert policy(None, torch.ops.aten.add.Tensor) == CheckpointPolicy.PREFER_RECOMPUTE

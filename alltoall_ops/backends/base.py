@@ -45,8 +45,10 @@ class DispatchHandle:
         """K of the dispatch."""
         return self.position_TK.shape[1]
 
-    def combine(self, expert_out_RH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor]) -> torch.Tensor:
-        """(R, H) expert outputs -> (T, H), see :func:`alltoall_ops.combine`."""
+    def combine(self, expert_out_RH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor],
+                async_op: bool = False) -> torch.Tensor:
+        """(R, H) expert outputs -> (T, H), see :func:`alltoall_ops.combine` (``async_op``: its
+        exchange pending until :func:`alltoall_ops.wait`)."""
         raise NotImplementedError
 
     def check_combine(self, expert_out_RH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor]) -> None:
@@ -93,10 +95,11 @@ class Backend:
 
     def dispatch(
         self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int, group: Group, expert_alignment: int,
-        buffers: Any, payload: Optional[Payload] = None,
+        buffers: Any, payload: Optional[Payload] = None, async_op: bool = False,
     ) -> tuple[Any, torch.Tensor, DispatchHandle]:
         """routed (R, H) (with an fp8 ``payload``: see :func:`alltoall_ops.dispatch`),
-        tokens_per_expert (e,), handle."""
+        tokens_per_expert (e,), handle. async_op: the rows' exchange (the backend's dispatch op)
+        started on the communication stream, pending until :func:`alltoall_ops.wait` on routed."""
         raise NotImplementedError
 
 

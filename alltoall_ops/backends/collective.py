@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .. import comm, layout
+from .. import comm, layout, overlap
 from .._compat import call, input_grads, inputs_as, named_inputs
 from ..groups import LOCAL, Group, process_group
 from ..payload import FORMATS, PLAIN, Payload, op_kwargs, pack, routed, unpack
@@ -129,6 +129,7 @@ def _(send_meta_WL, group_name, header, expert_alignment):
 
 
 @comm.comm_op("dispatch")
+@overlap.startable
 def dispatch_op(
     x_TH: torch.Tensor,
     scale_TK: Optional[torch.Tensor],
@@ -142,10 +143,12 @@ def dispatch_op(
     x_scale_TB: Optional[torch.Tensor] = None,
     payload: str = "plain",
     out_dtype: Optional[torch.dtype] = None,
+    async_op: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(T, H) tokens -> routed (R, H) rows grouped by local expert, then source rank, then
     token, and routed_scale (R, B); padding rows zero. No host sync: the split sizes come from
-    splits_S (on the CPU).
+    splits_S (on the CPU). async_op: started on the communication stream, pending until
+    ``overlap.wait`` (:mod:`alltoall_ops.overlap`).
 
     scale_TK: multiplies each slot's row (in fp32, rounded once) before sending (plain rows).
     num_rows: R when the caller knows it (in backward: sizes the fake), else None.
@@ -190,7 +193,7 @@ def _place_rows(received_X: torch.Tensor, expert_major_R: torch.Tensor, num_rows
 
 @dispatch_op.register_fake
 def _(x_TH, scale_TK, order_N, position_TK, recv_meta_WL, splits_S, expert_alignment, group_name, num_rows,
-      x_scale_TB=None, payload="plain", out_dtype=None):
+      x_scale_TB=None, payload="plain", out_dtype=None, async_op=False):
     # NB: R depends on what the peers send: in splits_S, whose values the trace does not see (one
     # unbacked size for both outputs).
     if num_rows is None:
@@ -226,6 +229,7 @@ dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup_
 
 
 @comm.comm_op("combine")
+@overlap.startable
 def combine_op(
     expert_out_RH: torch.Tensor,
     weights_TK: Optional[torch.Tensor],
@@ -236,13 +240,15 @@ def combine_op(
     expert_alignment: int,
     group_name: str,
     save_returned: bool,
+    async_op: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(R, H) expert outputs in dispatch order -> y (T, H) and the returned rows.
 
     y[t] = sum_k weights[t, k] * expert_out[row of slot (t, k)] (fp32 accumulation).
     returned: with ``save_returned``, (N, H), each valid slot's row in send order and zero rows
     after them (for the weights' gradient); else (0, H). No host sync (splits_S is on the CPU)
-    and no exchange but the rows' own: the caller has checked expert_out's rows against R."""
+    and no exchange but the rows' own: the caller has checked expert_out's rows against R.
+    async_op: as dispatch's."""
     H = expert_out_RH.shape[1]
     nothing_returned = expert_out_RH.new_empty(0, H)
     one_rank = recv_meta_WL.shape[0] == 1
@@ -268,7 +274,7 @@ def combine_op(
 
 @combine_op.register_fake
 def _(expert_out_RH, weights_TK, order_N, position_TK, recv_meta_WL, splits_S, expert_alignment, group_name,
-      save_returned):
+      save_returned, async_op=False):
     # NB: both shapes are static: T from position, N from order (0 rows when not saved).
     H = expert_out_RH.shape[1]
     returned_rows = order_N.shape[0] if save_returned else 0
@@ -350,21 +356,24 @@ class RouteHandle(DispatchHandle):
                 f"{tuple(expert_out_RH.shape)}"
             )
 
-    def combine(self, expert_out_RH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor]) -> torch.Tensor:
+    def combine(self, expert_out_RH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor],
+                async_op: bool = False) -> torch.Tensor:
         self.check_combine_everywhere(expert_out_RH, topk_weights_TK)
         y_TH, _ = call(combine_op, expert_out_RH, topk_weights_TK, **self.route.kwargs(),
-                       save_returned=save_returned(topk_weights_TK), differentiable=(expert_out_RH, topk_weights_TK))
+                       save_returned=save_returned(topk_weights_TK), async_op=async_op,
+                       differentiable=(expert_out_RH, topk_weights_TK))
         return y_TH
 
 
 def dispatch_route(x_TH: torch.Tensor, plan: layout.RoutingPlan, recv_meta_WL: torch.Tensor, splits_S: torch.Tensor,
-                   expert_alignment: int, group_name: str, payload: Optional[Payload] = None):
+                   expert_alignment: int, group_name: str, payload: Optional[Payload] = None, async_op: bool = False):
     """Dispatch ``x_TH`` along ``plan`` once its counts are exchanged (``recv_meta_WL``) and
     its split sizes read (``splits_S``): routed (R, H) (with an fp8 ``payload`` and no
-    dequantization: the pair (values (R, H), scales (R, H / 128))), tokens_per_expert (e,), handle."""
+    dequantization: the pair (values (R, H), scales (R, H / 128))), tokens_per_expert (e,), handle.
+    async_op: the rows' exchange pending until ``overlap.wait(routed)``."""
     route = RouteArgs(plan.order, plan.position, recv_meta_WL, splits_S, expert_alignment, group_name)
     routed_RH, scale_RB = call(dispatch_op, x_TH=x_TH, scale_TK=None, **route.kwargs(), num_rows=None,
-                               **op_kwargs(payload), differentiable=(x_TH,))
+                               **op_kwargs(payload), async_op=async_op, differentiable=(x_TH,))
     recv_counts_We, _ = layout.split_meta(recv_meta_WL)
     tokens_per_expert_e = layout.padded_tokens_per_expert(recv_counts_We, expert_alignment)
     dtype = x_TH.dtype if payload is None else payload.combine_dtype
@@ -373,11 +382,11 @@ def dispatch_route(x_TH: torch.Tensor, plan: layout.RoutingPlan, recv_meta_WL: t
 
 
 def dispatch_planned(x_TH: torch.Tensor, plan: layout.RoutingPlan, header: list[int], expert_alignment: int,
-                     group_name: str, payload: Optional[Payload] = None):
+                     group_name: str, payload: Optional[Payload] = None, async_op: bool = False):
     """Exchange ``plan``'s counts on the group (``exchange_routing``: the header agreement and
     the one host read), then :func:`dispatch_route`: routed, tokens_per_expert (e,), handle."""
     recv_meta_WL, splits_S = exchange_routing_op(plan.send_meta, group_name, header, expert_alignment)
-    return dispatch_route(x_TH, plan, recv_meta_WL, splits_S, expert_alignment, group_name, payload)
+    return dispatch_route(x_TH, plan, recv_meta_WL, splits_S, expert_alignment, group_name, payload, async_op)
 
 
 def send_along(handle: RouteHandle, rows_TC: torch.Tensor) -> torch.Tensor:
@@ -401,13 +410,15 @@ class CollectiveBackend(Backend):
                 "initialised and no group was given)"
             )
 
-    def dispatch(self, x_TH, topk_idx_TK, num_experts, group, expert_alignment, buffers, payload=None):
+    def dispatch(self, x_TH, topk_idx_TK, num_experts, group, expert_alignment, buffers, payload=None,
+                 async_op=False):
         E = comm.checked("dispatch", group.name, check_dispatch_args, x_TH, topk_idx_TK, num_experts, group.size,
                          expert_alignment)
         plan = layout.plan_routing(topk_idx_TK, E, group.size)
         dtype, payload_dtype = (x_TH.dtype,) * 2 if payload is None else (payload.combine_dtype,
                                                                           payload.format.payload_dtype)
         fields = comm.dispatch_fields(x_TH, topk_idx_TK, E, expert_alignment, dtype, payload_dtype)
-        return dispatch_planned(x_TH, plan, comm.header("dispatch", *fields), expert_alignment, group.name, payload)
+        return dispatch_planned(x_TH, plan, comm.header("dispatch", *fields), expert_alignment, group.name, payload,
+                                async_op)
 
 

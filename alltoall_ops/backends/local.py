@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from .. import comm, layout
+from .. import comm, layout, overlap
 from .._compat import call, input_grads, named_inputs
 from ..groups import LOCAL, Group
 from ..payload import FORMATS, PLAIN, op_kwargs, routed
@@ -43,15 +43,18 @@ from .base import Backend, DispatchHandle
 
 
 @comm.comm_op("local_dispatch")
+@overlap.startable
 def local_dispatch_op(
     x_TH: torch.Tensor, scale_TK: Optional[torch.Tensor], row_src_C: torch.Tensor, row_TK: torch.Tensor,
     x_scale_TB: Optional[torch.Tensor] = None, payload: str = "plain", out_dtype: Optional[torch.dtype] = None,
+    async_op: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(T, H) tokens -> (C, H) expert-major rows and their (C, B) scales: row d is
     x[row_src[d] // K] (times scale_TK.flat[row_src[d]] in fp32, rounded once), zero where
     row_src[d] < 0. row_TK: each slot's row (C: none), for the backward. payload, x_scale_TB,
     out_dtype: the rows' format, as the collective ``dispatch`` op's (fp8: values and scales
-    gathered apart, each once)."""
+    gathered apart, each once). async_op: started on the communication stream, pending until
+    ``overlap.wait`` (:mod:`alltoall_ops.overlap`)."""
     fmt, K = FORMATS[payload], row_TK.shape[1]
     values_TH, scale_TB = fmt.encode(x_TH, x_scale_TB)
     values_CH = gather_rows(values_TH, scale_TK, row_src_C, K)
@@ -59,7 +62,7 @@ def local_dispatch_op(
 
 
 @local_dispatch_op.register_fake
-def _(x_TH, scale_TK, row_src_C, row_TK, x_scale_TB=None, payload="plain", out_dtype=None):
+def _(x_TH, scale_TK, row_src_C, row_TK, x_scale_TB=None, payload="plain", out_dtype=None, async_op=False):
     # NB: C rows whatever the routing: no data-dependent size.
     return FORMATS[payload].empty_routed(x_TH, row_src_C.shape[0], out_dtype)
 
@@ -92,17 +95,19 @@ local_dispatch_op.register_autograd(_local_dispatch_backward, setup_context=_loc
 
 
 @comm.comm_op("local_combine")
+@overlap.startable
 def local_combine_op(
-    expert_out_CH: torch.Tensor, weights_TK: Optional[torch.Tensor], row_TK: torch.Tensor, row_src_C: torch.Tensor
+    expert_out_CH: torch.Tensor, weights_TK: Optional[torch.Tensor], row_TK: torch.Tensor, row_src_C: torch.Tensor,
+    async_op: bool = False,
 ) -> torch.Tensor:
     """(C, H) expert outputs -> y (T, H), y[t] = sum_k weights[t, k] * expert_out[row[t, k]]
     (fp32 accumulation, k order, rounded once); dropped slots (row C) add nothing. Rows no slot
-    points at are not read. row_src_C: for the backward."""
+    points at are not read. row_src_C: for the backward. async_op: as local_dispatch's."""
     return weighted_slot_sum(expert_out_CH, row_TK, weights_TK, expert_out_CH.shape[0])
 
 
 @local_combine_op.register_fake
-def _(expert_out_CH, weights_TK, row_TK, row_src_C):
+def _(expert_out_CH, weights_TK, row_TK, row_src_C, async_op=False):
     return expert_out_CH.new_empty(row_TK.shape[0], expert_out_CH.shape[1])
 
 
@@ -153,10 +158,11 @@ class LocalHandle(DispatchHandle):
     def num_rows(self) -> int:
         return self.row_src_C.shape[0]
 
-    def combine(self, expert_out_CH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor]) -> torch.Tensor:
+    def combine(self, expert_out_CH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor],
+                async_op: bool = False) -> torch.Tensor:
         self.check_combine(expert_out_CH, topk_weights_TK)
         return call(local_combine_op, expert_out_CH=expert_out_CH, weights_TK=topk_weights_TK, row_TK=self.row_TK,
-                    row_src_C=self.row_src_C, differentiable=(expert_out_CH, topk_weights_TK))
+                    row_src_C=self.row_src_C, async_op=async_op, differentiable=(expert_out_CH, topk_weights_TK))
 
 
 class LocalBackend(Backend):
@@ -169,10 +175,11 @@ class LocalBackend(Backend):
         if group.size != 1:
             raise ValueError(f"backend='local' needs a group of one rank, got a group of {group.size} ranks")
 
-    def dispatch(self, x_TH, topk_idx_TK, num_experts, group, expert_alignment, buffers, payload=None):
+    def dispatch(self, x_TH, topk_idx_TK, num_experts, group, expert_alignment, buffers, payload=None,
+                 async_op=False):
         E = check_dispatch_args(x_TH, topk_idx_TK, num_experts, 1, expert_alignment)
         plan = layout.plan_rows(topk_idx_TK, E, expert_alignment)
         routed_CH, scale_CB = call(local_dispatch_op, x_TH=x_TH, scale_TK=None, row_src_C=plan.row_src,
-                                   row_TK=plan.row, **op_kwargs(payload), differentiable=(x_TH,))
+                                   row_TK=plan.row, **op_kwargs(payload), async_op=async_op, differentiable=(x_TH,))
         handle = LocalHandle(plan.row_src, plan.row, expert_alignment)
         return routed(payload, routed_CH, scale_CB), plan.tokens_per_expert, handle

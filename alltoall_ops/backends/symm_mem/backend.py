@@ -103,14 +103,15 @@ class SymmMemHandle(DispatchHandle):
                 f"routed, got {expert_out_CH.dtype} of shape {tuple(expert_out_CH.shape)}"
             )
 
-    def combine(self, expert_out_CH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor]) -> torch.Tensor:
+    def combine(self, expert_out_CH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor],
+                async_op: bool = False) -> torch.Tensor:
         """y (T, H); rows of expert_out that dispatch did not fill (padding, rows past
         tokens_per_expert.sum()) are ignored."""
         self.check_combine_everywhere(expert_out_CH, topk_weights_TK)  # without debug mode, a rank that
         # raises here leaves its peers in the op's barrier until the deadline
         y_TH, _ = call(symm_combine_op, expert_out_CH=expert_out_CH, weights_TK=topk_weights_TK,
                        row_src_C=self.row_src_C, **self.slots.kwargs(), save_returned=save_returned(topk_weights_TK),
-                       differentiable=(expert_out_CH, topk_weights_TK))
+                       async_op=async_op, differentiable=(expert_out_CH, topk_weights_TK))
         return y_TH
 
 
@@ -222,7 +223,8 @@ class SymmMemBackend(Backend):
             return checked(buffers, check, *args)
         return super().checked(group, buffers, check, *args)
 
-    def dispatch(self, x_TH, topk_idx_TK, num_experts, group, expert_alignment, buffers, payload=None):
+    def dispatch(self, x_TH, topk_idx_TK, num_experts, group, expert_alignment, buffers, payload=None,
+                 async_op=False):
         """routed (C, H), tokens_per_expert (e,), handle. The first ``tokens_per_expert.sum()``
         rows of routed are the collective backend's routed rows; the rest are unspecified (not
         written). With an fp8 ``payload`` (buffers created with ``payload_dtype``): routed is the
@@ -246,7 +248,7 @@ class SymmMemBackend(Backend):
         call_1 = meta_WL[bufs.rank, bufs.num_experts + CALL : bufs.num_experts + CALL + 1]  # this step's (device)
         slots = SlotArgs(plan.position, r.slot_dst, r.num_routed, call_1, bufs)
         routed_CH, scale_CB, row_src_C = call(symm_dispatch_op, x_TH=x_TH, scale_TK=None, **slots.kwargs(),
-                                              **op_kwargs(payload), differentiable=(x_TH,))
+                                              **op_kwargs(payload), async_op=async_op, differentiable=(x_TH,))
         handle = SymmMemHandle(plan.position, meta_WL, r.slot_dst, row_src_C, r.num_routed, call_1, r.dropped, bufs,
                                bufs.capacity, expert_alignment)
         return routed(payload, routed_CH, scale_CB), r.tokens_per_expert, handle

@@ -7,7 +7,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from ... import layout
+from ... import layout, overlap
 from ..._compat import input_grads, inputs_as, named_inputs
 from ...comm import comm_op
 from ...errors import CapacityError, GroupMismatchError, PeerInputError, RoutingError
@@ -144,6 +144,7 @@ def _(send_row_L, buffers, expert_alignment):
 
 
 @comm_op("symm_dispatch")
+@overlap.startable
 def symm_dispatch_op(
     x_TH: torch.Tensor,
     scale_TK: Optional[torch.Tensor],
@@ -155,6 +156,7 @@ def symm_dispatch_op(
     x_scale_TB: Optional[torch.Tensor] = None,
     payload: str = "plain",
     out_dtype: Optional[torch.dtype] = None,
+    async_op: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(T, H) rows -> routed (C, H), routed_scale (C, B), row_src (C,) int64.
 
@@ -166,7 +168,8 @@ def symm_dispatch_op(
     source code (``rank * N_max + position``), -1 where none. payload, x_scale_TB, out_dtype: the
     rows' format, as the collective ``dispatch`` op's; a format with scales needs buffers created
     for it (``payload_dtype``): each slot's packed wire row (``payload.pack``, P bytes) goes to
-    the peers' RECV region and the copy-out splits it into values and scales."""
+    the peers' RECV region and the copy-out splits it into values and scales. async_op: the
+    barriers, puts and copy-out on the communication stream, pending until ``overlap.wait``."""
     fmt, C, H = FORMATS[payload], buffers.capacity, x_TH.shape[1]
     if fmt is not PLAIN:  # plain rows fit any buffers' RECV region (with fp8: combine's backward)
         check_payload(buffers, fmt)
@@ -219,7 +222,7 @@ def _put_rows_and_copy_out(
 
 @symm_dispatch_op.register_fake
 def _(x_TH, scale_TK, position_TK, slot_dst_N, num_routed_1, call_1, buffers, x_scale_TB=None, payload="plain",
-      out_dtype=None):
+      out_dtype=None, async_op=False):
     # NB: fixed capacity C, so no data-dependent size: the graph never waits for the counts.
     fmt, C = FORMATS[payload], buffers.capacity
     if fmt is not PLAIN:
@@ -255,6 +258,7 @@ symm_dispatch_op.register_autograd(_symm_dispatch_backward, setup_context=_symm_
 
 
 @comm_op("symm_combine")
+@overlap.startable
 def symm_combine_op(
     expert_out_CH: torch.Tensor,
     weights_TK: Optional[torch.Tensor],
@@ -265,6 +269,7 @@ def symm_combine_op(
     call_1: torch.Tensor,
     buffers: SymmBuffers,
     save_returned: bool,
+    async_op: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(C, H) expert outputs in dispatch order -> y (T, H), returned (N, H) or (0, H).
 
@@ -273,7 +278,7 @@ def symm_combine_op(
     in k order, accumulated in fp32 (fp64) and rounded once. returned: every slot's row in send
     order (zero for unsent slots), when ``save_returned``, for the weights' gradient.
     num_routed_1: dispatch's, for the backward (a dispatch). call_1: (1,) int64, the call number
-    of the dispatch's metadata exchange (its barriers' stamp)."""
+    of the dispatch's metadata exchange (its barriers' stamp). async_op: as symm_dispatch's."""
     k = loader.load()
     T, K = position_TK.shape
     buffers._segments.barrier(COMBINE_OP, call_1)
@@ -291,7 +296,8 @@ def symm_combine_op(
 
 
 @symm_combine_op.register_fake
-def _(expert_out_CH, weights_TK, position_TK, slot_dst_N, row_src_C, num_routed_1, call_1, buffers, save_returned):
+def _(expert_out_CH, weights_TK, position_TK, slot_dst_N, row_src_C, num_routed_1, call_1, buffers, save_returned,
+      async_op=False):
     # NB: static shapes: T and K from position_TK.
     T, K = position_TK.shape
     H = expert_out_CH.shape[1]

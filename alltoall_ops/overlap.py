@@ -1,0 +1,131 @@
+"""Async exchanges: a dispatch or combine started on a communication stream (``async_op=True``)
+and the :func:`wait` that joins it, so that work which does not read the exchange (a shared
+expert) runs beside it::
+
+    y_TH = a2a.combine(out_RH, handle, topk_weights_TK, async_op=True)  # the exchange starts
+    shared_TH = shared_expert(x_TH)                                     # beside it
+    y_TH, shared_TH = a2a.wait(y_TH, shared_TH)                         # the compute stream joins
+    out_TH = y_TH + shared_TH
+
+The start is the backend's own op (its ``async_op`` argument), the wait is PyTorch's
+functional-collective wait (``torch.ops._c10d_functional.wait_tensor``), which autograd passes
+through, torch.compile keeps in place and inductor knows: the start registers a
+:class:`PendingExchange` for its first output, the wait finds it there. Both are one node each
+in a compiled graph, in program order (start, the work between, wait), when the work between
+is passed to the wait too (see :func:`wait`).
+
+Stream and buffer rules (CUDA):
+- The exchange runs on one communication stream per device (:func:`comm_stream`), after
+  everything queued on the current stream before the start (it waits on it): exchanges run
+  one after another in the order they were started, so a start into the same symm_mem buffers
+  cannot overtake an earlier one, and a start cannot overtake the compute stream's last reads of
+  the buffers either.
+- The tensors the exchange reads and writes stay alive until the wait (the pending exchange
+  holds them: no ``record_stream`` on the inputs); the wait makes the current stream wait for
+  the communication stream and records the outputs on it (they were allocated on the
+  communication stream), so the allocator reuses their memory only after the current stream's
+  use of them.
+- Every start needs its wait before any output of the exchange is read (the first output is
+  the one to wait on; the wait covers every output of the op).
+- The backward of an async op is its adjoint exchange run in place (synchronously).
+On the CPU there are no streams: the exchange runs in place and the wait only drops the record.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, Optional, TypeVar
+
+import torch
+import torch.distributed as dist
+
+Out = TypeVar("Out")
+
+_COMM_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def comm_stream(device: torch.device) -> torch.cuda.Stream:
+    """The communication stream of a CUDA device (one per device and process, made once)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _COMM_STREAMS:
+        _COMM_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _COMM_STREAMS[index]
+
+
+class PendingExchange(dist.Work):
+    """A started exchange: its stream (None on the CPU), the tensors it reads and writes (held
+    until the wait), and its outputs, which :meth:`wait` records on the current stream."""
+
+    def __init__(self, stream: Optional[torch.cuda.Stream], reads: tuple, outputs: list[torch.Tensor]):
+        super().__init__()
+        self.stream, self.reads, self.outputs = stream, reads, outputs
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self.stream is not None:
+            current = torch.cuda.current_stream(self.stream.device)
+            current.wait_stream(self.stream)
+            for t in self.outputs:
+                t.record_stream(current)
+        self.reads, self.outputs = (), []
+        return True
+
+
+def run(async_op: bool, exchange: Callable[[], Out], *reads: Any) -> Out:
+    """``exchange()``, an op's body; with ``async_op``, started on the communication stream of
+    the device of the first CUDA tensor in ``reads`` (everything the body reads) and pending
+    until :func:`wait` on its first output."""
+    if not async_op:
+        return exchange()
+    cuda = next((t.device for t in reads if isinstance(t, torch.Tensor) and t.is_cuda), None)
+    stream = None if cuda is None else comm_stream(cuda)
+    if stream is None:
+        out = exchange()
+    else:
+        stream.wait_stream(torch.cuda.current_stream(cuda))
+        with torch.cuda.stream(stream):
+            out = exchange()
+    outputs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
+    torch._C._distributed_c10d._register_work(outputs[0], PendingExchange(stream, reads, outputs))
+    return out
+
+
+def startable(body: Callable[..., Out]) -> Callable[..., Out]:
+    """An exchange op's body with the meaning of its ``async_op`` argument (a bool, last, default
+    False): with it, the body is :func:`run` on the communication stream, reading every tensor
+    argument. The op's schema is the body's (the wrapper keeps its signature)."""
+    signature = inspect.signature(body, eval_str=True)  # NB: annotations resolved in the body's module
+    position = list(signature.parameters).index("async_op")
+
+    @functools.wraps(body)
+    def op_body(*args: Any, **kwargs: Any) -> Out:
+        async_op = args[position] if len(args) > position else kwargs.get("async_op", False)
+        if not async_op:
+            return body(*args, **kwargs)
+        reads = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        return run(True, lambda: body(*args, **kwargs), *reads)
+
+    op_body.__signature__ = signature  # what custom_op infers the schema from
+    return op_body
+
+
+def wait(*outputs: Any) -> Any:
+    """The outputs of an async dispatch or combine, ready: each a tensor, or a tuple / list of
+    tensors (an fp8 dispatch's (values, scales)), returned as given (one argument: itself; several:
+    a tuple). A tensor no exchange is pending on passes through for free, so pass along what was
+    computed between the start and the wait: compilers then keep that work before the wait
+    (inductor would otherwise move it next to its use, after the wait, and nothing overlaps)::
+
+        y_TH, shared_TH = a2a.wait(y_TH, shared_TH)
+    """
+    if len(outputs) != 1:
+        return tuple(wait(x) for x in outputs)
+    x = outputs[0]
+    if isinstance(x, (tuple, list)):
+        return type(x)(wait(t) for t in x)
+    return torch.ops._c10d_functional.wait_tensor(x)
+
+
+def pending_exchanges() -> int:
+    """Started exchanges (and other functional collectives) not waited for yet, in this process."""
+    return torch._C._distributed_c10d._get_work_registry_size()
