@@ -1,7 +1,7 @@
 """The SM budget of the symm_mem kernels (``max_programs`` of the launchers, ``SymmBuffers(num_sms=)``).
 
 Each capped launcher, with ``max_programs`` 1, 2 and 3, writes exactly what it writes uncapped:
-the row blocks are made tiny (4 rows, 4 columns: ``_tiny_blocks``) so that a few rows make
+the row blocks are made tiny (4 rows, 4 columns, 64 for wide rows: ``_tiny_blocks``) so that a few rows make
 several row blocks, a number that is no multiple of the cap, and some launches have two column
 blocks. Zero rows, a device-side count below the rows (put_rows ``count=``, copy_out's and
 dequantize_rows' ``num_routed``) included. fp64 values (bf16 for the fp8 kernels' input).
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import alltoall_ops as a2a
+from alltoall_ops.backends.symm_mem import run_simulated
 from alltoall_ops.kernels import loader
 
 needs_interpreter = pytest.mark.skipif(
@@ -31,8 +32,8 @@ def _tiny_blocks(monkeypatch):
     their GPU blocks (8 rows, one 128-channel block a program)."""
     from alltoall_ops.kernels import _config, quantize, row_put, topk_reduce, weight_grad
 
-    def tiny(kernel, n_rows, H, element_size=2):
-        return _config.RowBlocks(4, 4, 1)
+    def tiny(kernel, n_rows, H, element_size=2):  # 64 columns for the fp8 rows (H = 128): fewer programs
+        return _config.RowBlocks(4, 4 if H < 64 else 64, 1)
 
     for module in (row_put, topk_reduce, weight_grad):
         monkeypatch.setattr(module, "row_blocks", tiny)
@@ -200,3 +201,36 @@ def test_buffers_take_num_sms():
 def _key_of(bufs: a2a.SymmBuffers) -> tuple:
     bufs.__fx_repr__()
     return bufs._key, bufs._config_key
+
+
+@pytest.mark.parametrize("payload", ["plain", "fp8"])
+def test_symm_mem_step_under_a_budget(payload):
+    """A training step of W = 2 simulated ranks (dispatch, combine, backward) gives the same
+    results, bit for bit, on buffers with num_sms 1 and 3 as on buffers without a budget (the
+    tiny blocks make several row blocks of each launch)."""
+    W, T, K, E = 2, 7, 3, 4
+    fp8 = payload == "fp8"
+    H, dtype = (128, torch.bfloat16) if fp8 else (6, torch.float64)
+
+    def step(rank: int, bufs: a2a.SymmBuffers) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(T, H, generator=g).to(dtype).requires_grad_()
+        topk_idx = torch.randint(-1, E, (T, K), generator=g)
+        weights = torch.rand(T, K, generator=g, dtype=torch.float64 if not fp8 else torch.float32).requires_grad_()
+        extra = dict(payload_dtype=torch.float8_e4m3fn, dequantize=True) if fp8 else {}
+        routed, tokens_per_expert, handle = a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs, **extra)
+        n = int(tokens_per_expert.sum())
+        rows = torch.arange(routed.shape[0])[:, None] < n  # rows past n are unspecified
+        y = a2a.combine(torch.where(rows, routed * 2 + 1, 0), handle, weights)
+        y.backward(torch.randn(T, H, generator=g).to(dtype))
+        return [routed[:n].detach(), tokens_per_expert, y.detach(), x.grad, weights.grad]
+
+    def run(num_sms):
+        extra = dict(payload_dtype=torch.float8_e4m3fn) if fp8 else {}
+        bufs = a2a.SymmBuffers.simulated(W, T, H, K, E, dtype=dtype, device="cpu", num_sms=num_sms, **extra)
+        return run_simulated(step, bufs)
+
+    want = run(None)
+    for num_sms in (1, 3):
+        for got_rank, want_rank in zip(run(num_sms), want):
+            _same(got_rank, want_rank)
