@@ -54,7 +54,7 @@ class RowBlocks:
 def program_grid(row_programs: int, col_programs: int = 1, max_programs: Optional[int] = None) -> tuple[int, int]:
     """The launch grid (row programs, column programs) under a budget of ``max_programs``.
 
-    None: the grid as given, one program per row block (the kernels' row loop runs once).
+    None: the grid as given (one program per row block, unless put_rows' count bounds it).
     A number: the row dimension is capped at ``max(1, max_programs // col_programs)`` programs,
     and program i handles row blocks i, i + P, i + 2P, ... (each kernel's grid-stride row loop),
     so a launch has at most max_programs programs (column blocks permitting: at least one row of
