@@ -234,3 +234,27 @@ def test_symm_mem_step_under_a_budget(payload):
     for num_sms in (1, 3):
         for got_rank, want_rank in zip(run(num_sms), want):
             _same(got_rank, want_rank)
+
+
+def test_the_budget_reaches_every_symm_mem_row_launch(monkeypatch):
+    """symm_mem's dispatch and combine pass the buffers' num_sms to their row launches."""
+    k, seen = loader.load(), set()
+
+    def recorded(name: str, launch):
+        def recording(*args, max_programs=None, **kwargs):
+            seen.add((name, max_programs))
+            return launch(*args, max_programs=max_programs, **kwargs)
+        return recording
+
+    for name in ("put_rows", "copy_out", "topk_reduce"):
+        monkeypatch.setattr(k, name, recorded(name, getattr(k, name)))
+    W, T, H, K, E = 2, 5, 4, 2, 4
+    bufs = a2a.SymmBuffers.simulated(W, T, H, K, E, dtype=torch.float32, device="cpu", num_sms=3)
+
+    def step(rank: int, bufs: a2a.SymmBuffers) -> torch.Tensor:
+        x = torch.randn(T, H)
+        routed, _, handle = a2a.dispatch(x, torch.randint(0, E, (T, K)), num_experts=E, buffers=bufs)
+        return a2a.combine(torch.zeros_like(routed), handle)
+
+    run_simulated(step, bufs)
+    assert seen == {("put_rows", 3), ("copy_out", 3), ("topk_reduce", 3)}

@@ -213,10 +213,11 @@ def _put_rows_and_copy_out(
         rows_TX, slot_dst_N, buffers.capacity, buffers.table[RECV],
         top_k=K, scale=scale_TK, tags_table=buffers.table[TAGS],
         tag_index=position_TK.reshape(-1), tag_base=buffers.rank * buffers.max_slots, acc_dtype=acc,
+        max_programs=buffers.num_sms,
     )
     buffers._segments.barrier(DISPATCH_OP, call_1)
     row_src_C = torch.empty(buffers.capacity, dtype=torch.int64, device=rows_TX.device)
-    k.copy_out(recv_CX, buffers.tags, num_routed_1, out_CX, row_src_C, tail=tail)
+    k.copy_out(recv_CX, buffers.tags, num_routed_1, out_CX, row_src_C, tail=tail, max_programs=buffers.num_sms)
     return row_src_C
 
 
@@ -282,7 +283,8 @@ def symm_combine_op(
     k = loader.load()
     T, K = position_TK.shape
     buffers._segments.barrier(COMBINE_OP, call_1)
-    k.put_rows(expert_out_CH, row_src_C, buffers.max_slots, buffers.table[RET], count=num_routed_1)
+    k.put_rows(expert_out_CH, row_src_C, buffers.max_slots, buffers.table[RET], count=num_routed_1,
+               max_programs=buffers.num_sms)
     buffers._segments.barrier(COMBINE_OP, call_1)
     H = expert_out_CH.shape[1]
     y_TH = expert_out_CH.new_empty(T, H)
@@ -290,7 +292,7 @@ def symm_combine_op(
     acc = accumulation_dtype(expert_out_CH.dtype, *(() if weights_TK is None else (weights_TK.dtype,)))
     k.topk_reduce(
         buffers.ret, position_TK, slot_dst_N, weights_TK, y_TH,
-        returned_NH if save_returned else None, acc,
+        returned_NH if save_returned else None, acc, max_programs=buffers.num_sms,
     )
     return y_TH, returned_NH
 
