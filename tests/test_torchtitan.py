@@ -5,7 +5,10 @@ gated shared expert) or none), on 1, 2 and 4 gloo ranks, against the same MoE in
 (torchtitan's ``LocalTokenDispatcher``, all experts, every rank's tokens) and against
 torchtitan's own ``AllToAllTokenDispatcher`` on the same ranks: forward and every gradient in
 fp64, eager and compiled (aot_eager; inductor on two ranks), one compilation across routings.
-Then ``alltoall_ops.moe``'s own block (and its dense reference) with a shared expert, plain and
+Our dispatcher runs over the local / collective backends and, on 1 and 2 ranks, over symm_mem
+(``SymmBuffers`` made on every rank before compiling; its routed rows past
+``tokens_per_expert.sum()`` NaN under ``nan_unwritten_rows()``, and checked present). Then
+``alltoall_ops.moe``'s own block (and its dense reference) with a shared expert, plain and
 gated, against torchtitan's MoE holding the same weights.
 
 Expert parallelism is set up as torchtitan's ``RoutedExperts.parallelize`` leaves it: each rank
@@ -45,7 +48,10 @@ from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import MoE, RoutedExperts, GroupedExperts, TokenChoiceTopKRouter
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
 
+from alltoall_ops import SymmBuffers
 from alltoall_ops import moe as a2a_moe
+from alltoall_ops.groups import NO_GROUP
+from alltoall_ops.testing import nan_unwritten_rows
 from alltoall_ops.torchtitan import TokenDispatcher
 
 B, L, K = 2, 3, 2  # per rank: B sequences of L tokens, top-K routing
@@ -56,7 +62,10 @@ TITAN_TOL = dict(rtol=1e-6, atol=1e-6)  # torchtitan's fp32 rounding of expert r
 class Float64GroupedExperts(GroupedExperts):
     """torchtitan's ``GroupedExperts`` (same parameters, same SwiGLU ``w2(silu(w1 x) * w3 x)`` per
     expert group of rows) in the input dtype instead of bf16: each row finds its expert from the
-    offsets, no host sync, so it compiles with the dispatcher's data-dependent row count."""
+    offsets, no host sync, so it compiles with the dispatcher's data-dependent row count. Rows
+    past the last offset (alignment padding's, symm_mem's capacity) belong to no expert: as in
+    ``torch._grouped_mm``, none of them reaches an output row or a weight gradient (both masked:
+    a weight gradient would turn the 0 * NaN of symm_mem's unwritten rows into NaN)."""
 
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(GroupedExperts.Config):
@@ -66,11 +75,14 @@ class Float64GroupedExperts(GroupedExperts):
         w1_EFD, w2_EDF, w3_EFD = (w.to_local() if isinstance(w, DTensor) else w
                                   for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
         offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0)
-        expert_R = torch.searchsorted(offsets_E, torch.arange(x_RD.shape[0], device=x_RD.device), right=True)
-        expert_R = expert_R.clamp_max(w1_EFD.shape[0] - 1)  # rows past the last offset: no expert's, unread
+        rows_R = torch.arange(x_RD.shape[0], device=x_RD.device)
+        expert_R = torch.searchsorted(offsets_E, rows_R, right=True)
+        expert_R = expert_R.clamp_max(w1_EFD.shape[0] - 1)  # rows past the last offset: any weights, masked
+        grouped_R1 = (rows_R < offsets_E[-1])[:, None]
+        x_RD = torch.where(grouped_R1, x_RD, 0)
         h_RF = F.silu(torch.einsum("rd,rfd->rf", x_RD, w1_EFD[expert_R]))
         h_RF = h_RF * torch.einsum("rd,rfd->rf", x_RD, w3_EFD[expert_R])
-        return torch.einsum("rf,rdf->rd", h_RF, w2_EDF[expert_R])
+        return torch.where(grouped_R1, torch.einsum("rf,rdf->rd", h_RF, w2_EDF[expert_R]), 0)
 
 
 def shared_experts_config(shared: str | None, D: int, Fh: int):
@@ -140,12 +152,16 @@ def fresh_seed() -> int:
 def run_in_titan_moe(rank: int, world_size: int, alignment: int, compiler: str | None, use_mesh: bool = True,
                      E_per_rank: int = 2, D: int = 6, Fh: int = 5, experts=Float64GroupedExperts,
                      tols: tuple[dict, dict] = (FP64_TOL, TITAN_TOL), seed: int = 0,
-                     shared: str | None = "plain") -> int:
+                     shared: str | None = "plain", backend: str = "auto") -> int:
     """Two steps (fresh tokens, so new routings) of torchtitan's MoE with our dispatcher, with
     torchtitan's AllToAll dispatcher and in one process; asserts they agree; returns the frames
     compiled. use_mesh False: EP off (``ep_mesh=None``), every rank alone with all experts.
     seed: the weights' and tokens' (the same on every rank; the tests draw a fresh one).
-    shared: the MoE's shared experts, as in :func:`shared_experts_config`."""
+    shared: the MoE's shared experts, as in :func:`shared_experts_config`. backend: our
+    dispatcher's; "symm_mem" gets ``SymmBuffers`` made here on every rank of the EP group (one
+    token more than a rank sends, so routed always has rows past ``tokens_per_expert.sum()``),
+    and the steps run under ``nan_unwritten_rows()``: those rows, and the same rows of combine's
+    backward, are NaN, and must reach no output or gradient."""
     W = world_size if use_mesh else 1
     E = E_per_rank * W
     r = rank if use_mesh else 0
@@ -155,8 +171,12 @@ def run_in_titan_moe(rank: int, world_size: int, alignment: int, compiler: str |
         torch.manual_seed(seed)
         reference = titan_moe(LocalTokenDispatcher.Config(num_experts=E, top_k=K), E, D, Fh, experts, shared)
         ep_mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))["ep"] if use_mesh else None
-        ours = titan_moe(TokenDispatcher.Config(num_experts=E, top_k=K, expert_alignment=alignment), E, D, Fh,
-                         experts, shared)
+        buffers = None
+        if backend == "symm_mem":  # collective: every rank of the EP group, before any compilation
+            buffers = SymmBuffers(B * L + 1, D, K, E, dtype=torch.float64, device="cpu",
+                                  group=ep_mesh if use_mesh else NO_GROUP, expert_alignment=alignment)
+        ours = titan_moe(TokenDispatcher.Config(num_experts=E, top_k=K, expert_alignment=alignment, backend=backend,
+                                                buffers=buffers), E, D, Fh, experts, shared)
         titan = titan_moe(AllToAllTokenDispatcher.Config(num_experts=E, top_k=K), E, D, Fh, experts, shared)
         assert type(ours.routed_experts.token_dispatcher) is TokenDispatcher
         for moe in (ours, titan):
@@ -165,41 +185,47 @@ def run_in_titan_moe(rank: int, world_size: int, alignment: int, compiler: str |
         torch._dynamo.reset()
         counter = CompileCounterWithBackend(compiler or "eager")
         step = torch.compile(ours, backend=counter, fullgraph=True) if compiler else ours
-        for step_seed in (1, 2):  # two routings, one compilation
-            g = torch.Generator().manual_seed(seed + step_seed + (0 if use_mesh else 7 * rank + 1))
-            x_all = torch.randn(W * B, L, D, generator=g, dtype=torch.float64)
-            upstream_all = torch.randn(W * B, L, D, generator=g, dtype=torch.float64)
-            mine = slice(r * B, (r + 1) * B)
-            results = {}
-            for name, moe, fn, tokens, upstream in (
-                ("reference", reference, reference, x_all, upstream_all),
-                ("titan", titan, titan, x_all[mine], upstream_all[mine]),
-                ("ours", ours, step, x_all[mine], upstream_all[mine]),
-            ):
-                x = tokens.clone().requires_grad_()
-                moe.zero_grad()
-                y = fn(x)
-                y.backward(upstream)
-                ep = name != "reference" and W > 1
-                results[name] = (y.detach(), x.grad, grads(moe, W if name != "reference" else 1, ep))
-            want_y, want_dx, want_grads = results["reference"]
-            shared_grads = [g for p, g in want_grads.items() if p.startswith("shared_experts.")]
-            assert len(shared_grads) == {None: 0, "plain": 3, "gated": 4}[shared]  # configured as asked
-            assert all(g.abs().max() > 1e-3 for g in shared_grads)  # and in the loss
-            e = E // W
-            experts_shard = slice(r * e, (r + 1) * e)
-            for name, tol in zip(("titan", "ours"), tols):
-                y, dx, got_grads = results[name]
-                assert_close(y, want_y[mine], tol, f"{name} forward (seed {seed})")
-                assert_close(dx, want_dx[mine], tol, f"{name} x.grad (seed {seed})")
-                assert got_grads.keys() == want_grads.keys()
-                for p, got in got_grads.items():
-                    want = want_grads[p]
-                    if p.startswith("routed_experts.inner_experts."):
-                        want = want[experts_shard]
-                    assert_close(got, want, tol, f"{name} grad of {p} (seed {seed})")
-            # ours against torchtitan's EP dispatcher: the same but for torchtitan's fp32 rounding
-            assert_close(results["ours"][0], results["titan"][0], tols[1], f"ours vs titan (seed {seed})")
+        with nan_unwritten_rows() as unwritten:  # symm_mem's unwritten rows: NaN
+            for step_seed in (1, 2):  # two routings, one compilation
+                g = torch.Generator().manual_seed(seed + step_seed + (0 if use_mesh else 7 * rank + 1))
+                x_all = torch.randn(W * B, L, D, generator=g, dtype=torch.float64)
+                upstream_all = torch.randn(W * B, L, D, generator=g, dtype=torch.float64)
+                mine = slice(r * B, (r + 1) * B)
+                results = {}
+                for name, moe, fn, tokens, upstream in (
+                    ("reference", reference, reference, x_all, upstream_all),
+                    ("titan", titan, titan, x_all[mine], upstream_all[mine]),
+                    ("ours", ours, step, x_all[mine], upstream_all[mine]),
+                ):
+                    x = tokens.clone().requires_grad_()
+                    moe.zero_grad()
+                    y = fn(x)
+                    y.backward(upstream)
+                    ep = name != "reference" and W > 1
+                    results[name] = (y.detach(), x.grad, grads(moe, W if name != "reference" else 1, ep))
+                want_y, want_dx, want_grads = results["reference"]
+                shared_grads = [g for p, g in want_grads.items() if p.startswith("shared_experts.")]
+                assert len(shared_grads) == {None: 0, "plain": 3, "gated": 4}[shared]  # configured as asked
+                assert all(g.abs().max() > 1e-3 for g in shared_grads)  # and in the loss
+                e = E // W
+                experts_shard = slice(r * e, (r + 1) * e)
+                for name, tol in zip(("titan", "ours"), tols):
+                    y, dx, got_grads = results[name]
+                    assert_close(y, want_y[mine], tol, f"{name} forward (seed {seed})")
+                    assert_close(dx, want_dx[mine], tol, f"{name} x.grad (seed {seed})")
+                    assert got_grads.keys() == want_grads.keys()
+                    for p, got in got_grads.items():
+                        want = want_grads[p]
+                        if p.startswith("routed_experts.inner_experts."):
+                            want = want[experts_shard]
+                        assert_close(got, want, tol, f"{name} grad of {p} (seed {seed})")
+                # ours against torchtitan's EP dispatcher: the same but for torchtitan's fp32 rounding
+                assert_close(results["ours"][0], results["titan"][0], tols[1], f"ours vs titan (seed {seed})")
+        if backend == "symm_mem":
+            assert len(unwritten) == 2 * 2  # each step: dispatch's copy-out and combine's backward's
+            assert min(unwritten) > 0  # the rows were there
+        else:
+            assert unwritten == []
     finally:
         titan_dist_utils.set_spmd_backend(saved_backend)
     return counter.frame_count
@@ -221,6 +247,23 @@ def test_one_process_without_a_mesh(alignment, compiler, shared):
 def test_expert_parallel_ranks(pool, alignment, compiler, shared):
     frames = pool.run(run_in_titan_moe, alignment, compiler, seed=fresh_seed(), shared=shared)
     assert frames == [1 if compiler else 0] * pool.world_size
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("alignment, compiler, shared", CASES)
+def test_symm_mem_backend(request, world_size, alignment, compiler, shared):
+    """``TokenDispatcher.Config(backend="symm_mem", buffers=SymmBuffers(...))`` in torchtitan's MoE:
+    one process (EP off, the buffers' one-rank allocator) and 2 ranks (the CPU shared-memory
+    stand-in), the C-row routed tensor straight into GroupedExperts, its rows past
+    ``tokens_per_expert.sum()`` NaN; the same checks as the other backends'."""
+    seed = fresh_seed()
+    if world_size == 1:
+        frames = [run_in_titan_moe(0, 1, alignment, compiler, use_mesh=False, seed=seed, shared=shared,
+                                   backend="symm_mem")]
+    else:
+        frames = request.getfixturevalue(f"pool{world_size}").run(
+            run_in_titan_moe, alignment, compiler, seed=seed, shared=shared, backend="symm_mem")
+    assert frames == [1 if compiler else 0] * world_size
 
 
 def test_inductor_two_ranks(pool2):
