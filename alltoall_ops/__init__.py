@@ -17,7 +17,7 @@ from .checkpoint import sac_policy
 from .comm import communication_ops, get_timeout, set_timeout
 from .groups import warmup
 from .hierarchical import hierarchical_dispatch
-from .overlap import wait
+from .overlap import wait, wait_add
 from .ulysses import head_to_seq, seq_to_head, ulysses_attention
 
 __version__ = "0.1.0"
@@ -25,4 +25,4 @@ __version__ = "0.1.0"
 __all__ = ["DispatchHandle", "SymmBuffers", "__version__", "combine", "communication_ops", "dispatch",
            "dispatch_layout", "errors", "hierarchical_dispatch",
            "exchange_counts", "get_timeout", "head_to_seq", "sac_policy", "seq_to_head", "set_timeout",
-           "ulysses_attention", "wait", "warmup"]
+           "ulysses_attention", "wait", "wait_add", "warmup"]

@@ -37,12 +37,13 @@ from . import backends
 from .api import combine, dispatch
 from .groups import resolve_group
 from .layout import expert_of_rows
-from .overlap import wait
+from .overlap import wait_add
 from .rows import accumulation_dtype
 from .validation import check_num_experts, check_top_k
 
 ACTIVATIONS = ("swiglu", "gelu")
 EXPERT_IMPLS = ("auto", "masked", "grouped_mm")
+SHARED_EXPERT_OVERLAPS = ("combine", "none")
 
 
 class Router(nn.Module):
@@ -207,6 +208,9 @@ class MoE(_ExpertParams):
             rank, added to the combined output); None (default): no shared expert.
         gated_shared_expert: scale the shared expert's output by sigmoid(x @ w_output_gate)
             (Qwen2-MoE / Qwen3-Next).
+        shared_expert_overlap: "combine" (default): the shared expert runs beside the combine's
+            exchange, between its async start and its wait (:mod:`alltoall_ops.overlap`);
+            "none": after the combine, nothing async. The same result bit for bit.
         group: ProcessGroup, 1-D DeviceMesh or None (default group; single process when
             torch.distributed is not initialised), as in :func:`alltoall_ops.dispatch`.
         backend: "auto" | "local" | "collective" | "symm_mem", as in :func:`alltoall_ops.dispatch`.
@@ -226,14 +230,17 @@ class MoE(_ExpertParams):
     def __init__(
         self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int, *,
         activation: str = "swiglu", shared_ffn_size: int | None = None, gated_shared_expert: bool = False,
-        group: Any = None, backend: str = "auto", expert_alignment: int = 1, expert_impl: str = "auto",
-        buffers: Any = None, device=None, dtype=None,
+        shared_expert_overlap: str = "combine", group: Any = None, backend: str = "auto", expert_alignment: int = 1,
+        expert_impl: str = "auto", buffers: Any = None, device=None, dtype=None,
     ):
         grp = resolve_group(group)
         backends.choose(backend, grp, buffers)
         num_experts = check_num_experts(num_experts, grp.size)
         if expert_impl not in EXPERT_IMPLS:
             raise ValueError(f"expert_impl: expected one of {EXPERT_IMPLS}, got {expert_impl!r}")
+        if shared_expert_overlap not in SHARED_EXPERT_OVERLAPS:
+            raise ValueError(f"shared_expert_overlap: expected one of {SHARED_EXPERT_OVERLAPS}, got "
+                             f"{shared_expert_overlap!r}")
         e = num_experts // grp.size
         super().__init__(e, hidden_size, ffn_size, activation, device=device, dtype=dtype)
         self.num_experts = num_experts
@@ -242,6 +249,7 @@ class MoE(_ExpertParams):
         self.group, self.backend = group, backend
         self.expert_alignment = expert_alignment
         self.expert_impl = expert_impl
+        self.shared_expert_overlap = shared_expert_overlap
         self.buffers = buffers
         self.router = Router(hidden_size, num_experts, top_k, device=device, dtype=dtype)
         self.shared_expert = _shared_expert(hidden_size, shared_ffn_size, gated_shared_expert, device, dtype)
@@ -249,7 +257,8 @@ class MoE(_ExpertParams):
     @classmethod
     def from_dense(cls, dense: DenseMoE, **kwargs: Any) -> MoE:
         """This rank's block holding a copy of ``dense``'s router, shared expert (if any) and of its
-        experts [rank*e, (rank+1)*e). kwargs: group, backend, expert_alignment, expert_impl, buffers."""
+        experts [rank*e, (rank+1)*e). kwargs: group, backend, expert_alignment, expert_impl, buffers,
+        shared_expert_overlap."""
         w_up, shared = dense.w_up, dense.shared_expert
         moe = cls(
             dense.hidden_size, dense.ffn_size, dense.num_experts, dense.router.top_k,
@@ -329,10 +338,10 @@ class MoE(_ExpertParams):
         out_RH = self.experts(routed_RH, tokens_per_expert_e)
         if self.shared_expert is None:
             return combine(out_RH, handle, topk_weights_TK)
-        # The shared expert reads x_TH only, never the exchange's rows: it runs between the start
-        # and the wait of the combine, beside its exchange (alltoall_ops.overlap; passed to the
-        # wait so that compilers keep it there).
+        if self.shared_expert_overlap == "none":
+            return combine(out_RH, handle, topk_weights_TK) + self.shared_expert(x_TH)
+        # The shared expert reads x_TH only, never the exchange's rows: it runs between the
+        # combine's start and its wait, beside the exchange (alltoall_ops.overlap; wait_add binds
+        # it before the wait in compiled code too).
         y_TH = combine(out_RH, handle, topk_weights_TK, async_op=True)
-        shared_TH = self.shared_expert(x_TH)
-        y_TH, shared_TH = wait(y_TH, shared_TH)
-        return y_TH + shared_TH
+        return wait_add(y_TH, self.shared_expert(x_TH))

@@ -4,15 +4,14 @@ expert) runs beside it::
 
     y_TH = a2a.combine(out_RH, handle, topk_weights_TK, async_op=True)  # the exchange starts
     shared_TH = shared_expert(x_TH)                                     # beside it
-    y_TH, shared_TH = a2a.wait(y_TH, shared_TH)                         # the compute stream joins
-    out_TH = y_TH + shared_TH
+    out_TH = a2a.wait_add(y_TH, shared_TH)                              # join, then y + shared
 
 The start is the backend's own op (its ``async_op`` argument), the wait is PyTorch's
 functional-collective wait (``torch.ops._c10d_functional.wait_tensor``), which autograd passes
 through, torch.compile keeps in place and inductor knows: the start registers a
-:class:`PendingExchange` for its first output, the wait finds it there. Both are one node each
-in a compiled graph, in program order (start, the work between, wait), when the work between
-is passed to the wait too (see :func:`wait`).
+:class:`PendingExchange` for its first output, the wait finds it there. :func:`wait_add` ends a
+combine with the sum ``y + other`` in one op, so that the work making ``other`` stays before the
+wait in compiled code too (a data dependency: inductor schedules freely otherwise).
 
 Stream and buffer rules (CUDA):
 - The exchange runs on one communication stream per device (:func:`comm_stream`), after
@@ -39,6 +38,8 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from ._compat import custom_op
 
 Out = TypeVar("Out")
 
@@ -109,21 +110,44 @@ def startable(body: Callable[..., Out]) -> Callable[..., Out]:
     return op_body
 
 
-def wait(*outputs: Any) -> Any:
-    """The outputs of an async dispatch or combine, ready: each a tensor, or a tuple / list of
-    tensors (an fp8 dispatch's (values, scales)), returned as given (one argument: itself; several:
-    a tuple). A tensor no exchange is pending on passes through for free, so pass along what was
-    computed between the start and the wait: compilers then keep that work before the wait
-    (inductor would otherwise move it next to its use, after the wait, and nothing overlaps)::
-
-        y_TH, shared_TH = a2a.wait(y_TH, shared_TH)
-    """
-    if len(outputs) != 1:
-        return tuple(wait(x) for x in outputs)
-    x = outputs[0]
+def wait(x: Any) -> Any:
+    """The outputs of an async dispatch or combine, ready: ``x`` a tensor, or a tuple / list of
+    tensors (an fp8 dispatch's (values, scales)), returned as given. A tensor no exchange is
+    pending on passes through (free). Work between the start and this wait is not bound to stay
+    there under torch.compile (nothing it makes feeds the wait): end a combine with
+    :func:`wait_add` instead, which is bound."""
     if isinstance(x, (tuple, list)):
         return type(x)(wait(t) for t in x)
     return torch.ops._c10d_functional.wait_tensor(x)
+
+
+def _wait_add(pending: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """``wait(pending) + other`` as one op (``pending`` (T, H) an async combine's y, ``other``
+    (T, H) work done meanwhile, e.g. a shared expert's output): ``other`` is an input of the wait,
+    so compilers keep the work that makes it before the wait (inductor moves work freely up to its
+    first use otherwise, which would be after a plain wait). The sum in ``pending``'s dtype."""
+    return torch.ops._c10d_functional.wait_tensor(pending) + other
+
+
+wait_add = custom_op("alltoall_ops::wait_add", _wait_add)
+
+
+@wait_add.register_fake
+def _(pending, other):
+    # NB: the add's shape and dtype (broadcasting as torch's +)
+    return pending + other
+
+
+def _wait_add_setup_context(ctx, inputs, output):
+    ctx.shapes = tuple(t.shape for t in inputs)
+
+
+def _wait_add_backward(ctx, grad_TH):
+    # d (a + b) = (grad, grad), summed back to a broadcast input's shape
+    return tuple(grad_TH.sum_to_size(shape) for shape in ctx.shapes)
+
+
+wait_add.register_autograd(_wait_add_backward, setup_context=_wait_add_setup_context)
 
 
 def pending_exchanges() -> int:

@@ -30,9 +30,8 @@ def round_trip(x_TH, topk_idx_TK, weights_TK, async_op: bool, **dispatch_kwargs)
     valid_R1 = (a2a.layout.expert_of_rows(tokens_per_expert_e, routed_RH.shape[0]) < E)[:, None]
     out_RH = torch.where(valid_R1, routed_RH * 2 + 1, 0)
     y_TH = a2a.combine(out_RH, handle, weights_TK, async_op=async_op)
-    beside_TH = x_TH.sin()  # work that reads no output of the exchange, passed along to the wait
-    y_TH, beside_TH = a2a.wait(y_TH, beside_TH)
-    return y_TH + beside_TH
+    beside_TH = x_TH.sin()  # work that reads no output of the exchange
+    return a2a.wait_add(y_TH, beside_TH)
 
 
 def async_equals_sync(rank: int, world_size: int, seed: int, backend: str) -> int:
@@ -101,9 +100,10 @@ def test_async_op_must_be_a_bool(entry):
     assert overlap.pending_exchanges() == 0
 
 
-def moe_with_shared_expert(gated: bool, seed: int) -> MoE:
+def moe_with_shared_expert(gated: bool, seed: int, mode: str = "combine") -> MoE:
     torch.manual_seed(seed)
-    return MoE(H, 2 * H, E, K, shared_ffn_size=3 * H, gated_shared_expert=gated, dtype=torch.float64)
+    return MoE(H, 2 * H, E, K, shared_ffn_size=3 * H, gated_shared_expert=gated, shared_expert_overlap=mode,
+               dtype=torch.float64)
 
 
 def serial_forward(moe: MoE, x_TH: torch.Tensor) -> torch.Tensor:
@@ -114,10 +114,10 @@ def serial_forward(moe: MoE, x_TH: torch.Tensor) -> torch.Tensor:
     return y_TH + moe.shared_expert(x_TH)
 
 
-@pytest.mark.parametrize("gated", [False, True])
-def test_moe_overlapped_equals_serial(gated):
+@pytest.mark.parametrize("gated, mode", [(False, "combine"), (True, "combine"), (True, "none")])
+def test_moe_overlapped_equals_serial(gated, mode):
     seed = random.randrange(1 << 20)
-    moe = moe_with_shared_expert(gated, seed)
+    moe = moe_with_shared_expert(gated, seed, mode)
     x = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
     results = []
     for forward in (serial_forward, MoE.forward):
@@ -128,10 +128,15 @@ def test_moe_overlapped_equals_serial(gated):
         assert torch.equal(want, got), f"seed {seed}"
 
 
+def test_shared_expert_overlap_is_checked():
+    with pytest.raises(ValueError, match="shared_expert_overlap: expected one of"):
+        MoE(H, 2 * H, E, K, shared_ffn_size=H, shared_expert_overlap="dispatch")
+
+
 @pytest.mark.parametrize("gated", [False, True])
 def test_compiled_code_runs_the_shared_expert_between_start_and_wait(gated):
     """Inductor's code for the forward: the combine's start, the shared expert's matmuls (3, gated
-    4: w_gate, w_up, w_down, w_output_gate), then the wait."""
+    4: w_gate, w_up, w_down, w_output_gate), then the wait (wait_add: y + the shared output)."""
     moe = moe_with_shared_expert(gated, random.randrange(1 << 20))
     x = torch.randn(T, H, dtype=torch.float64)
     torch._dynamo.reset()
@@ -141,10 +146,16 @@ def test_compiled_code_runs_the_shared_expert_between_start_and_wait(gated):
     torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-14)  # inductor fuses the SwiGLU: fp64 rounding
     code = "\n".join(codes)
     start = code.index("torch.ops.alltoall_ops.local_combine.default(")
-    assert code[start:code.index(")", start)].endswith(", True")  # async_op, the op's last argument
-    wait = code.index("torch.ops._c10d_functional.wait_tensor.default(")
-    assert start < wait
-    between = code[start:wait]
-    assert len(re.findall(r"extern_kernels\.mm\(", between)) == (4 if gated else 3), between
-    assert not re.findall(r"extern_kernels\.mm\(", code[wait:])  # nothing of the shared expert after it
+    assert code[start:code.index(")", start)].endswith("True")  # async_op, the op's last argument
+    wait = code.index("torch.ops.alltoall_ops.wait_add.default(", start)
+    assert len(re.findall(r"extern_kernels\.mm\(", code[start:wait])) == (4 if gated else 3), code[start:wait]
+    assert not re.findall(r"extern_kernels\.mm\(", code[wait:])  # nothing of the shared expert after the wait
     assert overlap.pending_exchanges() == 0
+
+
+def test_wait_add_gradients():
+    """wait_add's backward: the gradient to both inputs, summed back over a broadcast one."""
+    a = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(1, H, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(a2a.wait_add, (a, b))
+    torch.library.opcheck(a2a.wait_add, (a, b))
