@@ -1,5 +1,5 @@
 """See what torch.compile made of a callable: its forward / backward graphs and a compact,
-version-stable summary of the communication ops in them.
+version-stable summary of the communication ops in them (and the waits of async ones).
 
 Example::
 
@@ -21,6 +21,7 @@ import torch.fx
 
 from ._compat import OpaqueBase
 from .comm import communication_ops
+from .overlap import wait_add
 
 
 @dataclasses.dataclass
@@ -51,9 +52,11 @@ class CompiledGraphs:
 
 
 def _is_comm(target: Any) -> bool:
+    """A comm op of this library, a functional collective (``wait_tensor`` too) or ``wait_add``:
+    an async exchange's start and its wait both show."""
     if not isinstance(target, torch._ops.OpOverload):
         return False
-    return target in communication_ops() or target.namespace == "_c10d_functional"
+    return target in communication_ops() or target.namespace == "_c10d_functional" or target == wait_add._opoverload
 
 
 def _comm_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

@@ -15,7 +15,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import alltoall_ops as a2a
-from alltoall_ops import overlap
+from alltoall_ops import inspect, overlap
 from alltoall_ops.moe import MoE
 from alltoall_ops.testing import routing
 
@@ -159,3 +159,17 @@ def test_wait_add_gradients():
     b = torch.randn(1, H, dtype=torch.float64, requires_grad=True)
     torch.autograd.gradcheck(a2a.wait_add, (a, b))
     torch.library.opcheck(a2a.wait_add, (a, b))
+
+
+def test_graph_summary_shows_the_start_and_the_wait():
+    moe = moe_with_shared_expert(False, random.randrange(1 << 20))
+    x = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
+    torch._dynamo.reset()
+    assert inspect.compiled_graphs(moe, x).summary() == """\
+forward 0:
+  alltoall_ops.local_dispatch(scale_TK=None)
+  alltoall_ops.local_combine(weights_TK=<tensor>, async_op=True)
+  alltoall_ops.wait_add()
+backward 0:
+  alltoall_ops.local_dispatch(scale_TK=<tensor>)
+  alltoall_ops.local_combine(weights_TK=None)"""
