@@ -125,7 +125,7 @@ def _wait_add(pending: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """``wait(pending) + other`` as one op (``pending`` (T, H) an async combine's y, ``other``
     (T, H) work done meanwhile, e.g. a shared expert's output): ``other`` is an input of the wait,
     so compilers keep the work that makes it before the wait (inductor moves work freely up to its
-    first use otherwise, which would be after a plain wait). The sum in ``pending``'s dtype."""
+    first use otherwise, which would be after a plain wait). The sum as torch's ``+``."""
     return torch.ops._c10d_functional.wait_tensor(pending) + other
 
 
