@@ -72,12 +72,10 @@ class PendingExchange(dist.Work):
         return True
 
 
-def run(async_op: bool, exchange: Callable[[], Out], *reads: Any) -> Out:
-    """``exchange()``, an op's body; with ``async_op``, started on the communication stream of
-    the device of the first CUDA tensor in ``reads`` (everything the body reads) and pending
+def start(exchange: Callable[[], Out], *reads: Any) -> Out:
+    """``exchange()``, an op's body, started on the communication stream of the device of the
+    first CUDA tensor in ``reads`` (everything the body reads; in place on the CPU) and pending
     until :func:`wait` on its first output."""
-    if not async_op:
-        return exchange()
     cuda = next((t.device for t in reads if isinstance(t, torch.Tensor) and t.is_cuda), None)
     stream = None if cuda is None else comm_stream(cuda)
     if stream is None:
@@ -93,8 +91,8 @@ def run(async_op: bool, exchange: Callable[[], Out], *reads: Any) -> Out:
 
 def startable(body: Callable[..., Out]) -> Callable[..., Out]:
     """An exchange op's body with the meaning of its ``async_op`` argument (a bool, last, default
-    False): with it, the body is :func:`run` on the communication stream, reading every tensor
-    argument. The op's schema is the body's (the wrapper keeps its signature)."""
+    False): with it, the body runs through :func:`start` on the communication stream, reading
+    every tensor argument. The op's schema is the body's (the wrapper keeps its signature)."""
     signature = inspect.signature(body, eval_str=True)  # NB: annotations resolved in the body's module
     position = list(signature.parameters).index("async_op")
 
@@ -104,7 +102,7 @@ def startable(body: Callable[..., Out]) -> Callable[..., Out]:
         if not async_op:
             return body(*args, **kwargs)
         reads = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        return run(True, lambda: body(*args, **kwargs), *reads)
+        return start(lambda: body(*args, **kwargs), *reads)
 
     op_body.__signature__ = signature  # what custom_op infers the schema from
     return op_body

@@ -37,7 +37,7 @@ def test_the_exchange_runs_on_the_comm_stream():
         seen.append(torch.cuda.current_stream())
         return x * 2
 
-    out = overlap.run(True, exchange, x)
+    out = overlap.start(exchange, x)
     assert seen == [overlap.comm_stream(x.device)] and seen[0] != torch.cuda.current_stream()
     assert overlap.pending_exchanges() == 1
     assert torch.equal(a2a.wait(out), x * 2)
