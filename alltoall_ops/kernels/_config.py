@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..validation import positive_int
+
 try:  # read once: triton.jit reads it at decoration
     _INTERPRETED = bool(triton.knobs.runtime.interpret)
 except AttributeError:  # Triton without knobs
@@ -61,8 +63,7 @@ def program_grid(row_programs: int, col_programs: int = 1, max_programs: Optiona
     them). An SM budget: a program is one SM's worth of work at a time (docs/symm_mem.md)."""
     if max_programs is None:
         return row_programs, col_programs
-    if isinstance(max_programs, bool) or not isinstance(max_programs, int) or max_programs < 1:
-        raise ValueError(f"max_programs: expected None or a positive int, got {max_programs!r}")
+    max_programs = positive_int("max_programs", max_programs)
     return min(row_programs, max(1, max_programs // max(col_programs, 1))), col_programs
 
 
