@@ -1,0 +1,178 @@
+"""A race check for the kernels in Triton's interpreter (CPU tests).
+
+The interpreter runs a launch's programs one after another, and each block operation of a
+program as one numpy operation, so a kernel whose result depends on the order of its programs,
+or of the threads of one program, still computes the right thing there. On a GPU the programs
+of a launch run at once, in any order, and the threads of a program too, ordered only by
+``tl.debug_barrier``. :func:`record_races` records, for every launch inside it, the element
+addresses each program loads and stores (masked-in lanes only; atomics aside: they are the
+ordered way to share) and reports two kinds of race:
+
+- **between programs**: an address that one program stores and another loads or stores;
+- **within a program**: an address that one program both loads and stores between two of its
+  barriers, which on a GPU different threads may do in either order (a replicated value is
+  loaded by every thread holding a copy and stored by one of them).
+
+The second kind is the bug that made the symm_mem copy-out drop rows on the H200 under an SM
+budget (its programs read each row's tag and reset it to -1 with no barrier between). Uses the
+interpreter's builder (``triton.runtime.interpreter``: ``create_masked_load`` /
+``create_masked_store`` / ``create_barrier`` and the launch's ``GridExecutor``); a Triton whose
+interpreter lacks them makes :func:`record_races` raise instead of checking nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterator
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Race:
+    """One race of one launch: ``kind`` 'between programs' or 'within a program', the kernel,
+    how many addresses, and the first program ids involved."""
+
+    kernel: str
+    kind: str
+    addresses: int
+    programs: tuple
+
+    def __str__(self) -> str:
+        return f"{self.kernel}: {self.addresses} addresses {self.kind} (programs {self.programs})"
+
+
+class _Launch:
+    """The accesses of one launch: per program, its loads and stores since its last barrier."""
+
+    def __init__(self, kernel: str):
+        self.kernel = kernel
+        self.program: tuple = (0, 0, 0)
+        self.loads: list[np.ndarray] = []
+        self.stores: list[np.ndarray] = []
+        self.all_loads: list[tuple[tuple, np.ndarray]] = []
+        self.all_stores: list[tuple[tuple, np.ndarray]] = []
+        self.races: list[Race] = []
+
+    def access(self, store: bool, ptrs: np.ndarray, mask: np.ndarray) -> None:
+        addrs = np.asarray(ptrs)[np.broadcast_to(np.asarray(mask, dtype=bool), np.shape(ptrs))]
+        (self.stores if store else self.loads).append(addrs.astype(np.uint64).ravel())
+
+    def barrier(self) -> None:
+        """End of a barrier interval of the current program: its loads and stores meet here."""
+        loads, stores = _cat(self.loads), _cat(self.stores)
+        both = np.intersect1d(loads, stores)
+        if both.size:
+            self.races.append(Race(self.kernel, "within a program (loaded and stored, no barrier between)",
+                                   int(both.size), (self.program,)))
+        self.all_loads.append((self.program, loads))
+        self.all_stores.append((self.program, stores))
+        self.loads, self.stores = [], []
+
+    def start_program(self, program: tuple) -> None:
+        self.barrier()
+        self.program = program
+
+    def finish(self) -> list[Race]:
+        self.barrier()
+        stored = [(p, np.unique(a)) for p, a in self.all_stores if a.size]
+        if stored:
+            s_addr = np.concatenate([a for _, a in stored])
+            s_prog = np.concatenate([np.full(a.size, i) for i, (_, a) in enumerate(stored)])
+            order = np.argsort(s_addr, kind="stable")
+            s_addr, s_prog = s_addr[order], s_prog[order]
+            twice = (s_addr[1:] == s_addr[:-1]) & (s_prog[1:] != s_prog[:-1])
+            if twice.any():
+                i = int(np.nonzero(twice)[0][0])
+                self._between(int(twice.sum()), stored[s_prog[i]][0], stored[s_prog[i + 1]][0])
+            names = [p for p, _ in stored]
+            for program, loads in self.all_loads:
+                loads = np.unique(loads)
+                at = np.clip(np.searchsorted(s_addr, loads), 0, s_addr.size - 1)
+                hit = (s_addr[at] == loads) & np.array([names[j] != program for j in s_prog[at]], dtype=bool)
+                if hit.any():
+                    self._between(int(hit.sum()), program, names[s_prog[at[np.nonzero(hit)[0][0]]]])
+        return self.races
+
+    def _between(self, n: int, first: tuple, second: tuple) -> None:
+        self.races.append(Race(self.kernel, "between programs (stored by one, read or stored by another)", n,
+                               (first, second)))
+
+
+def _cat(arrays: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(arrays) if arrays else np.empty(0, dtype=np.uint64)
+
+
+@contextlib.contextmanager
+def record_races() -> Iterator[list[Race]]:
+    """Inside: every interpreted launch is checked for races; the list (yielded) collects them.
+
+    >>> with record_races() as races:
+    ...     launcher(...)          # any launches of interpreted Triton kernels
+    >>> assert not races, races
+    """
+    from triton.runtime import interpreter as ti
+
+    builder, executor = ti.interpreter_builder, ti.GridExecutor
+    names = ("create_masked_load", "create_masked_store", "create_barrier", "set_grid_idx",
+             "create_atomic_load", "create_atomic_store")
+    missing = [n for n in names if not hasattr(builder, n)]
+    if missing:
+        raise RuntimeError(f"record_races: this Triton's interpreter has no {missing}; the check cannot run")
+    races: list[Race] = []
+    launches: list[_Launch] = []
+    atomic = [False]
+    if any(n in vars(builder) for n in names):
+        raise RuntimeError("record_races: already recording (it does not nest)")
+    original = {n: getattr(builder, n) for n in names}
+    original_call = executor.__call__
+
+    def masked_load(ptrs, mask, other, cache_policy, is_volatile):
+        if launches and not atomic[0]:
+            launches[-1].access(False, ptrs.data, mask.data)
+        return original["create_masked_load"](ptrs, mask, other, cache_policy, is_volatile)
+
+    def masked_store(ptrs, value, mask, cache_policy):
+        if launches and not atomic[0]:
+            launches[-1].access(True, ptrs.data, mask.data)
+        return original["create_masked_store"](ptrs, value, mask, cache_policy)
+
+    def barrier():
+        if launches:
+            launches[-1].barrier()
+        return original["create_barrier"]()
+
+    def set_grid_idx(x, y, z):
+        if launches:
+            launches[-1].start_program((x, y, z))
+        return original["set_grid_idx"](x, y, z)
+
+    def as_atomic(name):
+        def op(*args, **kwargs):
+            atomic[0] = True
+            try:
+                return original[name](*args, **kwargs)
+            finally:
+                atomic[0] = False
+        return op
+
+    def call(self, *args, **kwargs):
+        launches.append(_Launch(getattr(self.fn, "__name__", str(self.fn))))
+        try:
+            return original_call(self, *args, **kwargs)
+        finally:
+            races.extend(launches.pop().finish())
+
+    patches = dict(create_masked_load=masked_load, create_masked_store=masked_store, create_barrier=barrier,
+                   set_grid_idx=set_grid_idx, create_atomic_load=as_atomic("create_atomic_load"),
+                   create_atomic_store=as_atomic("create_atomic_store"))
+    for n, fn in patches.items():
+        setattr(builder, n, fn)
+    executor.__call__ = call
+    try:
+        yield races
+    finally:
+        for n in patches:
+            delattr(builder, n)  # the class's methods again
+        executor.__call__ = original_call

@@ -1,0 +1,105 @@
+"""Races in the Triton kernels, found on the CPU (``kernels/races.py`` over Triton's interpreter).
+
+The interpreter runs programs one after another, so a kernel that races on a GPU still computes
+the right result here; the race check records every launch's loads and stores instead. First
+the check itself can fail (a tag read and reset without a barrier, the copy-out bug that dropped
+rows on the H200 under an SM budget; programs overlapping); then a whole simulated symm_mem step
+(W = 2, plain and fp8, budgets 1, 3 and none, overflow='drop', forward and backward) and the
+local backend launch no kernel with a race.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import alltoall_ops as a2a
+from alltoall_ops import fp8
+from alltoall_ops.backends.symm_mem import run_simulated
+from alltoall_ops.kernels import loader
+from alltoall_ops.testing import routing
+
+pytestmark = pytest.mark.skipif(not loader.load().interpreting(), reason="the check runs Triton's interpreter")
+
+if loader.load().interpreting():
+    import triton
+    import triton.language as tl
+
+    from alltoall_ops.kernels.races import record_races
+
+    @triton.jit
+    def _read_then_reset(tags_ptr, out_ptr, n, BARRIER: tl.constexpr, BLOCK: tl.constexpr):
+        o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = o < n
+        b_tag = tl.load(tags_ptr + o, mask=m, other=-1)
+        if BARRIER:
+            tl.debug_barrier()
+        tl.store(tags_ptr + o, tl.full([BLOCK], -1, tl.int64), mask=m)
+        tl.store(out_ptr + o, b_tag, mask=m)
+
+    @triton.jit
+    def _shift_left(x_ptr, n, BLOCK: tl.constexpr):
+        o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        b_x = tl.load(x_ptr + o + 1, mask=o + 1 < n)  # the next program's first element too
+        tl.debug_barrier()
+        tl.store(x_ptr + o, b_x, mask=o < n)
+
+
+@pytest.mark.parametrize("barrier", [False, True])
+def test_read_then_reset_needs_a_barrier(barrier):
+    tags, out = torch.arange(10), torch.empty(10, dtype=torch.int64)
+    with record_races() as races:
+        _read_then_reset[(3,)](tags, out, 10, BARRIER=barrier, BLOCK=4)
+    assert torch.equal(out, torch.arange(10)) and bool((tags == -1).all())  # right here either way
+    if barrier:
+        assert races == []
+    else:
+        assert [r.programs for r in races] == [((0, 0, 0),), ((1, 0, 0),), ((2, 0, 0),)]
+        assert all("within a program" in r.kind and r.kernel == "_read_then_reset" for r in races)
+
+
+def test_programs_that_overlap_race():
+    with record_races() as races:
+        _shift_left[(3,)](torch.arange(10), 10, BLOCK=4)
+    assert races and all("between programs" in r.kind for r in races)
+    assert {frozenset(r.programs) for r in races} == {frozenset({(0, 0, 0), (1, 0, 0)}),
+                                                      frozenset({(1, 0, 0), (2, 0, 0)})}
+
+
+W, T, H, K, E = 2, 9, 256, 2, 8  # H: two fp8 scale blocks
+
+
+def _step(payload_dtype, num_sms, capacity):
+    bufs = a2a.SymmBuffers.simulated(W, T, H, K, E, dtype=torch.bfloat16, device="cpu", num_sms=num_sms,
+                                     capacity=capacity, overflow="drop" if capacity else "error",
+                                     payload_dtype=payload_dtype)
+    xs = [torch.randn(T, H, generator=torch.Generator().manual_seed(r)).bfloat16().requires_grad_() for r in range(W)]
+    routes = [routing(T, K, E, seed=10 + r, dropped=0.2) for r in range(W)]
+
+    def rank(r, b):
+        idx, w = routes[r]
+        routed, tpe, handle = a2a.dispatch(xs[r], idx, num_experts=E, buffers=b, payload_dtype=payload_dtype,
+                                           dequantize=payload_dtype is not None)
+        y = a2a.combine(routed * 2, handle, w.requires_grad_())
+        y.float().square().sum().backward()
+        return y
+
+    return run_simulated(rank, bufs)
+
+
+@pytest.mark.parametrize("payload_dtype", [None, fp8.FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("num_sms", [1, 3, None])
+def test_symm_mem_step_has_no_race(payload_dtype, num_sms):
+    with record_races() as races:
+        _step(payload_dtype, num_sms, capacity=None)
+    assert races == [], "\n".join(map(str, races))
+
+
+def test_symm_mem_drop_and_local_have_no_race():
+    with record_races() as races:
+        _step(None, 2, capacity=5)
+        x = torch.randn(T, H)
+        idx, w = routing(T, K, E, seed=3, dropped=0.2)
+        routed, _, handle = a2a.dispatch(x, idx, num_experts=E, backend="local", expert_alignment=4,
+                                         payload_dtype=fp8.FP8)
+    assert races == [], "\n".join(map(str, races))
