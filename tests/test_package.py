@@ -1,5 +1,6 @@
-"""Package-level behaviour: the version, what goes to the ``alltoall_ops`` logger, and the
-Triton interpreter switch on a machine without CUDA (in fresh processes)."""
+"""Package-level behaviour: the version, what goes to the ``alltoall_ops`` logger, the Triton
+interpreter switch on a machine without CUDA, and an op's first call importing nothing (in fresh
+processes)."""
 
 from __future__ import annotations
 
@@ -65,3 +66,19 @@ def test_an_explicit_triton_interpret_is_left_alone():
     assert "TRITON_INTERPRET 0" in out.stdout
     assert "local backend ok True" in out.stdout
     assert "SymmBuffers on the CPU run the kernels in Triton's interpreter" in out.stdout
+
+
+def test_the_first_op_call_imports_nothing():
+    """torch imports dynamo (1-2 s) at a custom op's first call through the dispatcher; the package
+    imports it, so no rank's first op is seconds late. Before: a rank whose checks failed joined
+    the agreement at once, its peers' first exchange op imported dynamo, and past a short
+    deadline every rank timed out instead of raising its error (issue 31)."""
+    out = _run("""
+        import sys, torch
+        import alltoall_ops as a2a
+        before = set(sys.modules)
+        a2a.layout.dispatch_layout_op(torch.zeros(2, 1, dtype=torch.int64), 2, 1, 1)
+        print("imported", sorted(set(sys.modules) - before))
+    """)
+    assert out.returncode == 0, out.stderr
+    assert "imported []" in out.stdout, out.stdout
