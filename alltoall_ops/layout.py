@@ -20,7 +20,7 @@ Layout conventions:
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Sequence, TypeVar
+from typing import NamedTuple, Optional, Sequence, TypeVar
 
 import torch
 
@@ -50,25 +50,27 @@ class RoutingPlan:
     send_meta: torch.Tensor
 
 
-def plan_routing(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> RoutingPlan:
+def plan_routing(topk_idx: torch.Tensor, num_experts: int, world_size: int,
+                 max_programs: Optional[int] = None) -> RoutingPlan:
     """Sort the (T, K) slots of ``topk_idx`` into send order and count them per expert.
 
     Out-of-range ids are treated as dropped here and reported in the status columns, so that
     the metadata exchange can tell every rank about them before any payload moves. One op
     (``alltoall_ops::plan_routing``; called directly in plain eager code): on CUDA two kernel
-    launches and no sort (up to ``kernels.routing_plan.MAX_SLOTS`` slots; a stable sort above)."""
-    order, position, send_meta = call(plan_routing_op, topk_idx, num_experts, world_size)
+    launches and no sort (up to ``kernels.routing_plan.MAX_SLOTS`` slots; a stable sort above), of
+    at most ``max_programs`` programs each (an SM budget: symm_mem's ``num_sms``)."""
+    order, position, send_meta = call(plan_routing_op, topk_idx, num_experts, world_size, max_programs)
     return RoutingPlan(order=order, position=position, send_meta=send_meta)
 
 
 def _plan_routing(
-    topk_idx: torch.Tensor, num_experts: int, world_size: int
+    topk_idx: torch.Tensor, num_experts: int, world_size: int, max_programs: Optional[int] = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(T, K) integer expert ids -> order (N,), position (T, K), send_meta (W, e + STATUS_COLUMNS)."""
     if loader.use_kernels(topk_idx):
         kernels = loader.load()
         if topk_idx.numel() <= kernels.routing_plan.MAX_SLOTS:
-            return kernels.plan_slots(topk_idx, num_experts, world_size)
+            return kernels.plan_slots(topk_idx, num_experts, world_size, max_programs)
     return _plan_routing_torch(topk_idx, num_experts, world_size)
 
 
@@ -76,7 +78,7 @@ plan_routing_op = custom_op("alltoall_ops::plan_routing", _plan_routing)
 
 
 @plan_routing_op.register_fake
-def _(topk_idx, num_experts, world_size):
+def _(topk_idx, num_experts, world_size, max_programs=None):
     # NB: every shape follows from T, K, E and W: nothing waits for the ids.
     T, K = topk_idx.shape
     new = dict(dtype=torch.int64, device=topk_idx.device)

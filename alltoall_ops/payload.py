@@ -43,14 +43,18 @@ class Format:
         """The dtype of routed rows that are not dequantized."""
         return x_dtype
 
-    def encode(self, x_TH: torch.Tensor, x_scale_TB: Optional[torch.Tensor]) -> tuple[torch.Tensor, Any]:
-        """What travels: values (T, H) and scales (T, B), or None for none."""
+    def encode(self, x_TH: torch.Tensor, x_scale_TB: Optional[torch.Tensor],
+               max_programs: Optional[int] = None) -> tuple[torch.Tensor, Any]:
+        """What travels: values (T, H) and scales (T, B), or None for none. max_programs: the
+        SM budget of any kernel launch (symm_mem's buffers' ``num_sms``)."""
         return x_TH, None
 
     def decode(self, values_RH: torch.Tensor, scale_RB: Optional[torch.Tensor], out_dtype: Optional[torch.dtype],
-               num_routed_1: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+               num_routed_1: Optional[torch.Tensor] = None,
+               max_programs: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The moved parts -> routed (R, H) and routed_scale (R, B). num_routed_1: (1,) int64 on
-        the device where rows past it are unspecified (symm_mem; not read), else None."""
+        the device where rows past it are unspecified (symm_mem; not read), else None.
+        max_programs: as :meth:`encode`'s."""
         return values_RH, values_RH.new_empty(values_RH.shape[0], 0, dtype=self.scale_dtype)
 
     def empty_routed(self, x_TH: torch.Tensor, num_rows: Any,
@@ -77,16 +81,16 @@ class FP8Format(Format):
     def routed_dtype(self, x_dtype):
         return fp8.FP8
 
-    def encode(self, x_TH, x_scale_TB):
-        return quantize_bits(x_TH, x_scale_TB)
+    def encode(self, x_TH, x_scale_TB, max_programs=None):
+        return quantize_bits(x_TH, x_scale_TB, max_programs)
 
-    def decode(self, values_RH, scale_RB, out_dtype, num_routed_1=None):
+    def decode(self, values_RH, scale_RB, out_dtype, num_routed_1=None, max_programs=None):
         if out_dtype is None:
             return values_RH.view(fp8.FP8), scale_RB
         if num_routed_1 is None:
             return fp8.dequantize(values_RH.view(fp8.FP8), scale_RB, out_dtype), scale_RB
         routed_RH = values_RH.new_empty(values_RH.shape, dtype=out_dtype)  # rows past num_routed not written
-        loader.load().dequantize_rows(values_RH, scale_RB, num_routed_1, routed_RH)
+        loader.load().dequantize_rows(values_RH, scale_RB, num_routed_1, routed_RH, max_programs=max_programs)
         return routed_RH, scale_RB
 
 

@@ -47,16 +47,16 @@ def rows_in_send_order(
 
 
 def quantize_bits(
-    x_TH: torch.Tensor, x_scale_TB: Optional[torch.Tensor] = None
+    x_TH: torch.Tensor, x_scale_TB: Optional[torch.Tensor] = None, max_programs: Optional[int] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The bits an fp8 payload moves: values (T, H) as uint8 (float8_e4m3fn bits) and scales
     (T, H / 128) fp32. x (T, H) float is quantized (:func:`fp8.quantize`, which returns float8
-    values; one kernel launch on CUDA); with ``x_scale_TB``, x already holds float8_e4m3fn values
-    and those scales, returned as they are."""
+    values; one kernel launch on CUDA, of at most ``max_programs`` programs: an SM budget); with
+    ``x_scale_TB``, x already holds float8_e4m3fn values and those scales, returned as they are."""
     if x_scale_TB is not None:
         return x_TH.view(torch.uint8), x_scale_TB
     if loader.use_kernels(x_TH):
-        return loader.load().quantize_rows(x_TH)
+        return loader.load().quantize_rows(x_TH, max_programs=max_programs)
     values_TH, scales_TB = fp8.quantize(x_TH)
     return values_TH.view(torch.uint8), scales_TB
 
@@ -133,26 +133,28 @@ def gather_rows(
 
 @torch.library.custom_op("alltoall_ops::weight_grad", mutates_args=())
 def weight_grad_op(
-    grad_y_TH: torch.Tensor, rows_nH: torch.Tensor, position_TK: torch.Tensor, weights_TK: torch.Tensor
+    grad_y_TH: torch.Tensor, rows_nH: torch.Tensor, position_TK: torch.Tensor, weights_TK: torch.Tensor,
+    max_programs: Optional[int] = None,
 ) -> torch.Tensor:
     """grad_w (T, K) = :func:`slot_dot` (rows_nH, position_TK, grad_y_TH) in weights_TK's dtype:
     the gradient of combine's weights (of dispatch's per-slot scale) from the slots' rows; one
-    kernel launch on CUDA. Its backward is plain torch (differentiable again)."""
+    kernel launch on CUDA, of at most ``max_programs`` programs (an SM budget). Its backward is
+    plain torch (differentiable again)."""
     if not loader.use_kernels(grad_y_TH):
         return slot_dot(rows_nH, position_TK, grad_y_TH, weights_TK.dtype)
     grad_w_TK = torch.empty(position_TK.shape, dtype=weights_TK.dtype, device=grad_y_TH.device)
     acc = accumulation_dtype(rows_nH.dtype, weights_TK.dtype, grad_y_TH.dtype)
-    loader.load().weight_grad(grad_y_TH, rows_nH, position_TK, grad_w_TK, acc)
+    loader.load().weight_grad(grad_y_TH, rows_nH, position_TK, grad_w_TK, acc, max_programs=max_programs)
     return grad_w_TK
 
 
 @weight_grad_op.register_fake
-def _(grad_y_TH, rows_nH, position_TK, weights_TK):
+def _(grad_y_TH, rows_nH, position_TK, weights_TK, max_programs=None):
     return weights_TK.new_empty(position_TK.shape)
 
 
 def _weight_grad_setup_context(ctx, inputs, output):
-    grad_y_TH, rows_nH, ctx.position_TK, _ = inputs
+    grad_y_TH, rows_nH, ctx.position_TK = inputs[:3]
     ctx.save_for_backward(grad_y_TH, rows_nH)
 
 

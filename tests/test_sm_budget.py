@@ -29,15 +29,16 @@ F64 = dict(dtype=torch.float64)
 @pytest.fixture(autouse=True)
 def _tiny_blocks(monkeypatch):
     """4 x 4 blocks for the kernels that take theirs from ``row_blocks``; the fp8 kernels take
-    their GPU blocks (8 rows, one 128-channel block a program)."""
+    their GPU blocks (8 rows, one 128-channel block a program), under a budget too."""
     from alltoall_ops.kernels import _config, quantize, row_put, topk_reduce, weight_grad
 
-    def tiny(kernel, n_rows, H, element_size=2):  # 64 columns for the fp8 rows (H = 128): fewer programs
+    def tiny(kernel, n_rows, H, element_size=2, max_programs=None):  # 64 columns for fp8 rows (H = 128)
         return _config.RowBlocks(4, 4 if H < 64 else 64, 1)
 
     for module in (row_put, topk_reduce, weight_grad):
         monkeypatch.setattr(module, "row_blocks", tiny)
     monkeypatch.setattr(quantize, "interpreting", lambda: False)
+    monkeypatch.setattr(quantize, "BUDGET_BLOCK_R", quantize.GPU_BLOCK_R)
 
 
 def _same(got: tuple, want: tuple) -> None:
@@ -50,10 +51,14 @@ def test_program_grid():
 
     assert program_grid(7, 2) == (7, 2)  # None: today's grid
     assert program_grid(7, 1, 3) == (3, 1)
-    assert program_grid(7, 2, 3) == (1, 2)  # at least one row of column programs
-    assert program_grid(7, 2, 8) == (4, 2)
+    assert program_grid(7, 2, 3) == (3, 1)  # rows first; every kernel strides over the columns too
+    assert program_grid(7, 2, 8) == (7, 1)
+    assert program_grid(2, 7, 8) == (2, 4)  # few rows (decode): column programs take the rest
     assert program_grid(2, 1, 3) == (2, 1)  # fewer blocks than the budget: one program each
     assert program_grid(0, 1, 3) == (0, 1)
+    for rows, cols, cap in [(7, 2, 1), (2, 7, 3), (1, 16, 8), (64, 7, 24)]:
+        r, c = program_grid(rows, cols, cap)
+        assert r * c <= cap and r >= 1 and c >= 1
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="max_programs"):
             program_grid(7, 1, bad)
@@ -236,25 +241,41 @@ def test_symm_mem_step_under_a_budget(payload):
             _same(got_rank, want_rank)
 
 
-def test_the_budget_reaches_every_symm_mem_row_launch(monkeypatch):
-    """symm_mem's dispatch and combine pass the buffers' num_sms to their row launches."""
-    k, seen = loader.load(), set()
+@pytest.mark.parametrize("payload", ["plain", "fp8"])
+def test_every_launch_of_a_step_obeys_the_budget(monkeypatch, payload):
+    """Every kernel launch of a simulated W = 2 training step (plan, metadata, puts, copy-out,
+    reduce, fp8 quantize / dequantize, the weights' gradient) has at most num_sms programs, read
+    from the interpreter's grid; without a budget some launches have more (the check can fail)."""
+    from triton.runtime import interpreter
 
-    def recorded(name: str, launch):
-        def recording(*args, max_programs=None, **kwargs):
-            seen.add((name, max_programs))
-            return launch(*args, max_programs=max_programs, **kwargs)
-        return recording
+    grids: list[int] = []
+    builder = interpreter.interpreter_builder
+    set_grid_dim = builder.set_grid_dim
 
-    for name in ("put_rows", "copy_out", "topk_reduce"):
-        monkeypatch.setattr(k, name, recorded(name, getattr(k, name)))
-    W, T, H, K, E = 2, 5, 4, 2, 4
-    bufs = a2a.SymmBuffers.simulated(W, T, H, K, E, dtype=torch.float32, device="cpu", num_sms=3)
+    def recording(nx, ny, nz):
+        grids.append(nx * ny * nz)
+        return set_grid_dim(nx, ny, nz)
 
-    def step(rank: int, bufs: a2a.SymmBuffers) -> torch.Tensor:
-        x = torch.randn(T, H)
-        routed, _, handle = a2a.dispatch(x, torch.randint(0, E, (T, K)), num_experts=E, buffers=bufs)
-        return a2a.combine(torch.zeros_like(routed), handle)
+    monkeypatch.setattr(builder, "set_grid_dim", recording)
+    fp8 = payload == "fp8"
+    W, T, K, E = 2, 9, 3, 4
+    H, dtype = (256, torch.bfloat16) if fp8 else (8, torch.float32)
+    extra = dict(payload_dtype=torch.float8_e4m3fn) if fp8 else {}
 
-    run_simulated(step, bufs)
-    assert seen == {("put_rows", 3), ("copy_out", 3), ("topk_reduce", 3)}
+    def step(rank: int, bufs: a2a.SymmBuffers) -> None:
+        x = torch.randn(T, H).to(dtype).requires_grad_()
+        weights = torch.rand(T, K, requires_grad=True)
+        routed, tpe, handle = a2a.dispatch(x, torch.randint(0, E, (T, K)), num_experts=E, buffers=bufs,
+                                           dequantize=fp8, **extra)
+        rows = torch.arange(routed.shape[0])[:, None] < tpe.sum()
+        a2a.combine(torch.where(rows, routed, 0), handle, weights).float().sum().backward()
+
+    for num_sms in (None, 1, 3):
+        grids.clear()
+        run_simulated(step, a2a.SymmBuffers.simulated(W, T, H, K, E, dtype=dtype, device="cpu", num_sms=num_sms,
+                                                      **extra))
+        assert len(grids) > 10
+        if num_sms is None:
+            assert max(grids) > 3
+        else:
+            assert max(grids) <= num_sms, grids

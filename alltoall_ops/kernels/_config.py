@@ -56,15 +56,17 @@ class RowBlocks:
 def program_grid(row_programs: int, col_programs: int = 1, max_programs: Optional[int] = None) -> tuple[int, int]:
     """The launch grid (row programs, column programs) under a budget of ``max_programs``.
 
-    None: the grid as given (one program per row block, unless put_rows' count bounds it).
-    A number: the row dimension is capped at ``max(1, max_programs // col_programs)`` programs,
-    and program i handles row blocks i, i + P, i + 2P, ... (each kernel's grid-stride row loop),
-    so a launch has at most max_programs programs (column blocks permitting: at least one row of
-    them). An SM budget: a program is one SM's worth of work at a time (docs/symm_mem.md)."""
+    None: the grid as given (one program per tile, unless put_rows' count bounds it). A number:
+    at most that many programs in all, rows first: ``min(rows, max_programs)`` row programs and
+    as many column programs as the rest allows (at least one); every capped kernel strides over
+    both (program (i, j) does row blocks i, i + P, ... and in each column blocks j, j + Q, ...),
+    so the results do not depend on the grid. An SM budget: a program is one SM's worth of work
+    at a time (docs/symm_mem.md)."""
     if max_programs is None:
         return row_programs, col_programs
     max_programs = positive_int("max_programs", max_programs)
-    return min(row_programs, max(1, max_programs // max(col_programs, 1))), col_programs
+    rows = min(row_programs, max_programs)
+    return rows, min(col_programs, max(1, max_programs // max(rows, 1)))
 
 
 GPU_BLOCKS: dict[str, tuple[int, int, int]] = {
@@ -78,16 +80,31 @@ GPU_BLOCKS: dict[str, tuple[int, int, int]] = {
 with ``tools/tune_kernels.py`` (docs/benchmarks.md has the sweep). Wider elements get
 proportionally narrower BLOCK_H, so a program moves the same bytes."""
 
+BUDGET_BLOCKS: dict[str, tuple[int, int, int]] = {
+    "put_rows": (8, 2048, 16),
+    "topk_reduce": (8, 2048, 32),
+    "copy_out": (16, 2048, 32),
+    "weight_grad": (8, 2048, 16),
+}
+"""The same under an SM budget (``max_programs``): one program per SM, so each program holds an
+SM's worth of bytes in flight (32-64 KB a step, 16-32 warps) instead of a small tile among many
+on the SM. On one H200 (tools/sm_budget_diag.py, T = 4096, H = 2048, K = 6, bf16) 16 programs of
+the GPU tiles moved 58 (put_rows) / 239 (copy_out) / 236 (topk_reduce) GB/s, of these tiles
+900 (copy_out) / 916 (topk_reduce), as much as a plain 30-line scatter on 16 programs (902)."""
 
-def row_blocks(kernel: str, n_rows: int, H: int, element_size: int = 2) -> RowBlocks:
-    """Launch blocks of ``kernel`` (a key of :data:`GPU_BLOCKS`) for n_rows rows of H elements.
+
+def row_blocks(kernel: str, n_rows: int, H: int, element_size: int = 2,
+               max_programs: Optional[int] = None) -> RowBlocks:
+    """Launch blocks of ``kernel`` (a key of :data:`GPU_BLOCKS`) for n_rows rows of H elements;
+    with ``max_programs`` (an SM budget) :data:`BUDGET_BLOCKS`' where it has the kernel.
 
     The interpreter runs programs one after another in Python, so there few large programs are
     fastest; on a GPU small tiles keep every SM busy with loads in flight."""
     if interpreting():
         block_r = triton.next_power_of_2(max(1, min(n_rows, 256)))
         return RowBlocks(block_r, triton.next_power_of_2(max(1, min(H, 4096))), 1)
-    block_r, block_h, num_warps = GPU_BLOCKS[kernel]
+    table = BUDGET_BLOCKS if max_programs is not None and kernel in BUDGET_BLOCKS else GPU_BLOCKS
+    block_r, block_h, num_warps = table[kernel]
     block_h = max(16, block_h * 2 // max(element_size, 1))
     return RowBlocks(block_r, min(block_h, triton.next_power_of_2(max(16, H))), num_warps)
 

@@ -9,7 +9,7 @@ Reference semantics::
                       # n = num_routed (on the device); out[n:] not written
 
 ``max_programs`` (None: one program per row block and channel block): at most that many programs,
-each striding over row blocks (``_config.program_grid``: an SM budget); same results.
+each striding over row and channel blocks (``_config.program_grid``: an SM budget); same results.
 
 Both the scale division and the fp8 rounding (nearest even, on the bits) are exact, so the
 kernel equals the torch reference bit for bit, in Triton's interpreter too (whose own fp8
@@ -56,26 +56,35 @@ def _quantize_rows_kernel(
     x_ptr, values_ptr, scales_ptr, T, H, B,
     FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    i_b = tl.program_id(1)  # one 128-channel block
-    o_c = i_b * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC] channels of this block
     for i_r in range(tl.program_id(0), tl.cdiv(T, BLOCK_R), tl.num_programs(0)):  # blocks of tokens
         o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR] tokens
         m_r = o_r < T
-        o_x = o_r[:, None] * H + o_c[None, :]  # [BR, BC]
-        b_x = upcast(tl.load(x_ptr + o_x, mask=m_r[:, None], other=0), tl.float32)
-        b_amax = tl.maximum(tl.max(tl.abs(b_x), axis=1), AMAX_FLOOR)  # [BR]
-        # NB: a NaN makes its block's amax NaN, as torch's amax does (a GPU max skips NaN): the
-        # whole block then dequantizes to NaN instead of a NaN turning into a finite value.
-        b_amax = tl.where(tl.max((b_x != b_x).to(tl.int32), axis=1) > 0, float("nan"), b_amax)
-        b_max = tl.full([BLOCK_R], FP8_MAX, tl.float32)
-        tl.store(values_ptr + o_x, e4m3_bits(b_x * tl.math.div_rn(b_max, b_amax)[:, None]), mask=m_r[:, None])
-        tl.store(scales_ptr + o_r * B + i_b, tl.math.div_rn(b_amax, b_max), mask=m_r)
+        for i_b in range(tl.program_id(1), B, tl.num_programs(1)):  # 128-channel blocks
+            o_c = i_b * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC] channels of this block
+            o_x = o_r[:, None] * H + o_c[None, :]  # [BR, BC]
+            b_x = upcast(tl.load(x_ptr + o_x, mask=m_r[:, None], other=0), tl.float32)
+            b_amax = tl.maximum(tl.max(tl.abs(b_x), axis=1), AMAX_FLOOR)  # [BR]
+            # NB: a NaN makes its block's amax NaN, as torch's amax does (a GPU max skips NaN): the
+            # whole block then dequantizes to NaN instead of a NaN turning into a finite value.
+            b_amax = tl.where(tl.max((b_x != b_x).to(tl.int32), axis=1) > 0, float("nan"), b_amax)
+            b_max = tl.full([BLOCK_R], FP8_MAX, tl.float32)
+            tl.store(values_ptr + o_x, e4m3_bits(b_x * tl.math.div_rn(b_max, b_amax)[:, None]), mask=m_r[:, None])
+            tl.store(scales_ptr + o_r * B + i_b, tl.math.div_rn(b_amax, b_max), mask=m_r)
 
 
 GPU_BLOCK_R, GPU_NUM_WARPS = 8, 2
 """Tokens per program and warps on a GPU (a program: one 128-channel block of GPU_BLOCK_R tokens).
 Swept on an H200 at H = 7168 (block 1..64 x warps 1..8): 38.7 us at T = 4096 (floor 21.2; 8 x 4
 took 44.0, the best 37.9), 6.3 us at T = 128; torch ops (``fp8.quantize``) take 355 / 68 us."""
+BUDGET_BLOCK_R, BUDGET_NUM_WARPS = 64, 8
+"""The same under an SM budget: one program per SM, so more tokens a step (as _config.BUDGET_BLOCKS)."""
+
+
+def _blocks(n_rows: int, max_programs: Optional[int]) -> tuple[int, int]:
+    """(tokens per program step, warps) of both kernels."""
+    if interpreting():
+        return triton.next_power_of_2(max(1, min(n_rows, 256))), 1
+    return (GPU_BLOCK_R, GPU_NUM_WARPS) if max_programs is None else (BUDGET_BLOCK_R, BUDGET_NUM_WARPS)
 
 
 def quantize_rows(x_TH: torch.Tensor, max_programs: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,8 +97,7 @@ def quantize_rows(x_TH: torch.Tensor, max_programs: Optional[int] = None) -> tup
     if T == 0 or H == 0:
         return values_TH, scales_TB
     x_TH = x_TH.contiguous()
-    block_r, num_warps = (triton.next_power_of_2(max(1, min(T, 256))), 1) if interpreting() else \
-        (GPU_BLOCK_R, GPU_NUM_WARPS)
+    block_r, num_warps = _blocks(T, max_programs)
     with LAUNCH_LOCK:
         _quantize_rows_kernel[program_grid(triton.cdiv(T, block_r), H // BLOCK, max_programs)](
             x_TH, values_TH, scales_TB, T, H, H // BLOCK,
@@ -113,17 +121,17 @@ def e4m3_value(b_bits):
 def _dequantize_rows_kernel(
     values_ptr, scales_ptr, num_routed_ptr, out_ptr, C, H, B, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    i_b = tl.program_id(1)
-    o_c = i_b * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC] channels of this block
     n_routed = tl.minimum(tl.load(num_routed_ptr), C)
     # NB: rows past n_routed are not read or written: no block past it is visited
     for i_r in range(tl.program_id(0), tl.cdiv(n_routed, BLOCK_R), tl.num_programs(0)):
         o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR]
         m_r = o_r < n_routed
-        o_x = o_r[:, None] * H + o_c[None, :]
-        b_v = e4m3_value(tl.load(values_ptr + o_x, mask=m_r[:, None], other=0))  # [BR, BC]
-        b_scale = tl.load(scales_ptr + o_r * B + i_b, mask=m_r, other=0)  # [BR]
-        tl.store(out_ptr + o_x, cast_rne(b_v * b_scale[:, None], out_ptr.dtype.element_ty), mask=m_r[:, None])
+        for i_b in range(tl.program_id(1), B, tl.num_programs(1)):  # 128-channel blocks
+            o_c = i_b * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC] channels of this block
+            o_x = o_r[:, None] * H + o_c[None, :]
+            b_v = e4m3_value(tl.load(values_ptr + o_x, mask=m_r[:, None], other=0))  # [BR, BC]
+            b_scale = tl.load(scales_ptr + o_r * B + i_b, mask=m_r, other=0)  # [BR]
+            tl.store(out_ptr + o_x, cast_rne(b_v * b_scale[:, None], out_ptr.dtype.element_ty), mask=m_r[:, None])
 
 
 def dequantize_rows(values_CH: torch.Tensor, scales_CB: torch.Tensor, num_routed_1: torch.Tensor,
@@ -137,8 +145,7 @@ def dequantize_rows(values_CH: torch.Tensor, scales_CB: torch.Tensor, num_routed
         return
     require_contiguous("dequantize_rows", out_CH=out_CH)
     values_CH, scales_CB = values_CH.contiguous(), scales_CB.contiguous()
-    block_r, num_warps = (triton.next_power_of_2(max(1, min(C, 256))), 1) if interpreting() else \
-        (GPU_BLOCK_R, GPU_NUM_WARPS)
+    block_r, num_warps = _blocks(C, max_programs)
     with LAUNCH_LOCK:
         _dequantize_rows_kernel[program_grid(triton.cdiv(C, block_r), H // BLOCK, max_programs)](
             values_CH, scales_CB, num_routed_1, out_CH, C, H, H // BLOCK, BLOCK_R=block_r, BLOCK_C=BLOCK,

@@ -25,11 +25,13 @@ slots with (BLOCK_S, BLOCK_J) comparisons.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
-from ._config import LAUNCH_LOCK, interpreting
+from ._config import LAUNCH_LOCK, interpreting, program_grid
 
 GPU_BLOCK_S = 256
 """Most slots per program on a GPU; small N takes fewer (at least 64), for more programs. Swept
@@ -48,26 +50,26 @@ def _block_counts_kernel(
     idx_ptr, counts_ptr, fill_ptr, N, E, num_blocks, n_fill,
     BLOCK_S: tl.constexpr,
 ):
-    i_b = tl.program_id(0)
-    # plan_rows: rows no slot fills read -1; each program sets its share of them before any slot
-    # is placed (the next launch)
-    fill_chunk = tl.cdiv(n_fill, num_blocks)
-    fill_end = tl.minimum((i_b + 1) * fill_chunk, n_fill)
-    for i_f in range(i_b * fill_chunk, fill_end, BLOCK_S):
-        o_f = i_f + tl.arange(0, BLOCK_S)
-        tl.store(fill_ptr + o_f, tl.full([BLOCK_S], -1, tl.int64), mask=o_f < fill_end)
-    o_s = i_b * BLOCK_S + tl.arange(0, BLOCK_S)  # [BS] slots
-    m_s = o_s < N
-    b_idx = tl.load(idx_ptr + o_s, mask=m_s, other=-1).to(tl.int64)
-    b_valid = (b_idx >= 0) & (b_idx < E)
-    b_bucket = tl.where(b_valid, b_idx, E)
-    p_totals = counts_ptr + num_blocks * (E + 1)  # after the (B, E + 1) block counts
-    tl.atomic_add(counts_ptr + i_b * (E + 1) + b_bucket, 1, mask=m_s)
-    tl.atomic_add(p_totals + b_bucket, 1, mask=m_s)
-    p_status = p_totals + E + 1  # (bad ids, min + 1, max + 1) from zeros: -1 counts as an id
-    tl.atomic_add(p_status, tl.sum((m_s & ~b_valid & (b_idx != -1)).to(tl.int64), axis=0))
-    tl.atomic_min(p_status + 1, tl.min(b_idx, axis=0) + 1)  # masked lanes hold -1
-    tl.atomic_max(p_status + 2, tl.max(b_idx, axis=0) + 1)
+    for i_b in range(tl.program_id(0), num_blocks, tl.num_programs(0)):  # blocks of slots (an SM budget: several)
+        # plan_rows: rows no slot fills read -1; each program sets its share of them before any slot
+        # is placed (the next launch)
+        fill_chunk = tl.cdiv(n_fill, num_blocks)
+        fill_end = tl.minimum((i_b + 1) * fill_chunk, n_fill)
+        for i_f in range(i_b * fill_chunk, fill_end, BLOCK_S):
+            o_f = i_f + tl.arange(0, BLOCK_S)
+            tl.store(fill_ptr + o_f, tl.full([BLOCK_S], -1, tl.int64), mask=o_f < fill_end)
+        o_s = i_b * BLOCK_S + tl.arange(0, BLOCK_S)  # [BS] slots
+        m_s = o_s < N
+        b_idx = tl.load(idx_ptr + o_s, mask=m_s, other=-1).to(tl.int64)
+        b_valid = (b_idx >= 0) & (b_idx < E)
+        b_bucket = tl.where(b_valid, b_idx, E)
+        p_totals = counts_ptr + num_blocks * (E + 1)  # after the (B, E + 1) block counts
+        tl.atomic_add(counts_ptr + i_b * (E + 1) + b_bucket, 1, mask=m_s)
+        tl.atomic_add(p_totals + b_bucket, 1, mask=m_s)
+        p_status = p_totals + E + 1  # (bad ids, min + 1, max + 1) from zeros: -1 counts as an id
+        tl.atomic_add(p_status, tl.sum((m_s & ~b_valid & (b_idx != -1)).to(tl.int64), axis=0))
+        tl.atomic_min(p_status + 1, tl.min(b_idx, axis=0) + 1)  # masked lanes hold -1
+        tl.atomic_max(p_status + 2, tl.max(b_idx, axis=0) + 1)
 
 
 @triton.jit
@@ -77,66 +79,67 @@ def _slot_positions_kernel(
     NB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_W: tl.constexpr, ROWS: tl.constexpr,
 ):
-    i_b = tl.program_id(0)
-    o_s = i_b * BLOCK_S + tl.arange(0, BLOCK_S)  # [BS] slots
-    m_s = o_s < N
-    b_idx = tl.load(idx_ptr + o_s, mask=m_s, other=-1)
-    b_bucket = tl.where((b_idx >= 0) & (b_idx < E), b_idx, E).to(tl.int32)
-    o_g = tl.arange(0, NB)
-    m_g = o_g < E + 1
-    # Slots of each bucket in the blocks before this one: (BLOCK_P, NB) tiles of their counts.
-    b_before = tl.zeros([NB], dtype=tl.int32)
-    for i_p in range(0, i_b, BLOCK_P):
-        o_p = i_p + tl.arange(0, BLOCK_P)
-        p_rows = counts_ptr + o_p[:, None] * (E + 1) + o_g[None, :]
-        b_rows = tl.load(p_rows, mask=(o_p < i_b)[:, None] & m_g[None, :], other=0)
-        b_before += tl.sum(b_rows.to(tl.int32), axis=0)
-    b_total = tl.load(counts_ptr + num_blocks * (E + 1) + o_g, mask=m_g, other=0).to(tl.int32)
-    if ROWS:  # expert groups padded to the alignment (the "goes nowhere" bucket E is not)
-        b_total = tl.where(o_g < E, (b_total + alignment - 1) // alignment * alignment, b_total)
-    b_base = tl.cumsum(b_total, axis=0) - b_total + b_before  # [NB] first position of bucket g here
-    # NB: through memory, since a register tensor cannot be indexed by another: a scratch row
-    # of this program, and a barrier so that every thread sees the whole row.
-    tl.store(scratch_ptr + i_b * NB + o_g, b_base)
-    tl.debug_barrier()
-    b_pos = tl.load(scratch_ptr + i_b * NB + b_bucket, mask=m_s, other=0)  # [BS]
-    for j in tl.static_range(0, BLOCK_S, BLOCK_J):  # earlier slots of this block, same bucket
-        o_j = i_b * BLOCK_S + j + tl.arange(0, BLOCK_J)
-        b_jdx = tl.load(idx_ptr + o_j, mask=o_j < N, other=-1)
-        b_jbucket = tl.where((b_jdx >= 0) & (b_jdx < E), b_jdx, E).to(tl.int32)
-        b_same = (b_bucket[:, None] == b_jbucket[None, :]) & (o_j[None, :] < o_s[:, None])  # [BS, BJ]
-        b_pos += tl.sum(b_same.to(tl.int32), axis=1)
-    if ROWS:  # a dropped slot has no row (C); rows no slot fills keep their -1
-        m_row = m_s & (b_bucket < E)
-        tl.store(position_ptr + o_s, tl.where(m_row, b_pos.to(tl.int64), C), mask=m_s)
-        tl.store(order_ptr + b_pos, o_s.to(tl.int64), mask=m_row)
-    else:
-        tl.store(position_ptr + o_s, b_pos.to(tl.int64), mask=m_s)
-        tl.store(order_ptr + b_pos, o_s.to(tl.int64), mask=m_s)
-    if i_b == 0:  # counts of every local expert of every rank, and the status columns
-        m_valid = o_g < E
-        tl.store(send_meta_ptr + (o_g // e) * (e + 3) + o_g % e, b_total.to(tl.int64), mask=m_valid)
-        p_status = counts_ptr + num_blocks * (E + 1) + E + 1
-        o_w = tl.arange(0, BLOCK_W)
-        m_w = o_w < W
-        b_zero = tl.zeros([BLOCK_W], dtype=tl.int64)
-        p_row = send_meta_ptr + o_w * (e + 3) + e
-        tl.store(p_row, b_zero + tl.load(p_status), mask=m_w)
-        tl.store(p_row + 1, b_zero + tl.load(p_status + 1) - 1, mask=m_w)
-        tl.store(p_row + 2, b_zero + tl.load(p_status + 2) - 1, mask=m_w)
-        if ROWS:  # one rank: its routing is valid (no bad ids), for a device-side assert
-            tl.store(send_meta_ptr + e + 3, (tl.load(p_status) == 0).to(tl.int64))
+    for i_b in range(tl.program_id(0), num_blocks, tl.num_programs(0)):  # blocks of slots (an SM budget: several)
+        o_s = i_b * BLOCK_S + tl.arange(0, BLOCK_S)  # [BS] slots
+        m_s = o_s < N
+        b_idx = tl.load(idx_ptr + o_s, mask=m_s, other=-1)
+        b_bucket = tl.where((b_idx >= 0) & (b_idx < E), b_idx, E).to(tl.int32)
+        o_g = tl.arange(0, NB)
+        m_g = o_g < E + 1
+        # Slots of each bucket in the blocks before this one: (BLOCK_P, NB) tiles of their counts.
+        b_before = tl.zeros([NB], dtype=tl.int32)
+        for i_p in range(0, i_b, BLOCK_P):
+            o_p = i_p + tl.arange(0, BLOCK_P)
+            p_rows = counts_ptr + o_p[:, None] * (E + 1) + o_g[None, :]
+            b_rows = tl.load(p_rows, mask=(o_p < i_b)[:, None] & m_g[None, :], other=0)
+            b_before += tl.sum(b_rows.to(tl.int32), axis=0)
+        b_total = tl.load(counts_ptr + num_blocks * (E + 1) + o_g, mask=m_g, other=0).to(tl.int32)
+        if ROWS:  # expert groups padded to the alignment (the "goes nowhere" bucket E is not)
+            b_total = tl.where(o_g < E, (b_total + alignment - 1) // alignment * alignment, b_total)
+        b_base = tl.cumsum(b_total, axis=0) - b_total + b_before  # [NB] first position of bucket g here
+        # NB: through memory, since a register tensor cannot be indexed by another: a scratch row
+        # of this program, and a barrier so that every thread sees the whole row.
+        tl.store(scratch_ptr + i_b * NB + o_g, b_base)
+        tl.debug_barrier()
+        b_pos = tl.load(scratch_ptr + i_b * NB + b_bucket, mask=m_s, other=0)  # [BS]
+        for j in tl.static_range(0, BLOCK_S, BLOCK_J):  # earlier slots of this block, same bucket
+            o_j = i_b * BLOCK_S + j + tl.arange(0, BLOCK_J)
+            b_jdx = tl.load(idx_ptr + o_j, mask=o_j < N, other=-1)
+            b_jbucket = tl.where((b_jdx >= 0) & (b_jdx < E), b_jdx, E).to(tl.int32)
+            b_same = (b_bucket[:, None] == b_jbucket[None, :]) & (o_j[None, :] < o_s[:, None])  # [BS, BJ]
+            b_pos += tl.sum(b_same.to(tl.int32), axis=1)
+        if ROWS:  # a dropped slot has no row (C); rows no slot fills keep their -1
+            m_row = m_s & (b_bucket < E)
+            tl.store(position_ptr + o_s, tl.where(m_row, b_pos.to(tl.int64), C), mask=m_s)
+            tl.store(order_ptr + b_pos, o_s.to(tl.int64), mask=m_row)
+        else:
+            tl.store(position_ptr + o_s, b_pos.to(tl.int64), mask=m_s)
+            tl.store(order_ptr + b_pos, o_s.to(tl.int64), mask=m_s)
+        if i_b == 0:  # counts of every local expert of every rank, and the status columns
+            m_valid = o_g < E
+            tl.store(send_meta_ptr + (o_g // e) * (e + 3) + o_g % e, b_total.to(tl.int64), mask=m_valid)
+            p_status = counts_ptr + num_blocks * (E + 1) + E + 1
+            o_w = tl.arange(0, BLOCK_W)
+            m_w = o_w < W
+            b_zero = tl.zeros([BLOCK_W], dtype=tl.int64)
+            p_row = send_meta_ptr + o_w * (e + 3) + e
+            tl.store(p_row, b_zero + tl.load(p_status), mask=m_w)
+            tl.store(p_row + 1, b_zero + tl.load(p_status + 1) - 1, mask=m_w)
+            tl.store(p_row + 2, b_zero + tl.load(p_status + 2) - 1, mask=m_w)
+            if ROWS:  # one rank: its routing is valid (no bad ids), for a device-side assert
+                tl.store(send_meta_ptr + e + 3, (tl.load(p_status) == 0).to(tl.int64))
 
 
 def plan_slots(
-    topk_idx: torch.Tensor, num_experts: int, world_size: int
+    topk_idx: torch.Tensor, num_experts: int, world_size: int, max_programs: Optional[int] = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_idx (T, K) integer expert ids -> order (N,), position (T, K), send_meta
     (W, e + 3), all int64, as ``layout.plan_routing`` defines them: a memset and two kernel
-    launches, no sort and no host sync."""
+    launches, no sort and no host sync. ``max_programs``: at most that many programs a launch,
+    each striding over blocks of slots (an SM budget)."""
     T, K = topk_idx.shape
     order = torch.empty(T * K, dtype=torch.int64, device=topk_idx.device)
-    position, send_meta = _launch(topk_idx, num_experts, world_size, order, 1, False)
+    position, send_meta = _launch(topk_idx, num_experts, world_size, order, 1, False, max_programs)
     return order, position, send_meta
 
 
@@ -153,7 +156,7 @@ def plan_rows(
 
 
 def _launch(topk_idx: torch.Tensor, num_experts: int, world_size: int, order: torch.Tensor, alignment: int,
-            rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            rows: bool, max_programs: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Both kernels: position (T, K) and send_meta (W, e + 3; rows: (1, E + 4)), ``order`` written in
     place (rows: -1 first)."""
     T, K = topk_idx.shape
@@ -172,10 +175,11 @@ def _launch(topk_idx: torch.Tensor, num_experts: int, world_size: int, order: to
     position = torch.empty(N, dtype=torch.int64, device=dev)
     send_meta = torch.empty(W, e + 3 + rows, dtype=torch.int64, device=dev)
     num_warps = 1 if interpreting() else GPU_NUM_WARPS
+    grid = program_grid(B, 1, max_programs)[:1]
     with LAUNCH_LOCK:
-        _block_counts_kernel[(B,)](idx, counts, order, N, E, B, order.numel() if rows else 0, BLOCK_S=block_s,
+        _block_counts_kernel[grid](idx, counts, order, N, E, B, order.numel() if rows else 0, BLOCK_S=block_s,
                                    num_warps=num_warps)
-        _slot_positions_kernel[(B,)](
+        _slot_positions_kernel[grid](
             idx, counts, scratch, position, order, send_meta, N, E, e, W, B, alignment, order.numel(),
             NB=NB, BLOCK_S=block_s, BLOCK_J=min(block_s, 64), BLOCK_P=max(1, min(16, 8192 // NB)),
             BLOCK_W=triton.next_power_of_2(W), ROWS=rows, num_warps=num_warps,

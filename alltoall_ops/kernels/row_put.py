@@ -40,50 +40,69 @@ MAX_COUNTED_PROGRAMS = 8192
 
 
 @triton.jit
+def _select(b_index, b_table, o_w):
+    """``b_table[b_index]``: [BR] indices into the (BW,) table held in registers -> [BR] (a
+    select, no load for a store to wait on)."""
+    return tl.sum(tl.where(b_index[:, None] == o_w[None, :], b_table[None, :], 0), axis=1)
+
+
+@triton.jit
 def _put_rows_kernel(
     src_ptr, scale_ptr, dst_ptr, count_ptr, rows_table_ptr, out_ptr, tags_table_ptr, tag_index_ptr,
     n_rows, n_src, K, H, dst_stride, world_size, tag_base,
     HAS_SCALE: tl.constexpr, HAS_TAGS: tl.constexpr, HAS_TAG_INDEX: tl.constexpr, ONE_OUT: tl.constexpr,
     HAS_COUNT: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_W: tl.constexpr,
 ):
-    i_h = tl.program_id(1)
-    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
     n_todo = n_rows
     if HAS_COUNT:  # rows past a device-side count send nothing: no program visits them
         n_todo = tl.minimum(tl.load(count_ptr), n_rows)
+    # NB: the pointer tables are read once, into registers: a row's destination is then a select.
+    o_w = tl.arange(0, BLOCK_W)  # [BW] ranks
+    if not ONE_OUT:
+        b_rows_table = tl.load(rows_table_ptr + o_w, mask=o_w < world_size, other=0)
+    if HAS_TAGS:
+        b_tags_table = tl.load(tags_table_ptr + o_w, mask=o_w < world_size, other=0)
+    step = tl.num_programs(0) * BLOCK_R
+    o_first = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    b_dst = tl.load(dst_ptr + o_first, mask=o_first < n_todo, other=-1)  # [BR]
     for i_r in range(tl.program_id(0), tl.cdiv(n_todo, BLOCK_R), tl.num_programs(0)):
         o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR] rows i (slots t * K + k)
-        m_r = o_r < n_todo
-        b_dst = tl.load(dst_ptr + o_r, mask=m_r, other=-1)
-        m_r = m_r & (b_dst >= 0) & (b_dst < world_size * dst_stride)  # never out of bounds
+        # NB: the next block's destinations are loaded while this block's rows move (under an SM
+        # budget a program does many blocks: otherwise each would wait for its own first).
+        b_dst_next = tl.load(dst_ptr + o_r + step, mask=o_r + step < n_todo, other=-1)
+        m_r = (o_r < n_todo) & (b_dst >= 0) & (b_dst < world_size * dst_stride)  # never out of bounds
         b_peer = tl.where(m_r, b_dst // dst_stride, 0)
         b_row = tl.where(m_r, b_dst % dst_stride, 0)
         b_src = o_r // K  # a token's K slots are neighbours: its row is read from memory once
         m_r = m_r & (b_src < n_src)
-        m = m_r[:, None] & (o_h < H)[None, :]
-        b_x = tl.load(src_ptr + b_src[:, None] * H + o_h[None, :], mask=m, other=0)  # [BR, BH]
-        if HAS_SCALE:  # fp32 (fp64) product, rounded once
+        if HAS_SCALE:
             b_scale = upcast(tl.load(scale_ptr + o_r, mask=m_r, other=0), ACC_DTYPE)
-            b_x = cast_rne(upcast(b_x, ACC_DTYPE) * b_scale[:, None], src_ptr.dtype.element_ty)
         if ONE_OUT:
-            tl.store(out_ptr + b_row[:, None] * H + o_h[None, :], b_x, mask=m)
+            p_row = out_ptr + b_row * H  # [BR]
         else:
-            # NB: the bases are 16-byte aligned (the regions are aligned to 256), which the
-            # compiler cannot know of a loaded address: without the hint every element is its own
-            # 2-byte store, with it 16-byte vector stores (8x fewer instructions per row).
-            p_peer = tl.load(rows_table_ptr + b_peer, mask=m_r, other=0).to(
-                tl.pointer_type(src_ptr.dtype.element_ty)
-            )  # [BR] base of each row's destination buffer
-            p_peer = tl.multiple_of(p_peer, 16)  # NB: see the launcher's contract
-            tl.store(p_peer[:, None] + b_row[:, None] * H + o_h[None, :], b_x, mask=m)
+            # NB: the bases are 16-byte aligned (launcher's contract), which the compiler cannot
+            # know of a loaded address: with the hint 16-byte vector stores, without it one
+            # 2-byte store per element (8x the instructions; it is what limits an SM budget).
+            p_peer = tl.multiple_of(_select(b_peer, b_rows_table, o_w).to(tl.pointer_type(src_ptr.dtype.element_ty)),
+                                    16)
+            p_row = p_peer + b_row * H  # [BR] each row's destination
+        for i_h in range(tl.program_id(1), tl.cdiv(H, BLOCK_H), tl.num_programs(1)):  # column blocks
+            o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
+            m = m_r[:, None] & (o_h < H)[None, :]
+            b_x = tl.load(src_ptr + b_src[:, None] * H + o_h[None, :], mask=m, other=0)  # [BR, BH]
+            if HAS_SCALE:  # fp32 (fp64) product, rounded once
+                b_x = cast_rne(upcast(b_x, ACC_DTYPE) * b_scale[:, None], src_ptr.dtype.element_ty)
+            tl.store(p_row[:, None] + o_h[None, :], b_x, mask=m)
         if HAS_TAGS:
-            if i_h == 0:
+            if tl.program_id(1) == 0:
                 if HAS_TAG_INDEX:
                     b_tag = tl.load(tag_index_ptr + o_r, mask=m_r, other=0)
                 else:
                     b_tag = o_r
-                p_tags = tl.load(tags_table_ptr + b_peer, mask=m_r, other=0).to(tl.pointer_type(tl.int64))
+                p_tags = _select(b_peer, b_tags_table, o_w).to(tl.pointer_type(tl.int64))
                 tl.store(p_tags + b_row, tag_base + b_tag, mask=m_r)
+        b_dst = b_dst_next
 
 
 def put_rows(
@@ -122,7 +141,8 @@ def put_rows(
     src, dst, scale, rows_table, tags_table, tag_index = (
         None if t is None else t.contiguous() for t in (src, dst, scale, rows_table, tags_table, tag_index)
     )
-    blocks = row_blocks("put_rows", n, H, src.element_size())
+    world_size = 1 if out is not None else rows_table.numel()
+    blocks = row_blocks("put_rows", n, H, src.element_size(), max_programs)
     row_programs, h_programs = blocks.grid(n, H)
     if count is not None:
         row_programs = min(row_programs, MAX_COUNTED_PROGRAMS)
@@ -132,31 +152,33 @@ def put_rows(
             src, scale if scale is not None else src, dst, count if count is not None else dst,
             rows_table if rows_table is not None else dst, out if out is not None else src,
             tags_table if tags_table is not None else dst, tag_index if tag_index is not None else dst,
-            n, src.shape[0], top_k, H, dst_stride, 1 if out is not None else rows_table.numel(), tag_base,
+            n, src.shape[0], top_k, H, dst_stride, world_size, tag_base,
             HAS_SCALE=scale is not None, HAS_TAGS=tags_table is not None, HAS_TAG_INDEX=tag_index is not None,
             ONE_OUT=out is not None, HAS_COUNT=count is not None, ACC_DTYPE=tl_acc_dtype(acc_dtype),
-            BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H, num_warps=blocks.num_warps,
+            BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H, BLOCK_W=triton.next_power_of_2(world_size),
+            num_warps=blocks.num_warps,
         )
 
 
 @triton.jit
-def _put_meta_kernel(row_ptr, meta_table_ptr, rank, L, BLOCK_L: tl.constexpr):
-    i_peer = tl.program_id(0)
-    p_meta = tl.load(meta_table_ptr + i_peer).to(tl.pointer_type(tl.int64))
-    for i_l in range(tl.cdiv(L, BLOCK_L)):
-        o_l = i_l * BLOCK_L + tl.arange(0, BLOCK_L)
-        m_l = o_l < L
-        b_row = tl.load(row_ptr + o_l, mask=m_l, other=0)
-        tl.store(p_meta + rank * L + o_l, b_row, mask=m_l)
+def _put_meta_kernel(row_ptr, meta_table_ptr, rank, L, world_size, BLOCK_L: tl.constexpr):
+    for i_peer in range(tl.program_id(0), world_size, tl.num_programs(0)):
+        p_meta = tl.load(meta_table_ptr + i_peer).to(tl.pointer_type(tl.int64))
+        for i_l in range(tl.cdiv(L, BLOCK_L)):
+            o_l = i_l * BLOCK_L + tl.arange(0, BLOCK_L)
+            m_l = o_l < L
+            b_row = tl.load(row_ptr + o_l, mask=m_l, other=0)
+            tl.store(p_meta + rank * L + o_l, b_row, mask=m_l)
 
 
-def put_meta(send_row: torch.Tensor, meta_table: torch.Tensor, rank: int) -> None:
-    """Write the int64 ``send_row`` (L,) into row ``rank`` of every rank's (W, L) metadata buffer."""
-    L = send_row.numel()
+def put_meta(send_row: torch.Tensor, meta_table: torch.Tensor, rank: int, max_programs: Optional[int] = None) -> None:
+    """Write the int64 ``send_row`` (L,) into row ``rank`` of every rank's (W, L) metadata buffer:
+    a program per peer, or at most ``max_programs`` striding over them (an SM budget)."""
+    L, W = send_row.numel(), meta_table.numel()
     send_row, meta_table = send_row.contiguous(), meta_table.contiguous()
     block_l = triton.next_power_of_2(max(1, min(L, 1024)))
     with LAUNCH_LOCK:
-        _put_meta_kernel[(meta_table.numel(),)](send_row, meta_table, rank, L, BLOCK_L=block_l)
+        _put_meta_kernel[program_grid(W, 1, max_programs)[:1]](send_row, meta_table, rank, L, W, BLOCK_L=block_l)
 
 
 @triton.jit
@@ -215,7 +237,7 @@ def copy_out(
         raise ValueError(f"copy_out: out and tail must split recv's {X} columns in its dtype {recv.dtype}, got "
                          f"{out.dtype} {tuple(out.shape)} and {tail.dtype} {tuple(tail.shape)}")
     recv = recv.contiguous()
-    blocks = row_blocks("copy_out", C, X, recv.element_size())
+    blocks = row_blocks("copy_out", C, X, recv.element_size(), max_programs)
     with LAUNCH_LOCK:  # NB: one program per row block across all of X (see the kernel)
         _copy_out_kernel[program_grid(blocks.grid(C, X)[0], 1, max_programs)[:1]](
             recv, tags, num_routed, out, tail if tail is not None else out, row_src, C, X, x_out,

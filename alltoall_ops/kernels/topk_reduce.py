@@ -34,30 +34,30 @@ def _topk_reduce_kernel(
     K: tl.constexpr, HAS_SLOT_DST: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SAVE_RETURNED: tl.constexpr,
     ACC_DTYPE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    i_h = tl.program_id(1)
-    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
-    m_h = (o_h < H)[None, :]
     for i_t in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):  # token blocks
         o_t = (i_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BT] tokens
         m_t = o_t < T
-        b_acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=ACC_DTYPE)
-        for k in tl.static_range(K):  # slots in k order: deterministic
-            b_pos = tl.load(position_ptr + o_t * K + k, mask=m_t, other=0)  # [BT]
-            m_pos = m_t & (b_pos >= 0) & (b_pos < T * K)  # never out of bounds (of returned)
-            m_row = m_t & (b_pos >= 0) & (b_pos < n_valid)  # n_valid <= the rows of ret (launcher)
-            if HAS_SLOT_DST:
-                m_row = m_row & (tl.load(slot_dst_ptr + o_t * K + k, mask=m_t, other=-1) >= 0)
-            p_row = ret_ptr + b_pos[:, None] * H + o_h[None, :]
-            b_row = tl.load(p_row, mask=m_row[:, None] & m_h, other=0)  # [BT, BH]
-            if SAVE_RETURNED:
-                tl.store(returned_ptr + b_pos[:, None] * H + o_h[None, :], b_row, mask=m_pos[:, None] & m_h)
-            if HAS_WEIGHTS:  # the row's mask: a dropped slot's product is 0 * 0, whatever its weight
-                b_w = upcast(tl.load(weights_ptr + o_t * K + k, mask=m_row, other=0), ACC_DTYPE)
-                b_acc += upcast(b_row, ACC_DTYPE) * b_w[:, None]
-            else:
-                b_acc += upcast(b_row, ACC_DTYPE)
-        b_y = cast_rne(b_acc, y_ptr.dtype.element_ty)  # [BT, BH]
-        tl.store(y_ptr + o_t[:, None] * H + o_h[None, :], b_y, mask=m_t[:, None] & m_h)
+        for i_h in range(tl.program_id(1), tl.cdiv(H, BLOCK_H), tl.num_programs(1)):  # column blocks
+            o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
+            m_h = (o_h < H)[None, :]
+            b_acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=ACC_DTYPE)
+            for k in tl.static_range(K):  # slots in k order: deterministic
+                b_pos = tl.load(position_ptr + o_t * K + k, mask=m_t, other=0)  # [BT]
+                m_pos = m_t & (b_pos >= 0) & (b_pos < T * K)  # never out of bounds (of returned)
+                m_row = m_t & (b_pos >= 0) & (b_pos < n_valid)  # n_valid <= the rows of ret (launcher)
+                if HAS_SLOT_DST:
+                    m_row = m_row & (tl.load(slot_dst_ptr + o_t * K + k, mask=m_t, other=-1) >= 0)
+                p_row = ret_ptr + b_pos[:, None] * H + o_h[None, :]
+                b_row = tl.load(p_row, mask=m_row[:, None] & m_h, other=0)  # [BT, BH]
+                if SAVE_RETURNED:
+                    tl.store(returned_ptr + b_pos[:, None] * H + o_h[None, :], b_row, mask=m_pos[:, None] & m_h)
+                if HAS_WEIGHTS:  # the row's mask: a dropped slot's product is 0 * 0, whatever its weight
+                    b_w = upcast(tl.load(weights_ptr + o_t * K + k, mask=m_row, other=0), ACC_DTYPE)
+                    b_acc += upcast(b_row, ACC_DTYPE) * b_w[:, None]
+                else:
+                    b_acc += upcast(b_row, ACC_DTYPE)
+            b_y = cast_rne(b_acc, y_ptr.dtype.element_ty)  # [BT, BH]
+            tl.store(y_ptr + o_t[:, None] * H + o_h[None, :], b_y, mask=m_t[:, None] & m_h)
 
 
 def topk_reduce(
@@ -88,7 +88,7 @@ def topk_reduce(
     ret, position, slot_dst, weights = (
         None if t is None else t.contiguous() for t in (ret, position, slot_dst, weights)
     )
-    blocks = row_blocks("topk_reduce", T, H, ret.element_size())
+    blocks = row_blocks("topk_reduce", T, H, ret.element_size(), max_programs)
     with LAUNCH_LOCK:
         _topk_reduce_kernel[program_grid(*blocks.grid(T, H), max_programs)](
             ret, position, slot_dst if slot_dst is not None else position,

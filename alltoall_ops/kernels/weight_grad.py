@@ -55,7 +55,7 @@ def weight_grad(
         return
     require_contiguous("weight_grad", grad_w=grad_w)
     grad_y, returned, position = grad_y.contiguous(), returned.contiguous(), position.contiguous()
-    blocks = row_blocks("weight_grad", T, max(H, 1), grad_y.element_size())
+    blocks = row_blocks("weight_grad", T, max(H, 1), grad_y.element_size(), max_programs)
     with LAUNCH_LOCK:  # NB: one program per token block across all of H: it sums over H
         _weight_grad_kernel[program_grid(blocks.grid(T, H)[0], 1, max_programs)[:1]](
             grad_y, returned, position, grad_w, T, H, returned.shape[0],

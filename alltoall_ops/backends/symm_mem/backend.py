@@ -11,7 +11,7 @@ import torch
 
 from ... import comm, layout
 from ..._compat import call, is_compiling
-from ...errors import CapacityError, PeerInputError
+from ...errors import CapacityError, CollectiveError, PeerInputError
 from ...groups import LOCAL, Group, process_group
 from ...payload import PLAIN, Payload, op_kwargs, routed
 from ...validation import check_combine_args, check_dispatch_args
@@ -201,8 +201,8 @@ def checked(bufs: SymmBuffers, check: Callable[..., Any], *args) -> Any:
         bufs._own_error = f"{type(exc).__name__}: {exc}"
         try:
             symm_exchange_meta_op(failure, bufs, 0)
-        except PeerInputError:
-            pass  # what the peers raise; this rank raises its own error
+        except (PeerInputError, CollectiveError):
+            pass  # what the peers raise, or peers later than the deadline (not told); this rank raises its own error
         finally:
             bufs._own_error = None
         raise
@@ -236,7 +236,7 @@ class SymmMemBackend(Backend):
         E = checked(bufs, _check_buffers_fit, bufs, x_TH, topk_idx_TK, num_experts, group, expert_alignment,
                      payload)
         W, e = bufs.world_size, bufs.num_local_experts
-        plan = layout.plan_routing(topk_idx_TK, E, W)
+        plan = layout.plan_routing(topk_idx_TK, E, W, bufs.num_sms)
         # (L,): counts, routing status, then N_SLOTS, ALIGNMENT, FAILED (0) and CALL (set by the op).
         # NB: filled on the device, not copied from the host: eager calls stay CUDA-graph capturable.
         header = torch.zeros(META_EXTRA - layout.STATUS_COLUMNS, dtype=torch.int64, device=x_TH.device)

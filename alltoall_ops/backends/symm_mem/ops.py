@@ -130,7 +130,7 @@ def symm_exchange_meta_op(send_row_L: torch.Tensor, buffers: SymmBuffers, expert
     row_L = send_row_L.clone()
     call_1 = row_L[buffers.num_experts + CALL : buffers.num_experts + CALL + 1]
     buffers._segments.barrier(META_OP, call_1, advance=True)
-    k.put_meta(row_L, buffers.table[META], buffers.rank)
+    k.put_meta(row_L, buffers.table[META], buffers.rank, max_programs=buffers.num_sms)
     buffers._segments.barrier(META_OP, call_1)
     meta_WL = buffers.meta.clone()
     _check_meta(meta_WL, buffers, expert_alignment, call_1)
@@ -173,7 +173,7 @@ def symm_dispatch_op(
     fmt, C, H = FORMATS[payload], buffers.capacity, x_TH.shape[1]
     if fmt is not PLAIN:  # plain rows fit any buffers' RECV region (with fp8: combine's backward)
         check_payload(buffers, fmt)
-    values_TH, scale_TB = fmt.encode(x_TH, x_scale_TB)
+    values_TH, scale_TB = fmt.encode(x_TH, x_scale_TB, buffers.num_sms)
     values_CH = values_TH.new_empty(C, H)
     if scale_TB is None:
         row_src_C = _put_rows_and_copy_out(values_TH, scale_TK, position_TK, slot_dst_N, num_routed_1, call_1,
@@ -184,7 +184,7 @@ def symm_dispatch_op(
         scale_CB = scale_TB.new_empty(C, scale_TB.shape[1])
         row_src_C = _put_rows_and_copy_out(pack(values_TH, scale_TB), None, position_TK, slot_dst_N, num_routed_1,
                                            call_1, buffers, buffers.recv_packed, values_CH, scale_CB.view(torch.uint8))
-    return (*fmt.decode(values_CH, scale_CB, out_dtype, num_routed_1), row_src_C)
+    return (*fmt.decode(values_CH, scale_CB, out_dtype, num_routed_1, buffers.num_sms), row_src_C)
 
 
 def _put_rows_and_copy_out(
@@ -251,7 +251,8 @@ def _symm_dispatch_backward(ctx, grad_routed_CH, _grad_scale_CB, _grad_row_src_C
     grad_x_TH, returned_NH = symm_combine_op(expert_out_CH=grad_routed_CH, weights_TK=scale_TK, row_src_C=row_src_C,
                                              **ctx.slots.kwargs(), save_returned=x_TH is not None)
     # d scale[t, k] = <x[t], grad_routed[row of slot (t, k)]>: the returned rows are those rows.
-    grad_scale_TK = None if x_TH is None else weight_grad_op(x_TH, returned_NH, ctx.slots.position_TK, scale_TK)
+    grad_scale_TK = None if x_TH is None else weight_grad_op(x_TH, returned_NH, ctx.slots.position_TK, scale_TK,
+                                                                   ctx.slots.buffers.num_sms)
     return input_grads(symm_dispatch_op, x_TH=grad_x_TH, scale_TK=grad_scale_TK)
 
 
@@ -333,7 +334,8 @@ def _symm_combine_backward(ctx, grad_y_TH, grad_returned_NH):
                 "symm_combine: topk_weights need a gradient, but the op was called with "
                 "save_returned=False; alltoall_ops.combine sets it when the weights require grad"
             )
-        grad_weights_TK = weight_grad_op(grad_y_TH, returned_NH, slots.position_TK, weights_TK)
+        grad_weights_TK = weight_grad_op(grad_y_TH, returned_NH, slots.position_TK, weights_TK,
+                                         slots.buffers.num_sms)
     return input_grads(symm_combine_op, expert_out_CH=grad_expert_out_CH, weights_TK=grad_weights_TK)
 
 
