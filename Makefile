@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_DEV_CONSTRAINT ?= torch==2.13.0
 WORLD_SIZE ?= 4
 
-.PHONY: install test demo bench lint clean
+.PHONY: install test demo bench lint clean gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,3 +34,9 @@ lint: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+
+# On the GPU host (system python3 with torch preinstalled, no venv, no network): every test marked
+# gpu, then the SM-budget benchmark. Under 8 minutes on one H200 (docs/gpu.md).
+gpu-check:
+	python3 -m pytest -q -m gpu tests/test_*_gpu.py
+	python3 -m benchmarks.overlap --out results/gpu --budgets 16 24 32 all

@@ -15,7 +15,14 @@ For each SM budget (8 / 16 / 32 SMs, and ``all``: ``num_sms=None``, no cap):
 - ``both``: the two at once, the replay on one stream and the GEMM on another, both forked from
   and joined back into the timing stream, so the CUDA events of ``testing.timer``
   (``triton.testing.do_bench``: medians, warm-up) span both streams: the pair's wall time;
-- ``serial``: exchange + gemm, what ``both`` would be without any overlap.
+- ``serial``: exchange + gemm, what ``both`` would be without any overlap;
+- ``GB/s``: the exchange's bytes (every kernel's rows read once and written once: per rank
+  2 T + 2 N + 4 n rows of H, n rows received) over its time, and the same for a plain 30-line
+  scatter kernel of bf16 rows to a permuted destination on as many programs (``scatter``, its
+  best tile of 8 rows and 16 warps): the bandwidth per SM the exchange keeps.
+
+Then the ``MoE`` layer (symm_mem at W = 1, a shared expert, T = 4096) forward + backward with
+``shared_expert_overlap="combine"`` against ``"none"``, at the budgets given, in the same run.
 
 Before timing, each budget's results (every rank's routed rows below ``tokens_per_expert.sum()``,
 tokens_per_expert, y) are checked equal to the uncapped run's. ``--smoke`` runs every path on
@@ -89,10 +96,62 @@ class Exchange:
     def replay(self) -> None:
         self.graph.replay()
 
+    def nbytes(self) -> int:
+        """Bytes one replay reads and writes (every rank's rows, each read once and written once)."""
+        total = 0
+        for (topk_idx, _), (_, tpe, _) in zip(self.routes, self.graph.outs):
+            T, n, N = topk_idx.shape[0], int(tpe.sum()), int((topk_idx >= 0).sum())
+            total += (2 * T + 2 * N + 4 * n) * self.xs[0].shape[1] * self.xs[0].element_size()
+        return total
+
     def results(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Every rank's (routed rows with data, tokens_per_expert, y), after a replay."""
         outs = self.graph.run()
         return [(routed[: int(tpe.sum())].clone(), tpe.clone(), y.clone()) for routed, tpe, y in outs]
+
+
+def plain_scatter(T: int, H: int, K: int, programs: Optional[int], device: torch.device) -> tuple[Callable, int]:
+    """A plain scatter of N = T * K bf16 rows (H) to a random permutation of N rows on ``programs``
+    persistent programs (None: one per 8 rows), and its bytes: the reference of bandwidth per SM."""
+    from benchmarks import scatter_kernel
+
+    N = T * K
+    src = torch.randn(N, H, device=device).to(DTYPE)
+    out = torch.empty_like(src)
+    perm = torch.randperm(N, device=device)
+    return (lambda: scatter_kernel.scatter_rows(src, perm, out, programs)), 2 * N * H * src.element_size()
+
+
+def moe_overlap(budgets: list[tuple[str, Optional[int]]], device: torch.device, time_us) -> list[dict]:
+    """MoE layer fwd + bwd (symm_mem, W = 1, shared expert) with shared_expert_overlap 'combine'
+    and 'none', per budget: equal results first, then both timed."""
+    from alltoall_ops.moe import MoE
+
+    T, H, K, E, F_ = SMOKE_SHAPE if device.type == "cpu" else SHAPE
+    rows = []
+    for label, num_sms in budgets:
+        bufs = SymmBuffers(T, H, K, E, DTYPE, device, num_sms=num_sms)
+        x = torch.randn(T, H, device=device, generator=torch.Generator(device=device).manual_seed(3)).to(DTYPE)
+        outs, times = [], {}
+        for mode in ("combine", "none"):
+            torch.manual_seed(0)
+            moe = MoE(H, F_ // 2, E, K, shared_ffn_size=F_, shared_expert_overlap=mode, backend="symm_mem",
+                      buffers=bufs, device=device, dtype=DTYPE)
+            xr = x.clone().requires_grad_()
+
+            def step() -> torch.Tensor:
+                y = moe(xr)
+                y.float().square().mean().backward()
+                return y
+
+            outs.append((step().detach(), xr.grad.clone()))
+            xr.grad = None
+            times[mode] = time_us(step)
+        same = all(torch.equal(a, b) for a, b in zip(*outs))
+        rows.append(dict(budget=label, combine_us=times["combine"], none_us=times["none"], equal=same))
+        print(f"{label:>14}: MoE fwd+bwd overlap 'combine' {times['combine']:9.1f} us, 'none' {times['none']:9.1f} "
+              f"us, ratio {times['combine'] / times['none']:.3f}, equal {same}", flush=True)
+    return rows
 
 
 def concurrently(first: Callable[[], object], second: Callable[[], object], cuda: bool) -> Callable[[], None]:
@@ -130,14 +189,21 @@ def budgets(names: list[str], device: torch.device) -> list[tuple[str, Optional[
     return out
 
 
-def markdown(rows: list[dict], header: str) -> str:
+def markdown(rows: list[dict], header: str, moe_rows: list[dict]) -> str:
     lines = [f"# symm_mem exchange beside a shared-expert GEMM\n\n{header}\n",
-             "| SM budget | exchange (us) | GEMM (us) | both concurrently (us) | serial sum (us) | saved by overlap |",
-             "|---|---|---|---|---|---|"]
+             "| SM budget | exchange (us) | exchange GB/s | plain scatter GB/s | ratio | GEMM (us) | both (us) | "
+             "both / max | serial sum (us) | saved by overlap |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         saved = 1 - r["both_us"] / r["serial_us"] if r["serial_us"] else 0.0
-        lines.append(f"| {r['budget']} | {r['exchange_us']:.1f} | {r['gemm_us']:.1f} | {r['both_us']:.1f} | "
-                     f"{r['serial_us']:.1f} | {saved:.0%} |")
+        lines.append(f"| {r['budget']} | {r['exchange_us']:.1f} | {r['exchange_gbps']:.0f} | {r['scatter_gbps']:.0f} | "
+                     f"{r['exchange_gbps'] / r['scatter_gbps']:.2f} | {r['gemm_us']:.1f} | {r['both_us']:.1f} | "
+                     f"{r['both_us'] / max(r['exchange_us'], r['gemm_us']):.2f} | {r['serial_us']:.1f} | {saved:.0%} |")
+    if moe_rows:
+        lines += ["", "| SM budget | MoE fwd+bwd, overlap 'combine' (us) | 'none' (us) | combine / none | equal |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['budget']} | {r['combine_us']:.1f} | {r['none_us']:.1f} | {r['combine_us'] / r['none_us']:.3f} "
+                  f"| {r['equal']} |" for r in moe_rows]
     return "\n".join(lines) + "\n"
 
 
@@ -183,18 +249,23 @@ def main(argv=None) -> int:
         row = dict(budget=label, num_sms=num_sms, exchange_us=time_us(exchange.replay), gemm_us=time_us(gemm),
                    both_us=time_us(concurrently(exchange.replay, gemm, cuda)))
         row["serial_us"] = row["exchange_us"] + row["gemm_us"]
+        row["exchange_gbps"] = exchange.nbytes() / row["exchange_us"] / 1e3
+        scatter, scatter_bytes = plain_scatter(T, H, K, num_sms, device)
+        row["scatter_gbps"] = scatter_bytes / time_us(scatter) / 1e3
         rows.append(row)
-        print(f"{label:>14}: exchange {row['exchange_us']:9.1f} us  gemm {row['gemm_us']:9.1f} us  "
-              f"both {row['both_us']:9.1f} us  serial {row['serial_us']:9.1f} us", flush=True)
+        print(f"{label:>14}: exchange {row['exchange_us']:9.1f} us ({row['exchange_gbps']:5.0f} GB/s, plain scatter "
+              f"{row['scatter_gbps']:5.0f})  gemm {row['gemm_us']:9.1f} us  both {row['both_us']:9.1f} us  "
+              f"serial {row['serial_us']:9.1f} us", flush=True)
         del exchange
+    moe_rows = moe_overlap(budgets(args.budgets, device), device, time_us)
     tag = "gpu" if cuda else "smoke"
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"overlap_{tag}.json"), "w") as f:
         json.dump({"header": header, "device": name, "command": command, "world_size": W,
-                   "shape_THKEF": list(shape), "rows": rows, "failures": failures}, f, indent=1)
+                   "shape_THKEF": list(shape), "rows": rows, "moe_rows": moe_rows, "failures": failures}, f, indent=1)
     with open(os.path.join(args.out, f"overlap_{tag}.md"), "w") as f:
-        f.write(markdown(rows, header) + "".join(f"\nFAILED {x}\n" for x in failures))
-    print(markdown(rows, header))
+        f.write(markdown(rows, header, moe_rows) + "".join(f"\nFAILED {x}\n" for x in failures))
+    print(markdown(rows, header, moe_rows))
     for x in failures:
         print(f"FAILED {x}")
     print(f"{'FAILED' if failures else 'OK'}: {len(rows)} budgets in {time.perf_counter() - t0:.0f} s; "

@@ -221,10 +221,11 @@ def check_cuda_graph(pool: DistributedPool) -> str:
     return f"W={W}: captured once, replayed with 2 new routings (R per rank {replays}) = collective"
 
 
-def fp8_reference(spec: dict, W: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def fp8_reference(spec: dict, W: int, inputs: list | None = None) -> list[tuple]:
     """Every rank's (values, scales, tokens_per_expert) of an fp8 dispatch: the local backend (CPU)
-    on all ranks' tokens concatenated in rank order, cut into each rank's experts."""
-    inputs = [make_inputs(spec, r) for r in range(W)]
+    on all ranks' tokens (``inputs``, default ``make_inputs``) concatenated in rank order, cut
+    into each rank's experts."""
+    inputs = inputs or [make_inputs(spec, r) for r in range(W)]
     e = spec["E"] // W
     (values, scales), tpe, _ = a2a.dispatch(torch.cat([i[0] for i in inputs]), torch.cat([i[1] for i in inputs]),
                                             num_experts=spec["E"], backend="local", expert_alignment=spec["A"],
