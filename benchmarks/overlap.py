@@ -139,7 +139,7 @@ def moe_overlap(budgets: list[tuple[str, Optional[int]]], device: torch.device, 
                       buffers=bufs, device=device, dtype=DTYPE)
             xr = x.clone().requires_grad_()
 
-            def step() -> torch.Tensor:
+            def step(moe: MoE = moe, xr: torch.Tensor = xr) -> torch.Tensor:
                 y = moe(xr)
                 y.float().square().mean().backward()
                 return y
@@ -202,8 +202,8 @@ def markdown(rows: list[dict], header: str, moe_rows: list[dict]) -> str:
     if moe_rows:
         lines += ["", "| SM budget | MoE fwd+bwd, overlap 'combine' (us) | 'none' (us) | combine / none | equal |",
                   "|---|---|---|---|---|"]
-        lines += [f"| {r['budget']} | {r['combine_us']:.1f} | {r['none_us']:.1f} | {r['combine_us'] / r['none_us']:.3f} "
-                  f"| {r['equal']} |" for r in moe_rows]
+        lines += [f"| {r['budget']} | {r['combine_us']:.1f} | {r['none_us']:.1f} | "
+                  f"{r['combine_us'] / r['none_us']:.3f} | {r['equal']} |" for r in moe_rows]
     return "\n".join(lines) + "\n"
 
 
