@@ -9,7 +9,7 @@ expert) runs beside it::
 The start is the backend's own op (its ``async_op`` argument), the wait is PyTorch's
 functional-collective wait (``torch.ops._c10d_functional.wait_tensor``), which autograd passes
 through, torch.compile keeps in place and inductor knows: the start registers a
-:class:`PendingExchange` for its first output, the wait finds it there. :func:`wait_add` ends a
+:class:`PendingExchange` under each of its outputs, a wait on any one finds it there. :func:`wait_add` ends a
 combine with the sum ``y + other`` in one op, so that the work making ``other`` stays before the
 wait in compiled code too (a data dependency: inductor schedules freely otherwise).
 
@@ -26,7 +26,9 @@ Stream and buffer rules (CUDA):
   use of them.
 - Every start needs its wait before any output of the exchange is read (the first output is
   the one to wait on; the wait covers every output of the op).
-- The backward of an async op is its adjoint exchange run in place (synchronously).
+- The backward of an async op is its adjoint exchange run in place (synchronously); it reads
+  the op's saved outputs after a wait (:func:`save_for_backward`, :func:`saved_tensors`), so a
+  start that recomputation ran again (checkpointing) is waited for there.
 On the CPU there are no streams: the exchange runs in place and the wait only drops the record.
 """
 
@@ -39,7 +41,7 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
-from ._compat import custom_op
+from ._compat import custom_op, is_compiling
 
 Out = TypeVar("Out")
 
@@ -55,27 +57,37 @@ def comm_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 class PendingExchange(dist.Work):
-    """A started exchange: its stream (None on the CPU), the tensors it reads and writes (held
-    until the wait), and its outputs, which :meth:`wait` records on the current stream."""
+    """A started exchange, registered under each of its outputs: its stream (None on the CPU),
+    the tensors it reads and writes (held until the wait), and its outputs. A wait on any one
+    output (:meth:`wait`) waits for the exchange, records the outputs on the current stream and
+    drops the other outputs' registrations."""
+
+    started: set[PendingExchange] = set()
+    """The exchanges not waited for yet, in this process."""
 
     def __init__(self, stream: Optional[torch.cuda.Stream], reads: tuple, outputs: list[torch.Tensor]):
         super().__init__()
         self.stream, self.reads, self.outputs = stream, reads, outputs
 
     def wait(self, timeout: Any = None) -> bool:
+        outputs, self.reads, self.outputs = self.outputs, (), []
+        if not outputs:
+            return True  # waited already, through another output
+        PendingExchange.started.discard(self)
         if self.stream is not None:
             current = torch.cuda.current_stream(self.stream.device)
             current.wait_stream(self.stream)
-            for t in self.outputs:
+            for t in outputs:
                 t.record_stream(current)
-        self.reads, self.outputs = (), []
+        for t in outputs:
+            torch.ops._c10d_functional.wait_tensor(t)  # NB: drops t's registration (the waited one's is gone)
         return True
 
 
 def start(exchange: Callable[[], Out], *reads: Any) -> Out:
     """``exchange()``, an op's body, started on the communication stream of the device of the
     first CUDA tensor in ``reads`` (everything the body reads; in place on the CPU) and pending
-    until :func:`wait` on its first output."""
+    until :func:`wait` on any of its outputs."""
     cuda = next((t.device for t in reads if isinstance(t, torch.Tensor) and t.is_cuda), None)
     stream = None if cuda is None else comm_stream(cuda)
     if stream is None:
@@ -85,7 +97,10 @@ def start(exchange: Callable[[], Out], *reads: Any) -> Out:
         with torch.cuda.stream(stream):
             out = exchange()
     outputs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
-    torch._C._distributed_c10d._register_work(outputs[0], PendingExchange(stream, reads, outputs))
+    pending = PendingExchange(stream, reads, outputs)
+    PendingExchange.started.add(pending)
+    for t in outputs:
+        torch._C._distributed_c10d._register_work(t, pending)
     return out
 
 
@@ -119,6 +134,29 @@ def wait(x: Any) -> Any:
     return torch.ops._c10d_functional.wait_tensor(x)
 
 
+def save_for_backward(ctx: Any, output: Any, async_op: bool, *tensors: Optional[torch.Tensor]) -> None:
+    """``ctx.save_for_backward(*tensors)`` in the autograd ``setup_context`` of an exchange op that
+    returned ``output``; the backward reads them with :func:`saved_tensors`. Recomputation may
+    start an async exchange again and never reach its wait (checkpointing without ``sac_policy``
+    stops at the last saved tensor; the compiler's recompute keeps only what the backward reads),
+    so with ``async_op`` the backward waits: on the op's outputs among ``tensors``, before it reads
+    them, else (eager only) on its first output, saved for that. A compiled backward reads no
+    output it has not waited on and runs no start whose outputs it does not read."""
+    outputs = output if isinstance(output, (tuple, list)) else (output,)
+    ctx.waits = [i for i, t in enumerate(tensors) if any(t is o for o in outputs)] if async_op else []
+    ctx.wait_only = async_op and not ctx.waits
+    ctx.save_for_backward(*tensors, *outputs[:ctx.wait_only])
+
+
+def saved_tensors(ctx: Any) -> list[Optional[torch.Tensor]]:
+    """The tensors :func:`save_for_backward` saved, in order, the async op's outputs among them
+    after their wait (free when nothing is pending)."""
+    *saved, first = ctx.saved_tensors if ctx.wait_only else (*ctx.saved_tensors, None)
+    if type(first) is torch.Tensor and not is_compiling():  # NB: eager only: a traced tensor is a fake
+        wait(first)
+    return [wait(t) if i in ctx.waits else t for i, t in enumerate(saved)]
+
+
 def _wait_add(pending: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """``wait(pending) + other`` as one op (``pending`` (T, H) an async combine's y, ``other``
     (T, H) work done meanwhile, e.g. a shared expert's output): ``other`` is an input of the wait,
@@ -149,5 +187,7 @@ wait_add.register_autograd(_wait_add_backward, setup_context=_wait_add_setup_con
 
 
 def pending_exchanges() -> int:
-    """Started exchanges (and other functional collectives) not waited for yet, in this process."""
-    return torch._C._distributed_c10d._get_work_registry_size()
+    """Started exchanges (and other functional collectives) not waited for yet, in this process:
+    one each, however many outputs it is registered under."""
+    registrations = torch._C._distributed_c10d._get_work_registry_size()
+    return registrations - sum(len(pending.outputs) - 1 for pending in PendingExchange.started)

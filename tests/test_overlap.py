@@ -133,22 +133,25 @@ def test_shared_expert_overlap_is_checked():
         MoE(H, 2 * H, E, K, shared_ffn_size=H, shared_expert_overlap="dispatch")
 
 
+@pytest.mark.parametrize("grad", [False, True])
 @pytest.mark.parametrize("gated", [False, True])
-def test_compiled_code_runs_the_shared_expert_between_start_and_wait(gated):
-    """Inductor's code for the forward: the combine's start, the shared expert's matmuls (3, gated
-    4: w_gate, w_up, w_down, w_output_gate), then the wait (wait_add: y + the shared output)."""
+def test_compiled_code_runs_the_shared_expert_between_start_and_wait(gated, grad):
+    """Inductor's code for the forward: the combine's start, the shared expert's 3 (gated 4)
+    matmuls (w_gate, w_up, w_down, w_output_gate), then the wait (wait_add: y + the shared output).
+    In training too (nothing waits before wait_add)."""
     moe = moe_with_shared_expert(gated, random.randrange(1 << 20))
-    x = torch.randn(T, H, dtype=torch.float64)
+    x = torch.randn(T, H, dtype=torch.float64, requires_grad=grad)
     torch._dynamo.reset()
+    y, codes = run_and_get_code(torch.compile(moe, fullgraph=True), x)
     with torch.no_grad():
-        y, codes = run_and_get_code(torch.compile(moe, fullgraph=True), x)
         want = serial_forward(moe, x)
     torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-14)  # inductor fuses the SwiGLU: fp64 rounding
-    code = "\n".join(codes)
+    code = codes[0]
     start = code.index("torch.ops.alltoall_ops.local_combine.default(")
     assert code[start:code.index(")", start)].endswith("True")  # async_op, the op's last argument
     wait = code.index("torch.ops.alltoall_ops.wait_add.default(", start)
     assert len(re.findall(r"extern_kernels\.mm\(", code[start:wait])) == (4 if gated else 3), code[start:wait]
+    assert "wait_tensor" not in code[start:wait]
     assert not re.findall(r"extern_kernels\.mm\(", code[wait:])  # nothing of the shared expert after the wait
     assert overlap.pending_exchanges() == 0
 

@@ -208,11 +208,12 @@ def _dispatch_setup_context(ctx, inputs, output):
     # fp8-valued rows carry no gradient; dequantized ones the combine of theirs (straight-through)
     ctx.differentiable = named["payload"] == PLAIN.name or named["out_dtype"] is not None
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(scale_TK, x_TH if scale_TK is not None and scale_TK.requires_grad else None)
+    overlap.save_for_backward(ctx, output, named["async_op"], scale_TK,
+                              x_TH if scale_TK is not None and scale_TK.requires_grad else None)
 
 
 def _dispatch_backward(ctx, grad_routed_RH, _grad_scale_RB):
-    scale_TK, x_TH = ctx.saved_tensors
+    scale_TK, x_TH = overlap.saved_tensors(ctx)
     if not ctx.differentiable or grad_routed_RH is None:
         return input_grads(dispatch_op)
     # The adjoint of dispatch is combine, weighted by the same per-slot scale.
@@ -287,11 +288,11 @@ def _combine_setup_context(ctx, inputs, output):
     ctx.route, ctx.save_returned = RouteArgs.of(combine_op, inputs), named["save_returned"]
     ctx.num_rows = expert_out_RH.shape[0]
     ctx.set_materialize_grads(False)  # `returned` gets a gradient only in double backward
-    ctx.save_for_backward(weights_TK, output[1] if ctx.save_returned else None)
+    overlap.save_for_backward(ctx, output, named["async_op"], weights_TK, output[1] if ctx.save_returned else None)
 
 
 def _combine_backward(ctx, grad_y_TH, grad_returned_NH):
-    weights_TK, returned_NH = ctx.saved_tensors
+    weights_TK, returned_NH = overlap.saved_tensors(ctx)
     route = ctx.route
     grads_expert_out = []
     if ctx.needs_input_grad[0] and grad_y_TH is not None:

@@ -74,11 +74,12 @@ def _local_dispatch_setup_context(ctx, inputs, output):
     ctx.differentiable = named["payload"] == PLAIN.name or named["out_dtype"] is not None
     ctx.set_materialize_grads(False)
     scale_needs_grad = scale_TK is not None and scale_TK.requires_grad
-    ctx.save_for_backward(scale_TK, named["row_src_C"], named["row_TK"], x_TH if scale_needs_grad else None)
+    overlap.save_for_backward(ctx, output, named["async_op"], scale_TK, named["row_src_C"], named["row_TK"],
+                              x_TH if scale_needs_grad else None)
 
 
 def _local_dispatch_backward(ctx, grad_routed_CH, _grad_scale_CB):
-    scale_TK, row_src_C, row_TK, x_TH = ctx.saved_tensors
+    scale_TK, row_src_C, row_TK, x_TH = overlap.saved_tensors(ctx)
     if not ctx.differentiable or grad_routed_CH is None:
         return input_grads(local_dispatch_op)
     # The adjoint of dispatch is combine, weighted by the same per-slot scale.
@@ -115,12 +116,12 @@ def _local_combine_setup_context(ctx, inputs, output):
     named = named_inputs(local_combine_op, inputs)
     weights_TK = named["weights_TK"]
     weights_need_grad = weights_TK is not None and weights_TK.requires_grad
-    ctx.save_for_backward(weights_TK, named["row_TK"], named["row_src_C"],
-                          named["expert_out_CH"] if weights_need_grad else None)
+    overlap.save_for_backward(ctx, output, named["async_op"], weights_TK, named["row_TK"], named["row_src_C"],
+                              named["expert_out_CH"] if weights_need_grad else None)
 
 
 def _local_combine_backward(ctx, grad_y_TH):
-    weights_TK, row_TK, row_src_C, expert_out_CH = ctx.saved_tensors
+    weights_TK, row_TK, row_src_C, expert_out_CH = overlap.saved_tensors(ctx)
     grad_expert_out_CH = grad_weights_TK = None
     if ctx.needs_input_grad[0]:
         # The adjoint of combine is dispatch with each slot's row scaled by its weight: rows no

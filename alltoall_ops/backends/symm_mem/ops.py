@@ -239,13 +239,14 @@ def _symm_dispatch_setup_context(ctx, inputs, output):
     ctx.differentiable = named["payload"] == PLAIN.name or named["out_dtype"] is not None
     ctx.set_materialize_grads(False)
     scale_needs_grad = scale_TK is not None and scale_TK.requires_grad
-    ctx.save_for_backward(output[2], scale_TK, x_TH if scale_needs_grad else None)  # row_src_C
+    overlap.save_for_backward(ctx, output, named["async_op"], output[2], scale_TK,  # row_src_C
+                              x_TH if scale_needs_grad else None)
 
 
 def _symm_dispatch_backward(ctx, grad_routed_CH, _grad_scale_CB, _grad_row_src_C):
     # The adjoint of dispatch is combine, weighted by the same per-slot scale. Built from the ops
     # themselves (like the local backend), so double backward is exact too.
-    row_src_C, scale_TK, x_TH = ctx.saved_tensors
+    row_src_C, scale_TK, x_TH = overlap.saved_tensors(ctx)
     if not ctx.differentiable or grad_routed_CH is None:
         return input_grads(symm_dispatch_op)
     grad_x_TH, returned_NH = symm_combine_op(expert_out_CH=grad_routed_CH, weights_TK=scale_TK, row_src_C=row_src_C,
@@ -311,11 +312,12 @@ def _symm_combine_setup_context(ctx, inputs, output):
     named = named_inputs(symm_combine_op, inputs)
     ctx.slots, ctx.save_returned = SlotArgs.of(symm_combine_op, inputs), named["save_returned"]
     ctx.set_materialize_grads(False)  # `returned_NH` gets a gradient only in double backward
-    ctx.save_for_backward(named["weights_TK"], output[1] if ctx.save_returned else None)
+    overlap.save_for_backward(ctx, output, named["async_op"], named["weights_TK"],
+                              output[1] if ctx.save_returned else None)
 
 
 def _symm_combine_backward(ctx, grad_y_TH, grad_returned_NH):
-    weights_TK, returned_NH = ctx.saved_tensors
+    weights_TK, returned_NH = overlap.saved_tensors(ctx)
     slots = ctx.slots
     grad_expert_out_CH = grad_weights_TK = None
     if ctx.needs_input_grad[0] and grad_y_TH is not None:
