@@ -5,9 +5,9 @@
   as ``__cause__`` (:class:`CollectiveError`, :class:`CollectiveTimeout`);
 - ``agree``: the *header agreement* that starts each op on a process group: one all-gather of a
   fixed-size int64 message per rank (op, call number, failure flag, the op's shared fields,
-  and room for a small payload such as a dispatch's counts: ``agree_and_gather``), so that
-  every rank raises the same error, before any payload moves, when a rank rejected its own
-  arguments (:class:`PeerInputError` on its peers), the ranks are out of step, or they
+  and room for a small payload: a dispatch's counts, ``agree_and_gather``, or a failed rank's
+  message), so that every rank raises the same error, before any payload moves, when a rank
+  rejected its own arguments (:class:`PeerInputError` on its peers), the ranks are out of step, or they
   disagree on a field (:class:`GroupMismatchError`); ``forward`` passes such an error from one
   group on to another (a two-stage op's), whose ranks raise it too;
 - ``comm_op``: the one registry of the library's custom ops that communicate (every backend's),
@@ -268,11 +268,14 @@ def forward(op: str, group_name: str, error: BaseException) -> None:
 
 
 def _join(op: str, group_name: str, problem: BaseException, kind: int) -> None:
-    """Take part in ``op``'s agreement with ``problem`` (so the peers raise), without raising it."""
+    """Take part in ``op``'s agreement with ``problem`` (so the peers raise), without raising it,
+    nor the :class:`CollectiveError` of an agreement that fails (peers later than the deadline,
+    or gone, are not told and raise their own): the caller raises ``problem`` either way, and a
+    two-stage op still tells its other group."""
     try:
         _agree(op, group_name, (), problem, None, None, None, kind)
     except BaseException as exc:
-        if exc is not problem:
+        if exc is not problem and not isinstance(exc, CollectiveError):
             raise
 
 
@@ -290,7 +293,9 @@ def _agree(op: str, group_name: str, fields: Sequence[int], problem: Optional[Ba
     header += [0] * (HEADER_LEN - len(header))
     send = torch.zeros(MESSAGE_LEN, dtype=torch.int64, device=device_of(pg))
     send[:HEADER_LEN] = torch.tensor(header, dtype=torch.int64)
-    if payload is not None:
+    if problem is not None:
+        send[HEADER_LEN:] = _encode_error(problem)
+    elif payload is not None:
         if payload.numel() > PAYLOAD_LEN:
             raise ValueError(f"agree: a payload of at most {PAYLOAD_LEN} ints, got {payload.numel()}")
         send[HEADER_LEN : HEADER_LEN + payload.numel()] = payload.reshape(-1)
@@ -299,11 +304,10 @@ def _agree(op: str, group_name: str, fields: Sequence[int], problem: Optional[Ba
     rows = gathered.tolist()  # Host sync: (W, MESSAGE_LEN)
     failed = [r for r, row in enumerate(rows) if row[2]]
     if failed:
-        mine = None if problem is None else (type(problem).__name__, str(problem))
-        messages = gather_objects(op, group_name, mine)
         if problem is not None:
             raise problem
-        first, (type_name, message) = failed[0], messages[failed[0]]
+        first = failed[0]
+        type_name, message = _decode_error(gathered[first, HEADER_LEN:])
         if rows[first][2] == _FORWARDED:
             raise _FORWARDABLE_BY_NAME[type_name](f"{where(op, pg)}: from rank {first} of this group: {message}")
         others = f" (ranks {failed} all failed)" if len(failed) > 1 else ""
@@ -326,6 +330,21 @@ def _agree(op: str, group_name: str, fields: Sequence[int], problem: Optional[Ba
     return rows
 
 
+def _encode_error(problem: BaseException) -> torch.Tensor:
+    """``"<type name>: <message>"`` as (PAYLOAD_LEN,) int64 of UTF-8 bytes (cut to fit, zero
+    padded): a failed rank's message travels in its agreement message itself, so a peer reads it
+    from the one all-gather, even one that arrives after this rank has stopped waiting."""
+    data = f"{type(problem).__name__}: {problem}".encode()[: PAYLOAD_LEN * 8]
+    return torch.frombuffer(bytearray(data.ljust(PAYLOAD_LEN * 8, b"\0")), dtype=torch.int64)
+
+
+def _decode_error(payload: torch.Tensor) -> tuple[str, str]:
+    """:func:`_encode_error`'s (PAYLOAD_LEN,) int64 -> (type name, message)."""
+    data = bytes(payload.cpu().view(torch.uint8).tolist()).rstrip(b"\0")
+    type_name, _, message = data.decode(errors="ignore").partition(": ")
+    return type_name, message
+
+
 def checked(op: str, group_name: Union[str, Sequence[str]], check: Callable[..., T], *args) -> T:
     """``check(*args)``: the argument checks of ``op``. On a group, a rank whose checks raise
     takes part in ``op``'s agreement with its error, so its peers (waiting there) raise too.
@@ -346,7 +365,9 @@ def checked(op: str, group_name: Union[str, Sequence[str]], check: Callable[...,
 
 
 def gather_objects(op: str, group_name: str, obj) -> list:
-    """Every rank's ``obj``, by rank (only on the failure path: all ranks take it together)."""
+    """Every rank's ``obj``, by rank: a second exchange, bounded by the process group's timeout
+    (not the library's deadline), so only where every rank takes it right after an exchange they
+    all passed (every rank's shape on a disagreement; symm_mem's failure messages)."""
     pg = process_group(group_name)
     out: list = [None] * pg.size()
     try:

@@ -1,6 +1,6 @@
 """What the tests, the GPU checks (``tools/gpu_*``) and the benchmarks share: a multi-process
 harness (W real processes joined in a gloo process group), counters of comm ops and host
-traffic, the debug and NaN-fill modes, and inputs (``routing``), a small MoE layer
+traffic, the debug and NaN-fill modes, a short deadline with a late rank, and inputs (``routing``), a small MoE layer
 (``moe_step``) and timers (``timer``, ``host_us``).
 
 Example::
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import api
+from . import api, comm
 from .comm import communication_ops
 from .layout import HostSplits, expert_of_rows
 
@@ -259,6 +259,21 @@ def debug_mode(enabled: bool = True) -> Iterator[None]:
             del os.environ["ALLTOALL_OPS_DEBUG"]
         else:
             os.environ["ALLTOALL_OPS_DEBUG"] = before
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, late: bool = False) -> Iterator[None]:
+    """The library's deadline (:func:`alltoall_ops.set_timeout`) set to ``seconds`` inside the
+    block, restored after. ``late``: this rank enters the block 1.5 x ``seconds`` late, so that
+    its peers' waits for it (in the block) pass their deadline first."""
+    before = comm.get_timeout()
+    comm.set_timeout(seconds)
+    try:
+        if late:
+            time.sleep(1.5 * seconds)
+        yield
+    finally:
+        comm.set_timeout(before)
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ import alltoall_ops as a2a
 from alltoall_ops import fp8, layout
 from alltoall_ops.hierarchical import node_crossings
 from alltoall_ops.payload import pack
+from alltoall_ops.testing import deadline
 
 H, T, K = 5, 7, 3
 
@@ -153,19 +154,24 @@ def _healthy_two_stage(rank: int, world_size: int, groups: dict) -> None:
     torch.testing.assert_close(a2a.combine(routed, handle, w), x * (w * (idx >= 0)).sum(1, keepdim=True))
 
 
-def run_bad_rank(rank: int, world_size: int) -> str:
+def run_bad_rank(rank: int, world_size: int, late: bool) -> str:
     """Rank 0 passes a float topk_idx: it raises its own TypeError, every other rank a
-    PeerInputError (its node group's in the first stage, the rest through the second)."""
+    PeerInputError (its node group's in the first stage, the rest through the second).
+    ``late``: the other ranks enter the dispatch after rank 0's deadline has passed in the first
+    stage (before: rank 0 raised CollectiveTimeout and skipped the second stage, and rank 2
+    waited past every deadline for the message of a rank that had left)."""
     groups = _mesh(world_size, 2)
     x, idx, _, _ = _inputs(rank, 2 * world_size, 0)
-    got = _errors(lambda: a2a.hierarchical_dispatch(x, idx.float() if rank == 0 else idx,
-                                                    num_experts=2 * world_size, **groups))
+    with deadline(1.0, late=late and rank != 0):
+        got = _errors(lambda: a2a.hierarchical_dispatch(x, idx.float() if rank == 0 else idx,
+                                                        num_experts=2 * world_size, **groups))
     _healthy_two_stage(rank, world_size, groups)
     return got
 
 
-def test_a_bad_rank_tells_every_rank(pool4):
-    got = pool4.run(run_bad_rank)
+@pytest.mark.parametrize("late", [False, True])
+def test_a_bad_rank_tells_every_rank(pool4, late):
+    got = pool4.run(run_bad_rank, late)
     assert got[0].startswith("TypeError: topk_idx"), got[0]
     own = got[0].removeprefix("TypeError: ")
     for rank in (1, 2, 3):

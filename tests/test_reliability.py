@@ -16,9 +16,10 @@ import pytest
 import torch
 
 import alltoall_ops as a2a
+from alltoall_ops import fp8
 from alltoall_ops.errors import (CapacityError, CollectiveError, CollectiveTimeout, GroupMismatchError,
                                  PeerInputError)
-from alltoall_ops.testing import DistributedPool, RankFailures, debug_mode
+from alltoall_ops.testing import DistributedPool, RankFailures, deadline, debug_mode
 
 E, H, T, K = 4, 3, 5, 2
 CASE_DEADLINE_S = 60.0
@@ -133,6 +134,23 @@ def _bad_num_experts_indivisible(rank, bad):
     a2a.dispatch(x, idx, num_experts=3 if bad else E)
 
 
+def _bad_fp8_hidden(rank, bad):
+    x, idx, _ = _inputs(rank, H=64 if bad else 128, dtype=torch.bfloat16)
+    a2a.dispatch(x, idx, num_experts=E, payload_dtype=torch.float8_e4m3fn)
+
+
+def _bad_fp8_scale_rows(rank, bad):
+    x, idx, _ = _inputs(rank, H=128)
+    values, scales = fp8.quantize(x)
+    a2a.dispatch((values, scales[:-1] if bad else scales), idx, num_experts=E)
+
+
+def _bad_fp8_scale_dtype(rank, bad):
+    x, idx, _ = _inputs(rank, H=128)
+    values, scales = fp8.quantize(x)
+    a2a.dispatch((values, scales.bfloat16() if bad else scales), idx, num_experts=E)
+
+
 def _bad_expert_out_dtype_debug_mode(rank, bad):
     routed, handle, w = _round_trip(rank)
     with debug_mode():
@@ -202,6 +220,9 @@ BAD_RANK = {
     "token_count": (_bad_token_count, ValueError, PeerInputError, "topk_idx"),
     "alignment_zero": (_bad_alignment_zero, ValueError, PeerInputError, "expert_alignment"),
     "num_experts_indivisible": (_bad_num_experts_indivisible, ValueError, PeerInputError, "num_experts"),
+    "fp8_hidden": (_bad_fp8_hidden, ValueError, PeerInputError, "H divisible by 128"),
+    "fp8_scale_rows": (_bad_fp8_scale_rows, TypeError, PeerInputError, "shape (5, 1)"),
+    "fp8_scale_dtype": (_bad_fp8_scale_dtype, TypeError, PeerInputError, "got torch.bfloat16"),
     "expert_out_dtype_debug_mode": (_bad_expert_out_dtype_debug_mode, ValueError, PeerInputError, "torch.float64"),
     "weights_shape_debug_mode": (_bad_weights_shape_debug_mode, ValueError, PeerInputError, "topk_weights"),
     "counts_dtype": (_bad_counts_dtype, TypeError, PeerInputError, "tokens_per_expert_global"),
@@ -213,7 +234,24 @@ BAD_RANK = {
     "symm_cached_topk_idx_float": (_bad_symm_cached_topk_idx_float, TypeError, PeerInputError, "topk_idx"),
     "symm_combine_debug_mode": (_bad_symm_combine_debug_mode, ValueError, PeerInputError, "expert_out"),
 }
-CASES = {**DISAGREE, **BAD_RANK}
+LATE_DEADLINE_S = 1.0
+
+
+def _late(case):
+    """``case`` with the bad rank's peers entering it after the bad rank's deadline has passed
+    (issue 31: their first exchange op imported torch's dynamo, seconds, while the bad rank
+    joined the agreement at once): the bad rank raises its own error, its peers read it in the
+    agreement they come to late."""
+    def late_case(rank, bad):
+        with deadline(LATE_DEADLINE_S, late=not bad):
+            case(rank, bad)
+
+    return late_case
+
+
+LATE = {f"late_{name}": (_late(BAD_RANK[name][0]), *BAD_RANK[name][1:])
+        for name in ("fp8_hidden", "fp8_scale_rows", "fp8_scale_dtype", "topk_idx_float")}
+CASES = {**DISAGREE, **BAD_RANK, **LATE}
 
 
 def run_case(rank: int, world_size: int, name: str, bad_rank: int) -> None:
@@ -246,7 +284,7 @@ def test_two_ranks(pool2, name):
 
 
 @pytest.mark.parametrize("name", ["dtype", "top_k", "out_of_step", "topk_idx_float", "weights_shape_debug_mode",
-                                  "symm_alignment_above_buffers"])
+                                  "symm_alignment_above_buffers", "late_fp8_hidden"])
 def test_four_ranks(pool4, name):
     _expect(pool4, name, bad_rank=2)
 
