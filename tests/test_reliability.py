@@ -352,6 +352,12 @@ def fault(rank: int, world_size: int, kind: str) -> None:
         os._exit(3)
     if rank == 1 and kind == "stalls":
         time.sleep(3 * DEADLINE_S)
+    if kind == "symm_fp8_late_bad_rank":  # rank 1: dequantize without payload_dtype, after rank 0's deadline
+        bufs = a2a.SymmBuffers(T, 128, K, E, dtype=torch.bfloat16, device="cpu", payload_dtype=fp8.FP8)
+        x = _inputs(rank, H=128, dtype=torch.bfloat16)[0]
+        if rank == 1:
+            time.sleep(DEADLINE_S + 0.5)
+        a2a.dispatch(x, idx, num_experts=E, buffers=bufs, dequantize=True, payload_dtype=None if rank else fp8.FP8)
     if kind in ("combine_bad_rank", "symm_combine_bad_rank"):  # no exchange before combine's payload
         routed, handle, _ = _round_trip(rank, buffers=_buffers() if kind.startswith("symm") else None)
         a2a.combine(routed[:, :1] if rank == 1 else routed, handle, w)
@@ -366,6 +372,8 @@ FAULTS = {
     # the peer's payload exchange ends at the deadline, or earlier when gloo sees the pair broken
     "combine_bad_rank": (CollectiveError, "alltoall_ops.combine on group", "ValueError"),
     "symm_combine_bad_rank": (CollectiveTimeout, "alltoall_ops.symm_mem barrier on group", "ValueError"),
+    # rank 1 raises its own error, not the CollectiveTimeout of the exchange it came to late
+    "symm_fp8_late_bad_rank": (CollectiveTimeout, "alltoall_ops.symm_mem barrier on group", "ValueError"),
 }
 
 
