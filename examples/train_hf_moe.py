@@ -3,6 +3,7 @@ expert parallelism through this library, checked step by step against the same m
 
     python -m examples.train_hf_moe                        # 2 spawned CPU ranks (gloo)
     python -m examples.train_hf_moe --world-size 4 --model qwen3_moe --steps 20
+    python -m examples.train_hf_moe --device cuda --world-size 1   # one rank, in this process
     torchrun --nproc-per-node 2 -m examples.train_hf_moe   # the launcher's ranks (--device cuda: NCCL)
 
 The model (Mixtral or Qwen3-MoE, tiny, random init, no download) is saved by rank 0 and loaded
@@ -36,7 +37,8 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m examples.train_hf_moe", description=__doc__.split("\n\n")[0])
-    p.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
+    p.add_argument("--world-size", type=int, default=2,
+                   help="ranks to spawn (1: this process, on any device; ignored under torchrun)")
     p.add_argument("--model", choices=("mixtral", "qwen3_moe"), default="mixtral")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank and step")

@@ -233,3 +233,15 @@ def test_the_training_example_matches_one_rank():
     from examples import train_hf_moe
 
     assert train_hf_moe.main(["--steps", "3", "--batch", "2", "--seq", "16"]) == 0
+
+
+def test_the_training_example_runs_one_rank_in_this_process(monkeypatch):
+    """``--world-size 1``: one rank in this process, in a process group of one (NCCL with ``--device
+    cuda``: before, it refused to run without torchrun), no rank spawned."""
+    from examples import train_hf_moe
+
+    backends, init = [], torch.distributed.init_process_group
+    monkeypatch.setattr(torch.distributed, "init_process_group",
+                        lambda backend, **kwargs: (backends.append(backend), init(backend, **kwargs))[1])
+    assert train_hf_moe.main(["--world-size", "1", "--steps", "2", "--batch", "2", "--seq", "16"]) == 0
+    assert backends == ["gloo"] and not torch.distributed.is_initialized()
