@@ -81,16 +81,16 @@ with ``tools/tune_kernels.py`` (docs/benchmarks.md has the sweep). Wider element
 proportionally narrower BLOCK_H, so a program moves the same bytes."""
 
 BUDGET_BLOCKS: dict[str, tuple[int, int, int]] = {
-    "put_rows": (8, 2048, 16),
+    "put_rows": (8, 2048, 32),
     "topk_reduce": (8, 2048, 32),
-    "copy_out": (16, 2048, 32),
+    "copy_out": (32, 2048, 32),
     "weight_grad": (8, 2048, 16),
 }
 """The same under an SM budget (``max_programs``): one program per SM, so each program holds an
-SM's worth of bytes in flight (32-64 KB a step, 16-32 warps) instead of a small tile among many
-on the SM. On one H200 (tools/sm_budget_diag.py, T = 4096, H = 2048, K = 6, bf16) 16 programs of
-the GPU tiles moved 58 (put_rows) / 239 (copy_out) / 236 (topk_reduce) GB/s, of these tiles
-900 (copy_out) / 916 (topk_reduce), as much as a plain 30-line scatter on 16 programs (902)."""
+SM's worth of bytes in flight (32-128 KB a step, 32 warps) instead of a small tile among many on
+the SM. On one H200 (``tools/sm_budget_diag.py``, T = 4096, H = 2048, K = 6, bf16, 16 programs)
+the GPU tiles moved 69 (put_rows) / 246 (copy_out) / 276 (topk_reduce) GB/s, these tiles 259 /
+978 / 902, a plain scatter kernel (``benchmarks/scatter_kernel.py``) 938; docs/benchmarks.md."""
 
 
 def row_blocks(kernel: str, n_rows: int, H: int, element_size: int = 2,

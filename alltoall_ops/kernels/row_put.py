@@ -49,8 +49,8 @@ def _select(b_index, b_table, o_w):
 @triton.jit
 def _put_rows_kernel(
     src_ptr, scale_ptr, dst_ptr, count_ptr, rows_table_ptr, out_ptr, tags_table_ptr, tag_index_ptr,
-    n_rows, n_src, K, H, dst_stride, world_size, tag_base,
-    HAS_SCALE: tl.constexpr, HAS_TAGS: tl.constexpr, HAS_TAG_INDEX: tl.constexpr, ONE_OUT: tl.constexpr,
+    n_rows, n_src, H, world_size, tag_base,
+    K: tl.constexpr, DST_STRIDE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_TAGS: tl.constexpr, HAS_TAG_INDEX: tl.constexpr, ONE_OUT: tl.constexpr,
     HAS_COUNT: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
@@ -71,9 +71,12 @@ def _put_rows_kernel(
         # NB: the next block's destinations are loaded while this block's rows move (under an SM
         # budget a program does many blocks: otherwise each would wait for its own first).
         b_dst_next = tl.load(dst_ptr + o_r + step, mask=o_r + step < n_todo, other=-1)
-        m_r = (o_r < n_todo) & (b_dst >= 0) & (b_dst < world_size * dst_stride)  # never out of bounds
-        b_peer = tl.where(m_r, b_dst // dst_stride, 0)
-        b_row = tl.where(m_r, b_dst % dst_stride, 0)
+        m_r = (o_r < n_todo) & (b_dst >= 0) & (b_dst < world_size * DST_STRIDE)  # never out of bounds
+        # NB: K and DST_STRIDE are compile-time constants: a division by one is a multiply and a
+        # shift; by a runtime int64 it is a ~60-instruction routine per element, which took more
+        # issue slots than the row moves themselves on an SM budget.
+        b_peer = tl.where(m_r, b_dst // DST_STRIDE, 0)
+        b_row = tl.where(m_r, b_dst % DST_STRIDE, 0)
         b_src = o_r // K  # a token's K slots are neighbours: its row is read from memory once
         m_r = m_r & (b_src < n_src)
         if HAS_SCALE:
@@ -152,7 +155,7 @@ def put_rows(
             src, scale if scale is not None else src, dst, count if count is not None else dst,
             rows_table if rows_table is not None else dst, out if out is not None else src,
             tags_table if tags_table is not None else dst, tag_index if tag_index is not None else dst,
-            n, src.shape[0], top_k, H, dst_stride, world_size, tag_base,
+            n, src.shape[0], H, world_size, tag_base, K=top_k, DST_STRIDE=dst_stride,
             HAS_SCALE=scale is not None, HAS_TAGS=tags_table is not None, HAS_TAG_INDEX=tag_index is not None,
             ONE_OUT=out is not None, HAS_COUNT=count is not None, ACC_DTYPE=tl_acc_dtype(acc_dtype),
             BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H, BLOCK_W=triton.next_power_of_2(world_size),
