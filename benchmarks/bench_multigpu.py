@@ -16,6 +16,9 @@ dispatch with an fp8 payload on both backends and by hand (quantize, pack, the p
 median time (max over ranks), logical GB/s (rows received per rank, own rows included, as DeepEP
 counts) and link GB/s (rows that cross to another GPU). ``--vdev2d`` times torch's NVSHMEM
 ``all_to_all_vdev_2d`` in a process of its own (its allocator backend must be chosen first).
+``--budgets 16 24 32 all``: the symm_mem dispatch and combine at T = 4096 on SymmBuffers with each
+SM budget (``num_sms``), alone and beside a shared-expert SwiGLU GEMM on another stream: the
+real peer bandwidth per budget (link GB/s), the number one GPU cannot give (issue 28).
 """
 
 from __future__ import annotations
@@ -381,6 +384,41 @@ def bench(device, out_dir: str, shapes) -> list[dict]:
     return rows
 
 
+def bench_budgets(device, out_dir: str, budgets: list[str]) -> list[dict]:
+    """symm_mem dispatch + combine at each SM budget, alone and beside a GEMM on another stream."""
+    from benchmarks.overlap import concurrently, shared_expert
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    T, H, K, E, F = (4096, 7168, 8, 256, 2048) if device.type == "cuda" else (32, 128, 2, 8, 64)
+    x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+    topk_idx, weights = routing(T, K, E, device=device, seed=rank + T)
+    link_rows = torch.tensor([int((topk_idx // (E // W) != rank).sum())], device=device)
+    dist.all_reduce(link_rows)
+    link = 2 * int(link_rows) / W * H * x.element_size()  # per rank, both directions of dispatch + combine
+    gemm = shared_expert(T, H, F, device)
+    rows = []
+    for name in budgets:
+        num_sms = None if name == "all" else int(name)
+        bufs = a2a.SymmBuffers(T, H, K, E, dtype=torch.bfloat16, device=device, num_sms=num_sms)
+
+        def step(bufs=bufs):
+            routed, _, handle = a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs)
+            return a2a.combine(routed, handle, weights)
+
+        us = time_us(step, device)
+        both = time_us(concurrently(step, gemm, device.type == "cuda"), device)
+        gemm_us = time_us(gemm, device)
+        rows.append(dict(W=W, budget=name, us=us, link_GBps=link / us / 1e3, gemm_us=gemm_us, both_us=both))
+        say(f"W={W} budget {name:>4}: dispatch+combine {us:9.1f} us  link {link / us / 1e3:7.1f} GB/s  "
+            f"GEMM {gemm_us:8.1f} us  both {both:9.1f} us  (both / max {both / max(us, gemm_us):.2f})")
+        del bufs
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, f"bench_multigpu_budgets_W{W}.json"), "w") as f:
+            json.dump({"torch": torch.__version__, "rows": rows}, f, indent=1)
+    return rows
+
+
 def bench_vdev2d(device) -> None:
     """torch's NVSHMEM all_to_all_vdev_2d (dispatch direction only), same shapes."""
     import torch.distributed._symmetric_memory as symm_mem
@@ -416,6 +454,7 @@ def main(argv=None) -> int:
     parser.add_argument("--bench", action="store_true")
     parser.add_argument("--vdev2d", action="store_true")
     parser.add_argument("--out", default="results")
+    parser.add_argument("--budgets", nargs="+", metavar="SMS|all", help="SM budgets of the symm_mem exchange")
     parser.add_argument("--cpu", action="store_true", help="dry run on CPU ranks (gloo, tiny shapes, no CUDA graph)")
     args = parser.parse_args(argv)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -464,6 +503,8 @@ def main(argv=None) -> int:
                     print(f"rank {dist.get_rank()}: {detail}", flush=True)
         if args.bench:
             bench(device, args.out, BENCH_SHAPES if device.type == "cuda" else ((32, 128, 2, 8), (8, 128, 2, 8)))
+        if args.budgets:
+            bench_budgets(device, args.out, args.budgets)
     finally:
         dist.destroy_process_group()
     return 1 if failed else 0
