@@ -17,7 +17,6 @@ and every op that communicates).
 
 from __future__ import annotations
 
-import functools
 import inspect
 from typing import Any, Callable, Iterable
 
@@ -111,10 +110,15 @@ def call(op: Any, *args: Any, differentiable: Iterable[Any] = (), **kwargs: Any)
     return op(*args, **kwargs)
 
 
-@functools.cache
+_ARG_NAMES: dict = {}  # custom op -> its argument names
+
+
 def arg_names(op: Any) -> tuple[str, ...]:
-    """The argument names of a custom op, in its schema's order (read once per op)."""
-    return tuple(a.name for a in op._opoverload._schema.arguments)
+    """The argument names of a custom op, in its schema's order (read once per op; a plain dict,
+    not ``functools.cache``, which dynamo warns about where it traces an op's setup_context)."""
+    if op not in _ARG_NAMES:
+        _ARG_NAMES[op] = tuple(a.name for a in op._opoverload._schema.arguments)
+    return _ARG_NAMES[op]
 
 
 def named_inputs(op: Any, inputs: tuple) -> dict[str, Any]:

@@ -214,7 +214,8 @@ class MoE(_ExpertParams):
         group: ProcessGroup, 1-D DeviceMesh or None (default group; single process when
             torch.distributed is not initialised), as in :func:`alltoall_ops.dispatch`.
         backend: "auto" | "local" | "collective" | "symm_mem", as in :func:`alltoall_ops.dispatch`.
-        buffers: the :class:`alltoall_ops.SymmBuffers` for "symm_mem" (needed under torch.compile).
+        buffers: the :class:`alltoall_ops.SymmBuffers` for "symm_mem" (needed under torch.compile);
+            give every block the same one: compiled per block, the blocks then compile once.
         expert_alignment: pad each local expert's rows to a multiple of this (e.g. for a
             grouped GEMM that wants aligned groups); padding rows are zero and ignored.
         expert_impl: how the local experts run on their rows:

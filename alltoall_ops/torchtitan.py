@@ -52,7 +52,8 @@ class TokenDispatcher:
         """num_experts: E (global); top_k: K; backend: as in :func:`alltoall_ops.dispatch`
         ("auto", "local", "collective", "symm_mem"); expert_alignment: pad each local expert's
         rows to a multiple of this; buffers: a :class:`alltoall_ops.SymmBuffers` for
-        "symm_mem" (required under torch.compile)."""
+        "symm_mem" (required under torch.compile; one for every MoE layer: blocks compiled one
+        by one then compile once)."""
 
         num_experts: int
         top_k: int

@@ -32,10 +32,12 @@ VOCAB, BATCH, SEQ, STEPS, LR = 64, 2, 6, 3, 0.5
 TOL = {"rtol": 1e-10, "atol": 1e-12}
 
 
-def build(kind: str):
-    """(config, model class) of a tiny random-init model: 2 layers, 8 experts, top-2 (the
-    example's models, smaller)."""
-    return build_config(kind, vocab=VOCAB, hidden=16, ffn=8, head_dim=4)
+def build(kind: str, layers: int = 2):
+    """(config, model class) of a tiny random-init model: ``layers`` layers, 8 experts, top-2
+    (the example's models, smaller)."""
+    config, cls = build_config(kind, vocab=VOCAB, hidden=16, ffn=8, head_dim=4)
+    config.num_hidden_layers = layers
+    return config, cls
 
 
 def load(path: str, cls, config=None):
@@ -72,14 +74,14 @@ def assert_same(got: dict, want: dict, what: str) -> None:
 
 
 def run_models(rank: int, world_size: int, path: str, kind: str, layout: str, impl: str, compiled: bool,
-               max_tokens_per_rank: int | None = None) -> tuple[int, list[float]]:
+               max_tokens_per_rank: int | None = None, layers: int = 2) -> tuple[int, list[float]]:
     """STEPS SGD steps of the sharded model (``impl``), the built-in "all_to_all" one and the
     unsharded one on the same tokens; checks logits and every gradient at each step and returns
     (frames compiled, this implementation's global losses)."""
     from transformers.distributed import DistributedConfig
 
     a2a_hf.register(max_tokens_per_rank=max_tokens_per_rank)
-    config, cls = build(kind)
+    config, cls = build(kind, layers)
     if rank == 0:
         torch.manual_seed(0)
         cls(config).to(torch.float64).save_pretrained(path)
@@ -168,11 +170,12 @@ def test_tensor_and_expert_parallel_compiled_whole_model(request, tmp_path, kind
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_symm_mem(pool2, tmp_path, compiled):
     """``"alltoall_ops_symm_mem"``, buffers for BATCH * SEQ tokens a rank, made by the first (eager)
-    forward; compiled steps after it. Each layer's buffers are a constant of its graph: one
-    compilation per layer, none per routing."""
+    forward; compiled steps after it, each layer's experts' forward compiled with fullgraph=True.
+    Its 12 layers share one set of buffers, a constant of the graph: one compilation in all, none
+    per layer (past dynamo's recompile limit of 8: FailOnRecompileLimitHit) or per routing."""
     results = pool2.run(run_models, str(tmp_path / "model"), "mixtral", "dp_ep", "alltoall_ops_symm_mem", compiled,
-                        max_tokens_per_rank=BATCH * SEQ, timeout=300)
-    assert [frames for frames, _ in results] == ([2, 2] if compiled else [0, 0])
+                        max_tokens_per_rank=BATCH * SEQ, layers=12 if compiled else 2, timeout=300)
+    assert [frames for frames, _ in results] == ([1, 1] if compiled else [0, 0])
 
 
 def test_one_rank_local_backend_on_static_rows(pool1):
@@ -212,6 +215,38 @@ def run_one_rank(rank: int, world_size: int):
             for a, b in zip(grads, grads_want):
                 torch.testing.assert_close(a, b, **TOL)
     assert counter.frame_count == 1
+
+
+def test_symm_mem_errors_name_what_the_user_sets(pool1):
+    """``"alltoall_ops_symm_mem"`` compiled before any eager forward: the library's RuntimeError
+    (run one forward first) is the error's first line, not dynamo's "Observed exception"; more
+    tokens than the buffers hold: a CapacityError naming ``register(max_tokens_per_rank=)``."""
+    pool1.run(run_symm_mem_errors)
+
+
+def run_symm_mem_errors(rank: int, world_size: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    from alltoall_ops.errors import CapacityError
+
+    config, _ = build("mixtral")
+    config._experts_implementation = "batched_mm"
+    experts = MixtralExperts(config).to(torch.float64)
+    experts._is_expert_parallel = True
+    mesh = init_device_mesh("cpu", (1,))
+    a2a_hf.register(max_tokens_per_rank=4)
+    impl = a2a_hf.AllToAllOpsSymmMemEP(experts, mesh, mesh)
+    idx = torch.randint(0, 8, (5, 2))
+    x, weights = torch.randn(5, 16, dtype=torch.float64), torch.rand(5, 2, dtype=torch.float64)
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError) as raised:
+        torch.compile(impl.__call__, backend="aot_eager", fullgraph=True)(x[:4], idx[:4], weights[:4])
+    assert str(raised.value).startswith("RuntimeError: ep_implementation='alltoall_ops_symm_mem': the buffers are "
+                                        "made by the first forward, which must run eagerly"), raised.value
+    with pytest.raises(CapacityError, match=r"raise it with alltoall_ops\.integrations\.transformers\.register\("
+                                            r"max_tokens_per_rank=\.\.\.\) .*now 4\)"):
+        impl(x, idx, weights)  # 5 tokens, buffers for 4
 
 
 def test_register_and_no_import_side_effects():

@@ -11,8 +11,10 @@ row) and returns each token's weighted output. :func:`register` adds:
   one host read per layer, in the dispatch; "local" on one rank), the experts on the rows grouped
   by local expert, :func:`alltoall_ops.combine` with the router weights (fp32 accumulation).
 - ``"alltoall_ops_symm_mem"``: the same over :class:`alltoall_ops.SymmBuffers` (no host sync,
-  static shapes; CUDA-graph capturable). Each experts module gets its own buffers, made on its
-  first call for ``max_tokens_per_rank`` tokens (the class attribute; :func:`register` sets it).
+  static shapes; CUDA-graph capturable). Every experts module of one configuration shares one
+  set of buffers (:func:`shared_buffers`: a model compiled per layer compiles once), made by
+  the first eager forward for ``max_tokens_per_rank`` tokens (the class attribute;
+  :func:`register` sets it).
 
 Usage (every rank)::
 
@@ -101,9 +103,10 @@ class AllToAllOpsEP:
 
 class AllToAllOpsSymmMemEP(AllToAllOpsEP):
     """:class:`AllToAllOpsEP` over :class:`alltoall_ops.SymmBuffers`: no host sync, static
-    shapes. The buffers are made on the first call (collective: every rank of the EP group
-    calls together, as in any forward) for ``max_tokens_per_rank`` tokens a call, in the dtype
-    and on the device of the hidden states; more tokens raise on every rank."""
+    shapes. One set of buffers serves every experts module of its configuration (see
+    :func:`shared_buffers`), made by the first eager call (collective: every rank of the EP group
+    calls together, as in any forward) for ``max_tokens_per_rank`` tokens a call, in the dtype and
+    on the device of the hidden states; more tokens raise on every rank."""
 
     backend = "symm_mem"
     max_tokens_per_rank = 4096
@@ -114,16 +117,43 @@ class AllToAllOpsSymmMemEP(AllToAllOpsEP):
 
     def buffers_for(self, x_TH: torch.Tensor, top_k: int) -> SymmBuffers:
         if self.buffers is None:
-            if torch.compiler.is_compiling():
-                raise RuntimeError(
-                    "ep_implementation='alltoall_ops_symm_mem': the buffers are made by the first forward, which "
-                    "must run eagerly (a collective setup step); run one eager forward before torch.compile")
-            # NB: compiled code then sees the buffers as a constant of the graph
-            self.buffers = SymmBuffers(
-                max_tokens_per_rank=self.max_tokens_per_rank, hidden=x_TH.shape[1], top_k=top_k,
-                num_experts=self.num_experts, dtype=x_TH.dtype, device=x_TH.device, group=self.ep_group,
-                expert_alignment=self.expert_alignment)
+            _made_eagerly(torch.compiler.is_compiling())
+            # NB: compiled code then sees the buffers as a constant of the graph, the same for every layer
+            self.buffers = shared_buffers(self.max_tokens_per_rank, x_TH.shape[1], top_k, self.num_experts,
+                                          x_TH.dtype, x_TH.device, self.ep_group, self.expert_alignment)
         return self.buffers
+
+
+_SHARED_BUFFERS: dict[tuple, SymmBuffers] = {}
+
+
+def shared_buffers(max_tokens_per_rank: int, hidden: int, top_k: int, num_experts: int, dtype: torch.dtype,
+                   device: torch.device, group: Any, expert_alignment: int) -> SymmBuffers:
+    """The :class:`SymmBuffers` of this configuration, made on first use (collective) and shared
+    by every experts module that asks for it. Compiled code embeds the buffers as a constant
+    guarded on identity, so experts' forwards compiled per layer compile once for all layers
+    with one shared set, and once per layer (past dynamo's recompile limit: 8) with one set
+    each. Sharing is safe: no output aliases the buffers, and every rank calls the layers in the
+    same order, forward and backward (docs/symm_mem.md, "Buffer lifetime")."""
+    key = (max_tokens_per_rank, hidden, top_k, num_experts, dtype, device, group.group_name, expert_alignment)
+    if key not in _SHARED_BUFFERS:
+        bufs = SymmBuffers(max_tokens_per_rank=max_tokens_per_rank, hidden=hidden, top_k=top_k,
+                           num_experts=num_experts, dtype=dtype, device=device, group=group,
+                           expert_alignment=expert_alignment)
+        bufs.max_tokens_hint = (f"raise it with {__name__}.register(max_tokens_per_rank=...) (tokens of one rank "
+                                f"in one forward: batch * sequence; now {max_tokens_per_rank})")
+        _SHARED_BUFFERS[key] = bufs
+    return _SHARED_BUFFERS[key]
+
+
+@torch._dynamo.assume_constant_result  # NB: run at trace time, so that its error reaches the user as raised
+def _made_eagerly(compiling: bool) -> bool:
+    """Raises when the symm_mem buffers would be made under torch.compile."""
+    if compiling:
+        raise RuntimeError(
+            "ep_implementation='alltoall_ops_symm_mem': the buffers are made by the first forward, which must run "
+            "eagerly (a collective setup step): run one forward before compiling the model or its experts")
+    return True
 
 
 IMPLEMENTATIONS = {"alltoall_ops": AllToAllOpsEP, "alltoall_ops_symm_mem": AllToAllOpsSymmMemEP}

@@ -250,6 +250,8 @@ class SymmBuffers(OpaqueBase):
         self._cfg = cfg
         self._segments = segments
         self._own_error: Optional[str] = None  # this rank's argument error, while it tells its peers
+        # what the T * K error tells the caller to do; whoever makes the buffers for it may say it its way
+        self.max_tokens_hint = "create SymmBuffers with a larger max_tokens_per_rank"
         self._key: Optional[int] = None  # in _COMPILED, once compiled code names these buffers
         self._config_key = (cfg.rank, *cfg.shared, cfg.group_name, cfg.num_sms)
         for field in dataclasses.fields(cfg):

@@ -64,8 +64,7 @@ def _check_meta(meta_WL: torch.Tensor, bufs: SymmBuffers, expert_alignment: int,
     def too_many_slots() -> str:
         s = int(torch.nonzero(n_slots > bufs.max_slots)[0])
         return (f"rank {s} dispatched T * K = {int(n_slots[s])} slots, more than the buffers' "
-                f"max_tokens_per_rank * top_k = {bufs.max_slots}; create SymmBuffers with a larger "
-                f"max_tokens_per_rank")
+                f"max_tokens_per_rank * top_k = {bufs.max_slots}; {bufs.max_tokens_hint}")
 
     def overflow() -> str:
         needed = layout.padded_tokens_per_expert(counts, expert_alignment).view(W, -1).sum(1)  # (W,) rows per rank
