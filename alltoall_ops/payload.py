@@ -49,6 +49,11 @@ class Format:
         SM budget of any kernel launch (symm_mem's buffers' ``num_sms``)."""
         return x_TH, None
 
+    def encode_packed(self, x_TH: torch.Tensor, x_scale_TB: Optional[torch.Tensor],
+                      max_programs: Optional[int] = None) -> torch.Tensor:
+        """What travels as wire rows (T, P) uint8 (:func:`pack`), for a format with scales."""
+        return pack(*self.encode(x_TH, x_scale_TB, max_programs))
+
     def decode(self, values_RH: torch.Tensor, scale_RB: Optional[torch.Tensor], out_dtype: Optional[torch.dtype],
                num_routed_1: Optional[torch.Tensor] = None,
                max_programs: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,6 +88,14 @@ class FP8Format(Format):
 
     def encode(self, x_TH, x_scale_TB, max_programs=None):
         return quantize_bits(x_TH, x_scale_TB, max_programs)
+
+    def encode_packed(self, x_TH, x_scale_TB, max_programs=None):
+        if x_scale_TB is not None or not loader.use_kernels(x_TH):
+            return super().encode_packed(x_TH, x_scale_TB, max_programs)
+        # NB: the kernel writes the wire rows itself: no packing copy of the payload
+        rows_TP = x_TH.new_empty(x_TH.shape[0], self.wire_bytes(x_TH.shape[1], x_TH.dtype), dtype=torch.uint8)
+        quantize_bits(x_TH, None, max_programs, out_TP=rows_TP)
+        return rows_TP
 
     def decode(self, values_RH, scale_RB, out_dtype, num_routed_1=None, max_programs=None):
         if out_dtype is None:

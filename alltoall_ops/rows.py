@@ -47,16 +47,18 @@ def rows_in_send_order(
 
 
 def quantize_bits(
-    x_TH: torch.Tensor, x_scale_TB: Optional[torch.Tensor] = None, max_programs: Optional[int] = None
+    x_TH: torch.Tensor, x_scale_TB: Optional[torch.Tensor] = None, max_programs: Optional[int] = None,
+    out_TP: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The bits an fp8 payload moves: values (T, H) as uint8 (float8_e4m3fn bits) and scales
     (T, H / 128) fp32. x (T, H) float is quantized (:func:`fp8.quantize`, which returns float8
     values; one kernel launch on CUDA, of at most ``max_programs`` programs: an SM budget); with
-    ``x_scale_TB``, x already holds float8_e4m3fn values and those scales, returned as they are."""
+    ``x_scale_TB``, x already holds float8_e4m3fn values and those scales, returned as they are.
+    ``out_TP``: packed wire rows to quantize into on CUDA (``kernels.quantize.quantize_rows``)."""
     if x_scale_TB is not None:
         return x_TH.view(torch.uint8), x_scale_TB
     if loader.use_kernels(x_TH):
-        return loader.load().quantize_rows(x_TH, max_programs=max_programs)
+        return loader.load().quantize_rows(x_TH, max_programs=max_programs, out_TP=out_TP)
     values_TH, scales_TB = fp8.quantize(x_TH)
     return values_TH.view(torch.uint8), scales_TB
 

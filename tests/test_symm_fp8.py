@@ -299,3 +299,16 @@ def test_bad_fp8_arguments_raise_on_every_rank(pool2):
     assert own_type == "ValueError" and own_message.startswith("dequantize: only an fp8 payload is dequantized")
     assert peer_type == "PeerInputError", peer_message
     assert f"rank 1 rejected its arguments: ValueError: {own_message}" in peer_message, peer_message
+
+
+def test_quantize_writes_the_wire_rows_pack_would():
+    """The CUDA fp8 dispatch on symm_mem quantizes straight into its (T, P) wire rows
+    (``FP8Format.encode_packed``): the kernel's out_TP equals ``payload.pack`` of fp8.quantize."""
+    from alltoall_ops.payload import pack
+
+    x = (torch.randn(9, H, generator=torch.Generator().manual_seed(5)) * 3).to(torch.bfloat16)
+    rows = torch.full((9, H + 4 * H // 128), 7, dtype=torch.uint8)
+    values, scales = loader.load().quantize_rows(x, max_programs=2, out_TP=rows)
+    want_values, want_scales = fp8.quantize(x)
+    assert torch.equal(rows, pack(want_values, want_scales))
+    assert torch.equal(values, want_values.view(torch.uint8)) and torch.equal(scales, want_scales)

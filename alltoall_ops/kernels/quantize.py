@@ -53,7 +53,7 @@ def e4m3_bits(v):
 
 @triton.jit
 def _quantize_rows_kernel(
-    x_ptr, values_ptr, scales_ptr, T, H, B,
+    x_ptr, values_ptr, scales_ptr, T, H, B, values_stride, scales_stride,
     FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     for i_r in range(tl.program_id(0), tl.cdiv(T, BLOCK_R), tl.num_programs(0)):  # blocks of tokens
@@ -61,15 +61,15 @@ def _quantize_rows_kernel(
         m_r = o_r < T
         for i_b in range(tl.program_id(1), B, tl.num_programs(1)):  # 128-channel blocks
             o_c = i_b * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC] channels of this block
-            o_x = o_r[:, None] * H + o_c[None, :]  # [BR, BC]
-            b_x = upcast(tl.load(x_ptr + o_x, mask=m_r[:, None], other=0), tl.float32)
+            b_x = upcast(tl.load(x_ptr + o_r[:, None] * H + o_c[None, :], mask=m_r[:, None], other=0), tl.float32)
             b_amax = tl.maximum(tl.max(tl.abs(b_x), axis=1), AMAX_FLOOR)  # [BR]
             # NB: a NaN makes its block's amax NaN, as torch's amax does (a GPU max skips NaN): the
             # whole block then dequantizes to NaN instead of a NaN turning into a finite value.
             b_amax = tl.where(tl.max((b_x != b_x).to(tl.int32), axis=1) > 0, float("nan"), b_amax)
             b_max = tl.full([BLOCK_R], FP8_MAX, tl.float32)
-            tl.store(values_ptr + o_x, e4m3_bits(b_x * tl.math.div_rn(b_max, b_amax)[:, None]), mask=m_r[:, None])
-            tl.store(scales_ptr + o_r * B + i_b, tl.math.div_rn(b_amax, b_max), mask=m_r)
+            b_values = e4m3_bits(b_x * tl.math.div_rn(b_max, b_amax)[:, None])  # [BR, BC]
+            tl.store(values_ptr + o_r[:, None] * values_stride + o_c[None, :], b_values, mask=m_r[:, None])
+            tl.store(scales_ptr + o_r * scales_stride + i_b, tl.math.div_rn(b_amax, b_max), mask=m_r)
 
 
 GPU_BLOCK_R, GPU_NUM_WARPS = 8, 2
@@ -87,20 +87,28 @@ def _blocks(n_rows: int, max_programs: Optional[int]) -> tuple[int, int]:
     return (GPU_BLOCK_R, GPU_NUM_WARPS) if max_programs is None else (BUDGET_BLOCK_R, BUDGET_NUM_WARPS)
 
 
-def quantize_rows(x_TH: torch.Tensor, max_programs: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x_TH: torch.Tensor, max_programs: Optional[int] = None,
+                  out_TP: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`alltoall_ops.fp8.quantize` in one launch: x (T, H) float, H a multiple of 128 ->
     values (T, H) as uint8 (float8_e4m3fn bits) and scales (T, H / 128) fp32. ``max_programs``:
-    at most that many programs (an SM budget), each striding over token blocks."""
+    at most that many programs (an SM budget), each striding over token blocks. ``out_TP``: (T, P
+    = H + 4 H / 128) uint8 wire rows (``payload.pack``'s layout) to write into instead: the
+    values and scales returned are views of it (no packing copy)."""
     T, H = x_TH.shape
-    values_TH = x_TH.new_empty(T, H, dtype=torch.uint8)
-    scales_TB = x_TH.new_empty(T, H // BLOCK, dtype=torch.float32)
+    B = H // BLOCK
+    if out_TP is None:
+        values_TH = x_TH.new_empty(T, H, dtype=torch.uint8)
+        scales_TB = x_TH.new_empty(T, B, dtype=torch.float32)
+    else:
+        require_contiguous("quantize_rows", out_TP=out_TP)
+        values_TH, scales_TB = out_TP[:, :H], out_TP[:, H:].view(torch.float32)
     if T == 0 or H == 0:
         return values_TH, scales_TB
     x_TH = x_TH.contiguous()
     block_r, num_warps = _blocks(T, max_programs)
     with LAUNCH_LOCK:
         _quantize_rows_kernel[program_grid(triton.cdiv(T, block_r), H // BLOCK, max_programs)](
-            x_TH, values_TH, scales_TB, T, H, H // BLOCK,
+            x_TH, values_TH, scales_TB, T, H, B, values_TH.stride(0), scales_TB.stride(0),
             FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, BLOCK_R=block_r, BLOCK_C=BLOCK, num_warps=num_warps,
         )
     return values_TH, scales_TB

@@ -50,7 +50,8 @@ def _select(b_index, b_table, o_w):
 def _put_rows_kernel(
     src_ptr, scale_ptr, dst_ptr, count_ptr, rows_table_ptr, out_ptr, tags_table_ptr, tag_index_ptr,
     n_rows, n_src, H, world_size, tag_base,
-    K: tl.constexpr, DST_STRIDE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_TAGS: tl.constexpr, HAS_TAG_INDEX: tl.constexpr, ONE_OUT: tl.constexpr,
+    K: tl.constexpr, DST_STRIDE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_TAGS: tl.constexpr,
+    HAS_TAG_INDEX: tl.constexpr, ONE_OUT: tl.constexpr,
     HAS_COUNT: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):

@@ -12,7 +12,7 @@ from ..._compat import input_grads, inputs_as, named_inputs
 from ...comm import comm_op
 from ...errors import CapacityError, GroupMismatchError, PeerInputError, RoutingError
 from ...kernels import loader
-from ...payload import FORMATS, PLAIN, pack
+from ...payload import FORMATS, PLAIN
 from ...rows import accumulation_dtype, weight_grad_op
 from .buffers import ALIGNMENT, CALL, FAILED, META, N_SLOTS, RECV, RET, TAGS, SymmBuffers, check_payload
 from .segments import COMBINE_OP, DISPATCH_OP, META_OP
@@ -172,17 +172,18 @@ def symm_dispatch_op(
     fmt, C, H = FORMATS[payload], buffers.capacity, x_TH.shape[1]
     if fmt is not PLAIN:  # plain rows fit any buffers' RECV region (with fp8: combine's backward)
         check_payload(buffers, fmt)
-    values_TH, scale_TB = fmt.encode(x_TH, x_scale_TB, buffers.num_sms)
-    values_CH = values_TH.new_empty(C, H)
-    if scale_TB is None:
-        row_src_C = _put_rows_and_copy_out(values_TH, scale_TK, position_TK, slot_dst_N, num_routed_1, call_1,
+    if fmt is PLAIN:
+        values_CH, scale_CB = x_TH.new_empty(C, H), None
+        row_src_C = _put_rows_and_copy_out(x_TH, scale_TK, position_TK, slot_dst_N, num_routed_1, call_1,
                                            buffers, buffers.recv, values_CH)
-        scale_CB = None
     else:
-        # NB: the copy-out splits each received wire row into values and scale bytes, rows < n only.
-        scale_CB = scale_TB.new_empty(C, scale_TB.shape[1])
-        row_src_C = _put_rows_and_copy_out(pack(values_TH, scale_TB), None, position_TK, slot_dst_N, num_routed_1,
-                                           call_1, buffers, buffers.recv_packed, values_CH, scale_CB.view(torch.uint8))
+        # NB: each slot moves one wire row (values' bytes, then its scales'); the copy-out splits
+        # the received ones into values and scale bytes, rows < n only.
+        rows_TP = fmt.encode_packed(x_TH, x_scale_TB, buffers.num_sms)
+        values_CH = x_TH.new_empty(C, H, dtype=torch.uint8)
+        scale_CB = x_TH.new_empty(C, fmt.scale_columns(H), dtype=fmt.scale_dtype)
+        row_src_C = _put_rows_and_copy_out(rows_TP, None, position_TK, slot_dst_N, num_routed_1, call_1, buffers,
+                                           buffers.recv_packed, values_CH, scale_CB.view(torch.uint8))
     return (*fmt.decode(values_CH, scale_CB, out_dtype, num_routed_1, buffers.num_sms), row_src_C)
 
 
