@@ -39,7 +39,7 @@ from .groups import resolve_group
 from .layout import expert_of_rows
 from .overlap import wait_add
 from .rows import accumulation_dtype
-from .validation import check_num_experts, check_top_k
+from .validation import check_bool, check_num_experts, check_top_k
 
 ACTIVATIONS = ("swiglu", "gelu")
 EXPERT_IMPLS = ("auto", "masked", "grouped_mm")
@@ -122,7 +122,7 @@ class SharedExpert(nn.Module):
         super().__init__()
         if isinstance(ffn_size, bool) or not isinstance(ffn_size, int) or ffn_size < 1:
             raise ValueError(f"shared_ffn_size: expected a positive int or None, got {ffn_size!r}")
-        self.hidden_size, self.ffn_size, self.gated = hidden_size, ffn_size, gated
+        self.hidden_size, self.ffn_size, self.gated = hidden_size, ffn_size, check_bool("gated", gated)
         kw = {"device": device, "dtype": dtype}
         H, Fs = hidden_size, ffn_size
         self.w_gate = nn.Parameter(torch.empty(H, Fs, **kw))
@@ -148,6 +148,7 @@ class SharedExpert(nn.Module):
 def _shared_expert(hidden_size, shared_ffn_size, gated, device, dtype) -> SharedExpert | None:
     """The block's shared expert, or None for shared_ffn_size None. Built after the router, so
     that a seed gives the router and the routed experts the weights they had without one."""
+    check_bool("gated_shared_expert", gated)
     if shared_ffn_size is None:
         if gated:
             raise ValueError("gated_shared_expert=True needs a shared expert: give shared_ffn_size")

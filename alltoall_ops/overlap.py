@@ -125,12 +125,15 @@ def startable(body: Callable[..., Out]) -> Callable[..., Out]:
 
 def wait(x: Any) -> Any:
     """The outputs of an async dispatch or combine, ready: ``x`` a tensor, or a tuple / list of
-    tensors (an fp8 dispatch's (values, scales)), returned as given. A tensor no exchange is
-    pending on passes through (free). Work between the start and this wait is not bound to stay
+    tensors (an fp8 dispatch's (values, scales)), returned as given (anything else: TypeError). A
+    tensor no exchange is pending on passes through (free). Work between the start and this wait is not bound to stay
     there under torch.compile (nothing it makes feeds the wait): end a combine with
     :func:`wait_add` instead, which is bound."""
     if isinstance(x, (tuple, list)):
         return type(x)(wait(t) for t in x)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a tensor an async dispatch or combine returned, or a tuple / list of them, "
+                        f"got {type(x).__name__}")
     return torch.ops._c10d_functional.wait_tensor(x)
 
 

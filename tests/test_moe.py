@@ -361,6 +361,10 @@ def test_shared_expert_arguments():
     for bad in (0, 2.0, True):
         with pytest.raises(ValueError, match="shared_ffn_size: expected a positive int or None"):
             DenseMoE(H, F, E, K, shared_ffn_size=bad)
+    for cls in (DenseMoE, MoE):
+        for shared in ({}, {"shared_ffn_size": FS}):  # a string is no bool, with or without a shared expert
+            with pytest.raises(TypeError, match="gated_shared_expert: expected a bool, got 'no'"):
+                cls(H, F, E, K, gated_shared_expert="no", **shared)
     moe = MoE(H, F, E, K, backend="local")
     with pytest.raises(ValueError, match="one block has a shared expert, the other none"):
         moe.load_dense_parameters(DenseMoE(H, F, E, K, shared_ffn_size=FS))

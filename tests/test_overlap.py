@@ -87,6 +87,13 @@ def test_fp8_pair_waits_as_a_pair():
     assert all(torch.equal(w.view(torch.uint8), g.view(torch.uint8)) for w, g in zip(want, got))
 
 
+@pytest.mark.parametrize("bad", [None, 3, [torch.ones(2), None]])
+def test_wait_takes_tensors_only(bad):
+    with pytest.raises(TypeError, match="x: expected a tensor an async dispatch or combine returned, or a tuple / "
+                                        "list of them, got (NoneType|int)"):
+        a2a.wait(bad)
+
+
 @pytest.mark.parametrize("entry", ["dispatch", "combine"])
 def test_async_op_must_be_a_bool(entry):
     x = torch.randn(T, H)
