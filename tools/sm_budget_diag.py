@@ -1,0 +1,157 @@
+"""The symm_mem kernels under an SM budget, each alone on one GPU (issue 28).
+
+    python3 -m tools.sm_budget_diag a      # each capped launcher writes what it writes uncapped, bit for bit
+    python3 -m tools.sm_budget_diag d      # GB/s of each tile at 16 / 24 / 32 / 132 programs, and a plain scatter
+
+(T, H, K) = (4096, 2048, 6) bf16, W = 2 destination buffers. Bytes: each input row read once,
+each output row written once. The whole exchange under every budget: tests/test_sm_budget_gpu.py.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from alltoall_ops.kernels import _config, loader
+from alltoall_ops.testing import timer
+
+dev = torch.device("cuda")
+k = loader.load()
+BUDGETS = [1, 2, 3, 8, 16, 24, 32, 64, 132, None]
+time_us = timer(dev)
+
+
+def part_a():
+    print("== A: kernels alone, budget vs none (bitwise)", flush=True)
+    g = torch.Generator(device=dev).manual_seed(0)
+    T, H, K, W = 4096, 2048, 6, 2
+    N = T * K
+    C = N
+    src = torch.randn(T, H, device=dev, generator=g).bfloat16()
+    perm = torch.randperm(W * C, device=dev, generator=g)[:N]
+    dst = perm.clone()
+    dst[::7] = -1
+    scale = torch.rand(N, device=dev, generator=g)
+
+    def put(mp):
+        bufs = [torch.full((C, H), float("nan"), device=dev).bfloat16() for _ in range(W)]
+        tags = [torch.full((C,), -1, device=dev, dtype=torch.int64) for _ in range(W)]
+        table = torch.tensor([b.data_ptr() for b in bufs], device=dev)
+        ttable = torch.tensor([t.data_ptr() for t in tags], device=dev)
+        k.put_rows(src, dst, C, table, top_k=K, scale=scale, tags_table=ttable, max_programs=mp)
+        torch.cuda.synchronize()
+        return bufs + tags
+
+    def put_count(mp):
+        out = torch.full((C, H), float("nan"), device=dev).bfloat16()
+        k.put_rows(src, dst, C // 2 * 2, out=out, top_k=K, count=torch.tensor([N // 3], device=dev), max_programs=mp)
+        return [out]
+
+    recv = torch.randn(C, H, device=dev, generator=g).bfloat16()
+    n_routed = torch.tensor([C - 1000], device=dev)
+
+    def cout(mp):
+        tags = torch.randint(-1, 1000, (C,), device=dev, generator=torch.Generator(device=dev).manual_seed(3))
+        out = torch.full((C, H), float("nan"), device=dev).bfloat16()
+        row_src = torch.full((C,), -7, device=dev, dtype=torch.int64)
+        k.copy_out(recv, tags, n_routed, out, row_src, max_programs=mp)
+        return [out, row_src, tags]
+
+    position = torch.randperm(N, device=dev, generator=g).view(T, K)
+    w = torch.rand(T, K, device=dev, generator=g)
+
+    def reduce(mp):
+        y = torch.full((T, H), float("nan"), device=dev).bfloat16()
+        ret_ = torch.full((N, H), float("nan"), device=dev).bfloat16()
+        k.topk_reduce(recv[:N], position, dst, w, y, ret_, torch.float32, max_programs=mp)
+        return [y, ret_]
+
+    def quant(mp):
+        return list(k.quantize_rows(src, max_programs=mp))
+
+    vals, scs = k.quantize_rows(src)
+
+    def dequant(mp):
+        out = torch.full((T, H), float("nan"), device=dev).bfloat16()
+        k.dequantize_rows(vals, scs, torch.tensor([T - 5], device=dev), out, max_programs=mp)
+        return [out]
+
+    def wgrad(mp):
+        gw = torch.full((T, K), float("nan"), device=dev)
+        k.weight_grad(src, recv[:N], position, gw, torch.float32, max_programs=mp)
+        return [gw]
+
+    for name, fn in [("put_rows", put), ("put_rows count", put_count), ("copy_out", cout), ("topk_reduce", reduce),
+                     ("quantize", quant), ("dequantize", dequant), ("weight_grad", wgrad)]:
+        ref = fn(None)
+        torch.cuda.synchronize()
+        bad = []
+        for mp in BUDGETS[:-1]:
+            for _ in range(2):  # twice: a race shows up in some runs only
+                got = fn(mp)
+                torch.cuda.synchronize()
+                if not all(torch.equal(a.nan_to_num(7) if a.is_floating_point() else a,
+                                       b.nan_to_num(7) if b.is_floating_point() else b) for a, b in zip(got, ref)):
+                    bad.append(mp)
+        print(f"  {name:15s}: {'OK' if not bad else 'DIFFERS at ' + str(bad)}", flush=True)
+
+
+
+def sweep(name, launch, nbytes, variants, budgets=(16, 24, 32, 132, None)):
+    for bl in variants:
+        old, old_b = _config.GPU_BLOCKS[name], _config.BUDGET_BLOCKS.get(name)
+        _config.GPU_BLOCKS[name] = _config.BUDGET_BLOCKS[name] = bl
+        row = []
+        for mp in budgets:
+            t = time_us(lambda mp=mp: launch(mp))
+            row.append(f"{mp}:{nbytes / t / 1e3:5.0f}")
+        _config.GPU_BLOCKS[name] = old
+        if old_b is not None:
+            _config.BUDGET_BLOCKS[name] = old_b
+        print(f"  {name} {bl}: GB/s " + " ".join(row), flush=True)
+
+
+def part_d():
+    print("== D: bandwidth per kernel (bytes: each input row read once, each output row written once)", flush=True)
+    g = torch.Generator(device=dev).manual_seed(0)
+    T, H, K, W = 4096, 2048, 6, 2
+    N = C = T * K
+    src = torch.randn(T, H, device=dev, generator=g).bfloat16()
+    big = torch.randn(N, H, device=dev, generator=g).bfloat16()
+    dst = torch.randperm(W * C, device=dev, generator=g)[:N]
+    bufs = [torch.empty((C, H), device=dev).bfloat16() for _ in range(W)]
+    tags = [torch.full((C,), -1, device=dev, dtype=torch.int64) for _ in range(W)]
+    table = torch.tensor([b.data_ptr() for b in bufs], device=dev)
+    ttable = torch.tensor([t.data_ptr() for t in tags], device=dev)
+    out = torch.empty(N, H, device=dev).bfloat16()
+    perm = torch.randperm(N, device=dev, generator=g)
+    from benchmarks.scatter_kernel import scatter_rows
+    for S in (16, 24, 32, 132):
+        t = time_us(lambda S=S: scatter_rows(big, perm, out, S))
+        print(f"  plain scatter S={S}: {2 * N * H * 2 / t / 1e3:5.0f} GB/s", flush=True)
+    t = time_us(lambda: out.copy_(big))
+    print(f"  copy_: {2 * N * H * 2 / t / 1e3:5.0f} GB/s", flush=True)
+    put_variants = [(1, 4096, 4), (4, 2048, 8), (8, 2048, 16), (8, 2048, 32), (16, 2048, 32), (4, 2048, 16)]
+    sweep("put_rows", lambda mp: k.put_rows(src, dst, C, table, top_k=K, tags_table=ttable, tag_index=perm,
+                                            max_programs=mp), (T + N) * H * 2, put_variants)
+    ntags = torch.randint(0, 1000, (C,), device=dev, generator=g)
+    n_routed = torch.tensor([C], device=dev)
+    row_src = torch.empty(C, device=dev, dtype=torch.int64)
+    sweep("copy_out", lambda mp: k.copy_out(big, ntags.clone(), n_routed, out, row_src, max_programs=mp),
+          2 * N * H * 2, [(2, 2048, 8), (16, 2048, 32), (16, 2048, 16), (32, 2048, 32)])
+    position = perm.view(T, K)
+    w = torch.rand(T, K, device=dev, generator=g)
+    y = torch.empty(T, H, device=dev).bfloat16()
+    sweep("topk_reduce", lambda mp: k.topk_reduce(big, position, dst, w, y, None, torch.float32, max_programs=mp),
+          (N + T) * H * 2, [(2, 1024, 8), (8, 2048, 32), (16, 2048, 32), (8, 1024, 16)])
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    parts = sys.argv[1:] or ["a", "d"]
+    if "a" in parts:
+        part_a()
+    if "d" in parts:
+        part_d()
+    print(f"done in {time.time() - t0:.0f} s")
