@@ -15,23 +15,25 @@ last W - Hh ranks get none (they still take part in the exchange). E.g. Hh = 5 o
 heads [0, 3) and [3, 5); Hh = 2 over W = 3: [0, 1), [1, 2) and none. With W dividing Hh every
 rank gets Hh / W. The sequence is always split evenly: S divisible by W, S/W positions a rank.
 
-Each is one all-to-all (unequal splits when W does not divide Hh). A rank's head count alone
-does not tell Hh when the split is uneven, so ``head_to_seq`` takes ``num_heads=Hh`` (needed
-then; by default W * its head count). Tensors may have any number of dims; every dim other than
-``seq_dim`` and ``head_dim`` is carried along (so q/k and v may have different head sizes).
+Each is one all-to-all of the payload (unequal splits when W does not divide Hh), after its
+header. A rank's head count alone does not tell Hh when the split is uneven, so
+``head_to_seq`` takes ``num_heads=Hh`` (needed then; by default W * its head count). Tensors
+may have any number of dims; every dim other than ``seq_dim`` and ``head_dim`` is carried along
+(so q/k and v may have different head sizes).
 
-Checks without a host sync: every piece starts with a header (:data:`FIELDS`, 64 bytes) that each
-rank compares after the all-to-all with its own; on CPU tensors a host compare (no device to wait
-for) that raises GroupMismatchError on every rank alike, naming the field and each rank's value;
-on CUDA a ``torch._assert_async``. No host read and no collective but the all-to-all, as in
-DeepSpeed's. It covers every disagreement that keeps the sizes of the pieces (dtypes of one size,
-shapes of one size, ``ulysses_attention``'s k / v heads as passed, is_causal, scale, ops out of
-step). Ranks that disagree on a size are stopped by the transport first (gloo terminates the
-process that receives more bytes than it expects; NCCL waits for its watchdog). With
-``ALLTOALL_OPS_DEBUG=1`` the library's agreement (``comm.agree``) runs before every exchange: it
-names those on every rank before any byte moves, and carries a rank's own failed check to its
-peers (``PeerInputError``; by default that rank raises at once, its peers at the deadline). See
-docs/design.md, "Errors and faults".
+Checks without a host sync: before its payload, each exchange sends this rank's header
+(:data:`FIELDS`, 64 bytes) to every rank in an all-to-all of one fixed size, and each rank compares
+the W headers it received with its own. On CPU tensors a host compare (no device to wait for),
+before the payload moves: a GroupMismatchError on every rank alike, naming the field and each
+rank's value, for every disagreement, those on a size too (shard shapes, head counts, dtypes of
+other sizes, ``ulysses_attention``'s q / k / v shapes as passed, is_causal, scale, ops out of
+step), where gloo would otherwise terminate the process that receives more bytes than it
+expects. On CUDA a ``torch._assert_async``: no host read and no collective but the all-to-alls;
+the payload is queued behind it (a size disagreement is a device-side assert, then NCCL's
+watchdog). The payload moves in x's dtype, no packing. With ``ALLTOALL_OPS_DEBUG=1`` the
+library's agreement (``comm.agree``) runs before every exchange: it names every disagreement on
+CUDA too, and carries a rank's own failed check to its peers (``PeerInputError``; by default that
+rank raises at once, its peers at the deadline). See docs/design.md, "Errors and faults".
 """
 
 from __future__ import annotations
@@ -51,12 +53,10 @@ from .comm import comm_op
 from .validation import as_int
 
 FIELDS = ("op", "exchange", "dtype", "ndim", "seq_dim", "head_dim", "shape", "ulysses_attention arguments")
-"""The header in front of every piece, one int64 each (``shape``: a fingerprint of the shape every
-rank shares; ``ulysses_attention arguments``: a fingerprint of :func:`attention_args`, 0 for a
-plain seq_to_head / head_to_seq)."""
+"""The header each rank sends before every exchange's payload, one int64 each (``shape``: a
+fingerprint of the shape every rank shares; ``ulysses_attention arguments``: a fingerprint of
+:func:`attention_args`, 0 for a plain seq_to_head / head_to_seq)."""
 HEADER_LEN = len(FIELDS)
-_HEADER_BYTES = 8 * HEADER_LEN
-_ALIGN = 16  # pieces padded to whole 16 bytes: every header and payload starts aligned for its dtype
 _MAGIC = 0x554C5953 << 8  # "ULYS": a piece of this module's exchanges (op code in the low bits)
 _OPS = ("seq_to_head", "head_to_seq")
 _exchanges: collections.Counter = collections.Counter()  # group name -> exchanges so far
@@ -171,58 +171,25 @@ def _attention_text(args: Sequence[int]) -> str:
             f"attn_fn {'given' if given else 'None'})")
 
 
-def _piece_bytes(shape: Sequence[int], itemsize: int) -> int:
-    return _HEADER_BYTES + -(-math.prod(shape) * itemsize // _ALIGN) * _ALIGN
-
-
-def _payload(frames: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
-    """The (W, *shape) payloads of W equal frames (W, bytes) of uint8, as ``dtype``: a view."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    return frames[:, _HEADER_BYTES:_HEADER_BYTES + nbytes].view(dtype).view(frames.shape[0], *shape)
-
-
-def _pack(x: torch.Tensor, split_dim: int, sizes: list[int], header: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-    """The bytes to send, piece r of x along ``split_dim`` (``sizes[r]`` long) behind ``header``,
-    in rank order; and their lengths (one copy kernel with equal pieces)."""
-    shapes = [list(x.shape[:split_dim]) + [n] + list(x.shape[split_dim + 1:]) for n in sizes]
-    nbytes = [_piece_bytes(shape, x.element_size()) for shape in shapes]
-    send = torch.empty(sum(nbytes), dtype=torch.uint8, device=x.device)
+def _send_buffer(x: torch.Tensor, split_dim: int, sizes: list[int]) -> torch.Tensor:
+    """Piece r of x along ``split_dim`` (``sizes[r]`` long) in rank order, in x's dtype: equal
+    pieces as (W, *piece) (no copy where they already lie in rank order), else 1-D."""
     if len(set(sizes)) == 1:
-        frames = send.view(len(sizes), nbytes[0])
-        frames[:, :_HEADER_BYTES].view(torch.int64).copy_(header.expand(len(sizes), -1))
-        pieces = x.unflatten(split_dim, (len(sizes), sizes[0])).movedim(split_dim, 0)  # (W, *shapes[0]), a view
-        _payload(frames, x.dtype, shapes[0]).copy_(pieces)
-    else:
-        for frame, piece in zip(send.split(nbytes), x.split(sizes, dim=split_dim)):
-            frame[:_HEADER_BYTES].view(torch.int64).copy_(header)
-            _payload(frame[None], x.dtype, piece.shape)[0].copy_(piece)
-    return send, nbytes
-
-
-def _unpack(received: torch.Tensor, nbytes: list[int], shapes: list[list[int]], dtype: torch.dtype,
-            cat_dim: int) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
-    """The (W, HEADER_LEN) headers received, and a function returning the payloads (of ``shapes``)
-    concatenated along ``cat_dim``, to call once the headers are checked."""
-    if all(shape == shapes[0] for shape in shapes):
-        frames = received.view(len(nbytes), nbytes[0])
-        payload = _payload(frames, dtype, shapes[0])
-        return (frames[:, :_HEADER_BYTES].view(torch.int64),
-                lambda: payload.movedim(0, cat_dim).flatten(cat_dim, cat_dim + 1).contiguous())
-    frames = received.split(nbytes)
-    pieces = [_payload(frame[None], dtype, shape)[0] for frame, shape in zip(frames, shapes)]
-    return (torch.stack([frame[:_HEADER_BYTES].view(torch.int64) for frame in frames]),
-            lambda: torch.cat(pieces, dim=cat_dim))
+        return x.unflatten(split_dim, (len(sizes), sizes[0])).movedim(split_dim, 0).contiguous()  # (W, *piece)
+    return torch.cat([piece.reshape(-1) for piece in x.split(sizes, dim=split_dim)])
 
 
 def _exchange(op: str, x: torch.Tensor, group_name: str, seq_dim: int, head_dim: int, send_sizes: list[int],
               recv_shapes: list[list[int]], shape: Sequence[int], attention: Sequence[int]) -> torch.Tensor:
     """Piece r of ``x`` (``send_sizes[r]`` long along the dim ``op`` splits: heads for
     seq_to_head, sequence for head_to_seq) to rank r, and what arrives from ranks 0..W-1 (of
-    ``recv_shapes``) concatenated along the other dim, each piece behind this rank's header
-    (``shape``: the shape every rank shares). One all-to-all of bytes, with unequal splits where
-    the sizes differ; the headers checked (:func:`_check_headers`) before the payload is read.
+    ``recv_shapes``) concatenated along the other dim. First this rank's header to every rank
+    (``shape``: the shape every rank shares), a fixed-size exchange checked by
+    :func:`_check_headers`, so that ranks which disagree on a size fail before the payload moves;
+    then the payload in x's dtype, one all-to-all (unequal splits where the sizes differ).
     Returns a new contiguous tensor."""
-    if _group_size(group_name) == 1:
+    W = _group_size(group_name)
+    if W == 1:
         return x.clone(memory_format=torch.contiguous_format)  # op outputs must not alias inputs
     split_dim, cat_dim = (head_dim, seq_dim) if op == "seq_to_head" else (seq_dim, head_dim)
     fields = [_MAGIC + _OPS.index(op), _exchanges[group_name], comm.dtype_code(x.dtype), x.ndim, seq_dim, head_dim,
@@ -231,17 +198,22 @@ def _exchange(op: str, x: torch.Tensor, group_name: str, seq_dim: int, head_dim:
     # NB: pinned on CUDA, so that the copy to the device does not sync (a CUDA graph would replay
     # the copy from that host memory: not capture-safe yet)
     header = torch.tensor(fields, dtype=torch.int64, pin_memory=x.is_cuda).to(x.device, non_blocking=True)
-    send, in_bytes = _pack(x, split_dim, send_sizes, header)
-    out_bytes = [_piece_bytes(s, x.element_size()) for s in recv_shapes]
-    received = send.new_empty(sum(out_bytes))
-    # NB: equal pieces go without split sizes: gloo then runs its alltoall, not the slower alltoallv
-    uneven = len(set(out_bytes)) > 1 or len(set(in_bytes)) > 1
-    comm.all_to_all(op, group_name, received, send, *((out_bytes, in_bytes) if uneven else ()))
-    headers, payload = _unpack(received, out_bytes, recv_shapes, x.dtype, cat_dim)
+    headers = header.new_empty(W, HEADER_LEN)
+    comm.all_to_all(op, group_name, headers, header.expand(W, -1))
     described = {"dtype": x.dtype, "ndim": x.ndim, "seq_dim": seq_dim, "head_dim": head_dim, "shape": tuple(shape),
                  "ulysses_attention arguments": _attention_text(attention)}
     _check_headers(op, group_name, headers, header, described)
-    return payload()
+    send = _send_buffer(x, split_dim, send_sizes)
+    in_splits = None if send.ndim > 1 else [piece.numel() for piece in x.split(send_sizes, dim=split_dim)]
+    if all(s == recv_shapes[0] for s in recv_shapes):
+        # NB: equal pieces go without split sizes: gloo then runs its alltoall, not the slower alltoallv
+        received = x.new_empty(W, *recv_shapes[0])
+        comm.all_to_all(op, group_name, received, send, None, in_splits)
+        return received.movedim(0, cat_dim).flatten(cat_dim, cat_dim + 1).contiguous()
+    out_splits = [math.prod(s) for s in recv_shapes]
+    received = x.new_empty(sum(out_splits))
+    comm.all_to_all(op, group_name, received, send.reshape(-1), out_splits, in_splits or [send[0].numel()] * W)
+    return torch.cat([p.view(s) for p, s in zip(received.split(out_splits), recv_shapes)], dim=cat_dim)
 
 
 def _check_headers(op: str, group_name: str, headers: torch.Tensor, header: torch.Tensor, described: dict) -> None:

@@ -7,6 +7,8 @@ move elements, so their results and gradients must match bit for bit."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -481,30 +483,44 @@ def test_uneven_head_errors_on_every_rank(pool2):
 
 def run_traffic(rank, world_size, backend, debug):
     """Host reads and collectives of one ulysses_attention forward + backward, eager (backend
-    None) or compiled (fullgraph), after a warm-up call; the result checked against dense attention."""
+    None) or compiled (fullgraph), after a warm-up call, and its all-to-alls by what they carry
+    (int64: headers, float64: payloads); the result checked against dense attention."""
     W = world_size
     torch._dynamo.reset()
     q, k, v, upstream = _attention_inputs(W, seed=300)
     ref = _shard(_full_attention(q, k, v, True, None), 1, rank, W)
     local = [_shard(t, 1, rank, W).clone().requires_grad_() for t in (q, k, v)]
     fn = _attention if backend is None else torch.compile(_attention, backend=backend, fullgraph=True)
+    carried = collections.Counter()
+    all_to_all_single = dist.all_to_all_single
+
+    def counted(out, *args, **kwargs):
+        carried[str(out.dtype)] += 1
+        return all_to_all_single(out, *args, **kwargs)
+
     with debug_mode(debug):
         fn(*local).sum().backward()  # warm-up (compilation)
-        with HostTraffic() as traffic:
-            out = fn(*local)
-            out.backward(_shard(upstream, 1, rank, W))
+        dist.all_to_all_single = counted
+        try:
+            with HostTraffic() as traffic:
+                out = fn(*local)
+                out.backward(_shard(upstream, 1, rank, W))
+        finally:
+            dist.all_to_all_single = all_to_all_single
     torch.testing.assert_close(out.detach(), ref, rtol=1e-12, atol=1e-12)
-    return traffic.reads, dict(traffic.collectives)
+    return traffic.reads, dict(traffic.collectives), dict(carried)
 
 
 @pytest.mark.parametrize("backend", [None, "aot_eager", "inductor"])
 def test_attention_reads_nothing_and_moves_only_its_all_to_alls(pool2, backend):
-    # 3 seq_to_head + 1 head_to_seq forward, their adjoints backward; the headers ride in them
-    assert pool2.run(run_traffic, backend, False) == [(0, {"all_to_all_single": 8})] * 2
+    # 3 seq_to_head + 1 head_to_seq forward, their adjoints backward: 8 payloads, each after its header
+    assert pool2.run(run_traffic, backend, False) == [
+        (0, {"all_to_all_single": 16}, {"torch.int64": 8, "torch.float64": 8})] * 2
 
 
 def test_debug_mode_adds_an_agreement_per_exchange(pool2):
-    assert pool2.run(run_traffic, None, True) == [(8, {"all_gather": 8, "all_to_all_single": 8})] * 2
+    assert pool2.run(run_traffic, None, True) == [
+        (8, {"all_gather": 8, "all_to_all_single": 16}, {"torch.int64": 8, "torch.float64": 8})] * 2
 
 
 def _gqa_qkv(rank, heads_q, heads_kv, S_per_rank=2, D=3):
@@ -514,6 +530,7 @@ def _gqa_qkv(rank, heads_q, heads_kv, S_per_rank=2, D=3):
 def _disagreement(case: str, rank: int, world_size: int):
     """Ranks whose own arguments are right, but not alike (the bytes they send have the sizes their
     peers expect, except where noted)."""
+    last = rank == world_size - 1
     if case == "mqa_vs_mha":  # k, v: 1 head (repeated to W = 2 for the exchange) on rank 0, 2 on rank 1
         a2a.ulysses_attention(*_gqa_qkv(rank, 2, 1 if rank == 0 else 2))
     elif case == "gqa_2_vs_4":  # W = 4: 2 kv heads (repeated to 4) on ranks 0-2, 4 on rank 3
@@ -528,6 +545,19 @@ def _disagreement(case: str, rank: int, world_size: int):
         a2a.seq_to_head(torch.zeros(1, 2, 2, 2, dtype=torch.float16 if rank == 0 else torch.bfloat16))
     elif case == "shape":  # the same number of elements
         a2a.seq_to_head(torch.zeros((2, 2, 2, 3) if rank == 0 else (3, 2, 2, 2)))
+    elif case == "sequence":  # pieces of other sizes from here on (the last rank's differ)
+        a2a.seq_to_head(torch.zeros(1, 3 if last else 2, 4, 2))
+    elif case == "heads":
+        a2a.seq_to_head(torch.zeros(1, 2, 8 if last else 4, 2))
+    elif case == "head_size":
+        a2a.seq_to_head(torch.zeros(1, 2, 4, 3 if last else 2))
+    elif case == "dtype_size":
+        a2a.seq_to_head(torch.zeros(1, 2, 4, 2, dtype=torch.float64 if last else torch.float32))
+    elif case == "num_heads":  # 5 heads over W = 2 (3 and 2) without num_heads: each takes W times its own
+        a2a.head_to_seq(torch.zeros(1, 4, 3 - rank, 2))
+    elif case == "v_head_size":
+        q, k, v = _gqa_qkv(rank, 4, 4)
+        a2a.ulysses_attention(q, k, torch.zeros(1, 2, 4, 5 if last else 3))
     elif case == "out_of_step":  # pieces of 4 elements both ways
         if rank == 0:
             a2a.seq_to_head(torch.zeros(1, 2, 2, 2))
@@ -576,6 +606,32 @@ def test_disagreements_raise_on_every_rank(pool2, pool4, debug):
     kv = [(1, 2, 4 if r == 3 else 2, 3) for r in range(4)]
     listed = ", ".join(f"rank {r} has {_ulysses_args((1, 2, 8, 3), h, h)}" for r, h in enumerate(kv))
     assert all(kind == "GroupMismatchError" and listed in message for kind, message in errors), errors
+
+
+def test_pieces_of_other_sizes_raise_on_every_rank(pool2, pool4):
+    """The headers travel first, in an exchange of one size: ranks whose pieces differ in size
+    raise on every rank, by default (on main gloo aborted the receiving process)."""
+    def shapes(small, large, world_size):
+        return [large if r == world_size - 1 else small for r in range(world_size)]
+
+    for pool, W in ((pool2, 2), (pool4, 4)):
+        cases = {
+            "sequence": ("shape", shapes("(1, 2, 4, 2)", "(1, 3, 4, 2)", W)),
+            "heads": ("shape", shapes("(1, 2, 4, 2)", "(1, 2, 8, 2)", W)),
+            "head_size": ("shape", shapes("(1, 2, 4, 2)", "(1, 2, 4, 3)", W)),
+            "dtype_size": ("dtype", shapes("torch.float32", "torch.float64", W)),
+            "v_head_size": ("ulysses_attention arguments",
+                            [_ulysses_args((1, 2, 4, 3), (1, 2, 4, 3), v)
+                             for v in shapes((1, 2, 4, 3), (1, 2, 4, 5), W)]),
+        }
+        if W == 2:
+            cases["num_heads"] = ("shape", ["(1, 4, 6, 2)", "(1, 4, 4, 2)"])
+        for case, (field, values) in cases.items():
+            errors = pool.run(run_disagreement, case, False)
+            listed = ", ".join(f"rank {r} has {value}" for r, value in enumerate(values))
+            for kind, message in errors:
+                assert kind == "GroupMismatchError", (case, kind, message)
+                assert f"the ranks disagree on {field}: {listed}; every rank must pass the same" in message, message
 
 
 def test_out_of_step_raises_on_every_rank(pool2):
