@@ -52,7 +52,7 @@ from .groups import LOCAL, communication_group, process_group, resolve_group
 from .comm import comm_op
 from .validation import as_int
 
-FIELDS = ("op", "exchange", "dtype", "ndim", "seq_dim", "head_dim", "shape", "ulysses_attention arguments")
+FIELDS = ("op", "exchange", "ulysses_attention arguments", "dtype", "ndim", "seq_dim", "head_dim", "shape")
 """The header each rank sends before every exchange's payload, one int64 each (``shape``: a
 fingerprint of the shape every rank shares; ``ulysses_attention arguments``: a fingerprint of
 :func:`attention_args`, 0 for a plain seq_to_head / head_to_seq)."""
@@ -171,49 +171,82 @@ def _attention_text(args: Sequence[int]) -> str:
             f"attn_fn {'given' if given else 'None'})")
 
 
-def _send_buffer(x: torch.Tensor, split_dim: int, sizes: list[int]) -> torch.Tensor:
-    """Piece r of x along ``split_dim`` (``sizes[r]`` long) in rank order, in x's dtype: equal
-    pieces as (W, *piece) (no copy where they already lie in rank order), else 1-D."""
-    if len(set(sizes)) == 1:
-        return x.unflatten(split_dim, (len(sizes), sizes[0])).movedim(split_dim, 0).contiguous()  # (W, *piece)
-    return torch.cat([piece.reshape(-1) for piece in x.split(sizes, dim=split_dim)])
+def _send_buffer(xs: Sequence[torch.Tensor], split_dim: int, sizes: list[list[int]]):
+    """(send, in_splits): for each rank r, piece r of every ``xs[i]`` along ``split_dim``
+    (``sizes[i][r]`` long) in xs's dtype. Equal pieces: (W, piece elements), in_splits None (no
+    copy for one tensor whose pieces already lie in rank order); else 1-D with elements per rank."""
+    W = len(sizes[0])
+    if all(len(set(s)) == 1 for s in sizes):
+        rows = [x.unflatten(split_dim, (W, s[0])).movedim(split_dim, 0).reshape(W, -1) for x, s in zip(xs, sizes)]
+        return (rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)), None  # (W, sum of piece elements)
+    pieces = [x.split(s, dim=split_dim) for x, s in zip(xs, sizes)]  # [i][r]
+    return (torch.cat([p[r].reshape(-1) for r in range(W) for p in pieces]),
+            [sum(p[r].numel() for p in pieces) for r in range(W)])
 
 
-def _exchange(op: str, x: torch.Tensor, group_name: str, seq_dim: int, head_dim: int, send_sizes: list[int],
-              recv_shapes: list[list[int]], shape: Sequence[int], attention: Sequence[int]) -> torch.Tensor:
-    """Piece r of ``x`` (``send_sizes[r]`` long along the dim ``op`` splits: heads for
-    seq_to_head, sequence for head_to_seq) to rank r, and what arrives from ranks 0..W-1 (of
-    ``recv_shapes``) concatenated along the other dim. First this rank's header to every rank
-    (``shape``: the shape every rank shares), a fixed-size exchange checked by
+def _received(received: torch.Tensor, recv_shapes: list[list[list[int]]], cat_dim: int) -> list[torch.Tensor]:
+    """The outputs: for each i, the pieces of shape ``recv_shapes[i][r]`` from ranks r = 0..W-1 in
+    ``received`` ((W, elements) when every piece of a tensor has one shape, else 1-D, rank-major),
+    concatenated along ``cat_dim``."""
+    numel = [[math.prod(s) for s in shapes] for shapes in recv_shapes]  # [i][r]
+    if received.ndim == 2:  # (W, sum over i of numel[i][0])
+        cols = received.split([n[0] for n in numel], dim=1)
+        pieces = [c.view(c.shape[0], *shapes[0]).movedim(0, cat_dim) for c, shapes in zip(cols, recv_shapes)]
+        if len(pieces) == 1 and pieces[0].is_contiguous():  # already in place: no copy
+            return [pieces[0].flatten(cat_dim, cat_dim + 1)]
+        # NB: a copy each, also where a piece is a contiguous view: outputs must not alias each other
+        outs = [p.new_empty(*p.shape[:cat_dim], p.shape[cat_dim] * p.shape[cat_dim + 1], *p.shape[cat_dim + 2:])
+                for p in pieces]
+        for out, p in zip(outs, pieces):
+            out.view(p.shape).copy_(p)
+        return outs
+    W = len(recv_shapes[0])
+    rows = [row.split([n[r] for n in numel]) for r, row in enumerate(received.split([sum(n[r] for n in numel)
+                                                                                        for r in range(W)]))]
+    return [torch.cat([rows[r][i].view(shapes[r]) for r in range(W)], dim=cat_dim)
+            for i, shapes in enumerate(recv_shapes)]
+
+
+def _exchange(op: str, xs: Sequence[torch.Tensor], group_name: str, seq_dim: int, head_dim: int,
+              send_sizes: list[list[int]], recv_shapes: list[list[list[int]]], shapes: list,
+              attention: Sequence[int]) -> list[torch.Tensor]:
+    """Piece r of each ``xs[i]`` (``send_sizes[i][r]`` long along the dim ``op`` splits: heads for
+    seq_to_head, sequence for head_to_seq) to rank r, and for each i what arrives from ranks
+    0..W-1 (of ``recv_shapes[i]``) concatenated along the other dim. First this rank's header to
+    every rank (``shapes``: the shapes every rank shares), a fixed-size exchange checked by
     :func:`_check_headers`, so that ranks which disagree on a size fail before the payload moves;
-    then the payload in x's dtype, one all-to-all (unequal splits where the sizes differ).
-    Returns a new contiguous tensor."""
+    then every tensor's payload in one all-to-all, in xs's dtype (unequal splits where the sizes
+    differ). Returns new contiguous tensors."""
     W = _group_size(group_name)
     if W == 1:
-        return x.clone(memory_format=torch.contiguous_format)  # op outputs must not alias inputs
+        return [x.clone(memory_format=torch.contiguous_format) for x in xs]  # op outputs must not alias inputs
+    x = xs[0]
     split_dim, cat_dim = (head_dim, seq_dim) if op == "seq_to_head" else (seq_dim, head_dim)
-    fields = [_MAGIC + _OPS.index(op), _exchanges[group_name], comm.dtype_code(x.dtype), x.ndim, seq_dim, head_dim,
-              comm.shape_code(shape), comm.shape_code(attention)]
+    fields = [_MAGIC + _OPS.index(op), _exchanges[group_name], comm.shape_code(attention), comm.dtype_code(x.dtype),
+              x.ndim, seq_dim, head_dim, comm.shape_code([n for shape in shapes for n in shape])]
     _exchanges[group_name] += 1
     # NB: pinned on CUDA, so that the copy to the device does not sync (a CUDA graph would replay
     # the copy from that host memory: not capture-safe yet)
     header = torch.tensor(fields, dtype=torch.int64, pin_memory=x.is_cuda).to(x.device, non_blocking=True)
     headers = header.new_empty(W, HEADER_LEN)
     comm.all_to_all(op, group_name, headers, header.expand(W, -1))
-    described = {"dtype": x.dtype, "ndim": x.ndim, "seq_dim": seq_dim, "head_dim": head_dim, "shape": tuple(shape),
-                 "ulysses_attention arguments": _attention_text(attention)}
+    described = {"ulysses_attention arguments": _attention_text(attention), "dtype": x.dtype, "ndim": x.ndim,
+                 "seq_dim": seq_dim, "head_dim": head_dim, "shape": _shapes_text(shapes)}
     _check_headers(op, group_name, headers, header, described)
-    send = _send_buffer(x, split_dim, send_sizes)
-    in_splits = None if send.ndim > 1 else [piece.numel() for piece in x.split(send_sizes, dim=split_dim)]
-    if all(s == recv_shapes[0] for s in recv_shapes):
-        # NB: equal pieces go without split sizes: gloo then runs its alltoall, not the slower alltoallv
-        received = x.new_empty(W, *recv_shapes[0])
-        comm.all_to_all(op, group_name, received, send, None, in_splits)
-        return received.movedim(0, cat_dim).flatten(cat_dim, cat_dim + 1).contiguous()
-    out_splits = [math.prod(s) for s in recv_shapes]
-    received = x.new_empty(sum(out_splits))
-    comm.all_to_all(op, group_name, received, send.reshape(-1), out_splits, in_splits or [send[0].numel()] * W)
-    return torch.cat([p.view(s) for p, s in zip(received.split(out_splits), recv_shapes)], dim=cat_dim)
+    send, in_splits = _send_buffer(xs, split_dim, send_sizes)
+    # NB: equal pieces go without split sizes: gloo then runs its alltoall, not the slower alltoallv
+    if all(s == shapes_i[0] for shapes_i in recv_shapes for s in shapes_i):
+        received, out_splits = x.new_empty(W, sum(math.prod(s[0]) for s in recv_shapes)), None
+    else:
+        out_splits = [sum(math.prod(s[r]) for s in recv_shapes) for r in range(W)]
+        received = x.new_empty(sum(out_splits))
+    comm.all_to_all(op, group_name, received, send, out_splits, in_splits)
+    return _received(received, recv_shapes, cat_dim)
+
+
+def _shapes_text(shapes: list) -> tuple:
+    """The shapes every rank shares, for a message: one shape as it is, several as a tuple of them."""
+    return tuple(shapes[0]) if len(shapes) == 1 else tuple(tuple(s) for s in shapes)
 
 
 def _check_headers(op: str, group_name: str, headers: torch.Tensor, header: torch.Tensor, described: dict) -> None:
@@ -260,48 +293,63 @@ def _full_shape(x: torch.Tensor, head_dim: int, num_heads: int) -> list:
     return shape
 
 
-def _agreed_dims(op: str, x: torch.Tensor, group_name: str, seq_dim: int, head_dim: int,
-                 num_heads: Optional[int] = None) -> tuple[int, int, int]:
-    """The checks of ``op`` (see :func:`_check_args`), then, in debug mode on a group, the ranks'
-    agreement on x's dtype, dims and shape (a fingerprint; for head_to_seq the shape with all
-    ``num_heads`` heads, since the ranks' head shares may differ), so a rank with another shard
-    shape is an error on every rank before any byte moves, even where the sizes differ."""
-    seq_dim, head_dim, num_heads = _checked(
-        op, group_name, _check_args, op, x, _group_size(group_name), _group_rank(group_name), seq_dim, head_dim,
-        num_heads)
+def _agreed_dims(op: str, xs: Sequence[torch.Tensor], group_name: str, seq_dim: int, head_dim: int,
+                 num_heads: Optional[Sequence[int]] = None) -> tuple[int, int, list]:
+    """The checks of ``op`` on each of ``xs`` (see :func:`_check_args`; one dtype and ndim for
+    all), then, in debug mode on a group, the ranks' agreement on their dtype, dims and the first
+    one's shape (for head_to_seq with all ``num_heads`` heads, since the ranks' head shares may
+    differ; ulysses_attention: q's, the header that follows names the caller's arguments), so a
+    rank whose own check failed is an error on every rank (``PeerInputError``). Returns the dims
+    and the shapes every rank shares."""
+    W, rank = _group_size(group_name), _group_rank(group_name)
+    for i, x in enumerate(xs):
+        seq_dim, head_dim, _ = _checked(op, group_name, _check_args, op, x, W, rank, seq_dim, head_dim,
+                                        None if num_heads is None else num_heads[i])
+    if any(x.dtype != xs[0].dtype or x.ndim != xs[0].ndim for x in xs):
+        raise ValueError(f"{op}: xs: expected one dtype and ndim, got {[(x.dtype, x.ndim) for x in xs]}")
+    shapes = [list(x.shape) if num_heads is None else _full_shape(x, head_dim, n) for x, n in
+              zip(xs, num_heads or xs)]
     if group_name != LOCAL and comm.debug():
-        shape = x.shape if op == "seq_to_head" else _full_shape(x, head_dim, num_heads)
-        fields = [comm.dtype_code(x.dtype), x.ndim, seq_dim, head_dim, comm.shape_code(shape)]
+        fields = [comm.dtype_code(xs[0].dtype), xs[0].ndim, seq_dim, head_dim, comm.shape_code(shapes[0])]
         try:
-            comm.agree(op, group_name, fields, shapes=shape)
+            comm.agree(op, group_name, fields, shapes=shapes[0])
         except GroupMismatchError as exc:
             if op == "head_to_seq" and "disagree on shape" in str(exc):
                 raise GroupMismatchError(f"{exc}{_shape_hint(head_dim)}") from exc
             raise
-    return seq_dim, head_dim, num_heads
+    return seq_dim, head_dim, shapes
 
 
-def _seq_to_head_shapes(x: torch.Tensor, group_name: str, seq_dim: int, head_dim: int):
-    """(heads sent to each rank, shape received from each rank): rank r's heads of each
-    sequence chunk."""
-    W = _group_size(group_name)
-    counts = head_counts(x.shape[head_dim], W)
-    piece = list(x.shape)
-    piece[head_dim] = counts[_group_rank(group_name)]
-    return counts, [piece] * W
-
-
-def _head_to_seq_shapes(x: torch.Tensor, group_name: str, seq_dim: int, head_dim: int, num_heads: int):
-    """(sequence positions sent to each rank, shape received from each rank): this rank's
-    heads of rank r's sequence chunk, and rank r's heads of this rank's chunk."""
-    W = _group_size(group_name)
-    chunk = x.shape[seq_dim] // W
-    pieces = []
-    for heads in head_counts(num_heads, W):
+def _seq_to_head_shapes(xs: Sequence[torch.Tensor], group_name: str, head_dim: int):
+    """For each x: (heads sent to each rank, shape received from each rank): rank r's heads of
+    each sequence chunk."""
+    W, rank = _group_size(group_name), _group_rank(group_name)
+    sizes, recv_shapes = [], []
+    for x in xs:
+        counts = head_counts(x.shape[head_dim], W)
         piece = list(x.shape)
-        piece[seq_dim], piece[head_dim] = chunk, heads
-        pieces.append(piece)
-    return [chunk] * W, pieces
+        piece[head_dim] = counts[rank]
+        sizes.append(counts)
+        recv_shapes.append([piece] * W)
+    return sizes, recv_shapes
+
+
+def _head_to_seq_shapes(xs: Sequence[torch.Tensor], group_name: str, seq_dim: int, head_dim: int,
+                        num_heads: Sequence[int]):
+    """For each x: (sequence positions sent to each rank, shape received from each rank): this
+    rank's heads of rank r's sequence chunk, and rank r's heads of this rank's chunk."""
+    W = _group_size(group_name)
+    sizes, recv_shapes = [], []
+    for x, n in zip(xs, num_heads):
+        chunk = x.shape[seq_dim] // W
+        pieces = []
+        for heads in head_counts(n, W):
+            piece = list(x.shape)
+            piece[seq_dim], piece[head_dim] = chunk, heads
+            pieces.append(piece)
+        sizes.append([chunk] * W)
+        recv_shapes.append(pieces)
+    return sizes, recv_shapes
 
 
 # --------------------------------------------------------------------------------------------
@@ -311,63 +359,80 @@ def _head_to_seq_shapes(x: torch.Tensor, group_name: str, seq_dim: int, head_dim
 # exchange is a permutation, so its adjoint is its inverse.
 
 
-@comm_op("seq_to_head", schema="(Tensor x, str group_name, int seq_dim, int head_dim, SymInt[] attention) -> Tensor")
-def seq_to_head_op(x: torch.Tensor, group_name: str, seq_dim: int, head_dim: int,
-                   attention: list[int]) -> torch.Tensor:
-    """(.., S/W at seq_dim, .., Hh at head_dim, ..) -> (.., S, .., h_r, ..); dims >= 0.
-    attention: :func:`attention_args` of a ulysses_attention, [] otherwise (checked in the header)."""
-    seq_dim, head_dim, _ = _agreed_dims("seq_to_head", x, group_name, seq_dim, head_dim)
-    counts, recv_shapes = _seq_to_head_shapes(x, group_name, seq_dim, head_dim)
-    return _exchange("seq_to_head", x, group_name, seq_dim, head_dim, counts, recv_shapes, x.shape, attention)
+@comm_op("seq_to_head",
+         schema="(Tensor[] xs, str group_name, int seq_dim, int head_dim, SymInt[] attention) -> Tensor[]")
+def seq_to_head_op(xs: list[torch.Tensor], group_name: str, seq_dim: int, head_dim: int,
+                   attention: list[int]) -> list[torch.Tensor]:
+    """Each (.., S/W at seq_dim, .., Hh_i at head_dim, ..) -> (.., S, .., h_r of Hh_i, ..), all in
+    one exchange (one dtype and ndim); dims >= 0. attention: :func:`attention_args` of a
+    ulysses_attention, [] otherwise (checked in the header)."""
+    seq_dim, head_dim, shapes = _agreed_dims("seq_to_head", xs, group_name, seq_dim, head_dim)
+    sizes, recv_shapes = _seq_to_head_shapes(xs, group_name, head_dim)
+    return _exchange("seq_to_head", xs, group_name, seq_dim, head_dim, sizes, recv_shapes, shapes, attention)
 
 
 @seq_to_head_op.register_fake
-def _(x, group_name, seq_dim, head_dim, attention):
-    seq_dim, head_dim, _ = _check_args("seq_to_head", x, _group_size(group_name), _group_rank(group_name),
-                                       seq_dim, head_dim)
-    _, recv_shapes = _seq_to_head_shapes(x, group_name, seq_dim, head_dim)
-    shape = list(recv_shapes[0])
-    shape[seq_dim] *= len(recv_shapes)
-    return x.new_empty(shape)
+def _(xs, group_name, seq_dim, head_dim, attention):
+    W, rank = _group_size(group_name), _group_rank(group_name)
+    outs = []
+    for x in xs:
+        seq_dim, head_dim, _ = _check_args("seq_to_head", x, W, rank, seq_dim, head_dim)
+        shape = list(x.shape)
+        shape[seq_dim], shape[head_dim] = shape[seq_dim] * W, head_counts(shape[head_dim], W)[rank]
+        outs.append(x.new_empty(shape))
+    return outs
 
 
-@comm_op("head_to_seq",
-         schema="(Tensor x, str group_name, int seq_dim, int head_dim, SymInt num_heads, SymInt[] attention) -> Tensor")
-def head_to_seq_op(x: torch.Tensor, group_name: str, seq_dim: int, head_dim: int, num_heads: int,
-                   attention: list[int]) -> torch.Tensor:
-    """(.., S at seq_dim, .., h_r at head_dim, ..) -> (.., S/W, .., num_heads, ..); dims >= 0."""
-    seq_dim, head_dim, num_heads = _agreed_dims("head_to_seq", x, group_name, seq_dim, head_dim, num_heads)
-    sizes, recv_shapes = _head_to_seq_shapes(x, group_name, seq_dim, head_dim, num_heads)
-    return _exchange("head_to_seq", x, group_name, seq_dim, head_dim, sizes, recv_shapes,
-                     _full_shape(x, head_dim, num_heads), attention)
+@comm_op("head_to_seq", schema="(Tensor[] xs, str group_name, int seq_dim, int head_dim, SymInt[] num_heads, "
+                               "SymInt[] attention) -> Tensor[]")
+def head_to_seq_op(xs: list[torch.Tensor], group_name: str, seq_dim: int, head_dim: int, num_heads: list[int],
+                   attention: list[int]) -> list[torch.Tensor]:
+    """Each (.., S at seq_dim, .., h_r at head_dim, ..) -> (.., S/W, .., num_heads[i], ..), all in
+    one exchange; dims >= 0."""
+    seq_dim, head_dim, shapes = _agreed_dims("head_to_seq", xs, group_name, seq_dim, head_dim, num_heads)
+    sizes, recv_shapes = _head_to_seq_shapes(xs, group_name, seq_dim, head_dim, num_heads)
+    return _exchange("head_to_seq", xs, group_name, seq_dim, head_dim, sizes, recv_shapes, shapes, attention)
 
 
 @head_to_seq_op.register_fake
-def _(x, group_name, seq_dim, head_dim, num_heads, attention):
-    seq_dim, head_dim, num_heads = _check_args("head_to_seq", x, _group_size(group_name), _group_rank(group_name),
-                                               seq_dim, head_dim, num_heads)
-    shape = _full_shape(x, head_dim, num_heads)
-    shape[seq_dim] //= _group_size(group_name)
-    return x.new_empty(shape)
+def _(xs, group_name, seq_dim, head_dim, num_heads, attention):
+    W, rank = _group_size(group_name), _group_rank(group_name)
+    outs = []
+    for x, n in zip(xs, num_heads):
+        seq_dim, head_dim, n = _check_args("head_to_seq", x, W, rank, seq_dim, head_dim, n)
+        shape = _full_shape(x, head_dim, n)
+        shape[seq_dim] //= W
+        outs.append(x.new_empty(shape))
+    return outs
+
+
+def _no_grad(ints: Sequence[int]) -> Optional[list]:
+    """The gradient of an int-list argument: None, but [] for an empty list (torch's tensor-list
+    autograd takes an empty list for a list of tensors, and wants one back)."""
+    return None if len(ints) else []
 
 
 def _seq_to_head_setup(ctx, inputs, output):
-    x, ctx.group_name, ctx.seq_dim, ctx.head_dim, _ = inputs
-    ctx.num_heads = x.shape[ctx.head_dim]
+    xs, ctx.group_name, ctx.seq_dim, ctx.head_dim, attention = inputs
+    ctx.num_heads = [x.shape[ctx.head_dim] for x in xs]
+    ctx.no_grads = {"attention": _no_grad(attention)}
 
 
 def _head_to_seq_setup(ctx, inputs, output):
-    _, ctx.group_name, ctx.seq_dim, ctx.head_dim, _, _ = inputs
+    _, ctx.group_name, ctx.seq_dim, ctx.head_dim, num_heads, attention = inputs
+    ctx.no_grads = {"num_heads": _no_grad(num_heads), "attention": _no_grad(attention)}
 
 
-# NB: the gradients have the shapes of the outputs, which the forward's check covered: no attention args.
-def _seq_to_head_backward(ctx, grad):
-    grad_x = head_to_seq_op(grad, ctx.group_name, ctx.seq_dim, ctx.head_dim, ctx.num_heads, [])
-    return input_grads(seq_to_head_op, x=grad_x)
+# NB: the backward of an all-to-all is the all-to-all back: one exchange for every gradient. The
+# gradients have the shapes of the outputs, which the forward's check covered: no attention args.
+def _seq_to_head_backward(ctx, grads):
+    grad_xs = head_to_seq_op(list(grads), ctx.group_name, ctx.seq_dim, ctx.head_dim, ctx.num_heads, [])
+    return input_grads(seq_to_head_op, xs=grad_xs, **ctx.no_grads)
 
 
-def _head_to_seq_backward(ctx, grad):
-    return input_grads(head_to_seq_op, x=seq_to_head_op(grad, ctx.group_name, ctx.seq_dim, ctx.head_dim, []))
+def _head_to_seq_backward(ctx, grads):
+    grad_xs = seq_to_head_op(list(grads), ctx.group_name, ctx.seq_dim, ctx.head_dim, [])
+    return input_grads(head_to_seq_op, xs=grad_xs, **ctx.no_grads)
 
 
 seq_to_head_op.register_autograd(_seq_to_head_backward, setup_context=_seq_to_head_setup)
@@ -397,7 +462,7 @@ def seq_to_head(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: 
     grp = communication_group(resolve_group(group))
     seq_dim, head_dim, _ = _checked("seq_to_head", grp.name, _check_args, "seq_to_head", x, grp.size, grp.rank,
                                     seq_dim, head_dim)
-    return seq_to_head_op(x, grp.name, seq_dim, head_dim, [])
+    return seq_to_head_op([x], grp.name, seq_dim, head_dim, [])[0]
 
 
 def head_to_seq(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: int = 2, *,
@@ -412,7 +477,7 @@ def head_to_seq(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: 
     grp = communication_group(resolve_group(group))
     seq_dim, head_dim, num_heads = _checked("head_to_seq", grp.name, _check_args, "head_to_seq", x, grp.size,
                                             grp.rank, seq_dim, head_dim, num_heads)
-    return head_to_seq_op(x, grp.name, seq_dim, head_dim, num_heads, [])
+    return head_to_seq_op([x], grp.name, seq_dim, head_dim, [num_heads], [])[0]
 
 
 LAYOUTS = {"bshd": 1, "sbhd": 0}
@@ -428,6 +493,9 @@ def _check_qkv(q, k, v, world_size: int, layout: str, attn_fn, is_causal: bool, 
         if not isinstance(t, torch.Tensor) or t.ndim != 4:
             got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"ulysses_attention: {name}: expected a 4-D tensor {shape_doc}, got {got}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"ulysses_attention: q, k, v: expected one dtype (they move in one exchange), got {q.dtype}, "
+                         f"{k.dtype}, {v.dtype}")
     if k.shape[:3] != v.shape[:3] or q.shape[:2] != k.shape[:2]:
         raise ValueError(
             f"ulysses_attention: k, v: expected the batch and sequence dims of q and one head count for k and "
@@ -501,10 +569,10 @@ def ulysses_attention(
         # every rank gets the kv head of its q heads
         k, v = (t.repeat_interleave(grp.size // kv_heads, dim=head_dim) for t in (k, v))
     # Hq not divisible by W (then kv heads == q heads): q, k and v split alike, unevenly
-    q, k, v = (seq_to_head_op(t, grp.name, seq_dim, head_dim, attention) for t in (q, k, v))
+    q, k, v = seq_to_head_op([q, k, v], grp.name, seq_dim, head_dim, attention)  # one exchange
     out = attn_fn(q, k, v) if attn_fn is not None else _sdpa(q, k, v, layout, is_causal, scale)
     _checked("head_to_seq", grp.name, _check_attn_out, out, q, v, layout)
-    return head_to_seq_op(out, grp.name, seq_dim, head_dim, heads, attention)
+    return head_to_seq_op([out], grp.name, seq_dim, head_dim, [heads], attention)[0]
 
 
 def _check_attn_out(out: Any, q: torch.Tensor, v: torch.Tensor, layout: str) -> None:
