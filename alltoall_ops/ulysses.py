@@ -212,11 +212,12 @@ def _exchange(op: str, xs: Sequence[torch.Tensor], group_name: str, seq_dim: int
               attention: Sequence[int]) -> list[torch.Tensor]:
     """Piece r of each ``xs[i]`` (``send_sizes[i][r]`` long along the dim ``op`` splits: heads for
     seq_to_head, sequence for head_to_seq) to rank r, and for each i what arrives from ranks
-    0..W-1 (of ``recv_shapes[i]``) concatenated along the other dim. First this rank's header to
-    every rank (``shapes``: the shapes every rank shares), a fixed-size exchange checked by
-    :func:`_check_headers`, so that ranks which disagree on a size fail before the payload moves;
-    then every tensor's payload in one all-to-all, in xs's dtype (unequal splits where the sizes
-    differ). Returns new contiguous tensors."""
+    0..W-1 (of ``recv_shapes[i]``) concatenated along the other dim. First (but in
+    ulysses_attention's head_to_seq) this rank's header to every rank (``shapes``: the shapes
+    every rank shares), a fixed-size exchange checked by :func:`_check_headers`, so that ranks
+    which disagree on a size fail before the payload moves; then every tensor's payload in one
+    all-to-all, in xs's dtype (unequal splits where the sizes differ). Returns new contiguous
+    tensors."""
     W = _group_size(group_name)
     if W == 1:
         return [x.clone(memory_format=torch.contiguous_format) for x in xs]  # op outputs must not alias inputs
@@ -225,14 +226,18 @@ def _exchange(op: str, xs: Sequence[torch.Tensor], group_name: str, seq_dim: int
     fields = [_MAGIC + _OPS.index(op), _exchanges[group_name], comm.shape_code(attention), comm.dtype_code(x.dtype),
               x.ndim, seq_dim, head_dim, comm.shape_code([n for shape in shapes for n in shape])]
     _exchanges[group_name] += 1
-    # NB: pinned on CUDA, so that the copy to the device does not sync (a CUDA graph would replay
-    # the copy from that host memory: not capture-safe yet)
-    header = torch.tensor(fields, dtype=torch.int64, pin_memory=x.is_cuda).to(x.device, non_blocking=True)
-    headers = header.new_empty(W, HEADER_LEN)
-    comm.all_to_all(op, group_name, headers, header.expand(W, -1))
-    described = {"ulysses_attention arguments": _attention_text(attention), "dtype": x.dtype, "ndim": x.ndim,
-                 "seq_dim": seq_dim, "head_dim": head_dim, "shape": _shapes_text(shapes)}
-    _check_headers(op, group_name, headers, header, described)
+    # NB: ulysses_attention's head_to_seq sends no header: in the same call's forward (after q, k, v)
+    # and backward (after o's gradient) it follows a seq_to_head whose header compared the
+    # arguments that fix its sizes, with no collective of this library in between
+    if op == "seq_to_head" or not attention:
+        # NB: pinned on CUDA, so that the copy to the device does not sync (a CUDA graph would replay
+        # the copy from that host memory: not capture-safe yet)
+        header = torch.tensor(fields, dtype=torch.int64, pin_memory=x.is_cuda).to(x.device, non_blocking=True)
+        headers = header.new_empty(W, HEADER_LEN)
+        comm.all_to_all(op, group_name, headers, header.expand(W, -1))
+        described = {"ulysses_attention arguments": _attention_text(attention), "dtype": x.dtype, "ndim": x.ndim,
+                     "seq_dim": seq_dim, "head_dim": head_dim, "shape": _shapes_text(shapes)}
+        _check_headers(op, group_name, headers, header, described)
     send, in_splits = _send_buffer(xs, split_dim, send_sizes)
     # NB: equal pieces go without split sizes: gloo then runs its alltoall, not the slower alltoallv
     if all(s == shapes_i[0] for shapes_i in recv_shapes for s in shapes_i):
@@ -413,7 +418,8 @@ def _no_grad(ints: Sequence[int]) -> Optional[list]:
 
 
 def _seq_to_head_setup(ctx, inputs, output):
-    xs, ctx.group_name, ctx.seq_dim, ctx.head_dim, attention = inputs
+    xs, ctx.group_name, ctx.seq_dim, ctx.head_dim, ctx.attention = inputs
+    attention = ctx.attention
     ctx.num_heads = [x.shape[ctx.head_dim] for x in xs]
     ctx.no_grads = {"attention": _no_grad(attention)}
 
@@ -424,9 +430,10 @@ def _head_to_seq_setup(ctx, inputs, output):
 
 
 # NB: the backward of an all-to-all is the all-to-all back: one exchange for every gradient. The
-# gradients have the shapes of the outputs, which the forward's check covered: no attention args.
+# gradients have the shapes of the outputs, which the forward's check covered; ulysses_attention's
+# arguments go along to q, k, v's gradients only (their head_to_seq follows o's gradient's header).
 def _seq_to_head_backward(ctx, grads):
-    grad_xs = head_to_seq_op(list(grads), ctx.group_name, ctx.seq_dim, ctx.head_dim, ctx.num_heads, [])
+    grad_xs = head_to_seq_op(list(grads), ctx.group_name, ctx.seq_dim, ctx.head_dim, ctx.num_heads, ctx.attention)
     return input_grads(seq_to_head_op, xs=grad_xs, **ctx.no_grads)
 
 
