@@ -290,6 +290,7 @@ def bad_calls(world_size: int, group_name: str):
         (a2a.seq_to_head, ([[1.0]],), {}),
         (a2a.seq_to_head, (torch.zeros(5),), dict(seq_dim=0, head_dim=-1)),
         (a2a.ulysses_attention, (x[0], x[0], x[0]), {}),
+        (a2a.ulysses_attention, (x, x, x.double()), {}),  # q, k, v move in one exchange: one dtype
         (OPS.seq_to_head, ([x], group_name, 1, 1, []), {}),
         (a2a.head_to_seq, (head_shard,), dict(num_heads=2.0)),
         (a2a.head_to_seq, (head_shard,), dict(num_heads=-1)),
@@ -313,6 +314,8 @@ EXPECTED_ERRORS = [
     ("TypeError", "seq_to_head: x: expected a torch.Tensor, got list"),
     ("ValueError", "seq_to_head: x: expected a tensor with a sequence and a head dim (at least 2-D), got shape (5,)"),
     ("ValueError", "ulysses_attention: q: expected a 4-D tensor (B, S/W, Hh, D), got shape (3, 4, 5)"),
+    ("ValueError", "ulysses_attention: q, k, v: expected one dtype (they move in one exchange), got torch.float32, "
+                   "torch.float32, torch.float64"),
     ("ValueError", "seq_to_head: seq_dim and head_dim: expected two different dims, both are dim 1"),
     ("TypeError", "head_to_seq: num_heads: expected an int (the total head count), got float"),
     ("ValueError", "head_to_seq: num_heads: expected a non-negative int (the total head count), got -1"),
