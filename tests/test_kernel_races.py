@@ -103,3 +103,20 @@ def test_symm_mem_drop_and_local_have_no_race():
         routed, _, handle = a2a.dispatch(x, idx, num_experts=E, backend="local", expert_alignment=4,
                                          payload_dtype=fp8.FP8)
     assert races == [], "\n".join(map(str, races))
+
+
+if loader.load().interpreting():
+
+    @triton.jit
+    def _store_twice_across_a_barrier(x_ptr, BLOCK: tl.constexpr):
+        o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + o, o)
+        tl.debug_barrier()
+        tl.store(x_ptr + o, o + 1)  # the same program's addresses again, ordered by its barrier
+
+
+def test_a_program_may_rewrite_its_own_addresses_after_a_barrier():
+    x = torch.zeros(8, dtype=torch.int32)
+    with record_races() as races:
+        _store_twice_across_a_barrier[(2,)](x, BLOCK=4)
+    assert races == [] and torch.equal(x, torch.arange(1, 9, dtype=torch.int32))

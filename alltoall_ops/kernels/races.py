@@ -76,23 +76,23 @@ class _Launch:
 
     def finish(self) -> list[Race]:
         self.barrier()
-        stored = [(p, np.unique(a)) for p, a in self.all_stores if a.size]
-        if stored:
-            s_addr = np.concatenate([a for _, a in stored])
-            s_prog = np.concatenate([np.full(a.size, i) for i, (_, a) in enumerate(stored)])
+        stores, loads = _by_program(self.all_stores), _by_program(self.all_loads)
+        programs = [p for p, a in stores.items() if a.size]
+        if programs:
+            s_addr = np.concatenate([stores[p] for p in programs])
+            s_prog = np.concatenate([np.full(stores[p].size, i) for i, p in enumerate(programs)])
             order = np.argsort(s_addr, kind="stable")
             s_addr, s_prog = s_addr[order], s_prog[order]
             twice = (s_addr[1:] == s_addr[:-1]) & (s_prog[1:] != s_prog[:-1])
             if twice.any():
                 i = int(np.nonzero(twice)[0][0])
-                self._between(int(twice.sum()), stored[s_prog[i]][0], stored[s_prog[i + 1]][0])
-            names = [p for p, _ in stored]
-            for program, loads in self.all_loads:
-                loads = np.unique(loads)
-                at = np.clip(np.searchsorted(s_addr, loads), 0, s_addr.size - 1)
-                hit = (s_addr[at] == loads) & np.array([names[j] != program for j in s_prog[at]], dtype=bool)
+                self._between(int(twice.sum()), programs[s_prog[i]], programs[s_prog[i + 1]])
+            for program, addrs in loads.items():
+                at = np.clip(np.searchsorted(s_addr, addrs), 0, s_addr.size - 1)
+                own = programs.index(program) if program in stores and stores[program].size else -1
+                hit = (s_addr[at] == addrs) & (s_prog[at] != own)
                 if hit.any():
-                    self._between(int(hit.sum()), program, names[s_prog[at[np.nonzero(hit)[0][0]]]])
+                    self._between(int(hit.sum()), program, programs[s_prog[at[np.nonzero(hit)[0][0]]]])
         return self.races
 
     def _between(self, n: int, first: tuple, second: tuple) -> None:
@@ -102,6 +102,15 @@ class _Launch:
 
 def _cat(arrays: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(arrays) if arrays else np.empty(0, dtype=np.uint64)
+
+
+def _by_program(intervals: list[tuple[tuple, np.ndarray]]) -> dict[tuple, np.ndarray]:
+    """(program, addresses) of each barrier interval -> each program's distinct addresses (its
+    intervals are ordered among themselves by its barriers: only other programs can race)."""
+    out: dict[tuple, list[np.ndarray]] = {}
+    for program, addrs in intervals:
+        out.setdefault(program, []).append(addrs)
+    return {p: np.unique(_cat(a)) for p, a in out.items()}
 
 
 @contextlib.contextmanager
