@@ -24,8 +24,8 @@ Stream and buffer rules (CUDA):
   the communication stream and records the outputs on it (they were allocated on the
   communication stream), so the allocator reuses their memory only after the current stream's
   use of them.
-- Every start needs its wait before any output of the exchange is read (the first output is
-  the one to wait on; the wait covers every output of the op).
+- Every start needs its wait before any output of the exchange is read (a wait on any one
+  output covers every output of the op).
 - The backward of an async op is its adjoint exchange run in place (synchronously); it reads
   the op's saved outputs after a wait (:func:`save_for_backward`, :func:`saved_tensors`), so a
   start that recomputation ran again (checkpointing) is waited for there.

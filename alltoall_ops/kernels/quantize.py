@@ -107,7 +107,7 @@ def quantize_rows(x_TH: torch.Tensor, max_programs: Optional[int] = None,
     x_TH = x_TH.contiguous()
     block_r, num_warps = _blocks(T, max_programs)
     with LAUNCH_LOCK:
-        _quantize_rows_kernel[program_grid(triton.cdiv(T, block_r), H // BLOCK, max_programs)](
+        _quantize_rows_kernel[program_grid(triton.cdiv(T, block_r), B, max_programs)](
             x_TH, values_TH, scales_TB, T, H, B, values_TH.stride(0), scales_TB.stride(0),
             FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, BLOCK_R=block_r, BLOCK_C=BLOCK, num_warps=num_warps,
         )

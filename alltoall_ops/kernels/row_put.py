@@ -135,7 +135,8 @@ def put_rows(
     ``count``: a one-element int64 device tensor; rows i >= count have no destination (-1) and
     are not visited: at most ``MAX_COUNTED_PROGRAMS`` row programs stride over the first count
     rows, so a mostly empty capacity C costs no launch of a program per row. ``max_programs``: at
-    most that many programs in all (an SM budget, ``_config.program_grid``), striding the same way."""
+    most that many programs in all (an SM budget, ``_config.program_grid``), striding the same way.
+    top_k and dst_stride are compile-time constants of the kernel: one compilation per (K, C)."""
     n, H = dst.numel(), src.shape[1]
     if n == 0 or H == 0:
         return
