@@ -77,14 +77,85 @@ def is_compiling() -> bool:
 _IMPLS: dict = {}  # custom op -> its implementation (what the dispatcher calls)
 
 
-def custom_op(name: str, fn: Callable, **kwargs: Any):
+def custom_op(name: str, fn: Callable, *, inline: bool = False, **kwargs: Any):
     """``torch.library.custom_op(name, mutates_args=())(fn)``, with ``fn`` remembered for
-    :func:`call`."""
+    :func:`call`.
+
+    inline: compiled code gets the op's body instead of a call to it (:func:`inline_in_aot`):
+    its torch ops and Triton kernels (launched through ``kernels._config.launch``, which wraps
+    them for tracing) land in the graph AOTAutograd hands the compiler, so inductor fuses the ops
+    and launches the kernels from its own code, with no custom-op dispatch and no Python
+    launcher at run time. Unless the op's ``async_op`` argument is True (an exchange started on
+    the communication stream stays one call). Dynamo's graph, autograd (the op's own
+    ``register_autograd``) and selective checkpointing (whose policy sees the op before its body
+    is traced) still see one op."""
     import torch
 
     op = torch.library.custom_op(name, mutates_args=(), **kwargs)(fn)
     _IMPLS[op] = fn
+    if inline:
+        inline_in_aot(op, fn)
     return op
+
+
+INLINED_CALL = "alltoall_ops_call"
+"""The ``node.meta`` key of the node that makes an inlined op's (first) output: ``(serial, op
+overload, arguments by name, tensors as TENSOR)``, so that :mod:`alltoall_ops.inspect` still
+shows one call, in the graph where the op's work runs (the forward, or a backward recomputing it)."""
+
+
+class _Tensor:
+    def __repr__(self) -> str:
+        return "<tensor>"
+
+
+TENSOR = _Tensor()
+"""Stands for a tensor argument in an :data:`INLINED_CALL` record (repr ``<tensor>``)."""
+
+_inlined_calls = iter(range(1 << 62))
+
+
+def inline_in_aot(op: Any, fn: Callable) -> None:
+    """Trace ``fn`` (the body of ``op``) in place of ``op`` under AOTAutograd's functionalization
+    (a ``FunctionalTensorMode`` rule, as ``torch.library.triton_op`` registers), but for calls
+    with ``async_op=True``; the node of its output is tagged with :data:`INLINED_CALL`."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+    names = None
+
+    def rule(mode, func, types, args, kwargs):
+        nonlocal names
+        if any(t not in (torch.Tensor, FunctionalTensor) and not issubclass(t, FakeTensor) for t in types):
+            return NotImplemented  # another tensor subclass: its own rules first
+        names = names or arg_names(op)
+        bound = {**dict(zip(names, args)), **kwargs}
+        if bound.get("async_op", False):
+            return mode.__torch_dispatch__(func, types, args, kwargs)
+        with mode:
+            out = fn(*args, **kwargs)
+        node = _output_node(out)
+        if node is not None and INLINED_CALL not in node.meta:
+            node.meta[INLINED_CALL] = (next(_inlined_calls), op._opoverload,
+                                       {k: TENSOR if isinstance(v, torch.Tensor) else v for k, v in bound.items()})
+        return out
+
+    op.register_torch_dispatch(FunctionalTensorMode, rule)
+
+
+def _output_node(out: Any) -> Any:
+    """The graph node of the first tensor of ``out`` (functional tensors an inlined op's body
+    returned), or None where nothing is traced (AOTAutograd's first, metadata-only pass)."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+    mode = get_proxy_mode()
+    first = next((t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)), None)
+    if mode is None or first is None:
+        return None
+    slot = get_proxy_slot(torch._from_functional_tensor(first.elem), mode.tracer, None)
+    return None if slot is None else slot.proxy.node
 
 
 def call(op: Any, *args: Any, differentiable: Iterable[Any] = (), **kwargs: Any) -> Any:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from ._compat import OpaqueBase
+from ._compat import INLINED_CALL, OpaqueBase
 from .comm import communication_ops
 from .overlap import wait_add
 
@@ -38,7 +38,7 @@ class CompiledGraphs:
 
     def comm_ops(self, which: str = "backward") -> list[str]:
         """Names (``namespace.op``) of the comm ops in the ``forward`` or ``backward`` graphs."""
-        return [_op_name(n.target) for gm in getattr(self, which) for n in _comm_nodes(gm)]
+        return [_op_name(target) for gm in getattr(self, which) for target, _ in _comm_calls(gm)]
 
     def summary(self) -> str:
         """The comm ops of every graph, in order, with their non-tensor arguments (but those at
@@ -47,7 +47,7 @@ class CompiledGraphs:
         for which in ("forward", "backward"):
             for i, gm in enumerate(getattr(self, which)):
                 lines.append(f"{which} {i}:")
-                lines += [f"  {_describe_call(n)}" for n in _comm_nodes(gm)] or ["  (no comm ops)"]
+                lines += [f"  {_describe_call(*call)}" for call in _comm_calls(gm)] or ["  (no comm ops)"]
         return "\n".join(lines)
 
 
@@ -59,8 +59,23 @@ def _is_comm(target: Any) -> bool:
     return target in communication_ops() or target.namespace == "_c10d_functional" or target == wait_add._opoverload
 
 
-def _comm_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function" and _is_comm(n.target)]
+def _comm_calls(gm: torch.fx.GraphModule) -> list[tuple[torch._ops.OpOverload, dict[str, Any]]]:
+    """(op, arguments by name) of each comm op call in ``gm``, in graph order: a call node, or
+    the node that makes an inlined op's output (``_compat.INLINED_CALL``)."""
+    calls, inlined = [], set()
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue  # NB: a saved output, a placeholder of the backward, keeps its node's meta
+        tag = n.meta.get(INLINED_CALL)
+        if tag is not None:
+            serial, target, bound = tag
+            if serial not in inlined and _is_comm(target):
+                inlined.add(serial)
+                calls.append((target, bound))
+        elif _is_comm(n.target):
+            bound = dict(zip((a.name for a in n.target._schema.arguments), n.args))
+            calls.append((n.target, {**bound, **n.kwargs}))
+    return calls
 
 
 def _op_name(target: torch._ops.OpOverload) -> str:
@@ -81,10 +96,8 @@ def _describe_arg(value: Any) -> str:
     return repr(value)
 
 
-def _describe_call(node: torch.fx.Node) -> str:
-    schema = node.target._schema
-    bound = dict(zip((a.name for a in schema.arguments), node.args))
-    bound.update(node.kwargs)
+def _describe_call(target: torch._ops.OpOverload, bound: dict[str, Any]) -> str:
+    schema = target._schema
     shown = []
     for arg in schema.arguments:
         value = bound.get(arg.name, arg.default_value if arg.has_default_value() else None)
@@ -93,7 +106,7 @@ def _describe_call(node: torch.fx.Node) -> str:
         if arg.has_default_value() and value == arg.default_value:
             continue  # e.g. the plain payload format of a dispatch
         shown.append(f"{arg.name}={_describe_arg(value)}")
-    return f"{_op_name(node.target)}({', '.join(shown)})"
+    return f"{_op_name(target)}({', '.join(shown)})"
 
 
 def capturing_backend(graphs: CompiledGraphs, backend: str = "aot_eager") -> Callable:

@@ -74,7 +74,7 @@ def _plan_routing(
     return _plan_routing_torch(topk_idx, num_experts, world_size)
 
 
-plan_routing_op = custom_op("alltoall_ops::plan_routing", _plan_routing)
+plan_routing_op = custom_op("alltoall_ops::plan_routing", _plan_routing, inline=True)
 
 
 @plan_routing_op.register_fake
@@ -180,7 +180,7 @@ def check_status(status_ok: torch.Tensor, num_experts: int) -> None:
         raise bad_ids_error(0, status_ok[:STATUS_COLUMNS].tolist(), num_experts) from None
 
 
-plan_rows_op = custom_op("alltoall_ops::plan_rows", _plan_rows)
+plan_rows_op = custom_op("alltoall_ops::plan_rows", _plan_rows, inline=True)
 
 
 @plan_rows_op.register_fake

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from . import fp8
-from ._compat import input_grads
+from ._compat import custom_op, input_grads
 from .kernels import loader
 
 
@@ -133,8 +133,7 @@ def gather_rows(
     return torch.where((row_src_C >= 0)[:, None], rows_CX, torch.zeros((), dtype=src_TX.dtype))
 
 
-@torch.library.custom_op("alltoall_ops::weight_grad", mutates_args=())
-def weight_grad_op(
+def _weight_grad(
     grad_y_TH: torch.Tensor, rows_nH: torch.Tensor, position_TK: torch.Tensor, weights_TK: torch.Tensor,
     max_programs: Optional[int] = None,
 ) -> torch.Tensor:
@@ -148,6 +147,9 @@ def weight_grad_op(
     acc = accumulation_dtype(rows_nH.dtype, weights_TK.dtype, grad_y_TH.dtype)
     loader.load().weight_grad(grad_y_TH, rows_nH, position_TK, grad_w_TK, acc, max_programs=max_programs)
     return grad_w_TK
+
+
+weight_grad_op = custom_op("alltoall_ops::weight_grad", _weight_grad)
 
 
 @weight_grad_op.register_fake

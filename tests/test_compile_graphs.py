@@ -110,7 +110,7 @@ def layer_step_graphs(rank: int, world_size: int, backend: str, train: bool) -> 
         "routings": len(routings),
         "equal to eager": equal,
         "problems": [_graph_problems(gm) for gm in graphs.forward + graphs.backward],
-        "ops": sorted({n.target._schema.name.split("::")[1] for n in nodes}),
+        "ops": sorted({name.split(".")[1] for name in graphs.comm_ops("forward") + graphs.comm_ops("backward")}),
         "buffers are the layer's, as constants": [b is moe.buffers for b in _buffers_args(nodes)],
     }
 

@@ -4,6 +4,8 @@ implementation."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -92,12 +94,30 @@ needs_interpreter = pytest.mark.skipif(
 )
 
 
+@contextlib.contextmanager
+def one_program_slots(n: int):
+    """Plans of at most ``n`` slots in one program (``routing_plan.ONE_PROGRAM_SLOTS``), more in two
+    kernels: 0 takes the two kernels for every plan."""
+    routing_plan = loader.load().routing_plan
+    before, routing_plan.ONE_PROGRAM_SLOTS = routing_plan.ONE_PROGRAM_SLOTS, n
+    try:
+        yield
+    finally:
+        routing_plan.ONE_PROGRAM_SLOTS = before
+
+
+PLAN_KERNELS = (0, 1 << 20)
+"""``one_program_slots`` values that take each of the plan's kernel paths: two kernels, one program."""
+
+
 def _assert_kernels_match_torch(topk_idx: torch.Tensor, E: int, W: int) -> None:
     want = layout._plan_routing_torch(topk_idx, E, W)
-    got = loader.load().plan_slots(topk_idx, E, W)
-    for name, g, w in zip(("order", "position", "send_meta"), got, want):
-        assert g.dtype == w.dtype and g.shape == w.shape, name
-        assert torch.equal(g, w), (name, g, w)
+    for slots in PLAN_KERNELS:
+        with one_program_slots(slots):
+            got = loader.load().plan_slots(topk_idx, E, W)
+        for name, g, w in zip(("order", "position", "send_meta"), got, want):
+            assert g.dtype == w.dtype and g.shape == w.shape, name
+            assert torch.equal(g, w), (slots, name, g, w)
 
 
 @needs_interpreter
@@ -147,9 +167,11 @@ def test_plan_rows_is_the_padded_expert_major_layout(case, alignment):
 def test_plan_rows_kernels_match_torch(case, alignment):
     topk_idx, E, _ = case
     C = layout.local_capacity(topk_idx.numel(), E, alignment)
-    got = loader.load().plan_rows(topk_idx, E, alignment, C)
     want = layout._plan_rows_torch(topk_idx, E, alignment, C)
-    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    for slots in PLAN_KERNELS:
+        with one_program_slots(slots):
+            got = loader.load().plan_rows(topk_idx, E, alignment, C)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), slots
 
 
 @LAYOUT_EXAMPLES

@@ -42,7 +42,7 @@ from .base import Backend, DispatchHandle
 # dispatch
 
 
-@comm.comm_op("local_dispatch")
+@comm.comm_op("local_dispatch", inline=True)
 @overlap.startable
 def local_dispatch_op(
     x_TH: torch.Tensor, scale_TK: Optional[torch.Tensor], row_src_C: torch.Tensor, row_TK: torch.Tensor,
@@ -95,7 +95,7 @@ local_dispatch_op.register_autograd(_local_dispatch_backward, setup_context=_loc
 # combine
 
 
-@comm.comm_op("local_combine")
+@comm.comm_op("local_combine", inline=True)
 @overlap.startable
 def local_combine_op(
     expert_out_CH: torch.Tensor, weights_TK: Optional[torch.Tensor], row_TK: torch.Tensor, row_src_C: torch.Tensor,

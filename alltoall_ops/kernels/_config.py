@@ -35,6 +35,16 @@ def require_contiguous(launcher: str, **outputs: Optional[torch.Tensor]) -> None
             )
 
 
+def launch(kernel, like: torch.Tensor):
+    """``kernel`` (a ``triton.jit`` function) as a launcher for tensors like ``like``: itself for
+    plain tensors (eager code, an op's body at run time), ``torch.library.wrap_triton(kernel)``
+    while an inlined op's body is traced (``_compat.custom_op(inline=True)``: functional or fake
+    tensors), so that the launch becomes a node of the graph that inductor compiles."""
+    if type(like) is torch.Tensor or _INTERPRETED:
+        return kernel
+    return torch.library.wrap_triton(kernel)
+
+
 LAUNCH_LOCK = threading.RLock()
 """Held by every launcher: Triton's interpreter patches ``triton.language`` for the duration of a
 launch, so launches from several threads (simulated ranks) must not overlap."""

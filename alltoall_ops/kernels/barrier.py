@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import LAUNCH_LOCK
+from ._config import LAUNCH_LOCK, launch
 
 
 @triton.jit
@@ -90,6 +90,6 @@ def barrier(pads_table: torch.Tensor, rank: int, timeout_s: float, op: int, call
     with a CUDA error (the context is then unusable, as after any device-side fault) instead of
     pairing different ops or spinning forever."""
     with LAUNCH_LOCK:
-        _barrier_kernel[(1,)](pads_table, rank, int(timeout_s * 1e9), op, call_1,
+        launch(_barrier_kernel, pads_table)[(1,)](pads_table, rank, int(timeout_s * 1e9), op, call_1,
                               call_1 if counter_1 is None else counter_1, int(counter_1 is not None),
                               WORLD_SIZE=pads_table.numel(), num_warps=1)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import LAUNCH_LOCK, interpreting
+from ._config import LAUNCH_LOCK, launch, interpreting
 
 GPU_TILE = 4096
 """Most entries of a program's (BLOCK_T, W) in-rank mask on a GPU (int32 registers: 32 per
@@ -93,7 +93,7 @@ def dispatch_layout(
     idx = topk_idx.contiguous()
     block_t = _block_t(T, W)
     with LAUNCH_LOCK:
-        _dispatch_layout_kernel[(triton.cdiv(T, block_t),)](
+        launch(_dispatch_layout_kernel, topk_idx)[(triton.cdiv(T, block_t),)](
             idx, tokens_per_rank, tokens_per_expert, tokens_per_node, is_token_in_rank,
             T, K, E, E // W, W, W // num_nodes, num_nodes,
             BLOCK_T=block_t, BLOCK_W=triton.next_power_of_2(W), BLOCK_N=triton.next_power_of_2(num_nodes),

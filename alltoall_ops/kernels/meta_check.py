@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import LAUNCH_LOCK
+from ._config import LAUNCH_LOCK, launch
 
 
 TILE = 1024
@@ -101,7 +101,7 @@ def check_meta(
     tile = 1 << (tile.bit_length() - 1)  # a power of two, at most the bounds above
     block_e = min(triton.next_power_of_2(e), tile)
     with LAUNCH_LOCK:
-        _check_meta_kernel[(1,)](
+        launch(_check_meta_kernel, meta_WL)[(1,)](
             meta_WL, failed_checks_1, call_1, num_experts, e, L, *columns, expert_alignment, max_slots, capacity,
             WORLD_SIZE=W, CHECK_OVERFLOW=check_overflow, BLOCK_W=triton.next_power_of_2(W),
             BLOCK_R=min(triton.next_power_of_2(W), tile // block_e), BLOCK_E=block_e,

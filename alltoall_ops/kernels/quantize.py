@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..fp8 import AMAX_FLOOR, BLOCK, FP8_MAX
-from ._config import LAUNCH_LOCK, cast_rne, interpreting, program_grid, require_contiguous, upcast
+from ._config import LAUNCH_LOCK, launch, cast_rne, interpreting, program_grid, require_contiguous, upcast
 
 
 @triton.jit
@@ -106,8 +106,9 @@ def quantize_rows(x_TH: torch.Tensor, max_programs: Optional[int] = None,
         return values_TH, scales_TB
     x_TH = x_TH.contiguous()
     block_r, num_warps = _blocks(T, max_programs)
+    grid = program_grid(triton.cdiv(T, block_r), B, max_programs)
     with LAUNCH_LOCK:
-        _quantize_rows_kernel[program_grid(triton.cdiv(T, block_r), B, max_programs)](
+        launch(_quantize_rows_kernel, x_TH)[grid](
             x_TH, values_TH, scales_TB, T, H, B, values_TH.stride(0), scales_TB.stride(0),
             FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, BLOCK_R=block_r, BLOCK_C=BLOCK, num_warps=num_warps,
         )
@@ -154,8 +155,9 @@ def dequantize_rows(values_CH: torch.Tensor, scales_CB: torch.Tensor, num_routed
     require_contiguous("dequantize_rows", out_CH=out_CH)
     values_CH, scales_CB = values_CH.contiguous(), scales_CB.contiguous()
     block_r, num_warps = _blocks(C, max_programs)
+    grid = program_grid(triton.cdiv(C, block_r), H // BLOCK, max_programs)
     with LAUNCH_LOCK:
-        _dequantize_rows_kernel[program_grid(triton.cdiv(C, block_r), H // BLOCK, max_programs)](
+        launch(_dequantize_rows_kernel, values_CH)[grid](
             values_CH, scales_CB, num_routed_1, out_CH, C, H, H // BLOCK, BLOCK_R=block_r, BLOCK_C=BLOCK,
             num_warps=num_warps,
         )

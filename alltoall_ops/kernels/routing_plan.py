@@ -31,13 +31,20 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import LAUNCH_LOCK, interpreting, program_grid
+from ._config import LAUNCH_LOCK, launch, interpreting, program_grid
 
 GPU_BLOCK_S = 256
 """Most slots per program on a GPU; small N takes fewer (at least 64), for more programs. Swept
 with ``tools/tune_kernels.py`` on the H200 (E = 256): N = 1024 best at 64 (12.4 us in a CUDA
 graph; 256: 22 us), N = 65536 at 256 (52 us; 128: 62 us); 512 and more spill registers."""
 GPU_NUM_WARPS = 8
+ONE_PROGRAM_SLOTS = 1024
+"""Most slots N planned by one program in one launch (``_plan_in_one_program_kernel``) where the
+host is the bottleneck: eager launches outside a CUDA graph capture. On the H200 (E = 256) one
+program saves a launch, a memset and 45-50 us of host time but takes 26 / 48 us of GPU time at
+N = 512 / 1024 against 12.6 / 13.0 us for the two kernels, so graphs, compiled code (which may
+be captured) and more slots take the two kernels."""
+ONE_PROGRAM_BLOCK_S = 256
 MAX_SLOTS = 131072
 """Most slots N that ``plan_routing`` gives these kernels. Each program sums the counts of every
 block before it, so their work grows with N**2 / BLOCK_S: on the H200, in a CUDA graph, 52.7 us
@@ -130,6 +137,74 @@ def _slot_positions_kernel(
                 tl.store(send_meta_ptr + e + 3, (tl.load(p_status) == 0).to(tl.int64))
 
 
+@triton.jit
+def _plan_in_one_program_kernel(
+    idx_ptr, scratch_ptr, position_ptr, order_ptr, send_meta_ptr,
+    N, E, e, W, alignment, C, n_fill,
+    NB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_W: tl.constexpr, ROWS: tl.constexpr,
+):
+    """Both kernels' work in one program, for few slots (``ONE_PROGRAM_SLOTS``): the totals and
+    the status in registers (no counts to zero first), then the blocks in order, each placed
+    after the buckets' totals so far. Bin NB - 1 (> E) holds the lanes past N."""
+    o_g = tl.arange(0, NB)
+    b_total = tl.zeros([NB], dtype=tl.int32)
+    n_bad = tl.full([], 0, tl.int64)
+    lowest = tl.full([], -1, tl.int64)
+    highest = tl.full([], -1, tl.int64)
+    for i_s in range(0, N, BLOCK_S):  # the totals per bucket, and the status
+        o_s = i_s + tl.arange(0, BLOCK_S)
+        m_s = o_s < N
+        b_idx = tl.load(idx_ptr + o_s, mask=m_s, other=-1).to(tl.int64)
+        b_valid = (b_idx >= 0) & (b_idx < E)
+        b_total += tl.histogram(tl.where(m_s, tl.where(b_valid, b_idx, E), NB - 1).to(tl.int32), NB)
+        n_bad += tl.sum((m_s & ~b_valid & (b_idx != -1)).to(tl.int64), axis=0)
+        lowest = tl.minimum(lowest, tl.min(b_idx, axis=0))  # masked lanes hold -1
+        highest = tl.maximum(highest, tl.max(b_idx, axis=0))
+    if ROWS:  # expert groups padded to the alignment; rows no slot fills read -1
+        b_total = tl.where(o_g < E, (b_total + alignment - 1) // alignment * alignment, b_total)
+        for i_f in range(0, n_fill, BLOCK_S):
+            o_f = i_f + tl.arange(0, BLOCK_S)
+            tl.store(order_ptr + o_f, tl.full([BLOCK_S], -1, tl.int64), mask=o_f < n_fill)
+        tl.debug_barrier()  # the fill lands before any thread places a slot over it
+    b_next = tl.cumsum(b_total, axis=0) - b_total  # [NB] the next free position of each bucket
+    for i_s in range(0, N, BLOCK_S):
+        o_s = i_s + tl.arange(0, BLOCK_S)
+        m_s = o_s < N
+        b_idx = tl.load(idx_ptr + o_s, mask=m_s, other=-1)
+        b_bucket = tl.where(m_s, tl.where((b_idx >= 0) & (b_idx < E), b_idx, E), NB - 1).to(tl.int32)
+        # NB: through memory, since a register tensor cannot be indexed by another (as in
+        # _slot_positions_kernel); barriers on both sides, as the row is rewritten per block.
+        tl.store(scratch_ptr + o_g, b_next)
+        tl.debug_barrier()
+        b_pos = tl.load(scratch_ptr + b_bucket, mask=m_s, other=0)
+        tl.debug_barrier()
+        for j in tl.static_range(0, BLOCK_S, BLOCK_J):  # earlier slots of this block, same bucket
+            o_j = i_s + j + tl.arange(0, BLOCK_J)
+            b_jdx = tl.load(idx_ptr + o_j, mask=o_j < N, other=-1)
+            b_jbucket = tl.where((b_jdx >= 0) & (b_jdx < E), b_jdx, E).to(tl.int32)
+            b_same = (b_bucket[:, None] == b_jbucket[None, :]) & (o_j[None, :] < o_s[:, None])  # [BS, BJ]
+            b_pos += tl.sum(b_same.to(tl.int32), axis=1)
+        if ROWS:  # a dropped slot has no row (C)
+            m_row = m_s & (b_bucket < E)
+            tl.store(position_ptr + o_s, tl.where(m_row, b_pos.to(tl.int64), C), mask=m_s)
+            tl.store(order_ptr + b_pos, o_s.to(tl.int64), mask=m_row)
+        else:
+            tl.store(position_ptr + o_s, b_pos.to(tl.int64), mask=m_s)
+            tl.store(order_ptr + b_pos, o_s.to(tl.int64), mask=m_s)
+        b_next += tl.histogram(b_bucket, NB)
+    m_valid = o_g < E  # counts of every local expert of every rank, and the status columns
+    tl.store(send_meta_ptr + (o_g // e) * (e + 3) + o_g % e, b_total.to(tl.int64), mask=m_valid)
+    o_w = tl.arange(0, BLOCK_W)
+    m_w = o_w < W
+    b_zero = tl.zeros([BLOCK_W], dtype=tl.int64)
+    p_row = send_meta_ptr + o_w * (e + 3) + e
+    tl.store(p_row, b_zero + n_bad, mask=m_w)
+    tl.store(p_row + 1, b_zero + lowest, mask=m_w)
+    tl.store(p_row + 2, b_zero + highest, mask=m_w)
+    if ROWS:  # one rank: its routing is valid (no bad ids), for a device-side assert
+        tl.store(send_meta_ptr + e + 3, (n_bad == 0).to(tl.int64))
+
+
 def plan_slots(
     topk_idx: torch.Tensor, num_experts: int, world_size: int, max_programs: Optional[int] = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -155,6 +230,14 @@ def plan_rows(
     return row_src, row, meta
 
 
+def _host_bound(t: torch.Tensor) -> bool:
+    """Whether a launch on ``t`` is eager work outside a CUDA graph capture (Triton's interpreter
+    included), where host time, not GPU time, bounds a small plan."""
+    if type(t) is not torch.Tensor:  # traced into compiled code
+        return False
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def _launch(topk_idx: torch.Tensor, num_experts: int, world_size: int, order: torch.Tensor, alignment: int,
             rows: bool, max_programs: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Both kernels: position (T, K) and send_meta (W, e + 3; rows: (1, E + 4)), ``order`` written in
@@ -164,6 +247,20 @@ def _launch(topk_idx: torch.Tensor, num_experts: int, world_size: int, order: to
     e = E // W
     dev = topk_idx.device
     idx = topk_idx.reshape(N).contiguous()
+    position = torch.empty(N, dtype=torch.int64, device=dev)
+    send_meta = torch.empty(W, e + 3 + rows, dtype=torch.int64, device=dev)
+    num_warps = 1 if interpreting() else GPU_NUM_WARPS
+    if N <= ONE_PROGRAM_SLOTS and _host_bound(idx):
+        NB = triton.next_power_of_2(E + 2)
+        scratch = torch.empty(NB, dtype=torch.int32, device=dev)
+        block_s = min(ONE_PROGRAM_BLOCK_S, triton.next_power_of_2(max(N, 1)))
+        with LAUNCH_LOCK:
+            launch(_plan_in_one_program_kernel, idx)[(1,)](
+                idx, scratch, position, order, send_meta, N, E, e, W, alignment, order.numel(),
+                order.numel() if rows else 0, NB=NB, BLOCK_S=block_s, BLOCK_J=min(block_s, 64),
+                BLOCK_W=triton.next_power_of_2(W), ROWS=rows, num_warps=num_warps,
+            )
+        return position.view(T, K), send_meta
     if interpreting():
         block_s = triton.next_power_of_2(max(1, min(N, 256)))
     else:
@@ -172,14 +269,11 @@ def _launch(topk_idx: torch.Tensor, num_experts: int, world_size: int, order: to
     counts = torch.zeros(B * (E + 1) + E + 1 + 3, dtype=torch.int64, device=dev)  # blocks, totals, status
     NB = triton.next_power_of_2(E + 1)
     scratch = torch.empty(B, NB, dtype=torch.int32, device=dev)
-    position = torch.empty(N, dtype=torch.int64, device=dev)
-    send_meta = torch.empty(W, e + 3 + rows, dtype=torch.int64, device=dev)
-    num_warps = 1 if interpreting() else GPU_NUM_WARPS
     grid = program_grid(B, 1, max_programs)[:1]
     with LAUNCH_LOCK:
-        _block_counts_kernel[grid](idx, counts, order, N, E, B, order.numel() if rows else 0, BLOCK_S=block_s,
-                                   num_warps=num_warps)
-        _slot_positions_kernel[grid](
+        launch(_block_counts_kernel, idx)[grid](idx, counts, order, N, E, B, order.numel() if rows else 0,
+                                                BLOCK_S=block_s, num_warps=num_warps)
+        launch(_slot_positions_kernel, idx)[grid](
             idx, counts, scratch, position, order, send_meta, N, E, e, W, B, alignment, order.numel(),
             NB=NB, BLOCK_S=block_s, BLOCK_J=min(block_s, 64), BLOCK_P=max(1, min(16, 8192 // NB)),
             BLOCK_W=triton.next_power_of_2(W), ROWS=rows, num_warps=num_warps,

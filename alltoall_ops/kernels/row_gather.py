@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import LAUNCH_LOCK, cast_rne, require_contiguous, row_blocks, tl_acc_dtype, upcast
+from ._config import LAUNCH_LOCK, launch, cast_rne, require_contiguous, row_blocks, tl_acc_dtype, upcast
 
 
 @triton.jit
@@ -52,7 +52,7 @@ def gather_rows(
     src, row_src, scale = (None if t is None else t.contiguous() for t in (src, row_src, scale))
     blocks = row_blocks("gather_rows", C, X, out.element_size())
     with LAUNCH_LOCK:
-        _gather_rows_kernel[blocks.grid(C, X)](
+        launch(_gather_rows_kernel, src)[blocks.grid(C, X)](
             src, scale if scale is not None else src, row_src, out, C, src.shape[0], top_k, X,
             HAS_SCALE=scale is not None, ACC_DTYPE=tl_acc_dtype(acc_dtype),
             BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H, num_warps=blocks.num_warps,

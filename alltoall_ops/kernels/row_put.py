@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import LAUNCH_LOCK, cast_rne, program_grid, require_contiguous, row_blocks, tl_acc_dtype, upcast
+from ._config import LAUNCH_LOCK, launch, cast_rne, program_grid, require_contiguous, row_blocks, tl_acc_dtype, upcast
 
 
 MAX_COUNTED_PROGRAMS = 8192
@@ -153,7 +153,7 @@ def put_rows(
         row_programs = min(row_programs, MAX_COUNTED_PROGRAMS)
     row_programs, h_programs = program_grid(row_programs, h_programs, max_programs)
     with LAUNCH_LOCK:
-        _put_rows_kernel[(row_programs, h_programs)](
+        launch(_put_rows_kernel, src)[(row_programs, h_programs)](
             src, scale if scale is not None else src, dst, count if count is not None else dst,
             rows_table if rows_table is not None else dst, out if out is not None else src,
             tags_table if tags_table is not None else dst, tag_index if tag_index is not None else dst,
@@ -182,8 +182,9 @@ def put_meta(send_row: torch.Tensor, meta_table: torch.Tensor, rank: int, max_pr
     L, W = send_row.numel(), meta_table.numel()
     send_row, meta_table = send_row.contiguous(), meta_table.contiguous()
     block_l = triton.next_power_of_2(max(1, min(L, 1024)))
+    grid = program_grid(W, 1, max_programs)[:1]
     with LAUNCH_LOCK:
-        _put_meta_kernel[program_grid(W, 1, max_programs)[:1]](send_row, meta_table, rank, L, W, BLOCK_L=block_l)
+        launch(_put_meta_kernel, send_row)[grid](send_row, meta_table, rank, L, W, BLOCK_L=block_l)
 
 
 @triton.jit
@@ -244,7 +245,7 @@ def copy_out(
     recv = recv.contiguous()
     blocks = row_blocks("copy_out", C, X, recv.element_size(), max_programs)
     with LAUNCH_LOCK:  # NB: one program per row block across all of X (see the kernel)
-        _copy_out_kernel[program_grid(blocks.grid(C, X)[0], 1, max_programs)[:1]](
+        launch(_copy_out_kernel, out)[program_grid(blocks.grid(C, X)[0], 1, max_programs)[:1]](
             recv, tags, num_routed, out, tail if tail is not None else out, row_src, C, X, x_out,
             HAS_TAIL=tail is not None, BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H, num_warps=blocks.num_warps,
         )

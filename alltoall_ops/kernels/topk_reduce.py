@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import LAUNCH_LOCK, cast_rne, program_grid, require_contiguous, row_blocks, tl_acc_dtype, upcast
+from ._config import LAUNCH_LOCK, launch, cast_rne, program_grid, require_contiguous, row_blocks, tl_acc_dtype, upcast
 
 
 @triton.jit
@@ -90,7 +90,7 @@ def topk_reduce(
     )
     blocks = row_blocks("topk_reduce", T, H, ret.element_size(), max_programs)
     with LAUNCH_LOCK:
-        _topk_reduce_kernel[program_grid(*blocks.grid(T, H), max_programs)](
+        launch(_topk_reduce_kernel, y)[program_grid(*blocks.grid(T, H), max_programs)](
             ret, position, slot_dst if slot_dst is not None else position,
             weights if weights is not None else y, y,
             returned if returned is not None else y, T, H, n_valid,

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import LAUNCH_LOCK, cast_rne, program_grid, require_contiguous, row_blocks, tl_acc_dtype, upcast
+from ._config import LAUNCH_LOCK, launch, cast_rne, program_grid, require_contiguous, row_blocks, tl_acc_dtype, upcast
 
 
 @triton.jit
@@ -57,7 +57,7 @@ def weight_grad(
     grad_y, returned, position = grad_y.contiguous(), returned.contiguous(), position.contiguous()
     blocks = row_blocks("weight_grad", T, max(H, 1), grad_y.element_size(), max_programs)
     with LAUNCH_LOCK:  # NB: one program per token block across all of H: it sums over H
-        _weight_grad_kernel[program_grid(blocks.grid(T, H)[0], 1, max_programs)[:1]](
+        launch(_weight_grad_kernel, grad_w)[program_grid(blocks.grid(T, H)[0], 1, max_programs)[:1]](
             grad_y, returned, position, grad_w, T, H, returned.shape[0],
             K=K, ACC_DTYPE=tl_acc_dtype(acc_dtype), BLOCK_T=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H,
             num_warps=blocks.num_warps,

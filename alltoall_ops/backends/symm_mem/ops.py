@@ -125,11 +125,14 @@ def symm_exchange_meta_op(send_row_L: torch.Tensor, buffers: SymmBuffers, expert
     of the row sent; zero on one rank, which has no peers to be out of step with): column CALL
     of the output is the call number that the dispatch and combine of this step stamp their
     barriers with. Checks every rank's row (see ``_check_meta``) and raises on all ranks alike."""
-    k = loader.load()
+    if buffers.world_size == 1:  # the all-gather of one row is the row: no put, no barrier
+        meta_WL = send_row_L.clone().view(1, -1)
+        _check_meta(meta_WL, buffers, expert_alignment, meta_WL[0, buffers.num_experts + CALL :][:1])
+        return meta_WL
     row_L = send_row_L.clone()
     call_1 = row_L[buffers.num_experts + CALL : buffers.num_experts + CALL + 1]
     buffers._segments.barrier(META_OP, call_1, advance=True)
-    k.put_meta(row_L, buffers.table[META], buffers.rank, max_programs=buffers.num_sms)
+    loader.load().put_meta(row_L, buffers.table[META], buffers.rank, max_programs=buffers.num_sms)
     buffers._segments.barrier(META_OP, call_1)
     meta_WL = buffers.meta.clone()
     _check_meta(meta_WL, buffers, expert_alignment, call_1)
