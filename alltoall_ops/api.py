@@ -1,5 +1,8 @@
-"""Public entry points: ``dispatch``, ``combine``, ``exchange_counts``. Each validates, picks a
-backend (:mod:`alltoall_ops.backends`) and calls it."""
+"""Public entry points: ``dispatch``, ``combine``, ``exchange_counts``, ``dispatch_layout``.
+
+A dispatch chooses its backend once (:func:`backends.choose`), runs its checks once through that
+backend's failure channel (``Backend.checked``), then the backend's ``dispatch`` (plan, move);
+a combine is its handle's (check, move)."""
 
 from __future__ import annotations
 
@@ -72,26 +75,38 @@ def dispatch(
         routed, tokens_per_expert, handle = dispatch(x, topk_idx, num_experts=8)
         y = combine(experts(routed, tokens_per_expert), handle, topk_weights)
     """
+    grp = _group_of(group, buffers)
+    # NB: a choice that fails raises on every rank before any payload moves: its peers, who may have
+    # chosen well, are told in the failure channel of the backend "auto" picks, where they wait first.
+    impl = backends.auto(grp, buffers).checked(grp, buffers, backends.choose, backend, grp, buffers)
+    x_TH, x_scale_TB = x if isinstance(x, (tuple, list)) else (x, None)
+    E, payload = impl.checked(grp, buffers, _check_dispatch, impl, x_TH, x_scale_TB, topk_idx, num_experts, grp,
+                              expert_alignment, buffers, payload_dtype, dequantize, async_op)
+    return impl.dispatch(x_TH, topk_idx, num_experts=E, group=grp, expert_alignment=expert_alignment,
+                         buffers=buffers, payload=payload, async_op=async_op)
+
+
+def _group_of(group: Any, buffers: Any) -> Group:
+    """The dispatch's group: ``group`` resolved; with buffers and group=None, the buffers' group."""
     if group is None and buffers is not None and hasattr(buffers, "group_name"):
-        # Buffers carry their group: group=None means theirs, not the default group.
-        grp = Group(buffers.group_name, buffers.rank, buffers.world_size)
-    else:
-        grp = resolve_group(group)
-    x, x_scale = x if isinstance(x, (tuple, list)) else (x, None)
-    # NB: the peers wait in the exchange of the backend "auto" picks (symm_mem: the buffers' metadata exchange)
-    impl = backends.checked(grp, buffers, _choose_backend, backend, grp, buffers, x, x_scale, payload_dtype,
-                            dequantize, async_op)
-    payload = None
-    if x_scale is not None or payload_dtype is not None:
-        payload = Payload.of(x, x_scale, dequantize)
-    return impl.dispatch(x, topk_idx, num_experts, grp, expert_alignment, buffers, payload, async_op)
+        return Group(buffers.group_name, buffers.rank, buffers.world_size)
+    return resolve_group(group)
 
 
-def _choose_backend(backend: str, group: Group, buffers: Any, x: torch.Tensor, x_scale: Optional[torch.Tensor],
-                    payload_dtype: Optional[torch.dtype], dequantize: bool, async_op: bool) -> backends.Backend:
-    check_payload_args(x, x_scale, payload_dtype, dequantize)
+def _check_dispatch(impl: backends.Backend, x_TH: torch.Tensor, x_scale_TB: Optional[torch.Tensor],
+                    topk_idx: torch.Tensor, num_experts: int, group: Group, expert_alignment: int, buffers: Any,
+                    payload_dtype: Optional[torch.dtype], dequantize: bool,
+                    async_op: bool) -> tuple[int, Optional[Payload]]:
+    """Every check of one dispatch, once (shapes, dtypes and ints, no tensor read): the payload's
+    and the backend's. Returns E as an int and the payload (None: plain rows)."""
+    check_payload_args(x_TH, x_scale_TB, payload_dtype, dequantize)
     check_bool("async_op", async_op)
-    return backends.choose(backend, group, buffers)
+    payload = None
+    if x_scale_TB is not None or payload_dtype is not None:
+        payload = Payload.of(x_TH, x_scale_TB, dequantize)
+    E = impl.check_dispatch(x_TH, topk_idx, num_experts=num_experts, group=group, expert_alignment=expert_alignment,
+                            buffers=buffers, payload=payload)
+    return E, payload
 
 
 def combine(
@@ -116,7 +131,7 @@ def combine(
     """
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"handle: expected the DispatchHandle returned by dispatch, got {type(handle).__name__}")
-    return handle.combine(expert_out, topk_weights, check_bool("async_op", async_op))
+    return handle.combine(expert_out, topk_weights, async_op=check_bool("async_op", async_op))
 
 
 def dispatch_layout(

@@ -239,7 +239,7 @@ def agree(op: str, group_name: str, fields: Sequence[int], shapes: Optional[Sequ
           equal: Optional[int] = None) -> list[list[int]]:
     """Collective: check that every rank of the group starts ``op`` with the same ``fields`` (in
     the order of ``FIELDS[op]``; only the first ``equal`` of them when given) and that none
-    failed (:func:`checked`, :func:`forward`). Returns every rank's fields, by rank.
+    failed (:func:`tell`, :func:`forward`). Returns every rank's fields, by rank.
 
     Raises on every rank alike: a failed rank's error itself on that rank, else
     :class:`PeerInputError` with the first failed rank's error (the error's own type where that
@@ -256,6 +256,14 @@ def agree_and_gather(op: str, group_name: str, fields: Sequence[int], payload: t
     rank's payload, by rank, read on the host with the agreement: one exchange, one read."""
     rows = _agree(op, group_name, fields, None, None, None, payload, _OWN)
     return [row[HEADER_LEN : HEADER_LEN + payload.numel()] for row in rows]
+
+
+def tell(op: str, group_name: str, error: BaseException) -> None:
+    """Collective: take part in ``op``'s agreement on ``group_name`` with ``error``, this rank's
+    own (a rejected argument), so that its peers there raise a :class:`PeerInputError` naming
+    it. Returns once the messages are exchanged; the caller then raises ``error`` itself."""
+    if group_name != LOCAL:
+        _join(op, group_name, error, _OWN)
 
 
 def forward(op: str, group_name: str, error: BaseException) -> None:
@@ -282,7 +290,8 @@ def _join(op: str, group_name: str, problem: BaseException, kind: int) -> None:
 def _agree(op: str, group_name: str, fields: Sequence[int], problem: Optional[BaseException],
            shapes: Optional[Sequence[int]], equal: Optional[int], payload: Optional[torch.Tensor],
            kind: int) -> list[list[int]]:
-    """The agreement's exchange and checks; returns every rank's message (MESSAGE_LEN ints).
+    """The agreement's exchange and checks; returns every rank's header and the payload this
+    rank sent a part of (HEADER_LEN + payload.numel() ints of each message).
     ``kind``: how the peers read ``problem`` (``_OWN``: a PeerInputError; ``_FORWARDED``: its type)."""
     pg = process_group(group_name)
     names = FIELDS[op]
@@ -301,7 +310,8 @@ def _agree(op: str, group_name: str, fields: Sequence[int], problem: Optional[Ba
         send[HEADER_LEN : HEADER_LEN + payload.numel()] = payload.reshape(-1)
     gathered = torch.empty(pg.size(), MESSAGE_LEN, dtype=torch.int64, device=send.device)
     run(op, group_name, lambda g: dist.all_gather(list(gathered.unbind(0)), send, group=g, async_op=True))
-    rows = gathered.tolist()  # Host sync: (W, MESSAGE_LEN)
+    # Host sync: (W, HEADER_LEN + payload); a failed rank's message is decoded from the tensor
+    rows = gathered[:, : HEADER_LEN + (0 if payload is None else payload.numel())].tolist()
     failed = [r for r, row in enumerate(rows) if row[2]]
     if failed:
         if problem is not None:
@@ -360,7 +370,7 @@ def checked(op: str, group_name: Union[str, Sequence[str]], check: Callable[...,
         return check(*args)
     except (TypeError, ValueError) as exc:
         for name in names:
-            _join(op, name, exc, _OWN)
+            tell(op, name, exc)
         raise
 
 

@@ -72,7 +72,7 @@ class HierarchicalHandle(DispatchHandle):
     def world_size(self) -> int:
         return self.node_stage.world_size * self.local_stage.world_size
 
-    def combine(self, expert_out_RH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor],
+    def combine(self, expert_out_RH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor], *,
                 async_op: bool = False) -> torch.Tensor:
         """(R, H) expert outputs -> (T, H): per node, then across nodes (with ``async_op``, the
         exchange across nodes is the one pending until the wait)."""

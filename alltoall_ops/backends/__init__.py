@@ -9,7 +9,7 @@ A new backend: a module with a :class:`Backend` subclass and its :class:`Dispatc
 line below.
 """
 
-from .base import Backend, DispatchHandle, checked, choose, names, register
+from .base import Backend, DispatchHandle, auto, choose, names, register
 from .collective import CollectiveBackend
 from .local import LocalBackend
 from .symm_mem import SymmMemBackend
@@ -17,4 +17,4 @@ from .symm_mem import SymmMemBackend
 for _backend in (LocalBackend(), CollectiveBackend(), SymmMemBackend()):
     register(_backend)
 
-__all__ = ["Backend", "DispatchHandle", "checked", "choose", "names", "register"]
+__all__ = ["Backend", "DispatchHandle", "auto", "choose", "names", "register"]

@@ -2,26 +2,31 @@
 
 A backend is one module: a :class:`Backend` subclass registered with :func:`register`, and a
 :class:`DispatchHandle` subclass whose ``combine`` undoes its ``dispatch``. ``alltoall_ops``'s
-public ``dispatch`` / ``combine`` resolve the group, :func:`choose` a backend and call it.
+public ``dispatch`` resolves the group, picks a backend (:func:`choose`), runs the call's checks
+once through that backend's failure channel (:meth:`Backend.checked`), then its ``dispatch``
+(plan, move); the public ``combine`` calls the handle's (check, move).
 """
 
 from __future__ import annotations
 
+import abc
 import logging
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional, TypeVar
 
 import torch
 
 from .. import comm
 from .._compat import is_compiling
-from ..groups import Group
+from ..groups import LOCAL, Group
 from ..payload import Payload
-from ..validation import check_combine_args, check_combine_rows
+from ..validation import check_combine_args, check_combine_rows, check_dispatch_args
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 
-class DispatchHandle:
+
+class DispatchHandle(abc.ABC):
     """What ``combine`` needs to undo one ``dispatch``; each backend has its own kind.
 
     Every handle has ``position_TK`` (T, K) int64, each slot's send position, ``num_rows`` (R,
@@ -45,11 +50,12 @@ class DispatchHandle:
         """K of the dispatch."""
         return self.position_TK.shape[1]
 
-    def combine(self, expert_out_RH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor],
+    @abc.abstractmethod
+    def combine(self, expert_out_RH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor], *,
                 async_op: bool = False) -> torch.Tensor:
-        """(R, H) expert outputs -> (T, H), see :func:`alltoall_ops.combine` (``async_op``: its
-        exchange pending until :func:`alltoall_ops.wait`)."""
-        raise NotImplementedError
+        """(R, H) expert outputs -> (T, H), see :func:`alltoall_ops.combine`: its checks
+        (:meth:`check_combine_everywhere`), then its op (``async_op``: its exchange pending until
+        :func:`alltoall_ops.wait`)."""
 
     def check_combine(self, expert_out_RH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor]) -> None:
         """Raise on a bad combine argument (this rank's own checks; no communication)."""
@@ -77,30 +83,52 @@ def save_returned(topk_weights_TK: Optional[torch.Tensor]) -> bool:
     return topk_weights_TK is not None and topk_weights_TK.requires_grad and torch.is_grad_enabled()
 
 
-class Backend:
-    """How dispatch moves rows. Subclasses set ``name`` and implement ``dispatch``."""
+class Backend(abc.ABC):
+    """How dispatch moves rows. A subclass sets ``name`` and implements ``dispatch`` (plan, then
+    move); it overrides ``check_group`` / ``check_dispatch`` where it serves fewer calls than
+    these accept, and ``tell_peers`` where its peers wait elsewhere than in the group's agreement."""
 
     name: ClassVar[str]
 
     def check_group(self, group: Group, buffers: Any) -> None:
-        """Raise ``ValueError`` if this backend cannot serve ``group`` (with ``buffers``)."""
+        """Raise ``ValueError`` / ``TypeError`` if this backend cannot serve ``group`` (with
+        ``buffers``): the checks of the choice."""
         if buffers is not None:
             raise ValueError(f"buffers: only backend='symm_mem' uses buffers, got backend={self.name!r}")
 
-    def checked(self, group: Group, buffers: Any, check: Callable[..., Any], *args: Any) -> Any:
-        """``check(*args)`` (argument checks of a dispatch) through this backend's failure
-        channel: on a group, a rank whose checks raise tells its peers in the exchange they wait
-        in, and they raise a PeerInputError. Default: the group's agreement (``comm.checked``)."""
-        return comm.checked("dispatch", group.name, check, *args)
+    def check_dispatch(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, *, num_experts: int, group: Group,
+                       expert_alignment: int, buffers: Any, payload: Optional[Payload]) -> int:
+        """Raise on a dispatch argument this backend rejects (shapes, dtypes and ints: no tensor
+        read, so every rank of an SPMD program raises alike); returns E as an int."""
+        return check_dispatch_args(x_TH, topk_idx_TK, num_experts, group.size, expert_alignment)
 
-    def dispatch(
-        self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int, group: Group, expert_alignment: int,
-        buffers: Any, payload: Optional[Payload] = None, async_op: bool = False,
-    ) -> tuple[Any, torch.Tensor, DispatchHandle]:
-        """routed (R, H) (with an fp8 ``payload``: see :func:`alltoall_ops.dispatch`),
-        tokens_per_expert (e,), handle. async_op: the rows' exchange (the backend's dispatch op)
-        started on the communication stream, pending until :func:`alltoall_ops.wait` on routed."""
-        raise NotImplementedError
+    def tell_peers(self, group: Group, buffers: Any, error: BaseException) -> None:
+        """The failure channel: take part, with this rank's ``error``, in the exchange where the
+        peers' dispatch waits first (default: the group's agreement), so that they raise a
+        PeerInputError; returns, and the caller raises ``error``."""
+        comm.tell("dispatch", group.name, error)
+
+    def checked(self, group: Group, buffers: Any, check: Callable[..., T], *args: Any) -> T:
+        """``check(*args)``; on a group, a ``TypeError`` / ``ValueError`` it raises is told to the
+        peers first (:meth:`tell_peers`). Under torch.compile the checks run at trace time, where no
+        collective can: they raise on this rank only."""
+        if group.name == LOCAL or is_compiling():
+            return check(*args)
+        try:
+            return check(*args)
+        except (TypeError, ValueError) as exc:
+            self.tell_peers(group, buffers, exc)
+            raise
+
+    @abc.abstractmethod
+    def dispatch(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, *, num_experts: int, group: Group,
+                 expert_alignment: int, buffers: Any, payload: Optional[Payload],
+                 async_op: bool) -> tuple[Any, torch.Tensor, DispatchHandle]:
+        """Plan, then move: routed (R, H) (with an fp8 ``payload``: see
+        :func:`alltoall_ops.dispatch`), tokens_per_expert (e,), handle. Its arguments passed
+        :meth:`check_dispatch` (``num_experts`` is the int it returned). async_op: the rows'
+        exchange (the backend's dispatch op) started on the communication stream, pending until
+        :func:`alltoall_ops.wait` on routed."""
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -119,27 +147,19 @@ def names() -> tuple[str, ...]:
     return ("auto", *_REGISTRY)
 
 
-def _auto(group: Group, buffers: Any) -> str:
-    return "symm_mem" if buffers is not None else "local" if group.size == 1 else "collective"
-
-
-def checked(group: Group, buffers: Any, check: Callable[..., Any], *args: Any) -> Any:
-    """``check(*args)`` before a backend is chosen (the choice's own checks among them), through
-    the failure channel of the backend "auto" picks for ``group`` and ``buffers``: the exchange
-    every rank's dispatch waits in first."""
-    return _REGISTRY[_auto(group, buffers)].checked(group, buffers, check, *args)
+def auto(group: Group, buffers: Any = None) -> Backend:
+    """The backend ``backend="auto"`` picks: "symm_mem" when ``buffers`` is given, else "local" on
+    a group of one rank (or none), else "collective"."""
+    return _REGISTRY["symm_mem" if buffers is not None else "local" if group.size == 1 else "collective"]
 
 
 def choose(name: str, group: Group, buffers: Any = None) -> Backend:
-    """The backend ``backend=name`` selects for ``group``. "auto": "symm_mem" when ``buffers`` is
-    given, else "local" on a group of one rank (or none), else "collective". Raises if that
-    backend cannot serve it."""
-    if name == "auto":
-        name = _auto(group, buffers)
-    if name not in _REGISTRY:
+    """The backend ``backend=name`` selects for ``group`` (and ``buffers``), verified and logged:
+    raises ``ValueError`` / ``TypeError`` if that backend cannot serve them (no communication)."""
+    backend = auto(group, buffers) if name == "auto" else _REGISTRY.get(name)
+    if backend is None:
         raise ValueError(f"backend: expected one of {names()}, got {name!r}")
-    backend = _REGISTRY[name]
     backend.check_group(group, buffers)
     if not is_compiling() and logger.isEnabledFor(logging.DEBUG):
-        logger.debug("backend %r on group %r (%d ranks)", name, group.name or "(none)", group.size)
+        logger.debug("backend %r on group %r (%d ranks)", backend.name, group.name or "(none)", group.size)
     return backend

@@ -14,7 +14,7 @@ backward ops reuse them from a small CPU tensor. Its routing layout travels as a
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -23,7 +23,6 @@ from .._compat import call, input_grads, inputs_as, named_inputs
 from ..groups import LOCAL, Group, process_group
 from ..payload import FORMATS, PLAIN, Payload, op_kwargs, pack, routed, unpack
 from ..rows import rows_in_send_order, weight_grad_op, weighted_slot_sum
-from ..validation import check_dispatch_args
 from .base import Backend, DispatchHandle, save_returned
 
 
@@ -357,7 +356,7 @@ class RouteHandle(DispatchHandle):
                 f"{tuple(expert_out_RH.shape)}"
             )
 
-    def combine(self, expert_out_RH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor],
+    def combine(self, expert_out_RH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor], *,
                 async_op: bool = False) -> torch.Tensor:
         self.check_combine_everywhere(expert_out_RH, topk_weights_TK)
         y_TH, _ = call(combine_op, expert_out_RH, topk_weights_TK, **self.route.kwargs(),
@@ -403,7 +402,7 @@ class CollectiveBackend(Backend):
 
     name = "collective"
 
-    def check_group(self, group: Group, buffers) -> None:
+    def check_group(self, group: Group, buffers: Any) -> None:
         super().check_group(group, buffers)
         if group.name == LOCAL:
             raise ValueError(
@@ -411,15 +410,12 @@ class CollectiveBackend(Backend):
                 "initialised and no group was given)"
             )
 
-    def dispatch(self, x_TH, topk_idx_TK, num_experts, group, expert_alignment, buffers, payload=None,
-                 async_op=False):
-        E = comm.checked("dispatch", group.name, check_dispatch_args, x_TH, topk_idx_TK, num_experts, group.size,
-                         expert_alignment)
-        plan = layout.plan_routing(topk_idx_TK, E, group.size)
+    def dispatch(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, *, num_experts: int, group: Group,
+                 expert_alignment: int, buffers: Any, payload: Optional[Payload],
+                 async_op: bool) -> tuple[Any, torch.Tensor, RouteHandle]:
+        plan = layout.plan_routing(topk_idx_TK, num_experts, group.size)
         dtype, payload_dtype = (x_TH.dtype,) * 2 if payload is None else (payload.combine_dtype,
                                                                           payload.format.payload_dtype)
-        fields = comm.dispatch_fields(x_TH, topk_idx_TK, E, expert_alignment, dtype, payload_dtype)
+        fields = comm.dispatch_fields(x_TH, topk_idx_TK, num_experts, expert_alignment, dtype, payload_dtype)
         return dispatch_planned(x_TH, plan, comm.header("dispatch", *fields), expert_alignment, group.name, payload,
                                 async_op)
-
-

@@ -25,16 +25,15 @@ assert on CUDA (``layout.plan_rows``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from .. import comm, layout, overlap
 from .._compat import call, input_grads, named_inputs
 from ..groups import LOCAL, Group
-from ..payload import FORMATS, PLAIN, op_kwargs, routed
+from ..payload import FORMATS, PLAIN, Payload, op_kwargs, routed
 from ..rows import gather_rows, weight_grad_op, weighted_slot_sum
-from ..validation import check_dispatch_args
 from .base import Backend, DispatchHandle
 
 
@@ -159,7 +158,7 @@ class LocalHandle(DispatchHandle):
     def num_rows(self) -> int:
         return self.row_src_C.shape[0]
 
-    def combine(self, expert_out_CH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor],
+    def combine(self, expert_out_CH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor], *,
                 async_op: bool = False) -> torch.Tensor:
         self.check_combine(expert_out_CH, topk_weights_TK)
         return call(local_combine_op, expert_out_CH=expert_out_CH, weights_TK=topk_weights_TK, row_TK=self.row_TK,
@@ -171,15 +170,15 @@ class LocalBackend(Backend):
 
     name = "local"
 
-    def check_group(self, group: Group, buffers) -> None:
+    def check_group(self, group: Group, buffers: Any) -> None:
         super().check_group(group, buffers)
         if group.size != 1:
             raise ValueError(f"backend='local' needs a group of one rank, got a group of {group.size} ranks")
 
-    def dispatch(self, x_TH, topk_idx_TK, num_experts, group, expert_alignment, buffers, payload=None,
-                 async_op=False):
-        E = check_dispatch_args(x_TH, topk_idx_TK, num_experts, 1, expert_alignment)
-        plan = layout.plan_rows(topk_idx_TK, E, expert_alignment)
+    def dispatch(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, *, num_experts: int, group: Group,
+                 expert_alignment: int, buffers: Any, payload: Optional[Payload],
+                 async_op: bool) -> tuple[Any, torch.Tensor, LocalHandle]:
+        plan = layout.plan_rows(topk_idx_TK, num_experts, expert_alignment)
         routed_CH, scale_CB = call(local_dispatch_op, x_TH=x_TH, scale_TK=None, row_src_C=plan.row_src,
                                    row_TK=plan.row, **op_kwargs(payload), async_op=async_op, differentiable=(x_TH,))
         handle = LocalHandle(plan.row_src, plan.row, expert_alignment)

@@ -5,7 +5,7 @@ package docstring and docs/symm_mem.md)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -103,7 +103,7 @@ class SymmMemHandle(DispatchHandle):
                 f"routed, got {expert_out_CH.dtype} of shape {tuple(expert_out_CH.shape)}"
             )
 
-    def combine(self, expert_out_CH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor],
+    def combine(self, expert_out_CH: torch.Tensor, topk_weights_TK: Optional[torch.Tensor], *,
                 async_op: bool = False) -> torch.Tensor:
         """y (T, H); rows of expert_out that dispatch did not fill (padding, rows past
         tokens_per_expert.sum()) are ignored."""
@@ -122,17 +122,15 @@ def cached_buffers(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, gr
                    expert_alignment: int, payload: Optional[Payload] = None) -> SymmBuffers:
     """Eager convenience: buffers cached per (group, H, dtype, device, payload dtype), created
     sized from the largest T, K and expert_alignment over the ranks and re-created larger when a
-    call needs more, on every rank alike. Collective: the arguments' checks and the sizes go
-    through one agreement per call (a host sync), which is why compiled code must pass
-    ``buffers=``. With an fp8 ``payload`` the buffers' dtype is its combine dtype."""
+    call needs more, on every rank alike. Collective: the sizes go through one agreement per call
+    (a host sync), which is why compiled code must pass ``buffers=``. With an fp8 ``payload`` the
+    buffers' dtype is its combine dtype. The arguments passed ``SymmMemBackend.check_dispatch``."""
     if is_compiling():
         raise RuntimeError(
             "dispatch(backend='symm_mem') under torch.compile needs buffers=: create "
             "alltoall_ops.SymmBuffers(max_tokens_per_rank=..., hidden=..., top_k=..., num_experts=..., "
             "dtype=..., device=..., group=...) once, outside the compiled region, and pass it in"
         )
-    num_experts = comm.checked("symm_buffers", grp.name, check_dispatch_args, x, topk_idx, num_experts, grp.size,
-                               expert_alignment)
     (T, H), K = x.shape, topk_idx.shape[1]
     dtype, payload_dtype = (x.dtype, None) if payload is None else (payload.combine_dtype, payload.format.payload_dtype)
     sizes = [T, K, expert_alignment]
@@ -186,45 +184,44 @@ def _check_buffers_fit(
     return num_experts
 
 
-def checked(bufs: SymmBuffers, check: Callable[..., Any], *args) -> Any:
-    """``check(*args)``, the checks of a dispatch on ``bufs`` (the API's and the backend's); on a
-    group, a rank whose checks raise sends a failure row through the metadata exchange its peers
-    wait in, so every rank raises (its peers a PeerInputError). Under torch.compile the checks
-    run at trace time, on this rank only."""
-    if bufs.world_size == 1 or is_compiling():
-        return check(*args)
-    try:
-        return check(*args)
-    except (TypeError, ValueError) as exc:
-        failure = torch.zeros(bufs.meta_columns, dtype=torch.int64, device=bufs.device)
-        failure[bufs.num_experts + FAILED] = 1
-        bufs._own_error = f"{type(exc).__name__}: {exc}"
-        try:
-            symm_exchange_meta_op(failure, bufs, 0)
-        except (PeerInputError, CollectiveError):
-            pass  # what the peers raise, or peers later than the deadline (not told); this rank raises its own error
-        finally:
-            bufs._own_error = None
-        raise
-
-
 class SymmMemBackend(Backend):
     """Peer-addressable buffers and Triton kernels: no host sync, CUDA-graph capturable."""
 
     name = "symm_mem"
 
-    def check_group(self, group: Group, buffers) -> None:
+    def check_group(self, group: Group, buffers: Any) -> None:
         if buffers is not None and not isinstance(buffers, SymmBuffers):
             raise TypeError(f"buffers: expected alltoall_ops.SymmBuffers, got {type(buffers).__name__}")
 
-    def checked(self, group: Group, buffers, check: Callable[..., Any], *args: Any) -> Any:
-        """With ``SymmBuffers``: a failure row through their metadata exchange (:func:`checked`)."""
-        if isinstance(buffers, SymmBuffers):
-            return checked(buffers, check, *args)
-        return super().checked(group, buffers, check, *args)
+    def check_dispatch(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, *, num_experts: int, group: Group,
+                       expert_alignment: int, buffers: Optional[SymmBuffers], payload: Optional[Payload]) -> int:
+        """With ``buffers``, the checks against them too (:func:`_check_buffers_fit`); without, the
+        group's (the eager buffers are then made to fit every rank's call: :func:`cached_buffers`)."""
+        if buffers is None:
+            return super().check_dispatch(x_TH, topk_idx_TK, num_experts=num_experts, group=group,
+                                          expert_alignment=expert_alignment, buffers=buffers, payload=payload)
+        return _check_buffers_fit(buffers, x_TH, topk_idx_TK, num_experts, group, expert_alignment, payload)
 
-    def dispatch(self, x_TH, topk_idx_TK, num_experts, group, expert_alignment, buffers, payload=None,
-                 async_op=False):
+    def tell_peers(self, group: Group, buffers: Any, error: BaseException) -> None:
+        """With ``buffers``: a failure row through their metadata exchange, where the peers wait,
+        so they raise a PeerInputError; without: the group's agreement (:func:`cached_buffers`' exchange)."""
+        if not isinstance(buffers, SymmBuffers):  # NB: "auto"'s channel may tell of buffers of a wrong type
+            return super().tell_peers(group, buffers, error)
+        if buffers.world_size == 1:
+            return
+        failure = torch.zeros(buffers.meta_columns, dtype=torch.int64, device=buffers.device)
+        failure[buffers.num_experts + FAILED] = 1
+        buffers._own_error = f"{type(error).__name__}: {error}"
+        try:
+            symm_exchange_meta_op(failure, buffers, 0)
+        except (PeerInputError, CollectiveError):
+            pass  # what the peers raise, or peers later than the deadline (not told); this rank raises its own error
+        finally:
+            buffers._own_error = None
+
+    def dispatch(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, *, num_experts: int, group: Group,
+                 expert_alignment: int, buffers: Optional[SymmBuffers], payload: Optional[Payload],
+                 async_op: bool) -> tuple[Any, torch.Tensor, SymmMemHandle]:
         """routed (C, H), tokens_per_expert (e,), handle. The first ``tokens_per_expert.sum()``
         rows of routed are the collective backend's routed rows; the rest are unspecified (not
         written). With an fp8 ``payload`` (buffers created with ``payload_dtype``): routed is the
@@ -233,9 +230,7 @@ class SymmMemBackend(Backend):
         bufs = buffers
         if bufs is None:
             bufs = cached_buffers(x_TH, topk_idx_TK, num_experts, group, expert_alignment, payload)
-        E = checked(bufs, _check_buffers_fit, bufs, x_TH, topk_idx_TK, num_experts, group, expert_alignment,
-                     payload)
-        W, e = bufs.world_size, bufs.num_local_experts
+        E, W, e = bufs.num_experts, bufs.world_size, bufs.num_local_experts
         plan = layout.plan_routing(topk_idx_TK, E, W, bufs.num_sms)
         # (L,): counts, routing status, then N_SLOTS, ALIGNMENT, FAILED (0) and CALL (set by the op).
         # NB: filled on the device, not copied from the host: eager calls stay CUDA-graph capturable.
