@@ -77,7 +77,7 @@ def is_compiling() -> bool:
 _IMPLS: dict = {}  # custom op -> its implementation (what the dispatcher calls)
 
 
-def custom_op(name: str, fn: Callable, *, inline: bool = False, **kwargs: Any):
+def custom_op(name: str, fn: Callable, *, inline: bool | str = False, **kwargs: Any):
     """``torch.library.custom_op(name, mutates_args=())(fn)``, with ``fn`` remembered for
     :func:`call`.
 
@@ -88,13 +88,14 @@ def custom_op(name: str, fn: Callable, *, inline: bool = False, **kwargs: Any):
     launcher at run time. Unless the op's ``async_op`` argument is True (an exchange started on
     the communication stream stays one call). Dynamo's graph, autograd (the op's own
     ``register_autograd``) and selective checkpointing (whose policy sees the op before its body
-    is traced) still see one op."""
+    is traced) still see one op. A device type ("cuda"): inlined only where the op's first
+    tensor argument is on it (elsewhere a call keeps, e.g., its typed errors)."""
     import torch
 
     op = torch.library.custom_op(name, mutates_args=(), **kwargs)(fn)
     _IMPLS[op] = fn
     if inline:
-        inline_in_aot(op, fn)
+        inline_in_aot(op, fn, None if inline is True else inline)
     return op
 
 
@@ -115,10 +116,11 @@ TENSOR = _Tensor()
 _inlined_calls = iter(range(1 << 62))
 
 
-def inline_in_aot(op: Any, fn: Callable) -> None:
+def inline_in_aot(op: Any, fn: Callable, device_type: str | None = None) -> None:
     """Trace ``fn`` (the body of ``op``) in place of ``op`` under AOTAutograd's functionalization
     (a ``FunctionalTensorMode`` rule, as ``torch.library.triton_op`` registers), but for calls
-    with ``async_op=True``; the node of its output is tagged with :data:`INLINED_CALL`."""
+    with ``async_op=True`` and, given ``device_type``, calls whose first tensor is elsewhere; the
+    node of its output is tagged with :data:`INLINED_CALL`."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
@@ -131,7 +133,8 @@ def inline_in_aot(op: Any, fn: Callable) -> None:
             return NotImplemented  # another tensor subclass: its own rules first
         names = names or arg_names(op)
         bound = {**dict(zip(names, args)), **kwargs}
-        if bound.get("async_op", False):
+        first = next(v for v in bound.values() if isinstance(v, torch.Tensor))
+        if bound.get("async_op", False) or device_type not in (None, first.device.type):
             return mode.__torch_dispatch__(func, types, args, kwargs)
         with mode:
             out = fn(*args, **kwargs)

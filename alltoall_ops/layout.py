@@ -180,7 +180,9 @@ def check_status(status_ok: torch.Tensor, num_experts: int) -> None:
         raise bad_ids_error(0, status_ok[:STATUS_COLUMNS].tolist(), num_experts) from None
 
 
-plan_rows_op = custom_op("alltoall_ops::plan_rows", _plan_rows, inline=True)
+# NB: inlined on CUDA only, where a bad id is a device-side assert anyway; on the CPU the call
+# keeps raising the RoutingError that names the ids.
+plan_rows_op = custom_op("alltoall_ops::plan_rows", _plan_rows, inline="cuda")
 
 
 @plan_rows_op.register_fake
