@@ -38,6 +38,7 @@ def prepare(rev: str, into: pathlib.Path) -> None:
         with tarfile.open(archive) as tar:
             tar.extractall(tmp, filter="data")
         target = into / BEFORE
+        into.mkdir(parents=True, exist_ok=True)
         if target.exists():
             raise SystemExit(f"{target} exists: remove it first")
         (pathlib.Path(tmp) / "alltoall_ops").rename(target)
@@ -162,21 +163,27 @@ def run(before: pathlib.Path, rounds: int, out: str | None, profiled: list[str])
     op_cases(trees, cases.__setitem__, dev)
     layer_cases(trees, cases.__setitem__, dev)
     samples: dict[str, list] = {name: [] for name in cases}
-    for _ in range(rounds):
+    for done in range(1, rounds + 1):
         for name, step in cases.items():
             samples[name].append(timed(step, 20 if "train" in name else 50))
-    table = {}
-    for name, values in samples.items():
-        table[name] = {"wall_us": round(statistics.median(v[0] for v in values), 1),
-                       "host_us": round(statistics.median(v[1] for v in values), 1),
-                       "wall_us_by_round": [round(v[0], 1) for v in values]}
-        print(f"{name:58s} wall {table[name]['wall_us']:9.1f}  host {table[name]['host_us']:9.1f}  "
-              f"{table[name]['wall_us_by_round']}", flush=True)
-    if out:
-        with open(os.path.join(out, "before_after.json"), "w") as f:
-            json.dump(table, f, indent=1)
+        table = summary(samples)
+        if out:  # after every round, so a run cut short by a time limit still leaves its rounds
+            with open(os.path.join(out, "before_after.json"), "w") as f:
+                json.dump(table, f, indent=1)
+        print(f"round {done} of {rounds} done", flush=True)
+    for name, row in table.items():
+        print(f"{name:58s} wall {row['wall_us']:9.1f}  host {row['host_us']:9.1f}  {row['wall_us_by_round']}",
+              flush=True)
     for name in profiled:
         host_profile(name, cases[name])
+
+
+def summary(samples: dict[str, list]) -> dict[str, dict]:
+    """Per case: the medians over rounds of the wall and host time per step, and each round's wall."""
+    return {name: {"wall_us": round(statistics.median(v[0] for v in values), 1),
+                   "host_us": round(statistics.median(v[1] for v in values), 1),
+                   "wall_us_by_round": [round(v[0], 1) for v in values]}
+            for name, values in samples.items()}
 
 
 def host_profile(name: str, step: Callable[[], object], steps: int = 20) -> None:
