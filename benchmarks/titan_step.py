@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.titan_step", description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     p.add_argument("--out", default=None, help="folder for titan_step.json / titan_step.md")
+    p.add_argument("--tokens", type=int, nargs="+", default=None, help="T of each run (default: the shape's)")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     time_us = timer(device)
     tol = dict(rtol=2e-2, atol=2e-2)
     rows = []
-    for T in shape["T"]:
+    for T in args.tokens or shape["T"]:
         torch.manual_seed(T)
         reference = build("titan", shape, T, device, dtype)
         with torch.no_grad():
