@@ -16,7 +16,9 @@ Rows (the same weights and tokens in each):
 Each implementation is installed as transformers installs it (``EpDispatchExpertsParallel``
 with ``ep_size = 1`` meshes; ``ep_size=1`` in a ``DistributedConfig`` installs nothing).
 Suffix ``.compile``: ``torch.compile(model)`` (default mode; the built-in one breaks the graph
-at its host read), after one eager step. Before timing, each row's loss and gradients are
+at its host read), after one eager step, from a reset dynamo (the rows share the model's code:
+without it a row would run on an earlier row's cache entries); the graphs and graph breaks that
+its first compiled step made are reported. Before timing, each row's loss and gradients are
 compared with ``plain``'s. Reported: the median step time (``alltoall_ops.testing.timer``) and
 the host time to issue a step (``host_us``; equal to the step time when host-bound).
 """
@@ -72,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="folder for hf_step.json / hf_step.md")
     args = p.parse_args(argv)
     from alltoall_ops.integrations import transformers as a2a_hf
+    from torch._dynamo.utils import counters  # after alltoall_ops: it imports triton
     from torch.distributed.device_mesh import init_device_mesh
 
     cuda = torch.cuda.is_available() and not args.smoke
@@ -98,8 +101,13 @@ def main(argv: list[str] | None = None) -> int:
         for compiled in (False, True):
             model = install(copy.deepcopy(base), name, mesh)
             loss = train_step(model, ids)  # eager first: symm_mem makes its buffers here
+            # a fresh dynamo per row: the rows share the model's code, so an earlier row's cache
+            # entries (and its graph breaks) would otherwise serve this one
+            torch._dynamo.reset()
+            counters.clear()
             step = torch.compile(model) if compiled else model
             loss = train_step(step, ids)
+            graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
             if want is None:
                 want = loss, grads(model)
             torch.testing.assert_close(loss, want[0], **tol)
@@ -108,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
             row = f"{name}.compile" if compiled else name
             one_step = functools.partial(train_step, step, ids)
             us, host = time_us(one_step), host_us(one_step, n=10)
-            rows.append(dict(row=row, step_us=us, host_us=host))
-            print(f"{row:28s} {us:10.1f} us/step   host {host:10.1f} us", flush=True)
+            rows.append(dict(row=row, step_us=us, host_us=host, graphs=graphs, graph_breaks=breaks))
+            print(f"{row:28s} {us:10.1f} us/step   host {host:10.1f} us   {graphs} graphs, {breaks} breaks",
+                  flush=True)
             del model, step
     dist.destroy_process_group()
     plain = {r["row"].removeprefix("plain"): r["step_us"] for r in rows if r["row"].startswith("plain")}
@@ -117,10 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     what = (f"{args.model}, 2 layers, H={shape['hidden']}, F={shape['ffn']}, 8 experts, top-2, "
             f"T={B * S} tokens a step, {dtype}, {device_name}, torch {torch.__version__}")
     lines = [f"# One training step of a transformers model, EP = 1 ({what})", "",
-             "| row | step (us) | host (us) | vs plain |", "|---|---|---|---|"]
+             "| row | step (us) | host (us) | vs plain | graphs | graph breaks |", "|---|---|---|---|---|---|"]
     for r in rows:
         suffix = ".compile" if r["row"].endswith(".compile") else ""
-        lines.append(f"| {r['row']} | {r['step_us']:.1f} | {r['host_us']:.1f} | {r['step_us'] / plain[suffix]:.2f}x |")
+        lines.append(f"| {r['row']} | {r['step_us']:.1f} | {r['host_us']:.1f} | {r['step_us'] / plain[suffix]:.2f}x "
+                     f"| {r['graphs']} | {r['graph_breaks']} |")
     print("\n".join(lines))
     if args.out:
         os.makedirs(args.out, exist_ok=True)

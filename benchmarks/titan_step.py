@@ -76,7 +76,6 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16
     shape = SHAPES["gpu" if cuda else "smoke"]
     time_us = timer(device)
-    tol = dict(rtol=2e-2, atol=2e-2)
     rows = []
     for T in args.tokens or shape["T"]:
         torch.manual_seed(T)
@@ -96,9 +95,9 @@ def main(argv: list[str] | None = None) -> int:
                 grads = [w.grad for w in moe.parameters()]
                 if want is None:
                     want = out, grads
-                torch.testing.assert_close(out, want[0], **tol)
-                for g, w in zip(grads, want[1]):
-                    torch.testing.assert_close(g, w, **tol)
+                for got, ref in zip([out, *grads], [want[0], *want[1]]):  # bf16: sums in other orders
+                    error = float((got.float() - ref.float()).norm() / ref.float().norm())
+                    assert error < 1e-2, f"{name}: relative error {error:.2e} against titan's output or a gradient"
                 row = f"{name}.compile" if compiled else name
                 one_step = functools.partial(train_step, moe, step, x, grad)
                 us, host = time_us(one_step), host_us(one_step, n=10)

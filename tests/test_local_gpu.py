@@ -1,6 +1,5 @@
 """backend="local" on a CUDA GPU: the routing-plan kernels in padded-rows mode and the gather
-kernel against their torch references (the latter through cached launches on aligned and
-unaligned sources), a whole step with no synchronising CUDA call, and CUDA
+kernel against their torch references, a whole step with no synchronising CUDA call, and CUDA
 graph capture (by hand and under ``mode="reduce-overhead"``) replayed on new routings. Marked
 ``gpu``: skipped without CUDA; the same kernels run in Triton's interpreter in the CPU suite."""
 
@@ -26,25 +25,6 @@ def test_plan_rows_kernels_equal_the_torch_reference(T, K, E, alignment):
     want = layout._plan_rows_torch(idx, E, alignment, C)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("X", [7168, 7169])
-def test_cached_launches_follow_the_alignment_of_each_call(X):
-    """gather_rows through ``CachedLaunch`` on an aligned source, then a view of it two bytes off
-    (Triton specializes on 16-byte alignment: reusing the aligned kernel would load misaligned
-    vectors), then aligned again: each equals index_select, and the repeats launch directly."""
-    from alltoall_ops.kernels import _config
-    from alltoall_ops.kernels.row_gather import _gather_rows_kernel, gather_rows
-
-    T, K = 64, 4
-    flat = torch.randn(T * X + 1, device="cuda", dtype=torch.bfloat16)
-    row_src = torch.randperm(T * K, device="cuda")
-    for src in (flat[:-1].view(T, X), flat[1:].view(T, X)) * 2:
-        out = torch.empty(T * K, X, device="cuda", dtype=torch.bfloat16)
-        gather_rows(src, row_src, out, top_k=K)
-        assert torch.equal(out, src.index_select(0, row_src // K))
-    keys = [key for key in _config._CACHED[_gather_rows_kernel].compiled if key[2][0][0] == torch.bfloat16]
-    assert {key[2][0][1] for key in keys} == {True, False}  # the source's alignment is in the key
 
 
 def _layer_step(layer, x, grad_y):

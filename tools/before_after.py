@@ -14,6 +14,7 @@ renamed (``alltoall_ops_before::``), so both trees register their ops in one pro
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import pathlib
@@ -113,10 +114,11 @@ def layer_cases(trees: dict, add: Callable, dev: str) -> None:
         torch.manual_seed(T + H)
         state, layers = None, {}
         for tag, a2a in trees.items():
-            local = a2a.moe.MoE(H, F, E, K, backend="local", device=dev, dtype=torch.bfloat16)
+            moe = importlib.import_module(f"{a2a.__name__}.moe")
+            local = moe.MoE(H, F, E, K, backend="local", device=dev, dtype=torch.bfloat16)
             state = state or local.state_dict()
             bufs = a2a.SymmBuffers(T, H, K, E, dtype=torch.bfloat16, device=dev)
-            symm = a2a.moe.MoE(H, F, E, K, backend="symm_mem", buffers=bufs, device=dev, dtype=torch.bfloat16)
+            symm = moe.MoE(H, F, E, K, backend="symm_mem", buffers=bufs, device=dev, dtype=torch.bfloat16)
             for layer in (local, symm):
                 layer.load_state_dict(state)
             layers[f"local.compile {tag}"], layers[f"symm.compile {tag}"] = (local, local), (symm, symm)

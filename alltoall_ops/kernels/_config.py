@@ -36,82 +36,13 @@ def require_contiguous(launcher: str, **outputs: Optional[torch.Tensor]) -> None
 
 
 def launch(kernel, like: torch.Tensor):
-    """``kernel`` (a ``triton.jit`` function) as a launcher for tensors like ``like``: itself in
-    the interpreter; ``torch.library.wrap_triton(kernel)`` while an inlined op's body is traced
-    (``_compat.custom_op(inline=True)``: functional or fake tensors), so that the launch becomes a
-    node of the graph that inductor compiles; for plain GPU tensors (eager code, an opaque op's
-    body at run time) its :class:`CachedLaunch`."""
-    if _INTERPRETED:
+    """``kernel`` (a ``triton.jit`` function) as a launcher for tensors like ``like``: itself for
+    plain tensors (eager code, an op's body at run time), ``torch.library.wrap_triton(kernel)``
+    while an inlined op's body is traced (``_compat.custom_op(inline=True)``: functional or fake
+    tensors), so that the launch becomes a node of the graph that inductor compiles."""
+    if type(like) is torch.Tensor or _INTERPRETED:
         return kernel
-    if type(like) is torch.Tensor:
-        return _CACHED.get(kernel) or _CACHED.setdefault(kernel, CachedLaunch(kernel))
     return torch.library.wrap_triton(kernel)
-
-
-class CachedLaunch:
-    """``kernel[grid](*args, **meta)`` with the compiled kernel kept per specialization.
-
-    Triton's launcher binds the arguments, specializes them and hashes a cache key on every call
-    (~30 us of Python on the H200 host, docs/benchmarks.md); here a call builds a key from what
-    Triton specializes on (each tensor's dtype and 16-byte alignment; each int's ``== 1``,
-    ``% 16 == 0`` and width; every other value itself, with the options), and a key seen before
-    launches its compiled kernel directly. The key is at least as fine as Triton's, so a kernel
-    is only reused where Triton would reuse it. A new key, or a launch hook (a profiler's), goes
-    through ``kernel[grid]`` and keeps what it compiled. Parameters after the positional
-    arguments come by keyword (or take their defaults), as in ``kernel[grid]``."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-        self.params = kernel.params
-        self.names = {p.name for p in kernel.params}
-        self.compiled: dict[tuple, object] = {}
-
-    def __getitem__(self, grid: tuple[int, ...]):
-        return lambda *args, **meta: self.run(grid, args, meta)
-
-    def run(self, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
-        values = args + tuple(meta.get(p.name, p.default) for p in self.params[len(args):])
-        options = tuple(sorted((k, v) for k, v in meta.items() if k not in self.names))
-        device, stream = device_and_stream()
-        key = (device, options, tuple(_specialization(v, p.is_constexpr) for v, p in zip(values, self.params)))
-        compiled = self.compiled.get(key)
-        if compiled is None or _launch_hooked():
-            self.compiled[key] = self.kernel[grid](*args, **meta)
-            return
-        grid = tuple(grid) + (1, 1)
-        compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
-                     None, None, None, *values)
-
-
-def _launch_hooked() -> bool:
-    """Whether a launch hook is set (a profiler's: Triton 3.6 holds one function or None, later
-    versions a chain of them)."""
-    hooks = (triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook)
-    return any(getattr(hook, "calls", hook) for hook in hooks)
-
-
-def device_and_stream() -> tuple[int, int]:
-    """The current CUDA device and its current (raw) stream, as Triton's launcher reads them."""
-    device = triton.runtime.driver.active.get_current_device()
-    return device, triton.runtime.driver.active.get_current_stream(device)
-
-
-def _specialization(value, constexpr: bool) -> object:
-    """What Triton's launcher specializes a kernel on for one argument (or a finer description):
-    a constexpr's value; a tensor's dtype and alignment; an int's ``== 1``, ``% 16`` and width;
-    a float's type (Triton passes it as fp32 whatever its value)."""
-    if constexpr:
-        return value
-    if isinstance(value, torch.Tensor):
-        return value.dtype, value.data_ptr() % 16 == 0
-    if type(value) is int:
-        return int, value == 1, value % 16 == 0, -(2**31) <= value < 2**31, value >= 2**63
-    if type(value) is float:
-        return float
-    return type(value), value
-
-
-_CACHED: dict[object, CachedLaunch] = {}
 
 
 LAUNCH_LOCK = threading.RLock()
