@@ -28,14 +28,13 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import json
-import os
 import socket
 
 import torch
 import torch.distributed as dist
 
 from alltoall_ops.testing import host_us, timer
+from benchmarks._table import save_step_table
 from examples.train_hf_moe import build_config, next_token_loss, tokens
 
 IMPLEMENTATIONS = ("plain", "all_to_all", "alltoall_ops", "alltoall_ops_symm_mem")
@@ -131,13 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         suffix = ".compile" if r["row"].endswith(".compile") else ""
         lines.append(f"| {r['row']} | {r['step_us']:.1f} | {r['host_us']:.1f} | {r['step_us'] / plain[suffix]:.2f}x "
                      f"| {r['graphs']} | {r['graph_breaks']} |")
-    print("\n".join(lines))
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "hf_step.json"), "w") as f:
-            json.dump(dict(what=what, rows=rows), f, indent=1)
-        with open(os.path.join(args.out, "hf_step.md"), "w") as f:
-            f.write("\n".join(lines) + "\n")
+    save_step_table(args.out, "hf_step", what, rows, lines)
     return 0
 
 

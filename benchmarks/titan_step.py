@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import json
-import os
 
 import torch
 
 from alltoall_ops import SymmBuffers  # first: without CUDA it sets TRITON_INTERPRET before triton loads
 from alltoall_ops.testing import host_us, timer
 from alltoall_ops.torchtitan import TokenDispatcher
+from benchmarks._table import save_step_table
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import MoE, RoutedExperts, GroupedExperts, TokenChoiceTopKRouter
 from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
@@ -114,13 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         suffix = ".compile" if r["row"].endswith(".compile") else ""
         ratio = r["step_us"] / titan[r["T"], suffix]
         lines.append(f"| {r['T']} | {r['row']} | {r['step_us']:.1f} | {r['host_us']:.1f} | {ratio:.2f}x |")
-    print("\n".join(lines))
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "titan_step.json"), "w") as f:
-            json.dump(dict(what=what, rows=rows), f, indent=1)
-        with open(os.path.join(args.out, "titan_step.md"), "w") as f:
-            f.write("\n".join(lines) + "\n")
+    save_step_table(args.out, "titan_step", what, rows, lines)
     return 0
 
 
