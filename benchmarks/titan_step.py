@@ -11,15 +11,14 @@ Rows (the same weights and tokens in each, T tokens a step):
 - ``local``: ``alltoall_ops.torchtitan.TokenDispatcher`` with the local backend.
 - ``symm_mem``: the same over ``SymmBuffers`` for the step's tokens (W = 1).
 
-Suffix ``.compile``: ``torch.compile(moe, fullgraph=True)`` (default mode), from a reset dynamo. Before timing each
-row's output and gradients are compared with ``titan``'s. Reported: the median step time
+Suffix ``.compile``: ``torch.compile(moe, fullgraph=True)`` (default mode), from a reset
+dynamo. Before timing each row's output and gradients are compared with ``titan``'s. Reported: the median step time
 (``alltoall_ops.testing.timer``) and the host time to issue a step (``host_us``).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 
 import torch
@@ -88,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in DISPATCHERS:
             for compiled in (False, True):
                 moe = build(name, shape, T, device, dtype)
-                moe.load_state_dict(copy.deepcopy(reference.state_dict()))
+                moe.load_state_dict(reference.state_dict())  # copies the values in
                 torch._dynamo.reset()  # a fresh dynamo per row: the rows share MoE's code
                 step = torch.compile(moe, fullgraph=True) if compiled else moe
                 out = train_step(moe, step, x, grad)

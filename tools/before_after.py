@@ -156,6 +156,8 @@ def layer_cases(trees: dict, add: Callable, dev: str) -> None:
 
 
 def run(before: pathlib.Path, rounds: int, out: str | None, profiled: list[str]) -> None:
+    if rounds < 1:
+        raise SystemExit(f"--rounds: expected at least 1, got {rounds}")
     sys.path.insert(0, str(before))
     import alltoall_ops
     old = __import__(BEFORE)
