@@ -4,6 +4,7 @@ EP = 1, in one run:
 
     python -m benchmarks.hf_step --out $OUT      # one GPU: bf16, grouped_mm experts
     python -m benchmarks.hf_step --smoke         # every row on the CPU, tiny shapes, fp32
+    python -m benchmarks.hf_step --out $OUT --rounds 5 --profile alltoall_ops.compile plain.compile
 
 Rows (the same weights and tokens in each):
 - ``plain``: the model with no expert parallelism (the experts' own forward on the router's ids):
@@ -15,12 +16,21 @@ Rows (the same weights and tokens in each):
 
 Each implementation is installed as transformers installs it (``EpDispatchExpertsParallel``
 with ``ep_size = 1`` meshes; ``ep_size=1`` in a ``DistributedConfig`` installs nothing).
-Suffix ``.compile``: ``torch.compile(model)`` (default mode; the built-in one breaks the graph
-at its host read), after one eager step, from a reset dynamo (the rows share the model's code:
-without it a row would run on an earlier row's cache entries); the graphs and graph breaks that
-its first compiled step made are reported. Before timing, each row's loss and gradients are
-compared with ``plain``'s. Reported: the median step time (``alltoall_ops.testing.timer``) and
-the host time to issue a step (``host_us``; equal to the step time when host-bound).
+Suffix ``.compile``: ``torch.compile`` (default mode; the built-in one breaks the graph at its
+host read) of the model's forward, after one eager step, through a function with a code object
+of its own per row (``benchmarks._rounds.own_code``: the rows share the model's code, and
+dynamo keeps compiled code on code objects, so without it a row would run on, or check the guards
+of, an earlier row's cache entries); the graphs and graph breaks that its first compiled step made
+are reported. Before timing, each row's loss and gradients are compared with ``plain``'s.
+
+Every row is compiled and checked first; then ``--rounds`` rounds (default 5) each time every
+row once (``alltoall_ops.testing.timer``, then the host time to issue a step), in a fresh order
+each round, with no recompilation allowed (``error_on_recompile``). Reported per row: the
+medians over rounds of the step time and of the host time to issue a step (``host_us``; equal
+to the step time when host-bound), and each round's step time over that round's ``plain`` row
+(eager or compiled): the median and the range over rounds. ``--rows`` times a subset (the plain
+rows always); ``--profile ROW`` prints a ``torch.profiler`` table (CPU, and CUDA on a GPU) of a
+few steps of ROW after the timing.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from alltoall_ops.testing import host_us, timer
+from benchmarks._rounds import interleave, own_code, profile, ratio_cells, summarize
 from benchmarks._table import save_step_table
 from examples.train_hf_moe import build_config, next_token_loss, tokens
 
@@ -54,12 +65,20 @@ def install(model: torch.nn.Module, name: str, mesh) -> torch.nn.Module:
     return model
 
 
-def train_step(model, ids_BS: torch.Tensor) -> torch.Tensor:
-    """Forward, next-token loss, backward (gradients set to None first); returns the loss."""
+def train_step(model, forward, ids_BS: torch.Tensor) -> torch.Tensor:
+    """Forward (``forward(ids) -> logits``: the model's, or its compiled copy), next-token loss,
+    backward (gradients set to None first); returns the loss."""
     model.zero_grad(set_to_none=True)
-    loss = next_token_loss(model(input_ids=ids_BS).logits, ids_BS)
+    loss = next_token_loss(forward(ids_BS), ids_BS)
     loss.backward()
     return loss.detach()
+
+
+def forward_of(model):
+    def forward(ids_BS: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids_BS).logits
+
+    return forward
 
 
 def grads(model) -> list[torch.Tensor]:
@@ -71,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", choices=("mixtral", "qwen3_moe"), default="mixtral")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     p.add_argument("--out", default=None, help="folder for hf_step.json / hf_step.md")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of interleaved timing (every row once a round)")
+    p.add_argument("--rows", nargs="+", default=None, help="rows to time (default all; plain rows always)")
+    p.add_argument("--profile", nargs="+", default=[], metavar="ROW",
+                   help="after timing, a torch.profiler table of a few steps of each ROW (e.g. alltoall_ops.compile)")
     args = p.parse_args(argv)
     from alltoall_ops.integrations import transformers as a2a_hf
     from torch._dynamo.utils import counters  # after alltoall_ops: it imports triton
@@ -80,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     shape = SHAPES["gpu" if cuda else "smoke"]
+    names = [f"{n}{s}" for n in IMPLEMENTATIONS for s in ("", ".compile")]
+    wanted = set(names if args.rows is None else [*args.rows, "plain", "plain.compile"]) | set(args.profile)
+    unknown = wanted - set(names)
+    if unknown:
+        raise SystemExit(f"unknown rows {sorted(unknown)}: rows are {names}")
     with socket.socket() as s:  # a group of one rank on a free port
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -95,42 +123,49 @@ def main(argv: list[str] | None = None) -> int:
     ids = tokens(0, B, S, config.vocab_size).to(device)
     time_us = timer(device)
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
-    rows, want = [], None
+    steps, info, want = {}, {}, None
+    torch._dynamo.reset()
     for name in IMPLEMENTATIONS:
+        if not wanted & {name, f"{name}.compile"}:
+            continue
+        model = install(copy.deepcopy(base), name, mesh)  # one model for the eager and the compiled row
+        train_step(model, forward_of(model), ids)  # eager first: symm_mem makes its buffers here
         for compiled in (False, True):
-            model = install(copy.deepcopy(base), name, mesh)
-            loss = train_step(model, ids)  # eager first: symm_mem makes its buffers here
-            # a fresh dynamo per row: the rows share the model's code, so an earlier row's cache
-            # entries (and its graph breaks) would otherwise serve this one
-            torch._dynamo.reset()
+            row = f"{name}.compile" if compiled else name
+            if row not in wanted:
+                continue
+            # each compiled row through a code object of its own: no row runs on (or checks the
+            # guards of) another row's cache entries, and no dynamo reset is needed between rows
             counters.clear()
-            step = torch.compile(model) if compiled else model
-            loss = train_step(step, ids)
+            forward = torch.compile(own_code(forward_of(model), row)) if compiled else forward_of(model)
+            loss = train_step(model, forward, ids)  # compiles
             graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
             if want is None:
                 want = loss, grads(model)
             torch.testing.assert_close(loss, want[0], **tol)
             for g, w in zip(grads(model), want[1]):
                 torch.testing.assert_close(g, w, **tol)
-            row = f"{name}.compile" if compiled else name
-            one_step = functools.partial(train_step, step, ids)
-            us, host = time_us(one_step), host_us(one_step, n=10)
-            rows.append(dict(row=row, step_us=us, host_us=host, graphs=graphs, graph_breaks=breaks))
-            print(f"{row:28s} {us:10.1f} us/step   host {host:10.1f} us   {graphs} graphs, {breaks} breaks",
-                  flush=True)
-            del model, step
-    dist.destroy_process_group()
-    plain = {r["row"].removeprefix("plain"): r["step_us"] for r in rows if r["row"].startswith("plain")}
+            steps[row] = functools.partial(train_step, model, forward, ids)
+            info[row] = dict(graphs=graphs, graph_breaks=breaks)
+            print(f"{row:30s} checked against plain: {graphs} graphs, {breaks} graph breaks", flush=True)
+    samples = interleave(steps, args.rounds, time_us, functools.partial(host_us, n=10))
+    stats = summarize(samples, lambda row: "plain.compile" if row.endswith(".compile") else "plain")
+    rows = [dict(row=row, **info[row], **stats[row]) for row in steps]
     device_name = torch.cuda.get_device_name() if cuda else "CPU"
     what = (f"{args.model}, 2 layers, H={shape['hidden']}, F={shape['ffn']}, 8 experts, top-2, "
             f"T={B * S} tokens a step, {dtype}, {device_name}, torch {torch.__version__}")
     lines = [f"# One training step of a transformers model, EP = 1 ({what})", "",
-             "| row | step (us) | host (us) | vs plain | graphs | graph breaks |", "|---|---|---|---|---|---|"]
+             f"Medians over {args.rounds} rounds (every row once a round, a fresh order each round); vs plain: "
+             "each round's step time over that round's plain row (eager or compiled), median and range over rounds.",
+             "", "| row | step (us) | host (us) | vs plain | vs plain, min-max | graphs | graph breaks |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
-        suffix = ".compile" if r["row"].endswith(".compile") else ""
-        lines.append(f"| {r['row']} | {r['step_us']:.1f} | {r['host_us']:.1f} | {r['step_us'] / plain[suffix]:.2f}x "
+        lines.append(f"| {r['row']} | {r['step_us']:.1f} | {r['host_us']:.1f} | {ratio_cells(r)} "
                      f"| {r['graphs']} | {r['graph_breaks']} |")
-    save_step_table(args.out, "hf_step", what, rows, lines)
+    save_step_table(args.out, "hf_step", what, rows, lines, rounds=args.rounds)
+    for row in args.profile:
+        profile(row, steps[row])
+    dist.destroy_process_group()
     return 0
 
 
