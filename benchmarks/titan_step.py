@@ -11,9 +11,14 @@ Rows (the same weights and tokens in each, T tokens a step):
 - ``local``: ``alltoall_ops.torchtitan.TokenDispatcher`` with the local backend.
 - ``symm_mem``: the same over ``SymmBuffers`` for the step's tokens (W = 1).
 
-Suffix ``.compile``: ``torch.compile(moe, fullgraph=True)`` (default mode), from a reset
-dynamo. Before timing each row's output and gradients are compared with ``titan``'s. Reported: the median step time
-(``alltoall_ops.testing.timer``) and the host time to issue a step (``host_us``).
+Suffix ``.compile``: ``torch.compile(lambda x: moe(x), fullgraph=True)`` (default mode) through a
+code object of its own per row (``benchmarks._rounds.own_code``: the rows share MoE's code, and
+dynamo keeps compiled code on code objects). Before timing each row's output and gradients are
+compared with ``titan``'s. Then, per T, ``--rounds`` rounds (default 5) each time every row once
+(``alltoall_ops.testing.timer``, then the host time to issue a step, ``host_us``), in a fresh
+order each round, with no recompilation allowed. Reported per row: the medians over rounds, and
+each round's step time over that round's ``titan`` row (eager or compiled): the median and the
+range over rounds. ``--profile ROW`` prints a ``torch.profiler`` table of a few steps of ROW.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 from alltoall_ops import SymmBuffers  # first: without CUDA it sets TRITON_INTERPRET before triton loads
 from alltoall_ops.testing import host_us, timer
 from alltoall_ops.torchtitan import TokenDispatcher
+from benchmarks._rounds import interleave, own_code, profile, ratio_cells, summarize
 from benchmarks._table import save_step_table
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import MoE, RoutedExperts, GroupedExperts, TokenChoiceTopKRouter
@@ -63,18 +69,32 @@ def train_step(moe: MoE, step, x_BLD: torch.Tensor, grad_BLD: torch.Tensor) -> t
     return out.detach()
 
 
+def forward_of(moe: MoE):
+    def forward(x_BLD: torch.Tensor) -> torch.Tensor:
+        return moe(x_BLD)
+
+    return forward
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.titan_step", description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     p.add_argument("--out", default=None, help="folder for titan_step.json / titan_step.md")
     p.add_argument("--tokens", type=int, nargs="+", default=None, help="T of each run (default: the shape's)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of interleaved timing (every row once a round)")
+    p.add_argument("--profile", nargs="+", default=[], metavar="ROW",
+                   help="after timing each T, a torch.profiler table of a few steps of each ROW (e.g. local.compile)")
     args = p.parse_args(argv)
+    names = [f"{n}{s}" for n in DISPATCHERS for s in ("", ".compile")]
+    if set(args.profile) - set(names):
+        raise SystemExit(f"unknown rows {sorted(set(args.profile) - set(names))}: rows are {names}")
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16
     shape = SHAPES["gpu" if cuda else "smoke"]
     time_us = timer(device)
     rows = []
+    torch._dynamo.reset()
     for T in args.tokens or shape["T"]:
         torch.manual_seed(T)
         reference = build("titan", shape, T, device, dtype)
@@ -83,13 +103,15 @@ def main(argv: list[str] | None = None) -> int:
                 w.normal_(0, 0.02)
         x = torch.randn(1, T, shape["D"], device=device, dtype=dtype)
         grad = torch.randn_like(x)
-        want = None
+        want, steps = None, {}
         for name in DISPATCHERS:
+            moe = build(name, shape, T, device, dtype)  # one layer for the eager and the compiled row
+            moe.load_state_dict(reference.state_dict())  # copies the values in
             for compiled in (False, True):
-                moe = build(name, shape, T, device, dtype)
-                moe.load_state_dict(reference.state_dict())  # copies the values in
-                torch._dynamo.reset()  # a fresh dynamo per row: the rows share MoE's code
-                step = torch.compile(moe, fullgraph=True) if compiled else moe
+                row = f"{name}.compile" if compiled else name
+                # each compiled row through a code object of its own (the rows share MoE's code):
+                # no dynamo reset between rows, which would throw the rows compiled before away
+                step = torch.compile(own_code(forward_of(moe), f"T{T}_{row}"), fullgraph=True) if compiled else moe
                 out = train_step(moe, step, x, grad)
                 grads = [w.grad for w in moe.parameters()]
                 if want is None:
@@ -97,22 +119,25 @@ def main(argv: list[str] | None = None) -> int:
                 for got, ref in zip([out, *grads], [want[0], *want[1]]):  # bf16: sums in other orders
                     error = float((got.float() - ref.float()).norm() / ref.float().norm())
                     assert error < 1e-2, f"{name}: relative error {error:.2e} against titan's output or a gradient"
-                row = f"{name}.compile" if compiled else name
-                one_step = functools.partial(train_step, moe, step, x, grad)
-                us, host = time_us(one_step), host_us(one_step, n=10)
-                rows.append(dict(T=T, row=row, step_us=us, host_us=host))
-                print(f"T={T:6d} {row:20s} {us:10.1f} us/step   host {host:10.1f} us", flush=True)
-    titan = {(r["T"], r["row"].removeprefix("titan")): r["step_us"] for r in rows if r["row"].startswith("titan")}
+                steps[row] = functools.partial(train_step, moe, step, x, grad)
+        del reference
+        samples = interleave(steps, args.rounds, time_us, functools.partial(host_us, n=10), label=f"T={T} ")
+        stats = summarize(samples, lambda row: "titan.compile" if row.endswith(".compile") else "titan")
+        rows += [dict(T=T, row=row, **stats[row]) for row in steps]
+        for row in args.profile:
+            profile(f"T={T} {row}", steps[row])
+        del steps, samples
     device_name = torch.cuda.get_device_name() if cuda else "CPU"
     what = (f"torchtitan MoE, D={shape['D']}, FF={shape['F']}, E={shape['E']}, top-{shape['K']}, fwd+bwd, "
             f"{dtype}, {device_name}, torch {torch.__version__}")
     lines = [f"# One step of torchtitan's MoE by token dispatcher, EP = 1 ({what})", "",
-             "| T | row | step (us) | host (us) | vs titan |", "|---|---|---|---|---|"]
+             f"Medians over {args.rounds} rounds (every row of a T once a round, a fresh order each round); "
+             "vs titan: each round's step time over that round's titan row (eager or compiled), median and range "
+             "over rounds.", "",
+             "| T | row | step (us) | host (us) | vs titan | vs titan, min-max |", "|---|---|---|---|---|---|"]
     for r in rows:
-        suffix = ".compile" if r["row"].endswith(".compile") else ""
-        ratio = r["step_us"] / titan[r["T"], suffix]
-        lines.append(f"| {r['T']} | {r['row']} | {r['step_us']:.1f} | {r['host_us']:.1f} | {ratio:.2f}x |")
-    save_step_table(args.out, "titan_step", what, rows, lines)
+        lines.append(f"| {r['T']} | {r['row']} | {r['step_us']:.1f} | {r['host_us']:.1f} | {ratio_cells(r)} |")
+    save_step_table(args.out, "titan_step", what, rows, lines, rounds=args.rounds)
     return 0
 
 
