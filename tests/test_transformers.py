@@ -178,42 +178,47 @@ def test_symm_mem(pool2, tmp_path, compiled):
     assert [frames for frames, _ in results] == ([1, 1] if compiled else [0, 0])
 
 
-def test_one_rank_local_backend_on_static_rows(pool1):
+@pytest.mark.parametrize("experts_implementation", ["batched_mm", "grouped_mm"])
+def test_one_rank_local_backend_on_static_rows(pool1, experts_implementation):
     """On one rank ("local": C static rows, zero past tokens_per_expert.sum(), local expert id e
     there) the implementation equals the experts module run on its tokens directly, eager and
-    compiled, for two routings."""
-    pool1.run(run_one_rank)
+    compiled, for two routings. grouped_mm (fp32): the rows go straight to the grouped GEMMs,
+    without the experts forward's sort and scatter."""
+    pool1.run(run_one_rank, experts_implementation)
 
 
-def run_one_rank(rank: int, world_size: int):
+def run_one_rank(rank: int, world_size: int, experts_implementation: str):
     from torch.distributed.device_mesh import init_device_mesh
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
     config, _ = build("mixtral")
-    config._experts_implementation = "batched_mm"
+    config._experts_implementation = experts_implementation
+    grouped = experts_implementation == "grouped_mm"
+    dtype, tol = (torch.float32, dict(rtol=1e-5, atol=1e-5)) if grouped else (torch.float64, TOL)
     torch.manual_seed(0)
-    experts = MixtralExperts(config).to(torch.float64)
+    experts = MixtralExperts(config).to(dtype)
     for w in experts.parameters():
         torch.nn.init.normal_(w, std=0.3)
     experts._is_expert_parallel = True  # as transformers marks sharded experts: id e means "not here"
+    assert a2a_hf._grouped_mm_experts(experts) == grouped
     mesh = init_device_mesh("cpu", (1,))
     impl = a2a_hf.AllToAllOpsEP(experts, mesh, mesh)
     counter = CompileCounterWithBackend("aot_eager")
     torch._dynamo.reset()
     compiled = torch.compile(impl.__call__, backend=counter, fullgraph=True)
     for _ in range(2):  # two routings
-        x = torch.randn(10, 16, dtype=torch.float64, requires_grad=True)
-        scores = torch.randn(10, 8, dtype=torch.float64).softmax(-1)
+        x = torch.randn(10, 16, dtype=dtype, requires_grad=True)
+        scores = torch.randn(10, 8, dtype=dtype).softmax(-1)
         weights, idx = scores.topk(2, dim=-1)
         weights.requires_grad_()
         want = experts(x, idx, weights)
         grads_want = torch.autograd.grad(want.square().sum(), [x, weights, *experts.parameters()])
         for fn in (impl, compiled):
             got = fn(x, idx, weights)
-            torch.testing.assert_close(got, want, **TOL)
+            torch.testing.assert_close(got, want, **tol)
             grads = torch.autograd.grad(got.square().sum(), [x, weights, *experts.parameters()])
             for a, b in zip(grads, grads_want):
-                torch.testing.assert_close(a, b, **TOL)
+                torch.testing.assert_close(a, b, **tol)
     assert counter.frame_count == 1
 
 

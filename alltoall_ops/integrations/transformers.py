@@ -63,6 +63,7 @@ class AllToAllOpsEP:
     needs_shared_batch = False
 
     def __init__(self, experts: torch.nn.Module, ep_mesh: Any, tp_mesh: Any):
+        self.experts = experts
         self.experts_forward = experts.forward  # the experts' own forward, on local expert ids
         self.num_local_experts = experts.num_experts
         self.ep_mesh, self.tp_mesh = ep_mesh, tp_mesh
@@ -84,21 +85,55 @@ class AllToAllOpsEP:
             hidden_states, top_k_index, num_experts=self.num_experts, group=self.ep_group, backend=self.backend,
             expert_alignment=self.expert_alignment, buffers=self.buffers_for(hidden_states, top_k_index.shape[1]),
         )
-        # expert_R1[r]: row r's local expert; e (transformers' off-rank sentinel) past the last group
-        expert_R1 = expert_of_rows(tokens_per_expert_e, routed_RH.shape[0]).unsqueeze(1)
+        grouped = _grouped_mm_experts(self.experts)
         masked = self.backend == "symm_mem"
+        if masked or not grouped:
+            # expert_R1[r]: row r's local expert; e (transformers' off-rank sentinel) past the last group
+            expert_R1 = expert_of_rows(tokens_per_expert_e, routed_RH.shape[0]).unsqueeze(1)
         if masked:  # rows past the groups hold whatever the buffers held
             valid_R1 = expert_R1 < self.num_local_experts
             routed_RH = torch.where(valid_R1, routed_RH, 0)
-        # one slot a row with weight 1: the router weights are applied by combine, on the sender
-        ones_R1 = torch.ones(expert_R1.shape, dtype=routed_RH.dtype, device=routed_RH.device)
-        out_RH = self.experts_forward(routed_RH, expert_R1, ones_R1)
+        if grouped:  # the rows come grouped by expert: straight to grouped_mm (see _grouped_mm_experts)
+            out_RH = _grouped_swiglu(self.experts, routed_RH, tokens_per_expert_e)
+        else:
+            # one slot a row with weight 1: the router weights are applied by combine, on the sender
+            ones_R1 = torch.ones(expert_R1.shape, dtype=routed_RH.dtype, device=routed_RH.device)
+            out_RH = self.experts_forward(routed_RH, expert_R1, ones_R1)
         if masked:  # and so do those rows of combine's backward: keep them out of the experts' gradients
             out_RH = torch.where(valid_R1, out_RH, 0)
         y_TH = combine(out_RH, handle, top_k_weights)
         if self.tp_mesh.size() > 1:
             y_TH = _tp_gather(y_TH, self.tp_mesh, num_tokens)
         return y_TH
+
+
+def _grouped_mm_experts(experts: torch.nn.Module) -> bool:
+    """Whether ``experts`` runs transformers' ``grouped_mm`` experts forward with gated weights,
+    no bias and no post-expert norm. That forward sorts its rows by expert (a sort, a gather of
+    the rows and their weights), runs two grouped GEMMs and scatters the rows back (an inverse
+    permutation, a second gather, a sum over one slot), masking the sentinel rows three times:
+    on rows that dispatch already grouped by expert, all but the GEMMs and the gate repeat
+    dispatch's work, forward and backward, on every layer. Such experts get the rows straight
+    (:func:`_grouped_swiglu`); every other experts module gets its own forward."""
+    config = getattr(experts, "config", None)
+    return (getattr(config, "_experts_implementation", None) == "grouped_mm" and getattr(experts, "has_gate", False)
+            and not getattr(experts, "has_bias", True) and not getattr(experts, "has_post_expert_norm", True)
+            and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor)
+            and isinstance(getattr(experts, "down_proj", None), torch.Tensor))
+
+
+def _grouped_swiglu(experts: torch.nn.Module, routed_RH: torch.Tensor, tokens_per_expert_e: torch.Tensor
+                    ) -> torch.Tensor:
+    """transformers' ``grouped_mm_experts_forward`` on rows already grouped by local expert (the
+    first ``tokens_per_expert_e.sum()``), with weight 1: its two grouped GEMMs and gate, without
+    the sort, gathers and scatter. Rows past the groups are not read, and their outputs are not
+    written (combine reads only the rows of the groups; symm_mem's caller masks them)."""
+    from transformers.integrations.moe import _grouped_linear
+
+    offsets_e = torch.cumsum(tokens_per_expert_e, dim=0, dtype=torch.int32)
+    h_RF = _grouped_linear(routed_RH, experts.gate_up_proj, offsets_e, is_transposed=experts.is_transposed)
+    h_RF = experts._apply_gate(h_RF)
+    return _grouped_linear(h_RF, experts.down_proj, offsets_e, is_transposed=experts.is_transposed)
 
 
 class AllToAllOpsSymmMemEP(AllToAllOpsEP):
