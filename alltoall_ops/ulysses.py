@@ -15,22 +15,25 @@ last W - Hh ranks get none (they still take part in the exchange). E.g. Hh = 5 o
 heads [0, 3) and [3, 5); Hh = 2 over W = 3: [0, 1), [1, 2) and none. With W dividing Hh every
 rank gets Hh / W. The sequence is always split evenly: S divisible by W, S/W positions a rank.
 
-Each is one all-to-all of the payload (unequal splits when W does not divide Hh), after its
-header. A rank's head count alone does not tell Hh when the split is uneven, so
-``head_to_seq`` takes ``num_heads=Hh`` (needed then; by default W * its head count). Tensors
-may have any number of dims; every dim other than ``seq_dim`` and ``head_dim`` is carried along
-(so q/k and v may have different head sizes).
+Each is one all-to-all (unequal splits when W does not divide Hh). A rank's head count alone does
+not tell Hh when the split is uneven, so ``head_to_seq`` takes ``num_heads=Hh`` (needed then; by
+default W * its head count). Tensors may have any number of dims; every dim other than
+``seq_dim`` and ``head_dim`` is carried along (so q/k and v may have different head sizes).
 
-Checks without a host sync: before its payload, each exchange sends this rank's header
-(:data:`FIELDS`, 64 bytes) to every rank in an all-to-all of one fixed size, and each rank compares
-the W headers it received with its own. On CPU tensors a host compare (no device to wait for),
-before the payload moves: a GroupMismatchError on every rank alike, naming the field and each
-rank's value, for every disagreement, those on a size too (shard shapes, head counts, dtypes of
-other sizes, ``ulysses_attention``'s q / k / v shapes as passed, is_causal, scale, ops out of
-step), where gloo would otherwise terminate the process that receives more bytes than it
-expects. On CUDA a ``torch._assert_async``: no host read and no collective but the all-to-alls;
-the payload is queued behind it (a size disagreement is a device-side assert, then NCCL's
-watchdog). The payload moves in x's dtype, no packing. With ``ALLTOALL_OPS_DEBUG=1`` the
+Checks with no collective of their own: every piece starts with this rank's header
+(:data:`FIELDS`, 64 bytes), and each rank compares the W headers it received with its own. The
+sizes every rank posts must agree first (gloo terminates a process that receives more bytes than
+it posted), so an exchange whose sizes the caller chose posts the sizes of the group's last
+agreed exchange (the same on every rank): the exchange itself when its shapes are those, else
+this rank's header in pieces of those sizes (headers alone the first time), then the exchange
+once every header matched. Sizes that follow from an agreed exchange (``ulysses_attention``'s o,
+every backward) are posted as they are. On CPU tensors a host compare (no device to wait for): a
+GroupMismatchError on every rank alike, naming the field and each rank's value, for every
+disagreement, those on a size too (shard shapes, head counts, dtypes of other sizes,
+``ulysses_attention``'s q / k / v shapes as passed, is_causal, scale, ops out of step), before
+a piece of other sizes moves. On CUDA a ``torch._assert_async``: no host read and no collective
+but the all-to-alls (a disagreement is a device-side assert, queued before any exchange of the
+new sizes). The payload moves in x's dtype, no packing. With ``ALLTOALL_OPS_DEBUG=1`` the
 library's agreement (``comm.agree``) runs before every exchange: it names every disagreement on
 CUDA too, and carries a rank's own failed check to its peers (``PeerInputError``; by default that
 rank raises at once, its peers at the deadline). See docs/design.md, "Errors and faults".
@@ -41,7 +44,7 @@ from __future__ import annotations
 import collections
 import math
 import struct
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -57,6 +60,8 @@ FIELDS = ("op", "exchange", "ulysses_attention arguments", "dtype", "ndim", "seq
 fingerprint of the shape every rank shares; ``ulysses_attention arguments``: a fingerprint of
 :func:`attention_args`, 0 for a plain seq_to_head / head_to_seq)."""
 HEADER_LEN = len(FIELDS)
+PREFIX_BYTES = 8 * HEADER_LEN
+"""Bytes of the header at the start of every piece of an exchange."""
 _MAGIC = 0x554C5953 << 8  # "ULYS": a piece of this module's exchanges (op code in the low bits)
 _OPS = ("seq_to_head", "head_to_seq")
 _exchanges: collections.Counter = collections.Counter()  # group name -> exchanges so far
@@ -171,82 +176,160 @@ def _attention_text(args: Sequence[int]) -> str:
             f"attn_fn {'given' if given else 'None'})")
 
 
-def _send_buffer(xs: Sequence[torch.Tensor], split_dim: int, sizes: list[list[int]]):
-    """(send, in_splits): for each rank r, piece r of every ``xs[i]`` along ``split_dim``
-    (``sizes[i][r]`` long) in xs's dtype. Equal pieces: (W, piece elements), in_splits None (no
-    copy for one tensor whose pieces already lie in rank order); else 1-D with elements per rank."""
-    W = len(sizes[0])
-    if all(len(set(s)) == 1 for s in sizes):
-        rows = [x.unflatten(split_dim, (W, s[0])).movedim(split_dim, 0).reshape(W, -1) for x, s in zip(xs, sizes)]
-        return (rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)), None  # (W, sum of piece elements)
+class _Pieces(NamedTuple):
+    """An exchange's key (its header without the exchange count) and this rank's piece sizes in
+    bytes, headers included: what it sends to and receives from each rank."""
+    key: tuple
+    send: tuple
+    recv: tuple
+
+
+_agreed: dict[str, _Pieces] = {}
+"""Group name -> its last agreed exchange (of those whose sizes the caller chose): the sizes every
+rank of the group posts for the next such exchange. The same on every rank: it changes only after
+an exchange whose W headers every rank compared and found equal."""
+
+
+def _buffer(nbytes: Sequence[int], device: torch.device, header: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """An exchange's buffer of pieces of ``nbytes[r]`` bytes, ``header`` (PREFIX_BYTES uint8) at
+    the start of each when given: (W, bytes) when the pieces are equal (gloo then runs its
+    alltoall, not the slower alltoallv), else 1-D. The rest is not written."""
+    W = len(nbytes)
+    if len(set(nbytes)) == 1:
+        buffer = torch.empty(W, nbytes[0], dtype=torch.uint8, device=device)
+        if header is not None:
+            buffer[:, :PREFIX_BYTES] = header
+        return buffer
+    buffer = torch.empty(sum(nbytes), dtype=torch.uint8, device=device)
+    for start in _starts(nbytes) if header is not None else ():
+        buffer[start : start + PREFIX_BYTES] = header
+    return buffer
+
+
+def _starts(nbytes: Sequence[int]) -> list[int]:
+    return [sum(nbytes[:r]) for r in range(len(nbytes))]
+
+
+def _bodies(buffer: torch.Tensor, nbytes: Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Each piece of ``buffer`` (see :func:`_buffer`) past its header, as 1-D ``dtype`` views."""
+    if buffer.ndim == 2:
+        return list(buffer[:, PREFIX_BYTES:].view(dtype).unbind(0))
+    return [buffer[start + PREFIX_BYTES : start + n].view(dtype) for start, n in zip(_starts(nbytes), nbytes)]
+
+
+def _headers(buffer: torch.Tensor, nbytes: Sequence[int]) -> torch.Tensor:
+    """(W, PREFIX_BYTES) uint8: the header at the start of each piece of ``buffer``."""
+    if buffer.ndim == 2:
+        return buffer[:, :PREFIX_BYTES]
+    return torch.stack([buffer[start : start + PREFIX_BYTES] for start in _starts(nbytes)])
+
+
+def _pack(send: torch.Tensor, xs: Sequence[torch.Tensor], split_dim: int, sizes: list[list[int]],
+          nbytes: Sequence[int]) -> None:
+    """Piece r of every ``xs[i]`` along ``split_dim`` (``sizes[i][r]`` long) after the header of
+    ``send``'s piece r, in xs's dtype: the one copy of the send side (the permute)."""
+    W = len(nbytes)
+    if send.ndim == 2 and all(len(set(s)) == 1 for s in sizes):
+        body, col = send[:, PREFIX_BYTES:].view(xs[0].dtype), 0  # (W, sum of piece elements)
+        for x, s in zip(xs, sizes):
+            piece = x.unflatten(split_dim, (W, s[0])).movedim(split_dim, 0)  # (W, *piece)
+            n = math.prod(piece.shape[1:])
+            body[:, col : col + n].view(piece.shape).copy_(piece)
+            col += n
+        return
+    bodies = _bodies(send, nbytes, xs[0].dtype)
     pieces = [x.split(s, dim=split_dim) for x, s in zip(xs, sizes)]  # [i][r]
-    return (torch.cat([p[r].reshape(-1) for r in range(W) for p in pieces]),
-            [sum(p[r].numel() for p in pieces) for r in range(W)])
+    for r, body in enumerate(bodies):
+        col = 0
+        for p in pieces:
+            n = p[r].numel()
+            body[col : col + n].view(p[r].shape).copy_(p[r])
+            col += n
 
 
-def _received(received: torch.Tensor, recv_shapes: list[list[list[int]]], cat_dim: int) -> list[torch.Tensor]:
-    """The outputs: for each i, the pieces of shape ``recv_shapes[i][r]`` from ranks r = 0..W-1 in
-    ``received`` ((W, elements) when every piece of a tensor has one shape, else 1-D, rank-major),
-    concatenated along ``cat_dim``."""
+def _unpack(received: torch.Tensor, nbytes: Sequence[int], dtype: torch.dtype,
+            recv_shapes: list[list[list[int]]], cat_dim: int) -> list[torch.Tensor]:
+    """The outputs: for each i, the pieces of shape ``recv_shapes[i][r]`` from ranks r = 0..W-1
+    (after each piece's header in ``received``) concatenated along ``cat_dim``: new tensors, one
+    copy each (the permute)."""
     numel = [[math.prod(s) for s in shapes] for shapes in recv_shapes]  # [i][r]
-    if received.ndim == 2:  # (W, sum over i of numel[i][0])
-        cols = received.split([n[0] for n in numel], dim=1)
-        pieces = [c.view(c.shape[0], *shapes[0]).movedim(0, cat_dim) for c, shapes in zip(cols, recv_shapes)]
-        if len(pieces) == 1 and pieces[0].is_contiguous():  # already in place: no copy
-            return [pieces[0].flatten(cat_dim, cat_dim + 1)]
-        # NB: a copy each, also where a piece is a contiguous view: outputs must not alias each other
-        outs = [p.new_empty(*p.shape[:cat_dim], p.shape[cat_dim] * p.shape[cat_dim + 1], *p.shape[cat_dim + 2:])
-                for p in pieces]
-        for out, p in zip(outs, pieces):
-            out.view(p.shape).copy_(p)
+    if received.ndim == 2 and all(s == shapes[0] for shapes in recv_shapes for s in shapes):
+        body, col, outs = received[:, PREFIX_BYTES:].view(dtype), 0, []  # (W, sum over i of numel[i][0])
+        for n, shapes in zip(numel, recv_shapes):
+            piece = body[:, col : col + n[0]].view(len(shapes), *shapes[0]).movedim(0, cat_dim)  # (.., W, s, ..)
+            shape = list(shapes[0])
+            shape[cat_dim] *= len(shapes)
+            out = piece.new_empty(shape)
+            out.view(piece.shape).copy_(piece)
+            outs.append(out)
+            col += n[0]
         return outs
-    W = len(recv_shapes[0])
-    rows = [row.split([n[r] for n in numel]) for r, row in enumerate(received.split([sum(n[r] for n in numel)
-                                                                                        for r in range(W)]))]
-    return [torch.cat([rows[r][i].view(shapes[r]) for r in range(W)], dim=cat_dim)
+    bodies = _bodies(received, nbytes, dtype)
+    rows = [body.split([n[r] for n in numel]) for r, body in enumerate(bodies)]  # [r][i]
+    return [torch.cat([rows[r][i].view(shapes[r]) for r in range(len(shapes))], dim=cat_dim)
             for i, shapes in enumerate(recv_shapes)]
 
 
 def _exchange(op: str, xs: Sequence[torch.Tensor], group_name: str, seq_dim: int, head_dim: int,
               send_sizes: list[list[int]], recv_shapes: list[list[list[int]]], shapes: list,
-              attention: Sequence[int]) -> list[torch.Tensor]:
+              attention: Sequence[int], agreed_sizes: bool) -> list[torch.Tensor]:
     """Piece r of each ``xs[i]`` (``send_sizes[i][r]`` long along the dim ``op`` splits: heads for
     seq_to_head, sequence for head_to_seq) to rank r, and for each i what arrives from ranks
-    0..W-1 (of ``recv_shapes[i]``) concatenated along the other dim. First (but in
-    ulysses_attention's head_to_seq) this rank's header to every rank (``shapes``: the shapes
-    every rank shares), a fixed-size exchange checked by :func:`_check_headers`, so that ranks
-    which disagree on a size fail before the payload moves; then every tensor's payload in one
-    all-to-all, in xs's dtype (unequal splits where the sizes differ). Returns new contiguous
+    0..W-1 (of ``recv_shapes[i]``) concatenated along the other dim, all in one all-to-all in xs's
+    dtype, this rank's header (``shapes``: the shapes every rank shares) at the start of every
+    piece, checked by :func:`_check_headers` on arrival.
+
+    The sizes of an exchange must agree between ranks before it is posted (gloo terminates a
+    process that receives more bytes than it posted, and leaves the rest of a shorter piece
+    unwritten). ``agreed_sizes``: they follow from shapes an earlier exchange of the group agreed
+    on (ulysses_attention's o after q, k, v; every backward after its forward). Else they are the
+    caller's: posted as they are when they are the group's last agreed exchange's (``_agreed``,
+    the same on every rank); otherwise this rank's header first travels in pieces of the last
+    agreed sizes (headers alone before the group's first exchange), and the exchange follows with
+    its own sizes once every rank found every header equal to its own. Returns new contiguous
     tensors."""
     W = _group_size(group_name)
     if W == 1:
         return [x.clone(memory_format=torch.contiguous_format) for x in xs]  # op outputs must not alias inputs
     x = xs[0]
     split_dim, cat_dim = (head_dim, seq_dim) if op == "seq_to_head" else (seq_dim, head_dim)
-    fields = [_MAGIC + _OPS.index(op), _exchanges[group_name], comm.shape_code(attention), comm.dtype_code(x.dtype),
-              x.ndim, seq_dim, head_dim, comm.shape_code([n for shape in shapes for n in shape])]
+    key = (_MAGIC + _OPS.index(op), comm.shape_code(attention), comm.dtype_code(x.dtype), x.ndim, seq_dim, head_dim,
+           comm.shape_code([n for shape in shapes for n in shape]))
+    fields = [key[0], _exchanges[group_name], *key[1:]]
     _exchanges[group_name] += 1
-    # NB: ulysses_attention's head_to_seq sends no header: in the same call's forward (after q, k, v)
-    # and backward (after o's gradient) it follows a seq_to_head whose header compared the
-    # arguments that fix its sizes, with no collective of this library in between
-    if op == "seq_to_head" or not attention:
-        # NB: pinned on CUDA, so that the copy to the device does not sync (a CUDA graph would replay
-        # the copy from that host memory: not capture-safe yet)
-        header = torch.tensor(fields, dtype=torch.int64, pin_memory=x.is_cuda).to(x.device, non_blocking=True)
-        headers = header.new_empty(W, HEADER_LEN)
-        comm.all_to_all(op, group_name, headers, header.expand(W, -1))
-        described = {"ulysses_attention arguments": _attention_text(attention), "dtype": x.dtype, "ndim": x.ndim,
-                     "seq_dim": seq_dim, "head_dim": head_dim, "shape": _shapes_text(shapes)}
-        _check_headers(op, group_name, headers, header, described)
-    send, in_splits = _send_buffer(xs, split_dim, send_sizes)
-    # NB: equal pieces go without split sizes: gloo then runs its alltoall, not the slower alltoallv
-    if all(s == shapes_i[0] for shapes_i in recv_shapes for s in shapes_i):
-        received, out_splits = x.new_empty(W, sum(math.prod(s[0]) for s in recv_shapes)), None
-    else:
-        out_splits = [sum(math.prod(s[r]) for s in recv_shapes) for r in range(W)]
-        received = x.new_empty(sum(out_splits))
-    comm.all_to_all(op, group_name, received, send, out_splits, in_splits)
-    return _received(received, recv_shapes, cat_dim)
+    # NB: pinned on CUDA, so that the copy to the device does not sync (a CUDA graph would replay
+    # the copy from that host memory: not capture-safe yet)
+    header = torch.tensor(fields, dtype=torch.int64, pin_memory=x.is_cuda).to(x.device, non_blocking=True)
+    header = header.view(torch.uint8)
+    size = x.element_size()
+    rest = [math.prod(n for d, n in enumerate(t.shape) if d != split_dim) for t in xs]  # elements per position
+    send_bytes = [PREFIX_BYTES + size * sum(n * s[r] for n, s in zip(rest, send_sizes)) for r in range(W)]
+    recv_bytes = [PREFIX_BYTES + size * sum(math.prod(s[r]) for s in recv_shapes) for r in range(W)]
+
+    def described() -> dict:
+        return {"ulysses_attention arguments": _attention_text(attention), "dtype": x.dtype, "ndim": x.ndim,
+                "seq_dim": seq_dim, "head_dim": head_dim, "shape": _shapes_text(shapes)}
+
+    agreed = agreed_sizes or _agreed.get(group_name, _Pieces((), (), ())).key == key
+    if not agreed:  # the headers first, in pieces of the sizes every rank posts
+        last = _agreed.get(group_name, _Pieces((), (PREFIX_BYTES,) * W, (PREFIX_BYTES,) * W))
+        received = _buffer(last.recv, x.device)
+        _all_to_all(op, group_name, received, _buffer(last.send, x.device, header), last.recv, last.send)
+        _check_headers(op, group_name, _headers(received, last.recv), header, described)
+        _agreed[group_name] = _Pieces(key, tuple(send_bytes), tuple(recv_bytes))
+    send, received = _buffer(send_bytes, x.device, header), _buffer(recv_bytes, x.device)
+    _pack(send, xs, split_dim, send_sizes, send_bytes)
+    _all_to_all(op, group_name, received, send, recv_bytes, send_bytes)
+    if agreed:  # (else every header was just compared)
+        _check_headers(op, group_name, _headers(received, recv_bytes), header, described)
+    return _unpack(received, recv_bytes, x.dtype, recv_shapes, cat_dim)
+
+
+def _all_to_all(op: str, group_name: str, received: torch.Tensor, send: torch.Tensor, recv_bytes: Sequence[int],
+                send_bytes: Sequence[int]) -> None:
+    """One all-to-all of :func:`_buffer`'s buffers: split sizes in bytes for 1-D ones, none for (W, bytes)."""
+    comm.all_to_all(op, group_name, received, send, None if received.ndim == 2 else list(recv_bytes),
+                    None if send.ndim == 2 else list(send_bytes))
 
 
 def _shapes_text(shapes: list) -> tuple:
@@ -254,11 +337,13 @@ def _shapes_text(shapes: list) -> tuple:
     return tuple(shapes[0]) if len(shapes) == 1 else tuple(tuple(s) for s in shapes)
 
 
-def _check_headers(op: str, group_name: str, headers: torch.Tensor, header: torch.Tensor, described: dict) -> None:
-    """Every rank sent this rank's ``header``. On CPU tensors (or in debug mode) a host compare, and
-    a difference raises GroupMismatchError on every rank alike (all hold the same W headers, and
-    each sees one unlike its own); on CUDA ``torch._assert_async``, no host sync.
-    ``described``: this rank's value of each field, for the message."""
+def _check_headers(op: str, group_name: str, headers: torch.Tensor, header: torch.Tensor,
+                   described: Callable[[], dict]) -> None:
+    """``headers`` (W, PREFIX_BYTES) uint8: the header that came with each rank's piece; ``header``
+    this rank's. On CPU tensors (or in debug mode) a host compare, and a difference raises
+    GroupMismatchError on every rank alike (all hold the same W headers, and each sees one unlike
+    its own); on CUDA ``torch._assert_async``, no host sync. ``described()``: this rank's value of
+    each field, for the message."""
     if headers.is_cuda and not comm.debug():
         torch._assert_async(torch.all(headers == header),
                             f"alltoall_ops.{op}: the ranks disagree on x's dtype, dims or shape, on ulysses_attention's"
@@ -266,7 +351,7 @@ def _check_headers(op: str, group_name: str, headers: torch.Tensor, header: torc
         return
     if torch.equal(headers, header.expand_as(headers)):
         return
-    rows = headers.tolist()  # (the failure path only)
+    rows = headers.contiguous().view(torch.int64).tolist()  # (the failure path only)
     where = comm.where(op, process_group(group_name))
     strangers = [r for r, row in enumerate(rows) if not 0 <= row[0] - _MAGIC < len(_OPS)]
     if strangers:
@@ -279,9 +364,10 @@ def _check_headers(op: str, group_name: str, headers: torch.Tensor, header: torc
         raise GroupMismatchError(f"{where}: the ranks are out of step: {per_rank}; every rank must call the library's "
                                  "ops in the same order")
     field = next(FIELDS[i] for i in range(2, HEADER_LEN) if len({row[i] for row in rows}) > 1)
-    listed = ", ".join(f"rank {r} has {value}"
-                       for r, value in enumerate(comm.gather_objects(op, group_name, described[field])))
-    hint = _shape_hint(described["head_dim"]) if op == "head_to_seq" and field == "shape" else ""
+    mine = described()
+    values = comm.gather_objects(op, group_name, mine[field])
+    listed = ", ".join(f"rank {r} has {value}" for r, value in enumerate(values))
+    hint = _shape_hint(mine["head_dim"]) if op == "head_to_seq" and field == "shape" else ""
     raise GroupMismatchError(f"{where}: the ranks disagree on {field}: {listed}; every rank must pass the same{hint}")
 
 
@@ -364,20 +450,22 @@ def _head_to_seq_shapes(xs: Sequence[torch.Tensor], group_name: str, seq_dim: in
 # exchange is a permutation, so its adjoint is its inverse.
 
 
-@comm_op("seq_to_head",
-         schema="(Tensor[] xs, str group_name, int seq_dim, int head_dim, SymInt[] attention) -> Tensor[]")
-def seq_to_head_op(xs: list[torch.Tensor], group_name: str, seq_dim: int, head_dim: int,
-                   attention: list[int]) -> list[torch.Tensor]:
+@comm_op("seq_to_head", schema="(Tensor[] xs, str group_name, int seq_dim, int head_dim, SymInt[] attention, "
+                               "bool agreed_sizes) -> Tensor[]")
+def seq_to_head_op(xs: list[torch.Tensor], group_name: str, seq_dim: int, head_dim: int, attention: list[int],
+                   agreed_sizes: bool) -> list[torch.Tensor]:
     """Each (.., S/W at seq_dim, .., Hh_i at head_dim, ..) -> (.., S, .., h_r of Hh_i, ..), all in
     one exchange (one dtype and ndim); dims >= 0. attention: :func:`attention_args` of a
-    ulysses_attention, [] otherwise (checked in the header)."""
+    ulysses_attention, [] otherwise (checked in the header). agreed_sizes: the sizes follow from
+    an exchange the group agreed on (see :func:`_exchange`)."""
     seq_dim, head_dim, shapes = _agreed_dims("seq_to_head", xs, group_name, seq_dim, head_dim)
     sizes, recv_shapes = _seq_to_head_shapes(xs, group_name, head_dim)
-    return _exchange("seq_to_head", xs, group_name, seq_dim, head_dim, sizes, recv_shapes, shapes, attention)
+    return _exchange("seq_to_head", xs, group_name, seq_dim, head_dim, sizes, recv_shapes, shapes, attention,
+                     agreed_sizes)
 
 
 @seq_to_head_op.register_fake
-def _(xs, group_name, seq_dim, head_dim, attention):
+def _(xs, group_name, seq_dim, head_dim, attention, agreed_sizes):
     W, rank = _group_size(group_name), _group_rank(group_name)
     outs = []
     for x in xs:
@@ -389,18 +477,19 @@ def _(xs, group_name, seq_dim, head_dim, attention):
 
 
 @comm_op("head_to_seq", schema="(Tensor[] xs, str group_name, int seq_dim, int head_dim, SymInt[] num_heads, "
-                               "SymInt[] attention) -> Tensor[]")
+                               "SymInt[] attention, bool agreed_sizes) -> Tensor[]")
 def head_to_seq_op(xs: list[torch.Tensor], group_name: str, seq_dim: int, head_dim: int, num_heads: list[int],
-                   attention: list[int]) -> list[torch.Tensor]:
+                   attention: list[int], agreed_sizes: bool) -> list[torch.Tensor]:
     """Each (.., S at seq_dim, .., h_r at head_dim, ..) -> (.., S/W, .., num_heads[i], ..), all in
     one exchange; dims >= 0."""
     seq_dim, head_dim, shapes = _agreed_dims("head_to_seq", xs, group_name, seq_dim, head_dim, num_heads)
     sizes, recv_shapes = _head_to_seq_shapes(xs, group_name, seq_dim, head_dim, num_heads)
-    return _exchange("head_to_seq", xs, group_name, seq_dim, head_dim, sizes, recv_shapes, shapes, attention)
+    return _exchange("head_to_seq", xs, group_name, seq_dim, head_dim, sizes, recv_shapes, shapes, attention,
+                     agreed_sizes)
 
 
 @head_to_seq_op.register_fake
-def _(xs, group_name, seq_dim, head_dim, num_heads, attention):
+def _(xs, group_name, seq_dim, head_dim, num_heads, attention, agreed_sizes):
     W, rank = _group_size(group_name), _group_rank(group_name)
     outs = []
     for x, n in zip(xs, num_heads):
@@ -418,27 +507,28 @@ def _no_grad(ints: Sequence[int]) -> Optional[list]:
 
 
 def _seq_to_head_setup(ctx, inputs, output):
-    xs, ctx.group_name, ctx.seq_dim, ctx.head_dim, ctx.attention = inputs
+    xs, ctx.group_name, ctx.seq_dim, ctx.head_dim, ctx.attention, _ = inputs
     attention = ctx.attention
     ctx.num_heads = [x.shape[ctx.head_dim] for x in xs]
     ctx.no_grads = {"attention": _no_grad(attention)}
 
 
 def _head_to_seq_setup(ctx, inputs, output):
-    _, ctx.group_name, ctx.seq_dim, ctx.head_dim, num_heads, attention = inputs
+    _, ctx.group_name, ctx.seq_dim, ctx.head_dim, num_heads, attention, _ = inputs
     ctx.no_grads = {"num_heads": _no_grad(num_heads), "attention": _no_grad(attention)}
 
 
 # NB: the backward of an all-to-all is the all-to-all back: one exchange for every gradient. The
-# gradients have the shapes of the outputs, which the forward's check covered; ulysses_attention's
-# arguments go along to q, k, v's gradients only (their head_to_seq follows o's gradient's header).
+# gradients have the shapes of the outputs (autograd holds them to it), whose sizes the forward
+# agreed on: agreed_sizes, no exchange of headers first (the header in the pieces still checks them).
 def _seq_to_head_backward(ctx, grads):
-    grad_xs = head_to_seq_op(list(grads), ctx.group_name, ctx.seq_dim, ctx.head_dim, ctx.num_heads, ctx.attention)
+    grad_xs = head_to_seq_op(list(grads), ctx.group_name, ctx.seq_dim, ctx.head_dim, ctx.num_heads, ctx.attention,
+                             True)
     return input_grads(seq_to_head_op, xs=grad_xs, **ctx.no_grads)
 
 
 def _head_to_seq_backward(ctx, grads):
-    grad_xs = seq_to_head_op(list(grads), ctx.group_name, ctx.seq_dim, ctx.head_dim, [])
+    grad_xs = seq_to_head_op(list(grads), ctx.group_name, ctx.seq_dim, ctx.head_dim, [], True)
     return input_grads(head_to_seq_op, xs=grad_xs, **ctx.no_grads)
 
 
@@ -469,7 +559,7 @@ def seq_to_head(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: 
     grp = communication_group(resolve_group(group))
     seq_dim, head_dim, _ = _checked("seq_to_head", grp.name, _check_args, "seq_to_head", x, grp.size, grp.rank,
                                     seq_dim, head_dim)
-    return seq_to_head_op([x], grp.name, seq_dim, head_dim, [])[0]
+    return seq_to_head_op([x], grp.name, seq_dim, head_dim, [], False)[0]
 
 
 def head_to_seq(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: int = 2, *,
@@ -484,7 +574,7 @@ def head_to_seq(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: 
     grp = communication_group(resolve_group(group))
     seq_dim, head_dim, num_heads = _checked("head_to_seq", grp.name, _check_args, "head_to_seq", x, grp.size,
                                             grp.rank, seq_dim, head_dim, num_heads)
-    return head_to_seq_op([x], grp.name, seq_dim, head_dim, [num_heads], [])[0]
+    return head_to_seq_op([x], grp.name, seq_dim, head_dim, [num_heads], [], False)[0]
 
 
 LAYOUTS = {"bshd": 1, "sbhd": 0}
@@ -576,10 +666,11 @@ def ulysses_attention(
         # every rank gets the kv head of its q heads
         k, v = (t.repeat_interleave(grp.size // kv_heads, dim=head_dim) for t in (k, v))
     # Hq not divisible by W (then kv heads == q heads): q, k and v split alike, unevenly
-    q, k, v = seq_to_head_op([q, k, v], grp.name, seq_dim, head_dim, attention)  # one exchange
+    q, k, v = seq_to_head_op([q, k, v], grp.name, seq_dim, head_dim, attention, False)  # one exchange
     out = attn_fn(q, k, v) if attn_fn is not None else _sdpa(q, k, v, layout, is_causal, scale)
     _checked("head_to_seq", grp.name, _check_attn_out, out, q, v, layout)
-    return head_to_seq_op([out], grp.name, seq_dim, head_dim, [heads], attention)[0]
+    # NB: o's sizes follow from q, k, v's, which their exchange agreed on
+    return head_to_seq_op([out], grp.name, seq_dim, head_dim, [heads], attention, True)[0]
 
 
 def _check_attn_out(out: Any, q: torch.Tensor, v: torch.Tensor, layout: str) -> None:

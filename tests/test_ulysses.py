@@ -291,7 +291,7 @@ def bad_calls(world_size: int, group_name: str):
         (a2a.seq_to_head, (torch.zeros(5),), dict(seq_dim=0, head_dim=-1)),
         (a2a.ulysses_attention, (x[0], x[0], x[0]), {}),
         (a2a.ulysses_attention, (x, x, x.double()), {}),  # q, k, v move in one exchange: one dtype
-        (OPS.seq_to_head, ([x], group_name, 1, 1, []), {}),
+        (OPS.seq_to_head, ([x], group_name, 1, 1, [], False), {}),
         (a2a.head_to_seq, (head_shard,), dict(num_heads=2.0)),
         (a2a.head_to_seq, (head_shard,), dict(num_heads=-1)),
     ]
@@ -300,8 +300,8 @@ def bad_calls(world_size: int, group_name: str):
         calls += [
             (a2a.head_to_seq, (all_heads,), dict(num_heads=n)),
             (a2a.head_to_seq, (odd_seq,), {}),
-            (OPS.head_to_seq, ([all_heads], group_name, 1, 2, [n], []), {}),
-            (OPS.head_to_seq, ([odd_seq], group_name, 1, 2, [2 * world_size], []), {}),
+            (OPS.head_to_seq, ([all_heads], group_name, 1, 2, [n], [], False), {}),
+            (OPS.head_to_seq, ([odd_seq], group_name, 1, 2, [2 * world_size], [], False), {}),
         ]
     return calls
 
@@ -378,10 +378,10 @@ def run_opcheck_uneven(rank, world_size):
     group_name, n = dist.group.WORLD.group_name, 2 * world_size + 1
     x = _full(140 + rank, (2, 3, n, 4)).requires_grad_()
     torch.library.opcheck(OPS.seq_to_head.default, ([x, x.detach()[..., :2].clone().requires_grad_()], group_name,
-                                                    1, 2, []))
+                                                    1, 2, [], False))
     h = _shard(_full(150, (2, 2 * world_size, n, 4)), 2, rank, world_size).clone().requires_grad_()
     torch.library.opcheck(OPS.head_to_seq.default, ([h, h.detach()[..., :2].clone().requires_grad_()], group_name,
-                                                    1, 2, [n, n], []))
+                                                    1, 2, [n, n], [], False))
 
 
 def _op_pipeline(x, v):
@@ -488,8 +488,8 @@ def test_uneven_head_errors_on_every_rank(pool2):
 
 def run_traffic(rank, world_size, backend, debug):
     """Host reads and collectives of one ulysses_attention forward + backward, eager (backend
-    None) or compiled (fullgraph), after a warm-up call, and its all-to-alls by what they carry
-    (int64: headers, float64: payloads); the result checked against dense attention."""
+    None) or compiled (fullgraph), after a warm-up call, and its all-to-alls by the dtype of their
+    buffers (uint8: pieces of headers and payload); the result checked against dense attention."""
     W = world_size
     torch._dynamo.reset()
     q, k, v, upstream = _attention_inputs(W, seed=300)
@@ -522,15 +522,14 @@ def run_traffic(rank, world_size, backend, debug):
 @pytest.mark.parametrize("backend", [None, "aot_eager", "inductor"])
 def test_attention_reads_nothing_and_moves_only_its_all_to_alls(pool2, backend):
     # q, k, v in one seq_to_head and o in one head_to_seq forward, their adjoints backward: 4
-    # payloads (DeepSpeed's DistributedAttention makes 8); headers before each seq_to_head (q, k, v
-    # forward, o's gradient backward), which cover the head_to_seq after it
-    assert pool2.run(run_traffic, backend, False) == [
-        (0, {"all_to_all_single": 6}, {"torch.int64": 2, "torch.float64": 4})] * 2
+    # all-to-alls (DeepSpeed's DistributedAttention makes 8), each with the headers in its pieces;
+    # no exchange of headers alone once the warm-up call agreed on q, k, v's sizes
+    assert pool2.run(run_traffic, backend, False) == [(0, {"all_to_all_single": 4}, {"torch.uint8": 4})] * 2
 
 
 def test_debug_mode_adds_an_agreement_per_exchange(pool2):
     assert pool2.run(run_traffic, None, True) == [
-        (4, {"all_gather": 4, "all_to_all_single": 6}, {"torch.int64": 2, "torch.float64": 4})] * 2
+        (4, {"all_gather": 4, "all_to_all_single": 4}, {"torch.uint8": 4})] * 2
 
 
 def _gqa_qkv(rank, heads_q, heads_kv, S_per_rank=2, D=3):
@@ -619,8 +618,9 @@ def test_disagreements_raise_on_every_rank(pool2, pool4, debug):
 
 
 def test_pieces_of_other_sizes_raise_on_every_rank(pool2, pool4):
-    """The headers travel first, in an exchange of one size: ranks whose pieces differ in size
-    raise on every rank, by default (on main gloo aborted the receiving process)."""
+    """The headers travel first, in pieces of the group's last agreed sizes: ranks whose pieces
+    differ in size raise on every rank, by default (before headers, gloo aborted the receiving
+    process)."""
     def shapes(small, large, world_size):
         return [large if r == world_size - 1 else small for r in range(world_size)]
 
@@ -650,6 +650,93 @@ def test_out_of_step_raises_on_every_rank(pool2):
     for message in (message0, message1):
         assert "the ranks are out of step: rank 0 is in seq_to_head (exchange " in message, message
         assert "rank 1 is in head_to_seq (exchange " in message, message
+
+
+def _later_call(case: str, rank: int, world_size: int) -> None:
+    """After an exchange every rank agreed on (``_agreed`` holds its sizes), a call whose pieces
+    have other sizes or meaning on the last rank, or on every rank alike (``"all"``)."""
+    W, last = world_size, rank == world_size - 1
+    shape, dtype = [1, 2, 2 * W, 2], torch.float32
+    if case == "all":
+        shape[1] = 4
+    elif case == "longer":  # its pieces are larger than its peers post (gloo would terminate them)
+        shape[1] = 3 if last else 2
+    elif case == "shorter":  # its pieces are shorter (gloo would leave the rest of theirs unwritten)
+        shape[1] = 1 if last else 2
+    elif case == "heads":
+        shape[2] = 4 * W if last else 2 * W
+    elif case == "dtype":
+        dtype = torch.float64 if last else torch.float32
+    elif case == "same_bytes":  # another shape of the same size
+        shape = [2, 1, 2 * W, 2] if last else shape
+    elif case == "attention":
+        q = torch.zeros(1, 3 if last else 2, 2 * W, 3)
+        a2a.ulysses_attention(q, q, q)
+        return
+    a2a.seq_to_head(torch.zeros(shape, dtype=dtype))
+
+
+def run_later_change(rank, world_size, case):
+    """``case`` after an agreed exchange (or attention): (error type, message) and the
+    collectives of the call; then still in step."""
+    agreed = torch.zeros(1, 2, 2 * world_size, 2 if case != "attention" else 3)
+    if case == "attention":
+        a2a.ulysses_attention(agreed, agreed, agreed)
+    else:
+        a2a.seq_to_head(agreed)
+    with HostTraffic() as traffic:
+        try:
+            _later_call(case, rank, world_size)
+            got = ("returned", "")
+        except ValueError as exc:
+            got = (type(exc).__name__, str(exc))
+    _check_exchange(rank, world_size, (1, 2 * world_size, 2 * world_size, 2), 1, 2, seed=26)  # still in step
+    return got, dict(traffic.collectives)
+
+
+def test_a_later_change_on_one_rank_raises_on_every_rank(pool2, pool4):
+    """No exchange of headers alone once the sizes were agreed: every rank posts the agreed sizes,
+    the header in each piece. A rank whose call has other sizes or meaning sends its header in
+    pieces of those sizes: GroupMismatchError on every rank, by name, after one all-to-all (and
+    the gather of every rank's value for the message); the group stays in step."""
+    for pool in (pool2, pool4):
+        W = pool.world_size
+
+        def values(agreed, changed, W=W):
+            return ", ".join(f"rank {r} has {changed if r == W - 1 else agreed}" for r in range(W))
+
+        cases = {
+            "longer": ("shape", values(f"(1, 2, {2 * W}, 2)", f"(1, 3, {2 * W}, 2)")),
+            "shorter": ("shape", values(f"(1, 2, {2 * W}, 2)", f"(1, 1, {2 * W}, 2)")),
+            "heads": ("shape", values(f"(1, 2, {2 * W}, 2)", f"(1, 2, {4 * W}, 2)")),
+            "dtype": ("dtype", values("torch.float32", "torch.float64")),
+            "same_bytes": ("shape", values(f"(1, 2, {2 * W}, 2)", f"(2, 1, {2 * W}, 2)")),
+            "attention": ("ulysses_attention arguments",
+                          values(*(_ulysses_args(*[(1, s, 2 * W, 3)] * 3) for s in (2, 3)))),
+        }
+        for case, (field, listed) in cases.items():
+            for (kind, message), collectives in pool.run(run_later_change, case):
+                assert kind == "GroupMismatchError", (case, kind, message)
+                assert f"the ranks disagree on {field}: {listed}; every rank must pass the same" in message, message
+                assert collectives == {"all_to_all_single": 1, "all_gather_object": 1}, (case, collectives)
+
+
+def run_change_together(rank, world_size):
+    """Every rank changes its shape alike: the headers travel once in pieces of the agreed sizes,
+    then the exchange; the next call of that shape is one all-to-all. Each result exact."""
+    W, counts = world_size, []
+    for seq in (2, 4, 4, 2, 2):
+        full = _full(27 + seq, (1, seq * W, 2 * W, 3))
+        with HostTraffic() as traffic:
+            out = a2a.seq_to_head(_shard(full, 1, rank, W))
+        assert torch.equal(out, _shard(full, 2, rank, W))
+        counts.append(traffic.collectives["all_to_all_single"])
+    return counts[1:]  # (the first: after whatever the pool ran before)
+
+
+def test_every_rank_changing_alike_costs_one_exchange_of_headers(pool2, pool4):
+    assert pool2.run(run_change_together) == [[2, 1, 2, 1]] * 2
+    assert pool4.run(run_change_together) == [[2, 1, 2, 1]] * 4
 
 
 def run_attn_fn_errors(rank, world_size):
@@ -754,7 +841,7 @@ def test_opcheck_local(op, shape, seq_dim, head_dim, transpose):
     if transpose:
         x = x.transpose(0, -1).contiguous().transpose(0, -1)
     num_heads = ([shape[head_dim]],) if op == OPS.head_to_seq.default else ()
-    torch.library.opcheck(op, ([x.requires_grad_()], LOCAL, seq_dim, head_dim, *num_heads, []))
+    torch.library.opcheck(op, ([x.requires_grad_()], LOCAL, seq_dim, head_dim, *num_heads, [], False))
 
 
 class TestCompiled(TestCase):
@@ -768,20 +855,20 @@ class TestCompiled(TestCase):
         ops_summary, attention_summary = run_compiled(0, 1)
         self.assertExpectedInline(ops_summary, """\
 forward 0:
-  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, attention=[])
-  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, attention=[])
-  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, num_heads=[2], attention=[])
+  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, attention=[], agreed_sizes=False)
+  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, attention=[], agreed_sizes=False)
+  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, num_heads=[2], attention=[], agreed_sizes=False)
 backward 0:
-  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, attention=[])
-  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, num_heads=[2], attention=[])
-  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, num_heads=[2], attention=[])""")
+  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, attention=[], agreed_sizes=True)
+  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, num_heads=[2], attention=[], agreed_sizes=True)
+  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, num_heads=[2], attention=[], agreed_sizes=True)""")  # noqa: E501 (the graph's line)
         self.assertExpectedInline(attention_summary, """\
 forward 0:
-  alltoall_ops.seq_to_head(xs=[<tensor>, <tensor>, <tensor>], group_name='', seq_dim=1, head_dim=2, attention=[])
-  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, num_heads=[2], attention=[])
+  alltoall_ops.seq_to_head(xs=[<tensor>, <tensor>, <tensor>], group_name='', seq_dim=1, head_dim=2, attention=[], agreed_sizes=False)
+  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, num_heads=[2], attention=[], agreed_sizes=True)
 backward 0:
-  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, attention=[])
-  alltoall_ops.head_to_seq(xs=[<tensor>, <tensor>, <tensor>], group_name='', seq_dim=1, head_dim=2, num_heads=[2, 2, 2], attention=[])""")  # noqa: E501 (the graph's line)
+  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, attention=[], agreed_sizes=True)
+  alltoall_ops.head_to_seq(xs=[<tensor>, <tensor>, <tensor>], group_name='', seq_dim=1, head_dim=2, num_heads=[2, 2, 2], attention=[], agreed_sizes=True)""")  # noqa: E501 (the graph's line)
 
     def test_compiled_two_ranks_uneven_heads(self):
         results = self.pool2.run(run_compiled, 5)  # 5 heads: 3 on rank 0, 2 on rank 1
@@ -789,18 +876,18 @@ backward 0:
         ops_summary, attention_summary = results[0]
         self.assertExpectedInline(ops_summary, """\
 forward 0:
-  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, attention=[])
-  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, attention=[])
-  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, num_heads=[5], attention=[])
+  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, attention=[], agreed_sizes=False)
+  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, attention=[], agreed_sizes=False)
+  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, num_heads=[5], attention=[], agreed_sizes=False)
 backward 0:
-  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, attention=[])
-  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, num_heads=[5], attention=[])
-  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, num_heads=[5], attention=[])""")
+  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, attention=[], agreed_sizes=True)
+  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, num_heads=[5], attention=[], agreed_sizes=True)
+  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, num_heads=[5], attention=[], agreed_sizes=True)""")  # noqa: E501 (the graph's line)
         self.assertExpectedInline(attention_summary, """\
 forward 0:
-  alltoall_ops.seq_to_head(xs=[<tensor>, <tensor>, <tensor>], group_name='0', seq_dim=1, head_dim=2, attention=<args>)
-  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, num_heads=[5], attention=<args>)
+  alltoall_ops.seq_to_head(xs=[<tensor>, <tensor>, <tensor>], group_name='0', seq_dim=1, head_dim=2, attention=<args>, agreed_sizes=False)
+  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, num_heads=[5], attention=<args>, agreed_sizes=True)
 backward 0:
-  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, attention=[])
-  alltoall_ops.head_to_seq(xs=[<tensor>, <tensor>, <tensor>], group_name='0', seq_dim=1, head_dim=2, num_heads=[5, 5, 5], attention=<args>)""")  # noqa: E501 (the graph's line)
+  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, attention=[], agreed_sizes=True)
+  alltoall_ops.head_to_seq(xs=[<tensor>, <tensor>, <tensor>], group_name='0', seq_dim=1, head_dim=2, num_heads=[5, 5, 5], attention=<args>, agreed_sizes=True)""")  # noqa: E501 (the graph's line)
 
