@@ -8,6 +8,9 @@ machines without CUDA) go to ``logging.getLogger("alltoall_ops")``.
 # NB: the kernel loader first: without CUDA it enables Triton's interpreter before anything
 # imports triton (see alltoall_ops/kernels/loader.py for why it must be process-wide).
 from .kernels import loader as _loader  # noqa: F401  (isort: skip)
+# NB: the package's source hash in torch.compile's cache keys: an upgrade never loads another
+# version's compiled graphs (alltoall_ops/_cache_key.py).
+from . import _cache_key  # noqa: F401  (isort: skip)
 
 from . import errors
 from .api import combine, dispatch, dispatch_layout, exchange_counts

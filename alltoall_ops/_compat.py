@@ -20,12 +20,6 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Iterable
 
-# NB: torch imports dynamo (1-2 s) at the first call of any custom op through the dispatcher.
-# Imported here, with the ops, it stays out of that call: there it made the ranks whose first op
-# went through the dispatcher reach an agreement seconds after a rank that failed its checks
-# and joined it at once, past a short deadline (every rank then timed out instead of raising).
-import torch._dynamo  # noqa: F401
-
 try:  # torch 2.11 - 2.13
     from torch._opaque_base import OpaqueBase
 except ImportError:  # pragma: no cover - nightlies after the rename

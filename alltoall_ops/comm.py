@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import os
+import sys
 import time
 from datetime import timedelta
 from typing import Callable, Optional, Sequence, TypeVar, Union
@@ -106,6 +107,19 @@ def debug() -> bool:
     return os.environ.get("ALLTOALL_OPS_DEBUG", "0") == "1"
 
 
+def import_dynamo() -> None:
+    """Import ``torch._dynamo`` (1-2 s) if nothing has yet, before a deadline starts.
+
+    torch imports it at the first call of any custom op through the dispatcher. A rank whose
+    checks fail joins the agreement at once, without such a call, while its peers' first exchange
+    op imports it: they came seconds late, past a short deadline, and every rank timed out
+    instead of raising (issue 31). The package does not import it (``import alltoall_ops`` stays
+    light, issue 40): every rank imports it here, at the start of each checked op and collective,
+    so none starts waiting before it has."""
+    if "torch._dynamo" not in sys.modules:
+        import torch._dynamo  # noqa: F401
+
+
 def run(op: str, group_name: str, start: Callable[[dist.ProcessGroup], Optional[dist.Work]],
         timeout: Optional[float] = None) -> None:
     """Run ``start(pg)`` (a collective issued with ``async_op=True``) for ``op`` and wait for it.
@@ -113,6 +127,7 @@ def run(op: str, group_name: str, start: Callable[[dist.ProcessGroup], Optional[
     On the CPU (gloo) the wait is bounded by ``timeout`` (default: the library's deadline).
     NCCL collectives are stream-ordered: the host does not wait here, and a stalled peer
     surfaces through the process group's own timeout (its watchdog)."""
+    import_dynamo()
     pg = process_group(group_name)
     deadline_s = _timeout_s if timeout is None else timeout
     gloo = dist.get_backend(pg) == "gloo"
@@ -366,6 +381,7 @@ def checked(op: str, group_name: Union[str, Sequence[str]], check: Callable[...,
     names = [name for name in ((group_name,) if isinstance(group_name, str) else group_name) if name != LOCAL]
     if not names or is_compiling():
         return check(*args)
+    import_dynamo()  # NB: before the checks, on every rank alike (a failing rank agrees at once)
     try:
         return check(*args)
     except (TypeError, ValueError) as exc:

@@ -20,6 +20,7 @@ import collections
 import contextlib
 import dataclasses
 import multiprocessing as mp
+import multiprocessing.util as mp_util
 import os
 import queue
 import time
@@ -83,6 +84,10 @@ def _worker(rank: int, world_size: int, store_port: int, tasks: mp.Queue, result
     dist.destroy_process_group()
     results.close()
     results.join_thread()  # flush what this rank reported before leaving
+    # NB: os._exit skips multiprocessing's exit finalizers, which unlink the semaphores this
+    # process made (tqdm's lock, made by torch.fx's Interpreter at a compile): left to the
+    # resource tracker, which warns "leaked semaphore objects" at shutdown. Run them first.
+    mp_util._run_finalizers()
     os._exit(0)  # skip interpreter teardown (seconds per process with torch loaded)
 
 

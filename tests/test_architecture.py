@@ -1,7 +1,7 @@
 """The package's import graph: no cycles, and no module importing from a higher layer.
 
 Layers, lowest first (a module may import its own layer or lower ones):
-    0  errors, _compat               1  groups, fp8
+    0  errors, _compat, _cache_key   1  groups, fp8
     2  comm, validation, kernels,    3  layout, rows, payload
        overlap
     4  backends                      5  api
@@ -20,9 +20,9 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "alltoall_ops"
 
 LAYERS = {
-    "errors": 0, "_compat": 0, "groups": 1, "fp8": 1, "comm": 2, "validation": 2, "kernels": 2, "overlap": 2,
-    "layout": 3, "rows": 3, "payload": 3, "backends": 4, "api": 5, "moe": 6, "ulysses": 6, "checkpoint": 6,
-    "inspect": 6, "testing": 6, "reference": 6, "torchtitan": 6, "hierarchical": 6, "integrations": 6,
+    "errors": 0, "_compat": 0, "_cache_key": 0, "groups": 1, "fp8": 1, "comm": 2, "validation": 2, "kernels": 2,
+    "overlap": 2, "layout": 3, "rows": 3, "payload": 3, "backends": 4, "api": 5, "moe": 6, "ulysses": 6,
+    "checkpoint": 6, "inspect": 6, "testing": 6, "reference": 6, "torchtitan": 6, "hierarchical": 6, "integrations": 6,
 }
 
 
