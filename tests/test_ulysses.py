@@ -503,10 +503,7 @@ def run_traffic(rank, world_size, backend, debug):
         carried[str(out.dtype)] += 1
         return all_to_all_single(out, *args, **kwargs)
 
-    # NB: no disk caches: AOTAutograd's cache key does not cover a custom op's Python backward, so a
-    # backward compiled before a change to it (which exchanges send a header) would be replayed
-    with debug_mode(debug), torch._functorch.config.patch(enable_autograd_cache=False), \
-            torch._inductor.config.patch(fx_graph_cache=False):
+    with debug_mode(debug):
         fn(*local).sum().backward()  # warm-up (compilation)
         dist.all_to_all_single = counted
         try:
