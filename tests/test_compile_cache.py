@@ -7,8 +7,9 @@ process on one cache directory, in turn. Before the fix, AOTAutograd's cache key
 dynamo's graph, where each op is a call by name, and the second copy's compiled step returned the
 first copy's gradient. ``alltoall_ops/_cache_key.py`` puts the package's source hash in the key.
 
-Runs on the CPU (torch 2.13) and on a GPU host (CUDA tensors where there is CUDA; torch 2.11):
-``python3 -m pytest -q tests/test_compile_cache.py``. Six processes, about 30 s on 2 cores.
+CPU tensors everywhere, CUDA tensors where there is CUDA (the inlined bodies' Triton kernels then in
+the graph). On a GPU host (torch 2.11): ``python3 -m pytest -q tests/test_compile_cache.py``. Six
+processes a device, about 30 s on the CPU with 2 cores.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 PACKAGE = Path(__file__).resolve().parent.parent / "alltoall_ops"
 
@@ -35,7 +37,7 @@ WORKER = textwrap.dedent("""
     assert a2a.__file__.startswith(sys.argv[1]), (a2a.__file__, sys.argv[1])
     if sys.argv[2] != "-":  # the control: another copy's tag (as if the key did not see the change)
         torch.compiler.config.cache_key_tag = sys.argv[2]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = sys.argv[3]
     T, H, E, K = 8, 4, 4, 2
     g = torch.Generator().manual_seed(0)
     x = torch.randn(T, H, generator=g, dtype=torch.float64).to(device)
@@ -95,12 +97,12 @@ def _copy(root: Path, name: str, change: str | None = None) -> Path:
     return parent
 
 
-def _step(parent: Path, cache_dir: Path, tag: str = "-") -> dict:
-    """The worker's step in a fresh process importing the copy under ``parent`` (with ``tag`` as
-    ``torch.compiler.config.cache_key_tag``, unless "-")."""
+def _step(parent: Path, cache_dir: Path, device: str, tag: str = "-") -> dict:
+    """The worker's step on ``device`` in a fresh process importing the copy under ``parent`` (with
+    ``tag`` as ``torch.compiler.config.cache_key_tag``, unless "-")."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "TORCH_COMPILE_"))}
     env.update(PYTHONPATH=str(parent), TORCHINDUCTOR_CACHE_DIR=str(cache_dir), PYTHONDONTWRITEBYTECODE="1")
-    out = subprocess.run([sys.executable, "-c", WORKER, str(parent), tag], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", WORKER, str(parent), tag, device], capture_output=True, text=True,
                          timeout=300, cwd=parent, env=env, check=False)
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -119,24 +121,28 @@ def _assert_compiled_is_eager(result: dict, what: str) -> None:
                                          f"graph from the cache?): {compiled} vs {eager}; {result['aot']}")
 
 
-def test_a_changed_package_never_loads_another_versions_graphs(tmp_path):
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_changed_package_never_loads_another_versions_graphs(tmp_path, device):
     cache = tmp_path / "cache"
     base, same = _copy(tmp_path, "base"), _copy(tmp_path, "same")
 
-    cold = _step(base, cache)
+    cold = _step(base, cache, device)
     _assert_compiled_is_eager(cold, "the first process")
     assert cold["aot"].get("autograd_cache_miss", 0) >= 1 and cold["aot"].get("autograd_cache_saved", 0) >= 1, cold
 
-    warm = _step(base, cache)  # the same code in a second process: a warm cache
+    warm = _step(base, cache, device)  # the same code in a second process: a warm cache
     _assert_compiled_is_eager(warm, "the same package again")
     assert warm["aot"].get("autograd_cache_hit", 0) >= 1 and not warm["aot"].get("autograd_cache_miss"), warm
 
-    elsewhere = _step(same, cache)  # the same files installed elsewhere: the same key
+    elsewhere = _step(same, cache, device)  # the same files installed elsewhere: the same key
     assert elsewhere["tag"] == warm["tag"]
     assert elsewhere["aot"].get("autograd_cache_hit", 0) >= 1, elsewhere
 
     for change in CHANGES:
-        changed = _step(_copy(tmp_path, change, change), cache)
+        changed = _step(_copy(tmp_path, change, change), cache, device)
         _assert_compiled_is_eager(changed, f"the package with a changed {change}")
         assert changed["aot"].get("autograd_cache_miss", 0) >= 1, changed
         assert changed["tag"] != warm["tag"]
@@ -144,7 +150,7 @@ def test_a_changed_package_never_loads_another_versions_graphs(tmp_path):
 
     # The control: the changed backward under the unchanged package's tag (the key as it was before
     # the fix) is served the unchanged package's graph, so this test sees a stale graph.
-    stale = _step(_copy(tmp_path, "control", "backward"), cache, warm["tag"])
+    stale = _step(_copy(tmp_path, "control", "backward"), cache, device, warm["tag"])
     assert stale["aot"].get("autograd_cache_hit", 0) >= 1, stale
     assert not _close(stale["compiled"][1], stale["eager"][1]), (
         "torch now keys AOTAutograd's cache on the ops' backward itself: the library's tag may be redundant", stale)
