@@ -20,6 +20,7 @@ it. A tag assigned after the import replaces it: append to it instead
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 from pathlib import Path
 
@@ -49,9 +50,15 @@ def with_tag(current: str) -> str:
 
 
 def install() -> None:
-    """Append :data:`TAG` to ``torch.compiler.config.cache_key_tag``."""
+    """Append :data:`TAG` to ``torch.compiler.config.cache_key_tag`` (a warning where this torch
+    has no such knob: its disk caches may then serve another version's graphs)."""
     import torch.compiler.config as cconfig
 
+    if not hasattr(cconfig, "cache_key_tag"):  # pragma: no cover - torch 2.11 - 2.13 have it
+        logging.getLogger("alltoall_ops").warning(
+            "torch.compiler.config has no cache_key_tag: torch.compile's disk caches do not see this "
+            "package's version; after an upgrade, clear them (TORCHINDUCTOR_CACHE_DIR)")
+        return
     cconfig.cache_key_tag = with_tag(cconfig.cache_key_tag)
 
 

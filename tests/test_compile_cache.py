@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -154,6 +155,22 @@ def test_a_changed_package_never_loads_another_versions_graphs(tmp_path, device)
     assert stale["aot"].get("autograd_cache_hit", 0) >= 1, stale
     assert not _close(stale["compiled"][1], stale["eager"][1]), (
         "torch now keys AOTAutograd's cache on the ops' backward itself: the library's tag may be redundant", stale)
+
+
+def test_a_tag_set_before_the_import_is_kept():
+    """``TORCH_COMPILE_CACHE_KEY_TAG`` (or a tag assigned before the import) keeps its value, the
+    library's part appended once; a reload replaces that part."""
+    from alltoall_ops import _cache_key
+
+    assert _cache_key.with_tag("") == _cache_key.TAG
+    assert _cache_key.with_tag("mine") == f"mine|{_cache_key.TAG}"
+    assert _cache_key.with_tag("mine|alltoall_ops=0123abcd|other") == f"mine|other|{_cache_key.TAG}"
+    assert _cache_key.with_tag(_cache_key.with_tag("mine")) == f"mine|{_cache_key.TAG}"
+    env = {**os.environ, "TORCH_COMPILE_CACHE_KEY_TAG": "mine"}
+    code = "import torch, alltoall_ops; print(torch.compiler.config.cache_key_tag)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                         cwd=PACKAGE.parent, check=True)
+    assert re.fullmatch(r"mine\|alltoall_ops=[0-9a-f]{16}", out.stdout.strip()), out.stdout
 
 
 if __name__ == "__main__":
