@@ -71,7 +71,7 @@ def is_compiling() -> bool:
 _IMPLS: dict = {}  # custom op -> its implementation (what the dispatcher calls)
 
 
-def custom_op(name: str, fn: Callable, *, inline: bool | str = False, **kwargs: Any):
+def custom_op(name: str, fn: Callable, *, inline: bool | str | Callable[[dict], bool] = False, **kwargs: Any):
     """``torch.library.custom_op(name, mutates_args=())(fn)``, with ``fn`` remembered for
     :func:`call`.
 
@@ -83,14 +83,31 @@ def custom_op(name: str, fn: Callable, *, inline: bool | str = False, **kwargs: 
     the communication stream stays one call). Dynamo's graph, autograd (the op's own
     ``register_autograd``) and selective checkpointing (whose policy sees the op before its body
     is traced) still see one op. A device type ("cuda"): inlined only where the op's first
-    tensor argument is on it (elsewhere a call keeps, e.g., its typed errors)."""
+    tensor argument is on it (elsewhere a call keeps, e.g., its typed errors). A predicate: inlined
+    where it returns True for the call's arguments by name (symm_mem: buffers whose barriers are
+    device work)."""
     import torch
 
     op = torch.library.custom_op(name, mutates_args=(), **kwargs)(fn)
     _IMPLS[op] = fn
     if inline:
-        inline_in_aot(op, fn, None if inline is True else inline)
+        inline_in_aot(op, fn, _inline_predicate(inline))
     return op
+
+
+def _inline_predicate(inline: bool | str | Callable[[dict], bool]) -> Callable[[dict], bool]:
+    """``inline`` of :func:`custom_op` as a predicate on the call's arguments by name."""
+    if callable(inline):
+        return inline
+    if inline is True:
+        return lambda bound: True
+    import torch
+
+    def on_device(bound: dict) -> bool:
+        first = next(v for v in bound.values() if isinstance(v, torch.Tensor))
+        return first.device.type == inline
+
+    return on_device
 
 
 INLINED_CALL = "alltoall_ops_call"
@@ -110,11 +127,11 @@ TENSOR = _Tensor()
 _inlined_calls = iter(range(1 << 62))
 
 
-def inline_in_aot(op: Any, fn: Callable, device_type: str | None = None) -> None:
+def inline_in_aot(op: Any, fn: Callable, inlined: Callable[[dict], bool]) -> None:
     """Trace ``fn`` (the body of ``op``) in place of ``op`` under AOTAutograd's functionalization
-    (a ``FunctionalTensorMode`` rule, as ``torch.library.triton_op`` registers), but for calls
-    with ``async_op=True`` and, given ``device_type``, calls whose first tensor is elsewhere; the
-    node of its output is tagged with :data:`INLINED_CALL`."""
+    (a ``FunctionalTensorMode`` rule, as ``torch.library.triton_op`` registers), for calls
+    ``inlined`` accepts (given the arguments by name), but never with ``async_op=True``; the node
+    of its output is tagged with :data:`INLINED_CALL`."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
@@ -127,8 +144,7 @@ def inline_in_aot(op: Any, fn: Callable, device_type: str | None = None) -> None
             return NotImplemented  # another tensor subclass: its own rules first
         names = names or arg_names(op)
         bound = {**dict(zip(names, args)), **kwargs}
-        first = next(v for v in bound.values() if isinstance(v, torch.Tensor))
-        if bound.get("async_op", False) or device_type not in (None, first.device.type):
+        if bound.get("async_op", False) or not inlined(bound):
             return mode.__torch_dispatch__(func, types, args, kwargs)
         with mode:
             out = fn(*args, **kwargs)
@@ -139,6 +155,31 @@ def inline_in_aot(op: Any, fn: Callable, device_type: str | None = None) -> None
         return out
 
     op.register_torch_dispatch(FunctionalTensorMode, rule)
+
+
+def graph_constant(t: Any) -> Any:
+    """``t``, an immutable tensor an inlined op's body reads (an address table), as a constant of
+    the graph being traced (a ``get_attr`` node holding ``t``), or ``t`` itself outside tracing.
+    A compile cache may store a constant by value and load a copy: only for tensors whose copy
+    means the same (never memory that peers write)."""
+    import torch
+    from torch._guards import detect_fake_mode
+
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    fake_mode = detect_fake_mode()
+    if fake_mode is None or type(t) is not torch.Tensor:
+        return t
+    allowed = fake_mode.allow_non_fake_inputs
+    fake_mode.allow_non_fake_inputs = True
+    try:
+        constant = torch.ops.aten.alias.default(t)  # a fake tensor, traced as a get_attr of t
+    finally:
+        fake_mode.allow_non_fake_inputs = allowed
+    # NB: under functionalization (an inlined body) the kernels' wrappers take functional tensors only
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FUNCTIONAL) is not None:
+        constant = FunctionalTensor.to_functional(constant)
+    return constant
 
 
 def _output_node(out: Any) -> Any:

@@ -298,11 +298,11 @@ def nan_unwritten_rows() -> Iterator[list[int]]:
     k = loader.load()
     copy_out, unwritten = k.copy_out, []
 
-    def nan_prefilled(recv, tags, num_routed, out, row_src, tail=None, max_programs=None):
+    def nan_prefilled(recv, tags, num_routed, out, row_src, tail=None, token=None, max_programs=None):
         # uint8 (fp8 wire rows): all ones, NaN as float8_e4m3fn values and as fp32 scale bytes
         for t in (out, tail) if tail is not None else (out,):
             t.fill_(0xFF if t.dtype == torch.uint8 else float("nan"))
-        copy_out(recv, tags, num_routed, out, row_src, tail=tail, max_programs=max_programs)
+        copy_out(recv, tags, num_routed, out, row_src, tail=tail, token=token, max_programs=max_programs)
         unwritten.append(out.shape[0] - int(num_routed))
 
     dequantize_rows = k.dequantize_rows

@@ -18,6 +18,7 @@ import alltoall_ops as a2a
 from alltoall_ops import fp8, layout
 from alltoall_ops.errors import GroupMismatchError, PeerInputError
 from alltoall_ops.kernels import loader
+from alltoall_ops.kernels.region import Region
 from alltoall_ops.kernels.quantize import e4m3_bits
 from alltoall_ops.reference import reference_dispatch
 
@@ -342,7 +343,7 @@ def test_copy_out_splits_wire_rows():
     tags = torch.tensor([3, -1, 0, 5, 9, 2])
     out, tail = torch.full((C, H), 7, dtype=torch.uint8), torch.full((C, 4 * B), 7, dtype=torch.uint8)
     row_src = torch.empty(C, dtype=torch.int64)
-    loader.load().copy_out(recv, tags, torch.tensor([4]), out, row_src, tail=tail)
+    loader.load().copy_out(Region.of(recv), Region.of(tags), torch.tensor([4]), out, row_src, tail=tail)
     expected = torch.where((torch.tensor([3, -1, 0, 5]) >= 0)[:, None], recv[:4], 0)
     assert torch.equal(out[:4], expected[:, :H]) and torch.equal(tail[:4], expected[:, H:])
     assert (out[4:] == 7).all() and (tail[4:] == 7).all()

@@ -21,6 +21,7 @@ import alltoall_ops as a2a
 from alltoall_ops import layout
 from alltoall_ops.backends import symm_mem
 from alltoall_ops.kernels import loader
+from alltoall_ops.kernels.region import Region
 from alltoall_ops.backends.collective import dispatch_op
 from alltoall_ops.reference import reference_combine, reference_dispatch
 
@@ -125,12 +126,6 @@ def _launcher_cases() -> dict:
         k.put_meta(row, torch.tensor([m.data_ptr() for m in metas]), 1)
         return (metas,)
 
-    def copy_out(recv):
-        tags = torch.arange(N).masked_fill(dst < 0, -1)
-        out, row_src = torch.empty(N, H, **f64), torch.empty(N, dtype=torch.int64)
-        k.copy_out(recv, tags, torch.tensor([N]), out, row_src)
-        return out, row_src, tags
-
     def topk_reduce(ret, position, slot_dst, weights):
         y, returned = torch.empty(T, H, **f64), torch.zeros(N, H, **f64)
         k.topk_reduce(ret, position, slot_dst, weights, y, returned, torch.float64)
@@ -144,7 +139,6 @@ def _launcher_cases() -> dict:
     return dict(
         put_rows=(put_rows, (x, dst, scale, dst.flip(0))),
         put_meta=(put_meta, (torch.arange(5),)),
-        copy_out=(copy_out, (x.repeat(K, 1),)),
         topk_reduce=(topk_reduce, (ret, position, dst, scale)),
         weight_grad=(weight_grad, (x, ret, position)),
         plan_slots=(partial(k.plan_slots, num_experts=E, world_size=2),
@@ -154,7 +148,7 @@ def _launcher_cases() -> dict:
 
 @needs_interpreter
 @pytest.mark.parametrize(
-    "launcher", ["put_rows", "put_meta", "copy_out", "topk_reduce", "weight_grad", "plan_slots"]
+    "launcher", ["put_rows", "put_meta", "topk_reduce", "weight_grad", "plan_slots"]
 )
 def test_launcher_reads_strided_inputs(launcher):
     run, inputs = _launcher_cases()[launcher]
@@ -172,11 +166,12 @@ def test_launchers_reject_strided_outputs():
     position = torch.arange(4).view(2, 2)
     with pytest.raises(ValueError, match="put_rows: out must be contiguous"):
         k.put_rows(x, torch.arange(4), 4, out=strided(torch.empty(4, H)))
-    for i, name in enumerate(("tags", "out", "row_src")):
-        outs = [torch.full((4,), -1), torch.empty(4, H), torch.empty(4, dtype=torch.int64)]
+    recv, tags = Region.of(x), Region.of(torch.full((4,), -1))  # NB: regions are contiguous by construction
+    for i, name in enumerate(("out", "row_src")):
+        outs = [torch.empty(4, H), torch.empty(4, dtype=torch.int64)]
         outs[i] = strided(outs[i])
         with pytest.raises(ValueError, match=f"copy_out: {name} must be contiguous"):
-            k.copy_out(x, outs[0], torch.tensor([4]), *outs[1:])
+            k.copy_out(recv, tags, torch.tensor([4]), *outs)
     with pytest.raises(ValueError, match="topk_reduce: y must be contiguous"):
         k.topk_reduce(x, position, None, w, strided(torch.empty(2, H)), None, torch.float32)
     with pytest.raises(ValueError, match="topk_reduce: returned must be contiguous"):

@@ -15,6 +15,7 @@ import torch
 import alltoall_ops as a2a
 from alltoall_ops.backends.symm_mem import run_simulated
 from alltoall_ops.kernels import loader
+from alltoall_ops.kernels.region import Region
 
 needs_interpreter = pytest.mark.skipif(
     not loader.load().interpreting(), reason="the kernels run on CPU tensors only in Triton's interpreter"
@@ -106,7 +107,8 @@ def test_copy_out(C, tail):
             out = torch.full((C, x_out if tail else X), float("nan"), **F64)
             rest = torch.full((C, X - x_out), float("nan"), **F64) if tail else None
             row_src = torch.full((C,), -7)
-            k.copy_out(recv, tags, torch.tensor([n]), out, row_src, tail=rest, max_programs=max_programs)
+            k.copy_out(Region.of(recv), Region.of(tags), torch.tensor([n]), out, row_src, tail=rest,
+                       max_programs=max_programs)
             return out, row_src, tags, *(() if rest is None else (rest,))
 
         want = run(None)

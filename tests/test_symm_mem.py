@@ -32,6 +32,7 @@ from alltoall_ops.backends import symm_mem
 from alltoall_ops.backends.symm_mem import backend as symm_backend
 from alltoall_ops.backends.symm_mem import ops as symm_ops
 from alltoall_ops.kernels import loader
+from alltoall_ops.kernels.region import Region
 from alltoall_ops.inspect import CompiledGraphs, capturing_backend
 from alltoall_ops.layout import expert_of_rows
 from alltoall_ops.rows import weight_grad_op
@@ -662,7 +663,7 @@ def test_copy_out_writes_rows_below_n_only(n):
     expected_src = tags.clone()
     out = torch.full((C, H_), float("nan"), dtype=torch.float64)
     row_src = torch.full((C,), 12345)
-    loader.load().copy_out(recv, tags, torch.tensor([n]), out, row_src)
+    loader.load().copy_out(Region.of(recv), Region.of(tags), torch.tensor([n]), out, row_src)
     assert torch.equal(out[:n], torch.where(arrived[:n, None], recv[:n], 0))
     assert torch.isnan(out[n:]).all(), "rows past n must not be written"
     assert torch.equal(row_src, expected_src)  # -1 past n

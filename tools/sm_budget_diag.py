@@ -14,6 +14,7 @@ import time
 import torch
 
 from alltoall_ops.kernels import _config, loader
+from alltoall_ops.kernels.region import Region
 from alltoall_ops.testing import timer
 
 dev = torch.device("cuda")
@@ -55,7 +56,7 @@ def part_a():
         tags = torch.randint(-1, 1000, (C,), device=dev, generator=torch.Generator(device=dev).manual_seed(3))
         out = torch.full((C, H), float("nan"), device=dev).bfloat16()
         row_src = torch.full((C,), -7, device=dev, dtype=torch.int64)
-        k.copy_out(recv, tags, n_routed, out, row_src, max_programs=mp)
+        k.copy_out(Region.of(recv), Region.of(tags), n_routed, out, row_src, max_programs=mp)
         return [out, row_src, tags]
 
     position = torch.randperm(N, device=dev, generator=g).view(T, K)
@@ -138,7 +139,10 @@ def part_d():
     ntags = torch.randint(0, 1000, (C,), device=dev, generator=g)
     n_routed = torch.tensor([C], device=dev)
     row_src = torch.empty(C, device=dev, dtype=torch.int64)
-    sweep("copy_out", lambda mp: k.copy_out(big, ntags.clone(), n_routed, out, row_src, max_programs=mp),
+    tags_buf, big_region = ntags.clone(), Region.of(big)
+    tags_region = Region.of(tags_buf)
+    sweep("copy_out", lambda mp: (tags_buf.copy_(ntags),
+                                  k.copy_out(big_region, tags_region, n_routed, out, row_src, max_programs=mp)),
           2 * N * H * 2, [(2, 2048, 8), (16, 2048, 32), (16, 2048, 16), (32, 2048, 32)])
     position = perm.view(T, K)
     w = torch.rand(T, K, device=dev, generator=g)

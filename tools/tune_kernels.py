@@ -28,6 +28,7 @@ from alltoall_ops import layout
 from alltoall_ops.kernels import _config
 from alltoall_ops.kernels import routing_plan as routing
 from alltoall_ops.kernels import loader
+from alltoall_ops.kernels.region import Region
 from alltoall_ops.testing import timer
 
 H, K, E = 7168, 8, 256
@@ -125,9 +126,11 @@ def sweep_rows(T: int, bandwidth: float, top: int) -> None:
     row_src = torch.empty_like(tags)
     num_routed = torch.full((1,), N, dtype=torch.int64, device=dev)  # every row written
 
+    ret_region, tags_region = Region.of(ret), Region.of(tags)
+
     def copy_out():
         tags[::2] = 1  # half the rows arrived
-        k.copy_out(ret, tags, num_routed, send, row_src)
+        k.copy_out(ret_region, tags_region, num_routed, send, row_src)
 
     sweep("copy_out", copy_out, 2 * N * H * 2, bandwidth, itertools.product([2, 4, 8], [2048, 4096], warps), top)
     grad_w = torch.empty(T, K, device=dev)

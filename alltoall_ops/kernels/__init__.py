@@ -10,7 +10,8 @@
     weight_grad.py   ``weight_grad``: the gradient of the routing weights / dispatch scale
     barrier.py       ``barrier``: the symm_mem backend's signal-pad barrier, with a deadline
     meta_check.py    ``check_meta``: the symm_mem backend's metadata checks, one bitmask
-    _config.py       launch blocks per kernel, shared helpers (exact casts)
+    _config.py       launch blocks per kernel, shared helpers (exact casts, the ordering token)
+    region.py        ``Region``: a buffer named by its address (what compiled code may hold)
 
 Kernels address peer memory through a pointer table: an int64 tensor holding one base address
 per rank, cast to a typed pointer inside the kernel, so the same kernels serve CUDA symmetric

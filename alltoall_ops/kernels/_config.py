@@ -13,6 +13,7 @@ import triton.language as tl
 
 from ..validation import positive_int
 
+
 try:  # read once: triton.jit reads it at decoration
     _INTERPRETED = bool(triton.knobs.runtime.interpret)
 except AttributeError:  # Triton without knobs
@@ -43,6 +44,15 @@ def launch(kernel, like: torch.Tensor):
     if type(like) is torch.Tensor or _INTERPRETED:
         return kernel
     return torch.library.wrap_triton(kernel)
+
+
+@triton.jit
+def order_after(token_ptr):
+    """Store 0 into the (1,) token from one program: the kernel then mutates the token, which is
+    all inductor sees of its writes through addresses; kernels that do it run in program order,
+    and the op's last one feeds a device-side assert that keeps them alive (docs/design.md)."""
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(token_ptr, tl.zeros([], dtype=tl.int64))
 
 
 LAUNCH_LOCK = threading.RLock()

@@ -3,7 +3,7 @@ call number it belongs to.
 
 Every rank owns a pad of W int32 flags that all peers can reach. Reference semantics, with
 ``stamp = (call * 4 + op) mod 2**31`` (never 0: op is 1, 2 or 3) and ``call = call_1[0]``
-(with ``counter_1``: first ``counter_1[0] += 1; call_1[0] = counter_1[0]``)::
+(with a counter: first ``count += 1; call_1[0] = count``)::
 
     for peer in range(W): wait until pad[peer][rank] == 0, then set it to stamp   (release)
     for peer in range(W): wait until pad[rank][peer] != 0, read it, set it to 0   (acquire)
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import LAUNCH_LOCK, launch
+from ._config import LAUNCH_LOCK, launch, order_after
 
 
 @triton.jit
@@ -49,10 +49,12 @@ def _trap(dep):
 # CUDA's lazy module loading can turn into a deadlock when ranks share a process.) Nor are op
 # and advance: one binary for every barrier.
 @triton.jit(do_not_specialize=["rank", "timeout_ns", "op", "advance"])
-def _barrier_kernel(pads_table_ptr, rank, timeout_ns, op, call_ptr, counter_ptr, advance,
+def _barrier_kernel(pads_table_ptr, rank, timeout_ns, op, call_ptr, counter_table_ptr, advance, token_ptr,
                     WORLD_SIZE: tl.constexpr):
+    order_after(token_ptr)
     start = _now_ns(rank)
     if advance != 0:
+        counter_ptr = tl.load(counter_table_ptr).to(tl.pointer_type(tl.int64))
         call = tl.load(counter_ptr) + 1
         tl.store(counter_ptr, call)
         tl.store(call_ptr, call)
@@ -80,16 +82,17 @@ def _barrier_kernel(pads_table_ptr, rank, timeout_ns, op, call_ptr, counter_ptr,
 
 
 def barrier(pads_table: torch.Tensor, rank: int, timeout_s: float, op: int, call_1: torch.Tensor,
-            counter_1: Optional[torch.Tensor] = None) -> None:
+            counter: Optional[torch.Tensor] = None, token: Optional[torch.Tensor] = None) -> None:
     """Wait on the current stream until every rank of the pads' group reaches this barrier.
 
     pads_table: (W,) int64 device addresses of every rank's signal pad (W int32 flags each).
     op: 1, 2 or 3, the op the barrier belongs to. call_1: (1,) int64 on the device, the call
-    number; with counter_1 ((1,) int64, this rank's count of calls) it is first set to
-    ``counter_1 += 1``. Ranks whose (op, call) differ, or past timeout_s, trap: the launch fails
-    with a CUDA error (the context is then unusable, as after any device-side fault) instead of
-    pairing different ops or spinning forever."""
+    number; with counter ((1,) int64 holding the address of this rank's count of calls, an int64)
+    it is first set to ``count += 1``. token: as ``put_rows``'. Ranks whose (op, call) differ, or
+    past timeout_s, trap: the launch fails with a CUDA error (the context is then unusable, as
+    after any device-side fault) instead of pairing different ops or spinning forever."""
     with LAUNCH_LOCK:
-        launch(_barrier_kernel, pads_table)[(1,)](pads_table, rank, int(timeout_s * 1e9), op, call_1,
-                              call_1 if counter_1 is None else counter_1, int(counter_1 is not None),
-                              WORLD_SIZE=pads_table.numel(), num_warps=1)
+        launch(_barrier_kernel, pads_table)[(1,)](
+            pads_table, rank, int(timeout_s * 1e9), op, call_1, call_1 if counter is None else counter,
+            int(counter is not None), call_1.new_empty(1) if token is None else token,
+            WORLD_SIZE=pads_table.numel(), num_warps=1)

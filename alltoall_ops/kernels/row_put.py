@@ -32,7 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import LAUNCH_LOCK, launch, cast_rne, program_grid, require_contiguous, row_blocks, tl_acc_dtype, upcast
+from ._config import (LAUNCH_LOCK, cast_rne, launch, order_after, program_grid,
+                      require_contiguous, row_blocks, tl_acc_dtype, upcast)
+from .region import Region
 
 
 MAX_COUNTED_PROGRAMS = 8192
@@ -48,13 +50,14 @@ def _select(b_index, b_table, o_w):
 
 @triton.jit
 def _put_rows_kernel(
-    src_ptr, scale_ptr, dst_ptr, count_ptr, rows_table_ptr, out_ptr, tags_table_ptr, tag_index_ptr,
+    src_ptr, scale_ptr, dst_ptr, count_ptr, rows_table_ptr, out_ptr, tags_table_ptr, tag_index_ptr, token_ptr,
     n_rows, n_src, H, world_size, tag_base,
     K: tl.constexpr, DST_STRIDE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_TAGS: tl.constexpr,
     HAS_TAG_INDEX: tl.constexpr, ONE_OUT: tl.constexpr,
     HAS_COUNT: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
+    order_after(token_ptr)
     n_todo = n_rows
     if HAS_COUNT:  # rows past a device-side count send nothing: no program visits them
         n_todo = tl.minimum(tl.load(count_ptr), n_rows)
@@ -123,6 +126,7 @@ def put_rows(
     tag_base: int = 0,
     acc_dtype: torch.dtype = torch.float32,
     count: Optional[torch.Tensor] = None,
+    token: Optional[torch.Tensor] = None,
     max_programs: Optional[int] = None,
 ) -> None:
     """Write row ``i // top_k`` of ``src`` (rows, H) to the destination code ``dst[i]`` for every
@@ -134,11 +138,14 @@ def put_rows(
     instead of ``rows_table``: one local (dst_stride, H) destination, no pointer table.
     ``count``: a one-element int64 device tensor; rows i >= count have no destination (-1) and
     are not visited: at most ``MAX_COUNTED_PROGRAMS`` row programs stride over the first count
-    rows, so a mostly empty capacity C costs no launch of a program per row. ``max_programs``: at
+    rows, so a mostly empty capacity C costs no launch of a program per row. ``token``: a (1,)
+    int64 the kernel sets to 0 (``_config.order_after``; default: a fresh one). ``max_programs``: at
     most that many programs in all (an SM budget, ``_config.program_grid``), striding the same way.
     top_k and dst_stride are compile-time constants of the kernel: one compilation per (K, C)."""
     n, H = dst.numel(), src.shape[1]
     if n == 0 or H == 0:
+        if token is not None:
+            token.zero_()
         return
     if (out is None) == (rows_table is None):
         raise ValueError("put_rows: pass exactly one of rows_table and out")
@@ -157,7 +164,7 @@ def put_rows(
             src, scale if scale is not None else src, dst, count if count is not None else dst,
             rows_table if rows_table is not None else dst, out if out is not None else src,
             tags_table if tags_table is not None else dst, tag_index if tag_index is not None else dst,
-            n, src.shape[0], H, world_size, tag_base, K=top_k, DST_STRIDE=dst_stride,
+            _token(token, dst), n, src.shape[0], H, world_size, tag_base, K=top_k, DST_STRIDE=dst_stride,
             HAS_SCALE=scale is not None, HAS_TAGS=tags_table is not None, HAS_TAG_INDEX=tag_index is not None,
             ONE_OUT=out is not None, HAS_COUNT=count is not None, ACC_DTYPE=tl_acc_dtype(acc_dtype),
             BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H, BLOCK_W=triton.next_power_of_2(world_size),
@@ -166,7 +173,8 @@ def put_rows(
 
 
 @triton.jit
-def _put_meta_kernel(row_ptr, meta_table_ptr, rank, L, world_size, BLOCK_L: tl.constexpr):
+def _put_meta_kernel(row_ptr, meta_table_ptr, token_ptr, rank, L, world_size, BLOCK_L: tl.constexpr):
+    order_after(token_ptr)
     for i_peer in range(tl.program_id(0), world_size, tl.num_programs(0)):
         p_meta = tl.load(meta_table_ptr + i_peer).to(tl.pointer_type(tl.int64))
         for i_l in range(tl.cdiv(L, BLOCK_L)):
@@ -176,22 +184,55 @@ def _put_meta_kernel(row_ptr, meta_table_ptr, rank, L, world_size, BLOCK_L: tl.c
             tl.store(p_meta + rank * L + o_l, b_row, mask=m_l)
 
 
-def put_meta(send_row: torch.Tensor, meta_table: torch.Tensor, rank: int, max_programs: Optional[int] = None) -> None:
+def put_meta(send_row: torch.Tensor, meta_table: torch.Tensor, rank: int, token: Optional[torch.Tensor] = None,
+             max_programs: Optional[int] = None) -> None:
     """Write the int64 ``send_row`` (L,) into row ``rank`` of every rank's (W, L) metadata buffer:
-    a program per peer, or at most ``max_programs`` striding over them (an SM budget)."""
+    a program per peer, or at most ``max_programs`` striding over them (an SM budget). token:
+    as put_rows'."""
     L, W = send_row.numel(), meta_table.numel()
     send_row, meta_table = send_row.contiguous(), meta_table.contiguous()
     block_l = triton.next_power_of_2(max(1, min(L, 1024)))
     grid = program_grid(W, 1, max_programs)[:1]
     with LAUNCH_LOCK:
-        launch(_put_meta_kernel, send_row)[grid](send_row, meta_table, rank, L, W, BLOCK_L=block_l)
+        launch(_put_meta_kernel, send_row)[grid](send_row, meta_table, _token(token, send_row), rank, L, W,
+                                                 BLOCK_L=block_l)
+
+
+@triton.jit
+def _read_region_kernel(table_ptr, index, out_ptr, token_ptr, n, BLOCK: tl.constexpr):
+    order_after(token_ptr)
+    p_src = tl.load(table_ptr + index).to(tl.pointer_type(out_ptr.dtype.element_ty))
+    for i in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
+        o = i + tl.arange(0, BLOCK)
+        tl.store(out_ptr + o, tl.load(p_src + o, mask=o < n), mask=o < n)
+
+
+def read_region(src: Region, token: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A fresh copy of the region ``src`` (small: the metadata), in one program. token: as put_rows'."""
+    out = torch.empty(src.shape, dtype=src.dtype, device=src.table.device)
+    n = out.numel()
+    with LAUNCH_LOCK:
+        launch(_read_region_kernel, out)[(1,)](src.table, src.index, out, _token(token, out), n,
+                                               BLOCK=triton.next_power_of_2(max(1, min(n, 1024))))
+    return out
+
+
+def _token(token: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    return token if token is not None else torch.empty(1, dtype=torch.int64, device=like.device)
 
 
 @triton.jit
 def _copy_out_kernel(
-    recv_ptr, tags_ptr, num_routed_ptr, out_ptr, tail_ptr, row_src_ptr, n_rows, X, X_OUT,
+    recv_table_ptr, recv_index, tags_table_ptr, tags_index, num_routed_ptr, out_ptr, tail_ptr, row_src_ptr,
+    token_ptr, n_rows, X, X_OUT,
     HAS_TAIL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
+    order_after(token_ptr)
+    # NB: the regions' bases are loaded here, not in a helper: inductor's analysis of which
+    # arguments a kernel writes would see a store through a helper's result as a store into the
+    # helper's arguments (the address tables, constants of the graph).
+    recv_ptr = tl.load(recv_table_ptr + recv_index).to(tl.pointer_type(out_ptr.dtype.element_ty))
+    tags_ptr = tl.load(tags_table_ptr + tags_index).to(tl.pointer_type(tl.int64))
     n_routed = tl.load(num_routed_ptr)  # rows [0, n_routed) of out are written, the rest left as they are
     for i_r in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_R), tl.num_programs(0)):  # row blocks
         o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR]
@@ -223,29 +264,34 @@ def _copy_out_kernel(
 
 
 def copy_out(
-    recv: torch.Tensor, tags: torch.Tensor, num_routed: torch.Tensor, out: torch.Tensor, row_src: torch.Tensor,
+    recv: Region, tags: Region, num_routed: torch.Tensor, out: torch.Tensor, row_src: torch.Tensor,
     tail: Optional[torch.Tensor] = None,
+    token: Optional[torch.Tensor] = None,
     max_programs: Optional[int] = None,
 ) -> None:
     """Copy the first n = ``num_routed`` rows of this rank's receive buffer recv (C, X) into
-    ``out``, zero where no row arrived; rows [n, C) of ``out`` are not written. ``num_routed``: a
+    ``out``, zero where no row arrived; rows [n, C) of ``out`` are not written. recv and tags:
+    regions named by address (``_config.Region``), tags (C, 1) int64. ``num_routed``: a
     one-element int64 tensor on the device (read by the kernel: no host sync). ``row_src`` (C,)
     gets each row's tag (-1 past n); the tags are reset to -1 for the next call. With ``tail``
     (C, X - X_out) of recv's dtype, out (C, X_out) takes the first X_out columns of each row and
     tail the rest (fp8 wire rows into values and scale bytes, no copy of the whole buffer).
-    ``max_programs``: at most that many programs, each striding over row blocks (an SM budget)."""
+    ``max_programs``: at most that many programs, each striding over row blocks (an SM budget).
+    token: as put_rows'."""
     C, X = recv.shape
     if C == 0:
+        if token is not None:
+            token.zero_()
         return
-    require_contiguous("copy_out", tags=tags, out=out, row_src=row_src, tail=tail)
+    require_contiguous("copy_out", out=out, row_src=row_src, tail=tail)
     x_out = X if tail is None else out.shape[1]
     if tail is not None and (tail.dtype != recv.dtype or out.dtype != recv.dtype or tail.shape[1] != X - x_out):
         raise ValueError(f"copy_out: out and tail must split recv's {X} columns in its dtype {recv.dtype}, got "
                          f"{out.dtype} {tuple(out.shape)} and {tail.dtype} {tuple(tail.shape)}")
-    recv = recv.contiguous()
-    blocks = row_blocks("copy_out", C, X, recv.element_size(), max_programs)
+    blocks = row_blocks("copy_out", C, X, out.element_size(), max_programs)
     with LAUNCH_LOCK:  # NB: one program per row block across all of X (see the kernel)
         launch(_copy_out_kernel, out)[program_grid(blocks.grid(C, X)[0], 1, max_programs)[:1]](
-            recv, tags, num_routed, out, tail if tail is not None else out, row_src, C, X, x_out,
+            recv.table, recv.index, tags.table, tags.index, num_routed, out, tail if tail is not None else out,
+            row_src, _token(token, out), C, X, x_out,
             HAS_TAIL=tail is not None, BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H, num_warps=blocks.num_warps,
         )

@@ -18,22 +18,31 @@ over token blocks i, i + P, ... (``_config.program_grid``: an SM budget); same r
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import triton
 import triton.language as tl
 
-from ._config import LAUNCH_LOCK, launch, cast_rne, program_grid, require_contiguous, row_blocks, tl_acc_dtype, upcast
+from ._config import (LAUNCH_LOCK, cast_rne, launch, order_after, program_grid,
+                      require_contiguous, row_blocks, tl_acc_dtype, upcast)
+from .region import Region
 
 
 @triton.jit
 def _topk_reduce_kernel(
-    ret_ptr, position_ptr, slot_dst_ptr, weights_ptr, y_ptr, returned_ptr,
+    ret_ptr, ret_index, position_ptr, slot_dst_ptr, weights_ptr, y_ptr, returned_ptr, token_ptr,
     T, H, n_valid,
+    RET_AT_ADDRESS: tl.constexpr, HAS_TOKEN: tl.constexpr,
     K: tl.constexpr, HAS_SLOT_DST: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SAVE_RETURNED: tl.constexpr,
     ACC_DTYPE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
+    if HAS_TOKEN:
+        order_after(token_ptr)
+    if RET_AT_ADDRESS:  # ret_ptr: an address table (a Region)
+        p_ret = tl.load(ret_ptr + ret_index).to(tl.pointer_type(y_ptr.dtype.element_ty))
+    else:
+        p_ret = ret_ptr
     for i_t in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):  # token blocks
         o_t = (i_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BT] tokens
         m_t = o_t < T
@@ -47,7 +56,7 @@ def _topk_reduce_kernel(
                 m_row = m_t & (b_pos >= 0) & (b_pos < n_valid)  # n_valid <= the rows of ret (launcher)
                 if HAS_SLOT_DST:
                     m_row = m_row & (tl.load(slot_dst_ptr + o_t * K + k, mask=m_t, other=-1) >= 0)
-                p_row = ret_ptr + b_pos[:, None] * H + o_h[None, :]
+                p_row = p_ret + b_pos[:, None] * H + o_h[None, :]
                 b_row = tl.load(p_row, mask=m_row[:, None] & m_h, other=0)  # [BT, BH]
                 if SAVE_RETURNED:
                     tl.store(returned_ptr + b_pos[:, None] * H + o_h[None, :], b_row, mask=m_pos[:, None] & m_h)
@@ -61,7 +70,7 @@ def _topk_reduce_kernel(
 
 
 def topk_reduce(
-    ret: torch.Tensor,
+    ret: Union[torch.Tensor, Region],
     position: torch.Tensor,
     slot_dst: Optional[torch.Tensor],
     weights: Optional[torch.Tensor],
@@ -70,31 +79,38 @@ def topk_reduce(
     acc_dtype: torch.dtype,
     num_valid: Optional[int] = None,
     max_programs: Optional[int] = None,
+    token: Optional[torch.Tensor] = None,
 ) -> None:
     """y (T, H) = weighted sum over k of the returned rows ``ret[position[t, k]]`` (n, H) of the
     valid slots; ``returned`` (N, H), when given, receives every slot's row in send order (zero
     for unsent slots). A slot is valid if its position is below ``num_valid`` (default: n) and,
     when slot_dst (N,) is given, it sent its row (``slot_dst[t * K + k] >= 0``); any other slot
     adds nothing, whatever its weight (T, K). ``max_programs``: at most that many programs (an SM
-    budget), each striding over token blocks."""
+    budget), each striding over token blocks. ret: a tensor, or a region of y's dtype named by
+    address (``_config.Region``: symm_mem's returned rows). token: as ``put_rows``'."""
     T, K = position.shape
     H = y.shape[1]
     if T == 0 or H == 0:
+        if token is not None:
+            token.zero_()
         return
     require_contiguous("topk_reduce", y=y, returned=returned)
     n_valid = ret.shape[0] if num_valid is None else num_valid
     if not 0 <= n_valid <= ret.shape[0]:
         raise ValueError(f"topk_reduce: num_valid = {num_valid} outside [0, {ret.shape[0]}] (rows of ret)")
-    ret, position, slot_dst, weights = (
-        None if t is None else t.contiguous() for t in (ret, position, slot_dst, weights)
-    )
-    blocks = row_blocks("topk_reduce", T, H, ret.element_size(), max_programs)
+    at_address = isinstance(ret, Region)
+    if at_address and ret.dtype != y.dtype:
+        raise ValueError(f"topk_reduce: the region ret holds {ret.dtype} rows, y is {y.dtype}")
+    position, slot_dst, weights = (None if t is None else t.contiguous() for t in (position, slot_dst, weights))
+    ret_ptr, ret_index = (ret.table, ret.index) if at_address else (ret.contiguous(), 0)
+    blocks = row_blocks("topk_reduce", T, H, torch.empty((), dtype=ret.dtype).element_size(), max_programs)
     with LAUNCH_LOCK:
         launch(_topk_reduce_kernel, y)[program_grid(*blocks.grid(T, H), max_programs)](
-            ret, position, slot_dst if slot_dst is not None else position,
+            ret_ptr, ret_index, position, slot_dst if slot_dst is not None else position,
             weights if weights is not None else y, y,
-            returned if returned is not None else y, T, H, n_valid,
-            K=K, HAS_SLOT_DST=slot_dst is not None, HAS_WEIGHTS=weights is not None,
+            returned if returned is not None else y, token if token is not None else position, T, H, n_valid,
+            RET_AT_ADDRESS=at_address, HAS_TOKEN=token is not None, K=K, HAS_SLOT_DST=slot_dst is not None,
+            HAS_WEIGHTS=weights is not None,
             SAVE_RETURNED=returned is not None, ACC_DTYPE=tl_acc_dtype(acc_dtype),
             BLOCK_T=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H, num_warps=blocks.num_warps,
         )

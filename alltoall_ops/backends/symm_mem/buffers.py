@@ -277,9 +277,11 @@ class SymmBuffers(OpaqueBase):
         self.ret = region(RET, cfg.dtype, (self.max_slots, H))
         self.meta = region(META, torch.int64, (W, self.meta_columns))
         self.tags.fill_(-1)
-        self.table = torch.tensor(
-            [[base + off for base in segments.bases] for off in offsets], dtype=torch.int64, device=cfg.device
-        )  # (4, W)
+        # (W,) int64 base addresses of region i (RECV, TAGS, RET, META) on every rank; immutable. NB:
+        # one tensor per region, so that compiled code holds each as a constant and indexes none
+        # of them with a torch op (inductor would fold it on the real tensor).
+        self.tables = tuple(torch.tensor([base + off for base in segments.bases], dtype=torch.int64, device=cfg.device)
+                            for off in offsets)
         segments.setup_barrier()  # every rank's tags are -1 before any peer writes
         logger.info("%r: %.1f MiB per rank (%s)", self, segment_bytes / 2**20, type(segments).__name__)
 

@@ -8,10 +8,11 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from ... import layout, overlap
-from ..._compat import input_grads, inputs_as, named_inputs
+from ..._compat import graph_constant, input_grads, inputs_as, named_inputs
 from ...comm import comm_op
 from ...errors import CapacityError, GroupMismatchError, PeerInputError, RoutingError
 from ...kernels import loader
+from ...kernels.region import Region
 from ...payload import FORMATS, PLAIN
 from ...rows import accumulation_dtype, weight_grad_op
 from .buffers import ALIGNMENT, CALL, FAILED, META, N_SLOTS, RECV, RET, TAGS, SymmBuffers, check_payload
@@ -115,9 +116,45 @@ class SlotArgs(NamedTuple):
 # peers' buffers, barrier (all writes landed), copy out of our own buffers into fresh tensors.
 # Both barriers are stamped with the op and the call number of its metadata exchange (call_1,
 # device data): ranks out of step raise (CUDA: trap) there, before anything moves.
+#
+# Compiled on CUDA (buffers whose barriers are device work), each op's body is inlined: its
+# kernels are launched by inductor's code. They reach the buffers through the address tables (graph
+# constants: ``_addresses``), and every kernel of a body sets one (1,) token, which orders
+# them as written and ends in a device-side assert that dead-code elimination keeps
+# (``_keep_alive``); docs/design.md ("symm_mem ops in compiled graphs").
 
 
-@comm_op("symm_exchange_meta")
+def _inlined(bound: dict) -> bool:
+    """Whether a call's body is traced into compiled graphs (``_compat.custom_op(inline=...)``)."""
+    buffers = bound["buffers"]
+    return buffers.device.type == "cuda" and buffers._segments.device_ordered
+
+
+def _addresses(buffers: SymmBuffers) -> tuple[torch.Tensor, ...]:
+    """The buffers' address tables (W,) of RECV, TAGS, RET and META, constants of compiled code."""
+    return tuple(graph_constant(t) for t in buffers.tables)
+
+
+def _own(buffers: SymmBuffers, tables: tuple[torch.Tensor, ...], region: int, shape: tuple[int, int],
+         dtype: torch.dtype) -> Region:
+    """This rank's ``region`` (RECV, TAGS, RET, META) of the buffers, named by address."""
+    return Region(tables[region], buffers.rank, shape, dtype)
+
+
+def _token(like: torch.Tensor) -> torch.Tensor:
+    """A fresh (1,) ordering token (``kernels._config.order_after``)."""
+    return torch.empty(1, dtype=torch.int64, device=like.device)
+
+
+def _keep_alive(token_1: torch.Tensor, op: str) -> None:
+    """Traced: a device-side assert on the op's token (its kernels set it to 0), a side effect that
+    keeps every kernel of the op in the graph even where no output is used (a peer waits for our
+    writes). Eager code runs what it calls: nothing to do."""
+    if type(token_1) is not torch.Tensor:
+        torch._assert_async(token_1 == 0, f"alltoall_ops {op}: a kernel of the exchange did not run")
+
+
+@comm_op("symm_exchange_meta", inline=_inlined)
 def symm_exchange_meta_op(send_row_L: torch.Tensor, buffers: SymmBuffers, expert_alignment: int) -> torch.Tensor:
     """(L,) int64 metadata row of this rank -> meta (W, L), row s from rank s (an all-gather).
 
@@ -129,13 +166,15 @@ def symm_exchange_meta_op(send_row_L: torch.Tensor, buffers: SymmBuffers, expert
         meta_WL = send_row_L.clone().view(1, -1)
         _check_meta(meta_WL, buffers, expert_alignment, meta_WL[0, buffers.num_experts + CALL :][:1])
         return meta_WL
+    W, L = buffers.world_size, send_row_L.shape[0]
+    tables, token_1 = _addresses(buffers), _token(send_row_L)
     row_L = send_row_L.clone()
     call_1 = row_L[buffers.num_experts + CALL : buffers.num_experts + CALL + 1]
-    buffers._segments.barrier(META_OP, call_1, advance=True)
-    loader.load().put_meta(row_L, buffers.table[META], buffers.rank, max_programs=buffers.num_sms)
-    buffers._segments.barrier(META_OP, call_1)
-    meta_WL = buffers.meta.clone()
-    _check_meta(meta_WL, buffers, expert_alignment, call_1)
+    buffers._segments.barrier(META_OP, call_1, advance=True, token=token_1)
+    loader.load().put_meta(row_L, tables[META], buffers.rank, token=token_1, max_programs=buffers.num_sms)
+    buffers._segments.barrier(META_OP, call_1, token=token_1)
+    meta_WL = loader.load().read_region(_own(buffers, tables, META, (W, L), torch.int64), token=token_1)
+    _check_meta(meta_WL, buffers, expert_alignment, call_1)  # NB: its assert keeps the chain alive
     return meta_WL
 
 
@@ -145,7 +184,7 @@ def _(send_row_L, buffers, expert_alignment):
     return send_row_L.new_empty(buffers.world_size, send_row_L.shape[0])
 
 
-@comm_op("symm_dispatch")
+@comm_op("symm_dispatch", inline=_inlined)
 @overlap.startable
 def symm_dispatch_op(
     x_TH: torch.Tensor,
@@ -178,7 +217,7 @@ def symm_dispatch_op(
     if fmt is PLAIN:
         values_CH, scale_CB = x_TH.new_empty(C, H), None
         row_src_C = _put_rows_and_copy_out(x_TH, scale_TK, position_TK, slot_dst_N, num_routed_1, call_1,
-                                           buffers, buffers.recv, values_CH)
+                                           buffers, values_CH)
     else:
         # NB: each slot moves one wire row (values' bytes, then its scales'); the copy-out splits
         # the received ones into values and scale bytes, rows < n only.
@@ -186,7 +225,7 @@ def symm_dispatch_op(
         values_CH = x_TH.new_empty(C, H, dtype=torch.uint8)
         scale_CB = x_TH.new_empty(C, fmt.scale_columns(H), dtype=fmt.scale_dtype)
         row_src_C = _put_rows_and_copy_out(rows_TP, None, position_TK, slot_dst_N, num_routed_1, call_1, buffers,
-                                           buffers.recv_packed, values_CH, scale_CB.view(torch.uint8))
+                                           values_CH, scale_CB.view(torch.uint8))
     return (*fmt.decode(values_CH, scale_CB, out_dtype, num_routed_1, buffers.num_sms), row_src_C)
 
 
@@ -198,29 +237,32 @@ def _put_rows_and_copy_out(
     num_routed_1: torch.Tensor,
     call_1: torch.Tensor,
     buffers: SymmBuffers,
-    recv_CX: torch.Tensor,
     out_CX: torch.Tensor,
     tail: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The body of a dispatch: entry barrier, each slot's row of ``rows_TX`` (T, X) (times its
-    scale) into the peers' RECV region with its tag, barrier, then this rank's ``recv_CX`` (the
-    RECV region viewed as (C, X) rows of rows_TX's dtype) copied out into ``out_CX`` (with
+    scale) into the peers' RECV region with its tag, barrier, then this rank's RECV region
+    (viewed as (C, X) rows of rows_TX's dtype) copied out into ``out_CX`` (with
     ``tail``: its first columns, the rest into tail; rows past num_routed not written).
     Returns row_src (C,)."""
     k = loader.load()
-    K = position_TK.shape[1]
+    K, C = position_TK.shape[1], buffers.capacity
     acc = accumulation_dtype(rows_TX.dtype, *(() if scale_TK is None else (scale_TK.dtype,)))
-    buffers._segments.barrier(DISPATCH_OP, call_1)
-    # NB: the kernel reads the pointer table as addresses of rows_TX's dtype: recv_CX's layout.
+    tables, token_1 = _addresses(buffers), _token(rows_TX)
+    buffers._segments.barrier(DISPATCH_OP, call_1, token=token_1)
+    # NB: the kernel reads the pointer table as addresses of rows_TX's dtype: the RECV region's rows.
     k.put_rows(
-        rows_TX, slot_dst_N, buffers.capacity, buffers.table[RECV],
-        top_k=K, scale=scale_TK, tags_table=buffers.table[TAGS],
+        rows_TX, slot_dst_N, C, tables[RECV],
+        top_k=K, scale=scale_TK, tags_table=tables[TAGS],
         tag_index=position_TK.reshape(-1), tag_base=buffers.rank * buffers.max_slots, acc_dtype=acc,
-        max_programs=buffers.num_sms,
+        token=token_1, max_programs=buffers.num_sms,
     )
-    buffers._segments.barrier(DISPATCH_OP, call_1)
-    row_src_C = torch.empty(buffers.capacity, dtype=torch.int64, device=rows_TX.device)
-    k.copy_out(recv_CX, buffers.tags, num_routed_1, out_CX, row_src_C, tail=tail, max_programs=buffers.num_sms)
+    buffers._segments.barrier(DISPATCH_OP, call_1, token=token_1)
+    row_src_C = torch.empty(C, dtype=torch.int64, device=rows_TX.device)
+    recv_CX = _own(buffers, tables, RECV, (C, rows_TX.shape[1]), rows_TX.dtype)
+    k.copy_out(recv_CX, _own(buffers, tables, TAGS, (C, 1), torch.int64), num_routed_1, out_CX, row_src_C, tail=tail,
+               token=token_1, max_programs=buffers.num_sms)
+    _keep_alive(token_1, "symm_dispatch")
     return row_src_C
 
 
@@ -263,7 +305,7 @@ def _symm_dispatch_backward(ctx, grad_routed_CH, _grad_scale_CB, _grad_row_src_C
 symm_dispatch_op.register_autograd(_symm_dispatch_backward, setup_context=_symm_dispatch_setup_context)
 
 
-@comm_op("symm_combine")
+@comm_op("symm_combine", inline=_inlined)
 @overlap.startable
 def symm_combine_op(
     expert_out_CH: torch.Tensor,
@@ -286,19 +328,27 @@ def symm_combine_op(
     num_routed_1: dispatch's, for the backward (a dispatch). call_1: (1,) int64, the call number
     of the dispatch's metadata exchange (its barriers' stamp). async_op: as symm_dispatch's."""
     k = loader.load()
-    T, K = position_TK.shape
-    buffers._segments.barrier(COMBINE_OP, call_1)
-    k.put_rows(expert_out_CH, row_src_C, buffers.max_slots, buffers.table[RET], count=num_routed_1,
-               max_programs=buffers.num_sms)
-    buffers._segments.barrier(COMBINE_OP, call_1)
-    H = expert_out_CH.shape[1]
+    (T, K), H = position_TK.shape, expert_out_CH.shape[1]
     y_TH = expert_out_CH.new_empty(T, H)
     returned_NH = expert_out_CH.new_empty(T * K if save_returned else 0, H)
     acc = accumulation_dtype(expert_out_CH.dtype, *(() if weights_TK is None else (weights_TK.dtype,)))
+    token_1 = _token(expert_out_CH)
+    if buffers.world_size == 1 and not save_returned:
+        # NB: one rank: every row is where the reduction reads it (slot_dst = row), nothing to move
+        k.topk_reduce(expert_out_CH, slot_dst_N.view(T, K), slot_dst_N, weights_TK, y_TH, None, acc,
+                      max_programs=buffers.num_sms, token=token_1)
+        _keep_alive(token_1, "symm_combine")
+        return y_TH, returned_NH
+    tables = _addresses(buffers)
+    buffers._segments.barrier(COMBINE_OP, call_1, token=token_1)
+    k.put_rows(expert_out_CH, row_src_C, buffers.max_slots, tables[RET], count=num_routed_1, token=token_1,
+               max_programs=buffers.num_sms)
+    buffers._segments.barrier(COMBINE_OP, call_1, token=token_1)
     k.topk_reduce(
-        buffers.ret, position_TK, slot_dst_N, weights_TK, y_TH,
-        returned_NH if save_returned else None, acc, max_programs=buffers.num_sms,
+        _own(buffers, tables, RET, (buffers.max_slots, H), expert_out_CH.dtype), position_TK, slot_dst_N, weights_TK,
+        y_TH, returned_NH if save_returned else None, acc, max_programs=buffers.num_sms, token=token_1,
     )
+    _keep_alive(token_1, "symm_combine")
     return y_TH, returned_NH
 
 

@@ -15,7 +15,7 @@ import os
 import tempfile
 import threading
 import uuid
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -60,12 +60,17 @@ class _Segments:
 
     local: torch.Tensor
     bases: list[int]
+    device_ordered = True
+    """Whether the barriers are device work (or nothing), so that an op's body is a sequence of
+    kernels compiled code can launch with no Python between them (it is then inlined)."""
 
-    def barrier(self, op: int, call_1: torch.Tensor, advance: bool = False) -> None:
+    def barrier(self, op: int, call_1: torch.Tensor, advance: bool = False,
+                token: Optional[torch.Tensor] = None) -> None:
         """Return once every rank has reached the barrier (in device order for device work),
         stamped ``stamp(op, call_1)``. call_1: (1,) int64 on the device; with ``advance`` (the
         metadata exchange) first set to this rank's next call number on the segments. One rank
-        has no peers: nothing to wait for or compare, call_1 is left as it is."""
+        has no peers: nothing to wait for or compare, call_1 is left as it is. token: the op's
+        ordering token (``kernels._config.order_after``), which a barrier kernel sets."""
 
     def setup_barrier(self) -> None:
         """A host-level barrier for set-up, before any op runs."""
@@ -90,6 +95,8 @@ class _SharedMemorySegments(_Segments):
     segment (pad[i % 2, s]: rank s's stamp at barrier i; a peer writes pad i % 2 again only after
     barrier i + 1, which this rank enters after reading it)."""
 
+    device_ordered = False
+
     def __init__(self, nbytes: int, group: Group, timeout: float):
         self._pg = process_group(group.name)
         self._rank, self._timeout = group.rank, timeout
@@ -112,7 +119,8 @@ class _SharedMemorySegments(_Segments):
         self._barriers = 0  # barriers passed: selects the pad
         self._calls = 0  # metadata exchanges so far
 
-    def barrier(self, op: int, call_1: torch.Tensor, advance: bool = False) -> None:
+    def barrier(self, op: int, call_1: torch.Tensor, advance: bool = False,
+                token: Optional[torch.Tensor] = None) -> None:
         if advance:
             self._calls += 1
             call_1.fill_(self._calls)
@@ -142,6 +150,11 @@ class _CudaSymmetricSegments(_Segments):
     """CUDA symmetric memory (one process per GPU): ``empty`` + ``rendezvous``; barriers are a
     kernel on the signal pads."""
 
+    # NB: not inlined yet. The barrier kernel's inline PTX (the deadline's timer, the trap) stops
+    # inductor's analysis of which arguments a kernel writes, which then takes every tensor
+    # argument for written, the address tables (constants) included; docs/design.md.
+    device_ordered = False
+
     def __init__(self, nbytes: int, group: Group, device: torch.device, timeout: float):
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -160,10 +173,15 @@ class _CudaSymmetricSegments(_Segments):
         self.bases = list(self._handle.buffer_ptrs)
         self.pads_table = torch.tensor(list(self._handle.signal_pad_ptrs), dtype=torch.int64, device=device)
         self._calls_1 = torch.zeros(1, dtype=torch.int64, device=device)  # metadata exchanges so far
+        # NB: compiled code holds the addresses (immutable) as constants, never the counter itself
+        self._calls_address = torch.tensor([self._calls_1.data_ptr()], dtype=torch.int64, device=device)
 
-    def barrier(self, op: int, call_1: torch.Tensor, advance: bool = False) -> None:
-        loader.load().barrier(self.pads_table, self._rank, self._timeout, op, call_1,
-                              self._calls_1 if advance else None)
+    def barrier(self, op: int, call_1: torch.Tensor, advance: bool = False,
+                token: Optional[torch.Tensor] = None) -> None:
+        from ..._compat import graph_constant
+
+        loader.load().barrier(graph_constant(self.pads_table), self._rank, self._timeout, op, call_1,
+                              graph_constant(self._calls_address) if advance else None, token)
 
     def setup_barrier(self) -> None:
         torch.cuda.synchronize(self.local.device)
@@ -188,7 +206,10 @@ class _SimulatedSegments(_Segments):
         self._rank, self._board = rank, board  # board: one slot per rank, shared by the threads
         self._calls_1 = torch.zeros(1, dtype=torch.int64, device=local.device)  # metadata exchanges so far
 
-    def barrier(self, op: int, call_1: torch.Tensor, advance: bool = False) -> None:
+    device_ordered = False  # a thread barrier: Python between the kernels
+
+    def barrier(self, op: int, call_1: torch.Tensor, advance: bool = False,
+                token: Optional[torch.Tensor] = None) -> None:
         if advance:
             call_1.copy_(self._calls_1.add_(1))
         self._barrier.wait()

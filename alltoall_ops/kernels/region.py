@@ -1,0 +1,27 @@
+"""Memory a kernel reaches by address (imports no Triton: the ops name regions of the buffers)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class Region(NamedTuple):
+    """A contiguous (rows, columns) array of ``dtype`` named by its address: ``table[index]``
+    (an int64 on the device) holds its base. Kernels reach the symm_mem buffers this way, so that
+    compiled code needs only the immutable address table as a constant, never the buffers (which
+    a compile cache would copy, and CUDA graphs would copy into their pool)."""
+
+    table: torch.Tensor
+    index: int
+    shape: tuple[int, int]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "Region":
+        """The region of a contiguous 2-D (or 1-D: one column) tensor ``t`` (eager code and tests)."""
+        if not t.is_contiguous():
+            raise ValueError(f"Region.of: the tensor must be contiguous, got strides {t.stride()}")
+        shape = (t.shape[0], t.numel() // max(t.shape[0], 1) if t.dim() > 1 else 1)
+        return cls(torch.tensor([t.data_ptr()], dtype=torch.int64, device=t.device), 0, shape, t.dtype)

@@ -1,0 +1,139 @@
+"""symm_mem's ops inlined into compiled graphs on a CUDA GPU (docs/design.md, "symm_mem ops in
+compiled graphs"): inductor launches their kernels (no ``torch.ops.alltoall_ops.symm_*`` call
+left in its code), the results equal eager bit for bit, forward and backward (on torch
+symmetric memory too, one rank, where the barrier kernels keep the ops opaque); the row moves
+run in the order written; a dispatch whose outputs are unused still exchanges; under
+``a2a.sac_policy()`` the backward does not run the forward's exchange again."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+from torch.utils.checkpoint import checkpoint
+
+import alltoall_ops as a2a
+
+pytestmark = pytest.mark.gpu
+
+T, H, K, E = 96, 256, 4, 16
+
+
+@pytest.fixture(scope="module")
+def group():
+    """A one-rank NCCL group: torch symmetric memory needs one."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+        dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def _buffers(allocator: str) -> a2a.SymmBuffers:
+    return a2a.SymmBuffers(T, H, K, E, dtype=torch.bfloat16, device="cuda", allocator=allocator)
+
+
+def _inputs(seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    scores = torch.randn(T, E, device="cuda", generator=g).softmax(-1)
+    weights, idx = scores.topk(K, dim=-1)
+    return x, idx, weights
+
+
+def _layer(bufs):
+    def step(x, idx, weights):
+        routed, tokens_per_expert, handle = a2a.dispatch(x, idx, num_experts=E, buffers=bufs)
+        expert_out = routed * 2  # rows past tokens_per_expert.sum() are not read by combine
+        return a2a.combine(expert_out, handle, weights)
+
+    return step
+
+
+def _launches(code: str, kernel: str) -> list[int]:
+    """Where ``code`` (inductor's) launches ``kernel`` (a Triton kernel's name)."""
+    return [m.start() for m in re.finditer(rf"\b{kernel}_\d+\.run\(", code)]
+
+
+def test_inlined_forward_equals_eager(group):
+    bufs = _buffers("auto")
+    step = _layer(bufs)
+    compiled = torch.compile(step, fullgraph=True)
+    for seed in range(3):  # one compilation over routings
+        x, idx, weights = _inputs(seed)
+        want = step(x, idx, weights)
+        if seed == 0:
+            got, (code, *_) = run_and_get_code(compiled, x, idx, weights)
+        else:
+            got, code = compiled(x, idx, weights), ""
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        if seed == 0:
+            assert "alltoall_ops.symm_" not in code, "a symm_mem op is still called, not inlined"
+            (put,), (out,) = _launches(code, "_put_rows_kernel"), _launches(code, "_copy_out_kernel")
+            assert put < out, "the copy-out was moved before the put it reads"
+
+
+@pytest.mark.parametrize("allocator", ["auto", "symmetric"])
+def test_inlined_backward_equals_eager(group, allocator):
+    bufs = _buffers(allocator)
+    step = _layer(bufs)
+    compiled = torch.compile(step, fullgraph=True)
+    for seed in range(2):
+        x, idx, weights = _inputs(seed)
+        grads = []
+        for fn in (step, compiled):
+            xr, wr = x.clone().requires_grad_(), weights.clone().requires_grad_()
+            y = fn(xr, idx, wr)
+            (y.float() * torch.arange(H, device="cuda")).sum().backward()
+            grads.append((y, xr.grad, wr.grad))
+        for want, got in zip(*grads):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_unused_outputs_still_exchange(group):
+    # Only tokens_per_expert is returned: the dispatch's put and copy-out stay in the graph (a
+    # peer waits for them), kept by the assert on their token.
+    bufs = _buffers("auto")
+
+    def counts_only(x, idx):
+        _, tokens_per_expert, _ = a2a.dispatch(x, idx, num_experts=E, buffers=bufs)
+        return tokens_per_expert
+
+    x, idx, _ = _inputs(0)
+    got, (code, *_) = run_and_get_code(torch.compile(counts_only, fullgraph=True), x, idx)
+    torch.testing.assert_close(got, counts_only(x, idx))
+    for kernel in ("_put_rows_kernel", "_copy_out_kernel"):
+        assert _launches(code, kernel), f"{kernel} was eliminated"
+
+
+def test_sac_saves_the_exchange():
+    # Under selective checkpointing with the library's policy, the backward graph recomputes no
+    # forward exchange: its copy-outs are its own (the backward of combine is one dispatch).
+    bufs = _buffers("auto")
+    step = _layer(bufs)
+
+    def checkpointed(x, idx, weights):
+        return checkpoint(step, x, idx, weights, use_reentrant=False, context_fn=a2a.sac_policy)
+
+    x, idx, weights = _inputs(1)
+    xr = x.clone().requires_grad_()
+    compiled = torch.compile(checkpointed, fullgraph=True)
+
+    def forward_backward():
+        y = compiled(xr, idx, weights)
+        y.float().sum().backward()
+        return y
+
+    _, codes = run_and_get_code(forward_backward)
+    forward, backward = codes[0], codes[-1]
+    xe = x.clone().requires_grad_()
+    step(xe, idx, weights).float().sum().backward()
+    torch.testing.assert_close(xr.grad, xe.grad, rtol=0, atol=0)
+    assert len(_launches(forward, "_copy_out_kernel")) == 1
+    assert len(_launches(backward, "_copy_out_kernel")) == 1, "the backward ran the forward's dispatch again"
