@@ -49,7 +49,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from . import comm
-from ._compat import input_grads, is_compiling
+from ._compat import call, input_grads, is_compiling
 from .errors import GroupMismatchError
 from .groups import LOCAL, communication_group, process_group, resolve_group
 from .comm import comm_op
@@ -190,17 +190,32 @@ rank of the group posts for the next such exchange. The same on every rank: it c
 an exchange whose W headers every rank compared and found equal."""
 
 
-def _buffer(nbytes: Sequence[int], device: torch.device, header: Optional[torch.Tensor] = None) -> torch.Tensor:
+_held: dict[tuple[str, str], torch.Tensor] = {}
+"""(group name, "send" | "recv") -> the CPU bytes the group's exchanges reuse, as large as its
+largest exchange: a fresh CPU buffer of a few hundred KB costs more in page faults than gloo takes
+to move it. Only on the CPU, where an exchange has ended when it returns (gloo waits); CUDA's
+caching allocator reuses memory in stream order already."""
+
+
+def _buffer(nbytes: Sequence[int], device: torch.device, header: Optional[torch.Tensor] = None,
+            held: Optional[tuple[str, str]] = None) -> torch.Tensor:
     """An exchange's buffer of pieces of ``nbytes[r]`` bytes, ``header`` (PREFIX_BYTES uint8) at
     the start of each when given: (W, bytes) when the pieces are equal (gloo then runs its
-    alltoall, not the slower alltoallv), else 1-D. The rest is not written."""
-    W = len(nbytes)
+    alltoall, not the slower alltoallv), else 1-D. The rest is not written. On the CPU, the
+    bytes held for ``held`` (see :data:`_held`)."""
+    W, total = len(nbytes), sum(nbytes)
+    if device.type == "cpu" and held is not None:
+        memory = _held.get(held)
+        if memory is None or memory.numel() < total:
+            memory = _held[held] = torch.empty(total, dtype=torch.uint8)
+        buffer = memory[:total]
+    else:
+        buffer = torch.empty(total, dtype=torch.uint8, device=device)
     if len(set(nbytes)) == 1:
-        buffer = torch.empty(W, nbytes[0], dtype=torch.uint8, device=device)
+        buffer = buffer.view(W, nbytes[0])
         if header is not None:
             buffer[:, :PREFIX_BYTES] = header
         return buffer
-    buffer = torch.empty(sum(nbytes), dtype=torch.uint8, device=device)
     for start in _starts(nbytes) if header is not None else ():
         buffer[start : start + PREFIX_BYTES] = header
     return buffer
@@ -222,6 +237,47 @@ def _headers(buffer: torch.Tensor, nbytes: Sequence[int]) -> torch.Tensor:
     if buffer.ndim == 2:
         return buffer[:, :PREFIX_BYTES]
     return torch.stack([buffer[start : start + PREFIX_BYTES] for start in _starts(nbytes)])
+
+
+class _Views(NamedTuple):
+    """Views of the (W, bytes) buffers of an exchange whose pieces of each tensor have one shape."""
+    send: torch.Tensor  # (W, send bytes) uint8
+    received: torch.Tensor  # (W, recv bytes) uint8
+    send_headers: torch.Tensor  # (W, PREFIX_BYTES) uint8
+    received_headers: torch.Tensor  # (W, PREFIX_BYTES) uint8
+    send_pieces: list  # [i]: (W, *piece of xs[i]) in xs's dtype: where xs[i]'s pieces go
+    received_pieces: list  # [i]: output i's pieces, in the output's order with W before cat_dim (.., W, s, ..)
+    outputs: list  # [i]: output i's shape
+
+
+def _views(send: torch.Tensor, received: torch.Tensor, plan: "_Plan") -> _Views:
+    W = len(plan.send_bytes)
+    send_body, received_body = send[:, PREFIX_BYTES:].view(plan.dtype), received[:, PREFIX_BYTES:].view(plan.dtype)
+    send_pieces, received_pieces, outputs, col, row = [], [], [], 0, 0
+    for piece, shapes in zip(plan.send_pieces, plan.recv_shapes):
+        n = math.prod(piece)
+        send_pieces.append(send_body[:, col : col + n].view(W, *piece))
+        m = math.prod(shapes[0])
+        received_pieces.append(received_body[:, row : row + m].view(W, *shapes[0]).movedim(0, plan.cat_dim))
+        output = [*shapes[0]]
+        output[plan.cat_dim] *= W
+        outputs.append(output)
+        col, row = col + n, row + m
+    return _Views(send, received, send[:, :PREFIX_BYTES], received[:, :PREFIX_BYTES], send_pieces, received_pieces,
+                  outputs)
+
+
+def _held_views(group_name: str, plan: "_Plan") -> _Views:
+    """:func:`_views` of the group's held CPU bytes for ``plan``, made once while they are held."""
+    cached = plan.held_views
+    memory = cached.get("memory")
+    if memory is None or memory[0] is not _held.get((group_name, "send")) or \
+            memory[1] is not _held.get((group_name, "recv")):
+        send = _buffer(plan.send_bytes, torch.device("cpu"), held=(group_name, "send"))
+        received = _buffer(plan.recv_bytes, torch.device("cpu"), held=(group_name, "recv"))
+        cached["memory"] = (_held[(group_name, "send")], _held[(group_name, "recv")])
+        cached["views"] = _views(send, received, plan)
+    return cached["views"]
 
 
 def _pack(send: torch.Tensor, xs: Sequence[torch.Tensor], split_dim: int, sizes: list[list[int]],
@@ -270,14 +326,13 @@ def _unpack(received: torch.Tensor, nbytes: Sequence[int], dtype: torch.dtype,
             for i, shapes in enumerate(recv_shapes)]
 
 
-def _exchange(op: str, xs: Sequence[torch.Tensor], group_name: str, seq_dim: int, head_dim: int,
-              send_sizes: list[list[int]], recv_shapes: list[list[list[int]]], shapes: list,
-              attention: Sequence[int], agreed_sizes: bool) -> list[torch.Tensor]:
-    """Piece r of each ``xs[i]`` (``send_sizes[i][r]`` long along the dim ``op`` splits: heads for
-    seq_to_head, sequence for head_to_seq) to rank r, and for each i what arrives from ranks
-    0..W-1 (of ``recv_shapes[i]``) concatenated along the other dim, all in one all-to-all in xs's
-    dtype, this rank's header (``shapes``: the shapes every rank shares) at the start of every
-    piece, checked by :func:`_check_headers` on arrival.
+def _exchange(op: str, xs: Sequence[torch.Tensor], group_name: str, plan: "_Plan", attention: Sequence[int],
+              agreed_sizes: bool) -> list[torch.Tensor]:
+    """Piece r of each ``xs[i]`` (``plan.send_sizes[i][r]`` long along the dim ``op`` splits:
+    heads for seq_to_head, sequence for head_to_seq) to rank r, and for each i what arrives from
+    ranks 0..W-1 (of ``plan.recv_shapes[i]``) concatenated along the other dim, all in one
+    all-to-all in xs's dtype, this rank's header at the start of every piece, checked by
+    :func:`_check_headers` on arrival.
 
     The sizes of an exchange must agree between ranks before it is posted (gloo terminates a
     process that receives more bytes than it posted, and leaves the rest of a shorter piece
@@ -288,48 +343,70 @@ def _exchange(op: str, xs: Sequence[torch.Tensor], group_name: str, seq_dim: int
     agreed sizes (headers alone before the group's first exchange), and the exchange follows with
     its own sizes once every rank found every header equal to its own. Returns new contiguous
     tensors."""
-    W = _group_size(group_name)
+    W = len(plan.send_bytes)
     if W == 1:
         return [x.clone(memory_format=torch.contiguous_format) for x in xs]  # op outputs must not alias inputs
     x = xs[0]
-    split_dim, cat_dim = (head_dim, seq_dim) if op == "seq_to_head" else (seq_dim, head_dim)
-    key = (_MAGIC + _OPS.index(op), comm.shape_code(attention), comm.dtype_code(x.dtype), x.ndim, seq_dim, head_dim,
-           comm.shape_code([n for shape in shapes for n in shape]))
+    key = plan.key
     fields = [key[0], _exchanges[group_name], *key[1:]]
     _exchanges[group_name] += 1
     # NB: pinned on CUDA, so that the copy to the device does not sync (a CUDA graph would replay
     # the copy from that host memory: not capture-safe yet)
     header = torch.tensor(fields, dtype=torch.int64, pin_memory=x.is_cuda).to(x.device, non_blocking=True)
     header = header.view(torch.uint8)
-    size = x.element_size()
-    rest = [math.prod(n for d, n in enumerate(t.shape) if d != split_dim) for t in xs]  # elements per position
-    send_bytes = [PREFIX_BYTES + size * sum(n * s[r] for n, s in zip(rest, send_sizes)) for r in range(W)]
-    recv_bytes = [PREFIX_BYTES + size * sum(math.prod(s[r]) for s in recv_shapes) for r in range(W)]
 
     def described() -> dict:
         return {"ulysses_attention arguments": _attention_text(attention), "dtype": x.dtype, "ndim": x.ndim,
-                "seq_dim": seq_dim, "head_dim": head_dim, "shape": _shapes_text(shapes)}
+                "seq_dim": plan.seq_dim, "head_dim": plan.head_dim, "shape": _shapes_text(plan.shapes)}
 
-    agreed = agreed_sizes or _agreed.get(group_name, _Pieces((), (), ())).key == key
+    last = _agreed.get(group_name)
+    agreed = agreed_sizes or (last is not None and last.key == key)
     if not agreed:  # the headers first, in pieces of the sizes every rank posts
-        last = _agreed.get(group_name, _Pieces((), (PREFIX_BYTES,) * W, (PREFIX_BYTES,) * W))
-        received = _buffer(last.recv, x.device)
-        _all_to_all(op, group_name, received, _buffer(last.send, x.device, header), last.recv, last.send)
+        if last is None:
+            last = _Pieces((), (PREFIX_BYTES,) * W, (PREFIX_BYTES,) * W)
+        received = _buffer(last.recv, x.device, held=(group_name, "recv"))
+        send = _buffer(last.send, x.device, header, held=(group_name, "send"))
+        _all_to_all(op, group_name, received, send, last.recv, last.send)
         _check_headers(op, group_name, _headers(received, last.recv), header, described)
-        _agreed[group_name] = _Pieces(key, tuple(send_bytes), tuple(recv_bytes))
-    send, received = _buffer(send_bytes, x.device, header), _buffer(recv_bytes, x.device)
-    _pack(send, xs, split_dim, send_sizes, send_bytes)
-    _all_to_all(op, group_name, received, send, recv_bytes, send_bytes)
+        _agreed[group_name] = _Pieces(key, plan.send_bytes, plan.recv_bytes)
+    if plan.regular:  # (W, bytes) buffers: views made once per plan (and held memory)
+        if x.device.type == "cpu":
+            views = _held_views(group_name, plan)
+        else:
+            views = _views(*(torch.empty(W, n[0], dtype=torch.uint8, device=x.device)
+                             for n in (plan.send_bytes, plan.recv_bytes)), plan)
+        views.send_headers.copy_(header)
+        for t, piece, size in zip(xs, views.send_pieces, plan.send_sizes):
+            piece.copy_(t.unflatten(plan.split_dim, (W, size[0])).movedim(plan.split_dim, 0))  # the permute
+        _all_to_all(op, group_name, views.received, views.send, plan.recv_bytes, plan.send_bytes)
+        if agreed:  # (else every header was just compared)
+            _check_headers(op, group_name, views.received_headers, header, described)
+        outs = []
+        for piece, shape in zip(views.received_pieces, views.outputs):  # the permute back
+            out = torch.empty(shape, dtype=x.dtype, device=x.device)
+            out.view(piece.shape).copy_(piece)
+            outs.append(out)
+        return outs
+    send = _buffer(plan.send_bytes, x.device, header, held=(group_name, "send"))
+    received = _buffer(plan.recv_bytes, x.device, held=(group_name, "recv"))
+    _pack(send, xs, plan.split_dim, plan.send_sizes, plan.send_bytes)
+    _all_to_all(op, group_name, received, send, plan.recv_bytes, plan.send_bytes)
     if agreed:  # (else every header was just compared)
-        _check_headers(op, group_name, _headers(received, recv_bytes), header, described)
-    return _unpack(received, recv_bytes, x.dtype, recv_shapes, cat_dim)
+        _check_headers(op, group_name, _headers(received, plan.recv_bytes), header, described)
+    return _unpack(received, plan.recv_bytes, x.dtype, plan.recv_shapes, plan.cat_dim)
 
 
 def _all_to_all(op: str, group_name: str, received: torch.Tensor, send: torch.Tensor, recv_bytes: Sequence[int],
                 send_bytes: Sequence[int]) -> None:
-    """One all-to-all of :func:`_buffer`'s buffers: split sizes in bytes for 1-D ones, none for (W, bytes)."""
-    comm.all_to_all(op, group_name, received, send, None if received.ndim == 2 else list(recv_bytes),
-                    None if send.ndim == 2 else list(send_bytes))
+    """One all-to-all of :func:`_buffer`'s buffers: split sizes in bytes for 1-D ones, none for
+    (W, bytes). If it fails, the group's held bytes are let go (gloo may still write into them)."""
+    try:
+        comm.all_to_all(op, group_name, received, send, None if received.ndim == 2 else list(recv_bytes),
+                        None if send.ndim == 2 else list(send_bytes))
+    except BaseException:
+        _held.pop((group_name, "send"), None)
+        _held.pop((group_name, "recv"), None)
+        raise
 
 
 def _shapes_text(shapes: list) -> tuple:
@@ -384,14 +461,67 @@ def _full_shape(x: torch.Tensor, head_dim: int, num_heads: int) -> list:
     return shape
 
 
-def _agreed_dims(op: str, xs: Sequence[torch.Tensor], group_name: str, seq_dim: int, head_dim: int,
-                 num_heads: Optional[Sequence[int]] = None) -> tuple[int, int, list]:
+class _Plan(NamedTuple):
+    """What an exchange of given arguments does on this rank (see :func:`_plan`)."""
+    seq_dim: int
+    head_dim: int
+    split_dim: int  # the dim whose pieces go to the ranks
+    cat_dim: int  # the dim along which the received pieces are joined
+    shapes: list  # the shapes every rank shares (head_to_seq: with all num_heads heads)
+    send_sizes: list  # [i][r]: positions of xs[i] along split_dim for rank r
+    recv_shapes: list  # [i][r]: the shape of the piece of xs[i] from rank r
+    key: tuple  # the header but the exchange count
+    send_bytes: tuple  # [r]: bytes to rank r, header included
+    recv_bytes: tuple  # [r]: bytes from rank r, header included
+    regular: bool  # every piece of each tensor has one shape, both ways: (W, bytes) buffers
+    send_pieces: list  # [i]: the shape of xs[i]'s piece for each rank, when regular
+    dtype: torch.dtype
+    held_views: dict  # on the CPU: "memory" -> the held buffers, "views" -> their _Views
+
+
+_plans: dict = {}  # the arguments of an exchange -> its _Plan
+_MAX_PLANS = 256
+
+
+_groups: dict[str, Any] = {}  # group name -> the ProcessGroup the state above is about
+
+
+def _same_group(group_name: str) -> None:
+    """Forget the exchange count, the agreed sizes, the held bytes and the plans of a group name
+    that now names another ProcessGroup (destroyed and made again, perhaps with other ranks, in
+    other processes): every rank makes the new group, so every rank starts it afresh."""
+    if group_name == LOCAL:
+        return
+    pg = process_group(group_name)
+    if _groups.get(group_name) is not pg:
+        _groups[group_name] = pg
+        _exchanges.pop(group_name, None)
+        _agreed.pop(group_name, None)
+        _held.pop((group_name, "send"), None)
+        _held.pop((group_name, "recv"), None)
+        for args in [args for args in _plans if args[1] == group_name]:
+            del _plans[args]
+
+
+def _plan(op: str, xs: Sequence[torch.Tensor], group_name: str, seq_dim: int, head_dim: int,
+          num_heads: Optional[Sequence[int]], attention: Sequence[int]) -> _Plan:
     """The checks of ``op`` on each of ``xs`` (see :func:`_check_args`; one dtype and ndim for
-    all), then, in debug mode on a group, the ranks' agreement on their dtype, dims and the first
-    one's shape (for head_to_seq with all ``num_heads`` heads, since the ranks' head shares may
-    differ; ulysses_attention: q's, the header that follows names the caller's arguments), so a
-    rank whose own check failed is an error on every rank (``PeerInputError``). Returns the dims
-    and the shapes every rank shares."""
+    all) and what its exchange does: computed once per distinct arguments (the same arguments
+    pass the same checks), so that an exchange's host work is a lookup."""
+    _same_group(group_name)
+    args = (op, group_name, seq_dim, head_dim, tuple((x.shape, x.dtype) for x in xs),
+            None if num_heads is None else tuple(num_heads), tuple(attention))
+    plan = _plans.get(args)
+    if plan is None:
+        plan = _make_plan(op, xs, group_name, seq_dim, head_dim, num_heads, attention)
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[args] = plan
+    return plan
+
+
+def _make_plan(op: str, xs: Sequence[torch.Tensor], group_name: str, seq_dim: int, head_dim: int,
+               num_heads: Optional[Sequence[int]], attention: Sequence[int]) -> _Plan:
     W, rank = _group_size(group_name), _group_rank(group_name)
     for i, x in enumerate(xs):
         seq_dim, head_dim, _ = _checked(op, group_name, _check_args, op, x, W, rank, seq_dim, head_dim,
@@ -400,21 +530,44 @@ def _agreed_dims(op: str, xs: Sequence[torch.Tensor], group_name: str, seq_dim: 
         raise ValueError(f"{op}: xs: expected one dtype and ndim, got {[(x.dtype, x.ndim) for x in xs]}")
     shapes = [list(x.shape) if num_heads is None else _full_shape(x, head_dim, n) for x, n in
               zip(xs, num_heads or xs)]
-    if group_name != LOCAL and comm.debug():
-        fields = [comm.dtype_code(xs[0].dtype), xs[0].ndim, seq_dim, head_dim, comm.shape_code(shapes[0])]
-        try:
-            comm.agree(op, group_name, fields, shapes=shapes[0])
-        except GroupMismatchError as exc:
-            if op == "head_to_seq" and "disagree on shape" in str(exc):
-                raise GroupMismatchError(f"{exc}{_shape_hint(head_dim)}") from exc
-            raise
-    return seq_dim, head_dim, shapes
+    if op == "seq_to_head":
+        (sizes, recv_shapes), split_dim, cat_dim = _seq_to_head_shapes(xs, W, rank, head_dim), head_dim, seq_dim
+    else:
+        (sizes, recv_shapes), split_dim, cat_dim = _head_to_seq_shapes(xs, W, seq_dim, head_dim, num_heads), seq_dim, \
+            head_dim
+    x = xs[0]
+    key = (_MAGIC + _OPS.index(op), comm.shape_code(attention), comm.dtype_code(x.dtype), x.ndim, seq_dim, head_dim,
+           comm.shape_code([n for shape in shapes for n in shape]))
+    size = x.element_size()
+    rest = [math.prod(n for d, n in enumerate(t.shape) if d != split_dim) for t in xs]  # elements per position
+    send_bytes = tuple(PREFIX_BYTES + size * sum(n * s[r] for n, s in zip(rest, sizes)) for r in range(W))
+    recv_bytes = tuple(PREFIX_BYTES + size * sum(math.prod(s[r]) for s in recv_shapes) for r in range(W))
+    regular = (len(set(send_bytes)) == 1 and len(set(recv_bytes)) == 1 and all(len(set(s)) == 1 for s in sizes)
+               and all(r == shapes_i[0] for shapes_i in recv_shapes for r in shapes_i))
+    send_pieces = [[*t.shape[:split_dim], s[0], *t.shape[split_dim + 1:]] for t, s in zip(xs, sizes)]
+    return _Plan(seq_dim, head_dim, split_dim, cat_dim, shapes, sizes, recv_shapes, key, send_bytes, recv_bytes,
+                 regular, send_pieces, x.dtype, {})
 
 
-def _seq_to_head_shapes(xs: Sequence[torch.Tensor], group_name: str, head_dim: int):
+def _debug_agreement(op: str, xs: Sequence[torch.Tensor], group_name: str, plan: _Plan) -> None:
+    """In debug mode, on a group, the ranks' agreement on their dtype, dims and the first one's
+    shape (for head_to_seq with all ``num_heads`` heads, since the ranks' head shares may differ;
+    ulysses_attention: q's, the header that follows names the caller's arguments), so a rank
+    whose own check failed is an error on every rank (``PeerInputError``)."""
+    if group_name == LOCAL or not comm.debug():
+        return
+    fields = [comm.dtype_code(xs[0].dtype), xs[0].ndim, plan.seq_dim, plan.head_dim, comm.shape_code(plan.shapes[0])]
+    try:
+        comm.agree(op, group_name, fields, shapes=plan.shapes[0])
+    except GroupMismatchError as exc:
+        if op == "head_to_seq" and "disagree on shape" in str(exc):
+            raise GroupMismatchError(f"{exc}{_shape_hint(plan.head_dim)}") from exc
+        raise
+
+
+def _seq_to_head_shapes(xs: Sequence[torch.Tensor], W: int, rank: int, head_dim: int):
     """For each x: (heads sent to each rank, shape received from each rank): rank r's heads of
     each sequence chunk."""
-    W, rank = _group_size(group_name), _group_rank(group_name)
     sizes, recv_shapes = [], []
     for x in xs:
         counts = head_counts(x.shape[head_dim], W)
@@ -425,11 +578,9 @@ def _seq_to_head_shapes(xs: Sequence[torch.Tensor], group_name: str, head_dim: i
     return sizes, recv_shapes
 
 
-def _head_to_seq_shapes(xs: Sequence[torch.Tensor], group_name: str, seq_dim: int, head_dim: int,
-                        num_heads: Sequence[int]):
+def _head_to_seq_shapes(xs: Sequence[torch.Tensor], W: int, seq_dim: int, head_dim: int, num_heads: Sequence[int]):
     """For each x: (sequence positions sent to each rank, shape received from each rank): this
     rank's heads of rank r's sequence chunk, and rank r's heads of this rank's chunk."""
-    W = _group_size(group_name)
     sizes, recv_shapes = [], []
     for x, n in zip(xs, num_heads):
         chunk = x.shape[seq_dim] // W
@@ -458,10 +609,9 @@ def seq_to_head_op(xs: list[torch.Tensor], group_name: str, seq_dim: int, head_d
     one exchange (one dtype and ndim); dims >= 0. attention: :func:`attention_args` of a
     ulysses_attention, [] otherwise (checked in the header). agreed_sizes: the sizes follow from
     an exchange the group agreed on (see :func:`_exchange`)."""
-    seq_dim, head_dim, shapes = _agreed_dims("seq_to_head", xs, group_name, seq_dim, head_dim)
-    sizes, recv_shapes = _seq_to_head_shapes(xs, group_name, head_dim)
-    return _exchange("seq_to_head", xs, group_name, seq_dim, head_dim, sizes, recv_shapes, shapes, attention,
-                     agreed_sizes)
+    plan = _plan("seq_to_head", xs, group_name, seq_dim, head_dim, None, attention)
+    _debug_agreement("seq_to_head", xs, group_name, plan)
+    return _exchange("seq_to_head", xs, group_name, plan, attention, agreed_sizes)
 
 
 @seq_to_head_op.register_fake
@@ -482,10 +632,9 @@ def head_to_seq_op(xs: list[torch.Tensor], group_name: str, seq_dim: int, head_d
                    attention: list[int], agreed_sizes: bool) -> list[torch.Tensor]:
     """Each (.., S at seq_dim, .., h_r at head_dim, ..) -> (.., S/W, .., num_heads[i], ..), all in
     one exchange; dims >= 0."""
-    seq_dim, head_dim, shapes = _agreed_dims("head_to_seq", xs, group_name, seq_dim, head_dim, num_heads)
-    sizes, recv_shapes = _head_to_seq_shapes(xs, group_name, seq_dim, head_dim, num_heads)
-    return _exchange("head_to_seq", xs, group_name, seq_dim, head_dim, sizes, recv_shapes, shapes, attention,
-                     agreed_sizes)
+    plan = _plan("head_to_seq", xs, group_name, seq_dim, head_dim, num_heads, attention)
+    _debug_agreement("head_to_seq", xs, group_name, plan)
+    return _exchange("head_to_seq", xs, group_name, plan, attention, agreed_sizes)
 
 
 @head_to_seq_op.register_fake
@@ -559,7 +708,7 @@ def seq_to_head(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: 
     grp = communication_group(resolve_group(group))
     seq_dim, head_dim, _ = _checked("seq_to_head", grp.name, _check_args, "seq_to_head", x, grp.size, grp.rank,
                                     seq_dim, head_dim)
-    return seq_to_head_op([x], grp.name, seq_dim, head_dim, [], False)[0]
+    return call(seq_to_head_op, [x], grp.name, seq_dim, head_dim, [], False, differentiable=(x,))[0]
 
 
 def head_to_seq(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: int = 2, *,
@@ -574,7 +723,7 @@ def head_to_seq(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: 
     grp = communication_group(resolve_group(group))
     seq_dim, head_dim, num_heads = _checked("head_to_seq", grp.name, _check_args, "head_to_seq", x, grp.size,
                                             grp.rank, seq_dim, head_dim, num_heads)
-    return head_to_seq_op([x], grp.name, seq_dim, head_dim, [num_heads], [], False)[0]
+    return call(head_to_seq_op, [x], grp.name, seq_dim, head_dim, [num_heads], [], False, differentiable=(x,))[0]
 
 
 LAYOUTS = {"bshd": 1, "sbhd": 0}
@@ -666,11 +815,12 @@ def ulysses_attention(
         # every rank gets the kv head of its q heads
         k, v = (t.repeat_interleave(grp.size // kv_heads, dim=head_dim) for t in (k, v))
     # Hq not divisible by W (then kv heads == q heads): q, k and v split alike, unevenly
-    q, k, v = seq_to_head_op([q, k, v], grp.name, seq_dim, head_dim, attention, False)  # one exchange
+    q, k, v = call(seq_to_head_op, [q, k, v], grp.name, seq_dim, head_dim, attention, False,  # one exchange
+                   differentiable=(q, k, v))
     out = attn_fn(q, k, v) if attn_fn is not None else _sdpa(q, k, v, layout, is_causal, scale)
     _checked("head_to_seq", grp.name, _check_attn_out, out, q, v, layout)
     # NB: o's sizes follow from q, k, v's, which their exchange agreed on
-    return head_to_seq_op([out], grp.name, seq_dim, head_dim, [heads], attention, True)[0]
+    return call(head_to_seq_op, [out], grp.name, seq_dim, head_dim, [heads], attention, True, differentiable=(out,))[0]
 
 
 def _check_attn_out(out: Any, q: torch.Tensor, v: torch.Tensor, layout: str) -> None:
