@@ -5,7 +5,8 @@ Layers, lowest first (a module may import its own layer or lower ones):
     2  comm, validation, kernels,    3  layout, rows, payload
        overlap
     4  backends                      5  api
-    6  moe, ulysses, checkpoint, inspect, testing, reference, torchtitan, hierarchical, integrations
+    6  moe, ulysses, ulysses_exchange, checkpoint, inspect, testing, reference, torchtitan, hierarchical,
+       integrations
     7  the package itself (alltoall_ops/__init__.py: the public API)
 Function-local imports count as imports.
 """
@@ -22,7 +23,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "alltoall_ops"
 LAYERS = {
     "errors": 0, "_compat": 0, "_cache_key": 0, "groups": 1, "fp8": 1, "comm": 2, "validation": 2, "kernels": 2,
     "overlap": 2, "layout": 3, "rows": 3, "payload": 3, "backends": 4, "api": 5, "moe": 6, "ulysses": 6,
-    "checkpoint": 6, "inspect": 6, "testing": 6, "reference": 6, "torchtitan": 6, "hierarchical": 6, "integrations": 6,
+    "ulysses_exchange": 6, "checkpoint": 6, "inspect": 6, "testing": 6, "reference": 6, "torchtitan": 6,
+    "hierarchical": 6, "integrations": 6,
 }
 
 

@@ -1,0 +1,384 @@
+"""The Ulysses exchange over a process group: pieces of several tensors in one
+``all_to_all_single``, this rank's header at the start of every piece (no collective of its own).
+
+Legend: W ranks; piece r of an exchange goes to rank r; every piece is ``PREFIX_BYTES`` of header
+(:data:`FIELDS`, one int64 each) and then the payload in the tensors' dtype. A :class:`Plan` says
+what an exchange of given arguments sends and receives on this rank (``ulysses`` makes it after
+its checks, once per distinct arguments); :func:`exchange` moves the bytes.
+
+Why the header needs no exchange of its own: the sizes every rank posts must agree before an
+all-to-all is issued (gloo terminates a process that receives more bytes than it posted, and
+leaves the rest of a shorter piece unwritten: torch 2.13), and the header is what makes them
+agree. So an exchange whose sizes the caller chose posts the sizes of the group's last agreed
+exchange (:data:`_agreed`, the same on every rank): the exchange itself when its sizes are those,
+else this rank's header in pieces of those sizes (headers alone the first time), and its own once
+every rank found every header equal to its own. Exchanges whose sizes follow from an agreed one
+(``ulysses_attention``'s o, every backward) post their own.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+import torch
+
+from . import comm
+from .errors import GroupMismatchError
+from .groups import LOCAL, process_group
+
+FIELDS = ("op", "exchange", "ulysses_attention arguments", "dtype", "ndim", "seq_dim", "head_dim", "shape")
+"""The header at the start of every piece of an exchange, one int64 each (``shape``: a
+fingerprint of the shape every rank shares; ``ulysses_attention arguments``: a fingerprint of
+:func:`attention_args`, 0 for a plain seq_to_head / head_to_seq)."""
+HEADER_LEN = len(FIELDS)
+PREFIX_BYTES = 8 * HEADER_LEN
+"""Bytes of the header at the start of every piece of an exchange."""
+_MAGIC = 0x554C5953 << 8  # "ULYS": a piece of this module's exchanges (op code in the low bits)
+_OPS = ("seq_to_head", "head_to_seq")
+_exchanges: collections.Counter = collections.Counter()  # group name -> exchanges so far
+
+
+class Plan(NamedTuple):
+    """What an exchange of given arguments does on this rank (``ulysses._plan`` makes it)."""
+    seq_dim: int
+    head_dim: int
+    split_dim: int  # the dim whose pieces go to the ranks
+    cat_dim: int  # the dim along which the received pieces are joined
+    shapes: list  # the shapes every rank shares (head_to_seq: with all num_heads heads)
+    send_sizes: list  # [i][r]: positions of xs[i] along split_dim for rank r
+    recv_shapes: list  # [i][r]: the shape of the piece of xs[i] from rank r
+    key: tuple  # the header but the exchange count
+    send_bytes: tuple  # [r]: bytes to rank r, header included
+    recv_bytes: tuple  # [r]: bytes from rank r, header included
+    regular: bool  # every piece of each tensor has one shape, both ways: (W, bytes) buffers
+    send_pieces: list  # [i]: the shape of xs[i]'s piece for each rank, when regular
+    dtype: torch.dtype
+    held_views: dict  # on the CPU: "memory" -> the held buffers, "views" -> their _Views
+
+
+_plans: dict = {}  # (group name, the arguments of an exchange) -> its Plan
+_MAX_PLANS = 256
+
+
+_groups: dict[str, Any] = {}  # group name -> the ProcessGroup the state above is about
+
+
+def _same_group(group_name: str) -> None:
+    """Forget the exchange count, the agreed sizes, the held bytes and the plans of a group name
+    that now names another ProcessGroup (destroyed and made again, perhaps with other ranks, in
+    other processes): every rank makes the new group, so every rank starts it afresh."""
+    if group_name == LOCAL:
+        return
+    pg = process_group(group_name)
+    if _groups.get(group_name) is not pg:
+        _groups[group_name] = pg
+        _exchanges.pop(group_name, None)
+        _agreed.pop(group_name, None)
+        _held.pop((group_name, "send"), None)
+        _held.pop((group_name, "recv"), None)
+        for args in [args for args in _plans if args[0] == group_name]:
+            del _plans[args]
+
+
+def cached_plan(group_name: str, args: tuple, make: Callable[[], "Plan"]) -> "Plan":
+    """The plan of ``args`` on ``group_name``: ``make()`` once per distinct arguments (the same
+    arguments pass the same checks and move the same sizes), so an exchange's host work is a
+    lookup."""
+    _same_group(group_name)
+    plan = _plans.get((group_name, args))
+    if plan is None:
+        plan = make()
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[(group_name, args)] = plan
+    return plan
+
+
+def plan(op: str, xs: Sequence[torch.Tensor], W: int, seq_dim: int, head_dim: int, split_dim: int, cat_dim: int,
+         shapes: list, sizes: list, recv_shapes: list, attention: Sequence[int]) -> Plan:
+    """The :class:`Plan` of ``op`` on ``xs`` (checked, one dtype and ndim), given its shapes
+    (see :class:`Plan`'s fields)."""
+    x = xs[0]
+    key = (_MAGIC + _OPS.index(op), comm.shape_code(attention), comm.dtype_code(x.dtype), x.ndim, seq_dim, head_dim,
+           comm.shape_code([n for shape in shapes for n in shape]))
+    size = x.element_size()
+    rest = [math.prod(n for d, n in enumerate(t.shape) if d != split_dim) for t in xs]  # elements per position
+    send_bytes = tuple(PREFIX_BYTES + size * sum(n * s[r] for n, s in zip(rest, sizes)) for r in range(W))
+    recv_bytes = tuple(PREFIX_BYTES + size * sum(math.prod(s[r]) for s in recv_shapes) for r in range(W))
+    regular = (len(set(send_bytes)) == 1 and len(set(recv_bytes)) == 1 and all(len(set(s)) == 1 for s in sizes)
+               and all(r == shapes_i[0] for shapes_i in recv_shapes for r in shapes_i))
+    send_pieces = [[*t.shape[:split_dim], s[0], *t.shape[split_dim + 1:]] for t, s in zip(xs, sizes)]
+    return Plan(seq_dim, head_dim, split_dim, cat_dim, shapes, sizes, recv_shapes, key, send_bytes, recv_bytes,
+                 regular, send_pieces, x.dtype, {})
+
+
+class _Pieces(NamedTuple):
+    """An exchange's key (its header without the exchange count) and this rank's piece sizes in
+    bytes, headers included: what it sends to and receives from each rank."""
+    key: tuple
+    send: tuple
+    recv: tuple
+
+
+_agreed: dict[str, _Pieces] = {}
+"""Group name -> its last agreed exchange (of those whose sizes the caller chose): the sizes every
+rank of the group posts for the next such exchange. The same on every rank: it changes only after
+an exchange whose W headers every rank compared and found equal."""
+
+
+_held: dict[tuple[str, str], torch.Tensor] = {}
+"""(group name, "send" | "recv") -> the CPU bytes the group's exchanges reuse, as large as its
+largest exchange: a fresh CPU buffer of a few hundred KB costs more in page faults than gloo takes
+to move it. Only on the CPU, where an exchange has ended when it returns (gloo waits); CUDA's
+caching allocator reuses memory in stream order already."""
+
+
+def _buffer(nbytes: Sequence[int], device: torch.device, header: Optional[torch.Tensor] = None,
+            held: Optional[tuple[str, str]] = None) -> torch.Tensor:
+    """An exchange's buffer of pieces of ``nbytes[r]`` bytes, ``header`` (PREFIX_BYTES uint8) at
+    the start of each when given: (W, bytes) when the pieces are equal (gloo then runs its
+    alltoall, not the slower alltoallv), else 1-D. The rest is not written. On the CPU, the
+    bytes held for ``held`` (see :data:`_held`)."""
+    W, total = len(nbytes), sum(nbytes)
+    if device.type == "cpu" and held is not None:
+        memory = _held.get(held)
+        if memory is None or memory.numel() < total:
+            memory = _held[held] = torch.empty(total, dtype=torch.uint8)
+        buffer = memory[:total]
+    else:
+        buffer = torch.empty(total, dtype=torch.uint8, device=device)
+    if len(set(nbytes)) == 1:
+        buffer = buffer.view(W, nbytes[0])
+        if header is not None:
+            buffer[:, :PREFIX_BYTES] = header
+        return buffer
+    for start in _starts(nbytes) if header is not None else ():
+        buffer[start : start + PREFIX_BYTES] = header
+    return buffer
+
+
+def _starts(nbytes: Sequence[int]) -> list[int]:
+    return [sum(nbytes[:r]) for r in range(len(nbytes))]
+
+
+def _bodies(buffer: torch.Tensor, nbytes: Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Each piece of ``buffer`` (see :func:`_buffer`) past its header, as 1-D ``dtype`` views."""
+    if buffer.ndim == 2:
+        return list(buffer[:, PREFIX_BYTES:].view(dtype).unbind(0))
+    return [buffer[start + PREFIX_BYTES : start + n].view(dtype) for start, n in zip(_starts(nbytes), nbytes)]
+
+
+def _headers(buffer: torch.Tensor, nbytes: Sequence[int]) -> torch.Tensor:
+    """(W, PREFIX_BYTES) uint8: the header at the start of each piece of ``buffer``."""
+    if buffer.ndim == 2:
+        return buffer[:, :PREFIX_BYTES]
+    return torch.stack([buffer[start : start + PREFIX_BYTES] for start in _starts(nbytes)])
+
+
+class _Views(NamedTuple):
+    """Views of the (W, bytes) buffers of an exchange whose pieces of each tensor have one shape."""
+    send: torch.Tensor  # (W, send bytes) uint8
+    received: torch.Tensor  # (W, recv bytes) uint8
+    send_headers: torch.Tensor  # (W, PREFIX_BYTES) uint8
+    received_headers: torch.Tensor  # (W, PREFIX_BYTES) uint8
+    send_pieces: list  # [i]: (W, *piece of xs[i]) in xs's dtype: where xs[i]'s pieces go
+    received_pieces: list  # [i]: output i's pieces, in the output's order with W before cat_dim (.., W, s, ..)
+    outputs: list  # [i]: output i's shape
+
+
+def _views(send: torch.Tensor, received: torch.Tensor, plan: Plan) -> _Views:
+    W = len(plan.send_bytes)
+    send_body, received_body = send[:, PREFIX_BYTES:].view(plan.dtype), received[:, PREFIX_BYTES:].view(plan.dtype)
+    send_pieces, received_pieces, outputs, col, row = [], [], [], 0, 0
+    for piece, shapes in zip(plan.send_pieces, plan.recv_shapes):
+        n = math.prod(piece)
+        send_pieces.append(send_body[:, col : col + n].view(W, *piece))
+        m = math.prod(shapes[0])
+        received_pieces.append(received_body[:, row : row + m].view(W, *shapes[0]).movedim(0, plan.cat_dim))
+        output = [*shapes[0]]
+        output[plan.cat_dim] *= W
+        outputs.append(output)
+        col, row = col + n, row + m
+    return _Views(send, received, send[:, :PREFIX_BYTES], received[:, :PREFIX_BYTES], send_pieces, received_pieces,
+                  outputs)
+
+
+def _held_views(group_name: str, plan: Plan) -> _Views:
+    """:func:`_views` of the group's held CPU bytes for ``plan``, made once while they are held."""
+    cached = plan.held_views
+    memory = cached.get("memory")
+    if memory is None or memory[0] is not _held.get((group_name, "send")) or \
+            memory[1] is not _held.get((group_name, "recv")):
+        send = _buffer(plan.send_bytes, torch.device("cpu"), held=(group_name, "send"))
+        received = _buffer(plan.recv_bytes, torch.device("cpu"), held=(group_name, "recv"))
+        cached["memory"] = (_held[(group_name, "send")], _held[(group_name, "recv")])
+        cached["views"] = _views(send, received, plan)
+    return cached["views"]
+
+
+def _pack(send: torch.Tensor, xs: Sequence[torch.Tensor], split_dim: int, sizes: list[list[int]],
+          nbytes: Sequence[int]) -> None:
+    """Piece r of every ``xs[i]`` along ``split_dim`` (``sizes[i][r]`` long) after the header of
+    ``send``'s piece r, in xs's dtype: the one copy of the send side (the permute)."""
+    W = len(nbytes)
+    if send.ndim == 2 and all(len(set(s)) == 1 for s in sizes):
+        body, col = send[:, PREFIX_BYTES:].view(xs[0].dtype), 0  # (W, sum of piece elements)
+        for x, s in zip(xs, sizes):
+            piece = x.unflatten(split_dim, (W, s[0])).movedim(split_dim, 0)  # (W, *piece)
+            n = math.prod(piece.shape[1:])
+            body[:, col : col + n].view(piece.shape).copy_(piece)
+            col += n
+        return
+    bodies = _bodies(send, nbytes, xs[0].dtype)
+    pieces = [x.split(s, dim=split_dim) for x, s in zip(xs, sizes)]  # [i][r]
+    for r, body in enumerate(bodies):
+        col = 0
+        for p in pieces:
+            n = p[r].numel()
+            body[col : col + n].view(p[r].shape).copy_(p[r])
+            col += n
+
+
+def _unpack(received: torch.Tensor, nbytes: Sequence[int], dtype: torch.dtype,
+            recv_shapes: list[list[list[int]]], cat_dim: int) -> list[torch.Tensor]:
+    """The outputs: for each i, the pieces of shape ``recv_shapes[i][r]`` from ranks r = 0..W-1
+    (after each piece's header in ``received``) concatenated along ``cat_dim``: new tensors, one
+    copy each (the permute)."""
+    numel = [[math.prod(s) for s in shapes] for shapes in recv_shapes]  # [i][r]
+    if received.ndim == 2 and all(s == shapes[0] for shapes in recv_shapes for s in shapes):
+        body, col, outs = received[:, PREFIX_BYTES:].view(dtype), 0, []  # (W, sum over i of numel[i][0])
+        for n, shapes in zip(numel, recv_shapes):
+            piece = body[:, col : col + n[0]].view(len(shapes), *shapes[0]).movedim(0, cat_dim)  # (.., W, s, ..)
+            shape = list(shapes[0])
+            shape[cat_dim] *= len(shapes)
+            out = piece.new_empty(shape)
+            out.view(piece.shape).copy_(piece)
+            outs.append(out)
+            col += n[0]
+        return outs
+    bodies = _bodies(received, nbytes, dtype)
+    rows = [body.split([n[r] for n in numel]) for r, body in enumerate(bodies)]  # [r][i]
+    return [torch.cat([rows[r][i].view(shapes[r]) for r in range(len(shapes))], dim=cat_dim)
+            for i, shapes in enumerate(recv_shapes)]
+
+
+def exchange(op: str, xs: Sequence[torch.Tensor], group_name: str, plan: Plan, agreed_sizes: bool,
+             described: Callable[[], dict]) -> list[torch.Tensor]:
+    """Piece r of each ``xs[i]`` (``plan.send_sizes[i][r]`` long along the dim ``op`` splits:
+    heads for seq_to_head, sequence for head_to_seq) to rank r, and for each i what arrives from
+    ranks 0..W-1 (of ``plan.recv_shapes[i]``) concatenated along the other dim, all in one
+    all-to-all in xs's dtype, this rank's header at the start of every piece, checked by
+    :func:`_check_headers` on arrival (``described()``: this rank's value of each of
+    :data:`FIELDS`, for a message).
+
+    The sizes of an exchange must agree between ranks before it is posted (gloo terminates a
+    process that receives more bytes than it posted, and leaves the rest of a shorter piece
+    unwritten). ``agreed_sizes``: they follow from shapes an earlier exchange of the group agreed
+    on (ulysses_attention's o after q, k, v; every backward after its forward). Else they are the
+    caller's: posted as they are when they are the group's last agreed exchange's (``_agreed``,
+    the same on every rank); otherwise this rank's header first travels in pieces of the last
+    agreed sizes (headers alone before the group's first exchange), and the exchange follows with
+    its own sizes once every rank found every header equal to its own. Returns new contiguous
+    tensors."""
+    W = len(plan.send_bytes)
+    if W == 1:
+        return [x.clone(memory_format=torch.contiguous_format) for x in xs]  # op outputs must not alias inputs
+    x = xs[0]
+    key = plan.key
+    fields = [key[0], _exchanges[group_name], *key[1:]]
+    _exchanges[group_name] += 1
+    # NB: pinned on CUDA, so that the copy to the device does not sync (a CUDA graph would replay
+    # the copy from that host memory: not capture-safe yet)
+    header = torch.tensor(fields, dtype=torch.int64, pin_memory=x.is_cuda).to(x.device, non_blocking=True)
+    header = header.view(torch.uint8)
+
+    last = _agreed.get(group_name)
+    agreed = agreed_sizes or (last is not None and last.key == key)
+    if not agreed:  # the headers first, in pieces of the sizes every rank posts
+        if last is None:
+            last = _Pieces((), (PREFIX_BYTES,) * W, (PREFIX_BYTES,) * W)
+        received = _buffer(last.recv, x.device, held=(group_name, "recv"))
+        send = _buffer(last.send, x.device, header, held=(group_name, "send"))
+        _all_to_all(op, group_name, received, send, last.recv, last.send)
+        _check_headers(op, group_name, _headers(received, last.recv), header, described)
+        _agreed[group_name] = _Pieces(key, plan.send_bytes, plan.recv_bytes)
+    if plan.regular:  # (W, bytes) buffers: views made once per plan (and held memory)
+        if x.device.type == "cpu":
+            views = _held_views(group_name, plan)
+        else:
+            views = _views(*(torch.empty(W, n[0], dtype=torch.uint8, device=x.device)
+                             for n in (plan.send_bytes, plan.recv_bytes)), plan)
+        views.send_headers.copy_(header)
+        for t, piece, size in zip(xs, views.send_pieces, plan.send_sizes):
+            piece.copy_(t.unflatten(plan.split_dim, (W, size[0])).movedim(plan.split_dim, 0))  # the permute
+        _all_to_all(op, group_name, views.received, views.send, plan.recv_bytes, plan.send_bytes)
+        if agreed:  # (else every header was just compared)
+            _check_headers(op, group_name, views.received_headers, header, described)
+        outs = []
+        for piece, shape in zip(views.received_pieces, views.outputs):  # the permute back
+            out = torch.empty(shape, dtype=x.dtype, device=x.device)
+            out.view(piece.shape).copy_(piece)
+            outs.append(out)
+        return outs
+    send = _buffer(plan.send_bytes, x.device, header, held=(group_name, "send"))
+    received = _buffer(plan.recv_bytes, x.device, held=(group_name, "recv"))
+    _pack(send, xs, plan.split_dim, plan.send_sizes, plan.send_bytes)
+    _all_to_all(op, group_name, received, send, plan.recv_bytes, plan.send_bytes)
+    if agreed:  # (else every header was just compared)
+        _check_headers(op, group_name, _headers(received, plan.recv_bytes), header, described)
+    return _unpack(received, plan.recv_bytes, x.dtype, plan.recv_shapes, plan.cat_dim)
+
+
+def _all_to_all(op: str, group_name: str, received: torch.Tensor, send: torch.Tensor, recv_bytes: Sequence[int],
+                send_bytes: Sequence[int]) -> None:
+    """One all-to-all of :func:`_buffer`'s buffers: split sizes in bytes for 1-D ones, none for
+    (W, bytes). If it fails, the group's held bytes are let go (gloo may still write into them)."""
+    try:
+        comm.all_to_all(op, group_name, received, send, None if received.ndim == 2 else list(recv_bytes),
+                        None if send.ndim == 2 else list(send_bytes))
+    except BaseException:
+        _held.pop((group_name, "send"), None)
+        _held.pop((group_name, "recv"), None)
+        raise
+
+
+def _check_headers(op: str, group_name: str, headers: torch.Tensor, header: torch.Tensor,
+                   described: Callable[[], dict]) -> None:
+    """``headers`` (W, PREFIX_BYTES) uint8: the header that came with each rank's piece; ``header``
+    this rank's. On CPU tensors (or in debug mode) a host compare, and a difference raises
+    GroupMismatchError on every rank alike (all hold the same W headers, and each sees one unlike
+    its own); on CUDA ``torch._assert_async``, no host sync. ``described()``: this rank's value of
+    each field, for the message."""
+    if headers.is_cuda and not comm.debug():
+        torch._assert_async(torch.all(headers == header),
+                            f"alltoall_ops.{op}: the ranks disagree on x's dtype, dims or shape, on ulysses_attention's"
+                            " arguments, or are out of step; run with ALLTOALL_OPS_DEBUG=1 for the error by name")
+        return
+    if torch.equal(headers, header.expand_as(headers)):
+        return
+    rows = headers.contiguous().view(torch.int64).tolist()  # (the failure path only)
+    where = comm.where(op, process_group(group_name))
+    strangers = [r for r, row in enumerate(rows) if not 0 <= row[0] - _MAGIC < len(_OPS)]
+    if strangers:
+        raise GroupMismatchError(f"{where}: ranks {strangers} sent no seq_to_head / head_to_seq piece: the ranks are "
+                                 "out of step (this exchange met another collective); every rank must call the "
+                                 "library's ops in the same order")
+    if len({(row[0], row[1]) for row in rows}) > 1:
+        per_rank = ", ".join(f"rank {r} is in {_OPS[row[0] - _MAGIC]} (exchange {row[1]})"
+                             for r, row in enumerate(rows))
+        raise GroupMismatchError(f"{where}: the ranks are out of step: {per_rank}; every rank must call the library's "
+                                 "ops in the same order")
+    field = next(FIELDS[i] for i in range(2, HEADER_LEN) if len({row[i] for row in rows}) > 1)
+    mine = described()
+    values = comm.gather_objects(op, group_name, mine[field])
+    listed = ", ".join(f"rank {r} has {value}" for r, value in enumerate(values))
+    hint = shape_hint(mine["head_dim"]) if op == "head_to_seq" and field == "shape" else ""
+    raise GroupMismatchError(f"{where}: the ranks disagree on {field}: {listed}; every rank must pass the same{hint}")
+
+
+def shape_hint(head_dim: int) -> str:
+    return (f" (head_to_seq compares x's shapes with all num_heads heads at dim {head_dim}; a rank without "
+            "num_heads takes W times its own heads, so with heads split unevenly every rank must pass num_heads=, "
+            "the total head count)")
