@@ -10,11 +10,12 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+from functools import partial
 
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import alltoall_ops as a2a
 
@@ -119,7 +120,8 @@ def test_sac_saves_the_exchange():
     step = _layer(bufs)
 
     def checkpointed(x, idx, weights):
-        return checkpoint(step, x, idx, weights, use_reentrant=False, context_fn=a2a.sac_policy)
+        context_fn = partial(create_selective_checkpoint_contexts, a2a.sac_policy())
+        return checkpoint(step, x, idx, weights, use_reentrant=False, context_fn=context_fn)
 
     x, idx, weights = _inputs(1)
     xr = x.clone().requires_grad_()
