@@ -291,8 +291,8 @@ def exchange(op: str, xs: Sequence[torch.Tensor], group_name: str, plan: Plan, a
     _exchanges[group_name] += 1
     # NB: pinned on CUDA, so that the copy to the device does not sync (a CUDA graph would replay
     # the copy from that host memory: not capture-safe yet)
-    header = torch.tensor(fields, dtype=torch.int64, pin_memory=x.is_cuda).to(x.device, non_blocking=True)
-    header = header.view(torch.uint8)
+    header = torch.tensor(fields, dtype=torch.int64, pin_memory=x.is_cuda)
+    header = (header.to(x.device, non_blocking=True) if x.is_cuda else header).view(torch.uint8)
 
     last = _agreed.get(group_name)
     agreed = agreed_sizes or (last is not None and last.key == key)
@@ -315,7 +315,7 @@ def exchange(op: str, xs: Sequence[torch.Tensor], group_name: str, plan: Plan, a
             piece.copy_(t.unflatten(plan.split_dim, (W, size[0])).movedim(plan.split_dim, 0))  # the permute
         _all_to_all(op, group_name, views.received, views.send, plan.recv_bytes, plan.send_bytes)
         if agreed:  # (else every header was just compared)
-            _check_headers(op, group_name, views.received_headers, header, described)
+            _check_headers(op, group_name, views.received_headers, views.send_headers, described)
         outs = []
         for piece, shape in zip(views.received_pieces, views.outputs):  # the permute back
             out = torch.empty(shape, dtype=x.dtype, device=x.device)
@@ -347,16 +347,16 @@ def _all_to_all(op: str, group_name: str, received: torch.Tensor, send: torch.Te
 def _check_headers(op: str, group_name: str, headers: torch.Tensor, header: torch.Tensor,
                    described: Callable[[], dict]) -> None:
     """``headers`` (W, PREFIX_BYTES) uint8: the header that came with each rank's piece; ``header``
-    this rank's. On CPU tensors (or in debug mode) a host compare, and a difference raises
-    GroupMismatchError on every rank alike (all hold the same W headers, and each sees one unlike
-    its own); on CUDA ``torch._assert_async``, no host sync. ``described()``: this rank's value of
-    each field, for the message."""
+    this rank's ((PREFIX_BYTES,), or (W, PREFIX_BYTES) of it). On CPU tensors (or in debug mode) a
+    host compare, and a difference raises GroupMismatchError on every rank alike (all hold the same
+    W headers, and each sees one unlike its own); on CUDA ``torch._assert_async``, no host sync.
+    ``described()``: this rank's value of each field, for the message."""
     if headers.is_cuda and not comm.debug():
         torch._assert_async(torch.all(headers == header),
                             f"alltoall_ops.{op}: the ranks disagree on x's dtype, dims or shape, on ulysses_attention's"
                             " arguments, or are out of step; run with ALLTOALL_OPS_DEBUG=1 for the error by name")
         return
-    if torch.equal(headers, header.expand_as(headers)):
+    if torch.equal(headers, header if header.ndim == 2 else header.expand_as(headers)):
         return
     rows = headers.contiguous().view(torch.int64).tolist()  # (the failure path only)
     where = comm.where(op, process_group(group_name))
