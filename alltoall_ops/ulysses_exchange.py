@@ -50,8 +50,8 @@ class Plan(NamedTuple):
     send_sizes: list  # [i][r]: positions of xs[i] along split_dim for rank r
     recv_shapes: list  # [i][r]: the shape of the piece of xs[i] from rank r
     key: tuple  # the header but the exchange count
-    send_bytes: tuple  # [r]: bytes to rank r, header included
-    recv_bytes: tuple  # [r]: bytes from rank r, header included
+    send_bytes: tuple  # [r]: bytes to rank r, header included, a multiple of 8 (padded)
+    recv_bytes: tuple  # [r]: bytes from rank r, header included, a multiple of 8 (padded)
     regular: bool  # every piece of each tensor has one shape, both ways: (W, bytes) buffers
     send_pieces: list  # [i]: the shape of xs[i]'s piece for each rank, when regular
     dtype: torch.dtype
@@ -78,6 +78,7 @@ def _same_group(group_name: str) -> None:
         _agreed.pop(group_name, None)
         _held.pop((group_name, "send"), None)
         _held.pop((group_name, "recv"), None)
+        _headers_of.pop(group_name, None)
         for args in [args for args in _plans if args[0] == group_name]:
             del _plans[args]
 
@@ -104,9 +105,14 @@ def plan(op: str, xs: Sequence[torch.Tensor], W: int, seq_dim: int, head_dim: in
     key = (_MAGIC + _OPS.index(op), comm.shape_code(attention), comm.dtype_code(x.dtype), x.ndim, seq_dim, head_dim,
            comm.shape_code([n for shape in shapes for n in shape]))
     size = x.element_size()
+    align = max(8, size)  # every piece a whole number of int64s (its header as (8,) int64) and of elements
+
+    def piece_bytes(elements: int) -> int:
+        return PREFIX_BYTES + -(-size * elements // align) * align
+
     rest = [math.prod(n for d, n in enumerate(t.shape) if d != split_dim) for t in xs]  # elements per position
-    send_bytes = tuple(PREFIX_BYTES + size * sum(n * s[r] for n, s in zip(rest, sizes)) for r in range(W))
-    recv_bytes = tuple(PREFIX_BYTES + size * sum(math.prod(s[r]) for s in recv_shapes) for r in range(W))
+    send_bytes = tuple(piece_bytes(sum(n * s[r] for n, s in zip(rest, sizes))) for r in range(W))
+    recv_bytes = tuple(piece_bytes(sum(math.prod(s[r]) for s in recv_shapes)) for r in range(W))
     regular = (len(set(send_bytes)) == 1 and len(set(recv_bytes)) == 1 and all(len(set(s)) == 1 for s in sizes)
                and all(r == shapes_i[0] for shapes_i in recv_shapes for r in shapes_i))
     send_pieces = [[*t.shape[:split_dim], s[0], *t.shape[split_dim + 1:]] for t, s in zip(xs, sizes)]
@@ -135,6 +141,11 @@ to move it. Only on the CPU, where an exchange has ended when it returns (gloo w
 caching allocator reuses memory in stream order already."""
 
 
+_headers_of: dict[str, Plan] = {}
+"""Group name -> the plan whose headers the held send bytes hold (but the exchange count), while
+no other exchange wrote into them."""
+
+
 def _buffer(nbytes: Sequence[int], device: torch.device, header: Optional[torch.Tensor] = None,
             held: Optional[tuple[str, str]] = None) -> torch.Tensor:
     """An exchange's buffer of pieces of ``nbytes[r]`` bytes, ``header`` (PREFIX_BYTES uint8) at
@@ -143,6 +154,8 @@ def _buffer(nbytes: Sequence[int], device: torch.device, header: Optional[torch.
     bytes held for ``held`` (see :data:`_held`)."""
     W, total = len(nbytes), sum(nbytes)
     if device.type == "cpu" and held is not None:
+        if held[1] == "send":
+            _headers_of.pop(held[0], None)
         memory = _held.get(held)
         if memory is None or memory.numel() < total:
             memory = _held[held] = torch.empty(total, dtype=torch.uint8)
@@ -182,6 +195,7 @@ class _Views(NamedTuple):
     send: torch.Tensor  # (W, send bytes) uint8
     received: torch.Tensor  # (W, recv bytes) uint8
     send_headers: torch.Tensor  # (W, PREFIX_BYTES) uint8
+    send_counts: torch.Tensor  # (W,) int64: the exchange count of each send header
     received_headers: torch.Tensor  # (W, PREFIX_BYTES) uint8
     send_pieces: list  # [i]: (W, *piece of xs[i]) in xs's dtype: where xs[i]'s pieces go
     received_pieces: list  # [i]: output i's pieces, in the output's order with W before cat_dim (.., W, s, ..)
@@ -201,7 +215,8 @@ def _views(send: torch.Tensor, received: torch.Tensor, plan: Plan) -> _Views:
         output[plan.cat_dim] *= W
         outputs.append(output)
         col, row = col + n, row + m
-    return _Views(send, received, send[:, :PREFIX_BYTES], received[:, :PREFIX_BYTES], send_pieces, received_pieces,
+    return _Views(send, received, send[:, :PREFIX_BYTES], send[:, :PREFIX_BYTES].view(torch.int64)[:, 1],
+                  received[:, :PREFIX_BYTES], send_pieces, received_pieces,
                   outputs)
 
 
@@ -259,7 +274,7 @@ def _unpack(received: torch.Tensor, nbytes: Sequence[int], dtype: torch.dtype,
             col += n[0]
         return outs
     bodies = _bodies(received, nbytes, dtype)
-    rows = [body.split([n[r] for n in numel]) for r, body in enumerate(bodies)]  # [r][i]
+    rows = [body[: sum(n[r] for n in numel)].split([n[r] for n in numel]) for r, body in enumerate(bodies)]  # [r][i]
     return [torch.cat([rows[r][i].view(shapes[r]) for r in range(len(shapes))], dim=cat_dim)
             for i, shapes in enumerate(recv_shapes)]
 
@@ -286,16 +301,12 @@ def exchange(op: str, xs: Sequence[torch.Tensor], group_name: str, plan: Plan, a
     if W == 1:
         return [x.clone(memory_format=torch.contiguous_format) for x in xs]  # op outputs must not alias inputs
     x = xs[0]
-    key = plan.key
-    fields = [key[0], _exchanges[group_name], *key[1:]]
+    key, count = plan.key, _exchanges[group_name]
     _exchanges[group_name] += 1
-    # NB: pinned on CUDA, so that the copy to the device does not sync (a CUDA graph would replay
-    # the copy from that host memory: not capture-safe yet)
-    header = torch.tensor(fields, dtype=torch.int64, pin_memory=x.is_cuda)
-    header = (header.to(x.device, non_blocking=True) if x.is_cuda else header).view(torch.uint8)
-
+    cpu = x.device.type == "cpu"
     last = _agreed.get(group_name)
     agreed = agreed_sizes or (last is not None and last.key == key)
+    header = None if cpu and plan.regular and agreed else _header(key, count, x.device)
     if not agreed:  # the headers first, in pieces of the sizes every rank posts
         if last is None:
             last = _Pieces((), (PREFIX_BYTES,) * W, (PREFIX_BYTES,) * W)
@@ -305,12 +316,16 @@ def exchange(op: str, xs: Sequence[torch.Tensor], group_name: str, plan: Plan, a
         _check_headers(op, group_name, _headers(received, last.recv), header, described)
         _agreed[group_name] = _Pieces(key, plan.send_bytes, plan.recv_bytes)
     if plan.regular:  # (W, bytes) buffers: views made once per plan (and held memory)
-        if x.device.type == "cpu":
+        if cpu:
             views = _held_views(group_name, plan)
         else:
             views = _views(*(torch.empty(W, n[0], dtype=torch.uint8, device=x.device)
                              for n in (plan.send_bytes, plan.recv_bytes)), plan)
-        views.send_headers.copy_(header)
+        if cpu and _headers_of.get(group_name) is plan:  # the held send headers are this plan's, but for the count
+            views.send_counts.fill_(count)
+        else:
+            views.send_headers.copy_(_header(key, count, x.device) if header is None else header)
+            _headers_of[group_name] = plan
         for t, piece, size in zip(xs, views.send_pieces, plan.send_sizes):
             piece.copy_(t.unflatten(plan.split_dim, (W, size[0])).movedim(plan.split_dim, 0))  # the permute
         _all_to_all(op, group_name, views.received, views.send, plan.recv_bytes, plan.send_bytes)
@@ -331,6 +346,14 @@ def exchange(op: str, xs: Sequence[torch.Tensor], group_name: str, plan: Plan, a
     return _unpack(received, plan.recv_bytes, x.dtype, plan.recv_shapes, plan.cat_dim)
 
 
+def _header(key: tuple, count: int, device: torch.device) -> torch.Tensor:
+    """(PREFIX_BYTES,) uint8 on ``device``: the header of an exchange of ``key``, the ``count``-th."""
+    # NB: pinned on CUDA, so that the copy to the device does not sync (a CUDA graph would replay
+    # the copy from that host memory: not capture-safe yet)
+    header = torch.tensor([key[0], count, *key[1:]], dtype=torch.int64, pin_memory=device.type == "cuda")
+    return (header if device.type == "cpu" else header.to(device, non_blocking=True)).view(torch.uint8)
+
+
 def _all_to_all(op: str, group_name: str, received: torch.Tensor, send: torch.Tensor, recv_bytes: Sequence[int],
                 send_bytes: Sequence[int]) -> None:
     """One all-to-all of :func:`_buffer`'s buffers: split sizes in bytes for 1-D ones, none for
@@ -341,6 +364,7 @@ def _all_to_all(op: str, group_name: str, received: torch.Tensor, send: torch.Te
     except BaseException:
         _held.pop((group_name, "send"), None)
         _held.pop((group_name, "recv"), None)
+        _headers_of.pop(group_name, None)
         raise
 
 

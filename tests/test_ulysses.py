@@ -736,6 +736,27 @@ def test_every_rank_changing_alike_costs_one_exchange_of_headers(pool2, pool4):
     assert pool4.run(run_change_together) == [[2, 1, 2, 1]] * 4
 
 
+def run_repeated_counts(rank, world_size):
+    """The same exchange again and again: the held send headers are rewritten only in their
+    exchange count; every received header carries the count of this exchange."""
+    from alltoall_ops import ulysses_exchange
+
+    group_name, counts = dist.group.WORLD.group_name, []
+    for _ in range(3):
+        a2a.seq_to_head(torch.zeros(1, 2, 2 * world_size, 3))
+        plan = ulysses_exchange._headers_of[group_name]
+        views = plan.held_views["views"]
+        sent, received = (h.contiguous().view(torch.int64)[:, 1].tolist()
+                          for h in (views.send_headers, views.received_headers))
+        counts.append((ulysses_exchange._exchanges[group_name] - 1, sent, received))
+    return [(count, sent == [count] * world_size, received == [count] * world_size) for count, sent, received in counts]
+
+
+def test_repeated_exchanges_carry_their_count(pool2):
+    for ranks in zip(*pool2.run(run_repeated_counts)):
+        assert ranks[0] == ranks[1] and ranks[0][1:] == (True, True), ranks
+
+
 def run_attn_fn_errors(rank, world_size):
     """attn_fn outputs of the wrong shape, on every rank alike: each raises at once, naming attn_fn."""
     W = world_size
