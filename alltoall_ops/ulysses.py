@@ -174,10 +174,10 @@ def _plan(op: str, xs: Sequence[torch.Tensor], group_name: str, seq_dim: int, he
     """The checks of ``op`` on each of ``xs`` (see :func:`_check_args`; one dtype and ndim for
     all) and what its exchange does: computed once per distinct arguments (the same arguments
     pass the same checks), so that an exchange's host work is a lookup."""
-    args = (op, seq_dim, head_dim, tuple((x.shape, x.dtype) for x in xs),
-            None if num_heads is None else tuple(num_heads), tuple(attention))
-    return exchange.cached_plan(group_name, args,
-                                lambda: _make_plan(op, xs, group_name, seq_dim, head_dim, num_heads, attention))
+    shapes = (xs[0].shape, xs[0].dtype) if len(xs) == 1 else tuple((x.shape, x.dtype) for x in xs)
+    args = (op, seq_dim, head_dim, shapes, None if num_heads is None else tuple(num_heads), tuple(attention))
+    return exchange.cached_plan(group_name, args, _make_plan, op, xs, group_name, seq_dim, head_dim, num_heads,
+                                attention)
 
 
 def _make_plan(op: str, xs: Sequence[torch.Tensor], group_name: str, seq_dim: int, head_dim: int,

@@ -83,14 +83,14 @@ def _same_group(group_name: str) -> None:
             del _plans[args]
 
 
-def cached_plan(group_name: str, args: tuple, make: Callable[[], "Plan"]) -> "Plan":
-    """The plan of ``args`` on ``group_name``: ``make()`` once per distinct arguments (the same
-    arguments pass the same checks and move the same sizes), so an exchange's host work is a
-    lookup."""
+def cached_plan(group_name: str, args: tuple, make: Callable[..., "Plan"], *make_args: Any) -> "Plan":
+    """The plan of ``args`` on ``group_name``: ``make(*make_args)`` once per distinct arguments
+    (the same arguments pass the same checks and move the same sizes), so an exchange's host work
+    is a lookup."""
     _same_group(group_name)
     plan = _plans.get((group_name, args))
     if plan is None:
-        plan = make()
+        plan = make(*make_args)
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         _plans[(group_name, args)] = plan
@@ -215,9 +215,9 @@ def _views(send: torch.Tensor, received: torch.Tensor, plan: Plan) -> _Views:
         output[plan.cat_dim] *= W
         outputs.append(output)
         col, row = col + n, row + m
-    return _Views(send, received, send[:, :PREFIX_BYTES], send[:, :PREFIX_BYTES].view(torch.int64)[:, 1],
-                  received[:, :PREFIX_BYTES], send_pieces, received_pieces,
-                  outputs)
+    send_headers = send[:, :PREFIX_BYTES]
+    return _Views(send, received, send_headers, send_headers.view(torch.int64)[:, 1], received[:, :PREFIX_BYTES],
+                  send_pieces, received_pieces, outputs)
 
 
 def _held_views(group_name: str, plan: Plan) -> _Views:
