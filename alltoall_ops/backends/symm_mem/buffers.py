@@ -19,7 +19,7 @@ from ...groups import Group, resolve_group
 from ...kernels.loader import check_kernels_run_on
 from ...validation import check_num_experts, positive_int
 from .segments import (_CudaSymmetricSegments, _LocalSegments, _Segments, _SharedMemorySegments, _SimulatedSegments,
-                       setup_gather)
+                       address_table, setup_gather)
 
 logger = logging.getLogger(__name__)
 
@@ -277,11 +277,12 @@ class SymmBuffers(OpaqueBase):
         self.ret = region(RET, cfg.dtype, (self.max_slots, H))
         self.meta = region(META, torch.int64, (W, self.meta_columns))
         self.tags.fill_(-1)
-        # (W,) int64 base addresses of region i (RECV, TAGS, RET, META) on every rank; immutable. NB:
-        # one tensor per region, so that compiled code holds each as a constant and indexes none
-        # of them with a torch op (inductor would fold it on the real tensor).
-        self.tables = tuple(torch.tensor([base + off for base in segments.bases], dtype=torch.int64, device=cfg.device)
-                            for off in offsets)
+        # (1, W) int64 base addresses of region i (RECV, TAGS, RET, META) on every rank; immutable.
+        # NB: one tensor per region, so that compiled code holds each as a constant and indexes
+        # none of them with a torch op (inductor would fold it on the real tensor); 2-D, since
+        # inductor writes a 1-D constant of up to 8 elements into its code as literals, made
+        # into a fresh tensor by a kernel of its own at every use.
+        self.tables = tuple(address_table([base + off for base in segments.bases], cfg.device) for off in offsets)
         segments.setup_barrier()  # every rank's tags are -1 before any peer writes
         logger.info("%r: %.1f MiB per rank (%s)", self, segment_bytes / 2**20, type(segments).__name__)
 

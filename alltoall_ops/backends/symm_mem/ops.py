@@ -332,14 +332,13 @@ def symm_combine_op(
     y_TH = expert_out_CH.new_empty(T, H)
     returned_NH = expert_out_CH.new_empty(T * K if save_returned else 0, H)
     acc = accumulation_dtype(expert_out_CH.dtype, *(() if weights_TK is None else (weights_TK.dtype,)))
-    token_1 = _token(expert_out_CH)
     if buffers.world_size == 1 and not save_returned:
-        # NB: one rank: every row is where the reduction reads it (slot_dst = row), nothing to move
+        # NB: one rank: every row is where the reduction reads it (slot_dst = row). Nothing moves
+        # and no peer waits: no buffer to order kernels on, nothing to keep alive.
         k.topk_reduce(expert_out_CH, slot_dst_N.view(T, K), slot_dst_N, weights_TK, y_TH, None, acc,
-                      max_programs=buffers.num_sms, token=token_1)
-        _keep_alive(token_1, "symm_combine")
+                      max_programs=buffers.num_sms)
         return y_TH, returned_NH
-    tables = _addresses(buffers)
+    tables, token_1 = _addresses(buffers), _token(expert_out_CH)
     buffers._segments.barrier(COMBINE_OP, call_1, token=token_1)
     k.put_rows(expert_out_CH, row_src_C, buffers.max_slots, tables[RET], count=num_routed_1, token=token_1,
                max_programs=buffers.num_sms)

@@ -55,6 +55,12 @@ def setup_gather(group_name: str, obj: Any) -> list:
     return out
 
 
+def address_table(addresses: list[int], device: torch.device) -> torch.Tensor:
+    """Device addresses as a (1, n) int64 tensor: what kernels index (``table[0, i]``) and compiled
+    code holds as a constant (see ``SymmBuffers.tables``)."""
+    return torch.tensor([addresses], dtype=torch.int64, device=device)
+
+
 class _Segments:
     """This rank's segment (``local``, uint8) and every rank's segment base (``bases``)."""
 
@@ -171,10 +177,10 @@ class _CudaSymmetricSegments(_Segments):
             raise CollectiveError(f"{comm.where('SymmBuffers', self._pg)}: symmetric-memory rendezvous failed: "
                                   f"{exc}") from exc
         self.bases = list(self._handle.buffer_ptrs)
-        self.pads_table = torch.tensor(list(self._handle.signal_pad_ptrs), dtype=torch.int64, device=device)
+        self.pads_table = address_table(list(self._handle.signal_pad_ptrs), device)
         self._calls_1 = torch.zeros(1, dtype=torch.int64, device=device)  # metadata exchanges so far
         # NB: compiled code holds the addresses (immutable) as constants, never the counter itself
-        self._calls_address = torch.tensor([self._calls_1.data_ptr()], dtype=torch.int64, device=device)
+        self._calls_address = address_table([self._calls_1.data_ptr()], device)
 
     def barrier(self, op: int, call_1: torch.Tensor, advance: bool = False,
                 token: Optional[torch.Tensor] = None) -> None:
