@@ -31,7 +31,7 @@ from .groups import LOCAL, process_group
 FIELDS = ("op", "exchange", "ulysses_attention arguments", "dtype", "ndim", "seq_dim", "head_dim", "shape")
 """The header at the start of every piece of an exchange, one int64 each (``shape``: a
 fingerprint of the shape every rank shares; ``ulysses_attention arguments``: a fingerprint of
-:func:`attention_args`, 0 for a plain seq_to_head / head_to_seq)."""
+``ulysses.attention_args``, 0 for a plain seq_to_head / head_to_seq)."""
 HEADER_LEN = len(FIELDS)
 PREFIX_BYTES = 8 * HEADER_LEN
 """Bytes of the header at the start of every piece of an exchange."""
