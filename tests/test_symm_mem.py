@@ -868,3 +868,15 @@ def test_opcheck_second_order_paths():
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=tests)
+
+
+def test_compiled_code_names_buffers_with_their_addresses():
+    # Compiled code with the symm_mem ops inlined (CUDA) holds the buffers' address tables as
+    # constants, and AOTAutograd's disk cache keys a graph on the buffers' repr: two allocations of
+    # one configuration must never share a key, or a cache hit in another process would run on
+    # the first process's addresses.
+    a, b = (a2a.SymmBuffers(4, 8, 2, 4, dtype=torch.float32, device="cpu") for _ in range(2))
+    (repr_a, _), (repr_b, _) = a.__fx_repr__(), b.__fx_repr__()
+    assert repr_a.split(",", 1)[1] != repr_b.split(",", 1)[1], "one key for two allocations"
+    assert str(a._segments.bases[0]) in repr_a
+    assert a2a.SymmBuffers._compiled(a._key, a._config_key) is a

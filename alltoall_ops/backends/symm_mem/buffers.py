@@ -253,7 +253,10 @@ class SymmBuffers(OpaqueBase):
         # what the T * K error tells the caller to do; whoever makes the buffers for it may say it its way
         self.max_tokens_hint = "create SymmBuffers with a larger max_tokens_per_rank"
         self._key: Optional[int] = None  # in _COMPILED, once compiled code names these buffers
-        self._config_key = (cfg.rank, *cfg.shared, cfg.group_name, cfg.num_sms)
+        # NB: with every rank's segment address: compiled code with symm_mem's ops inlined holds the
+        # address tables as constants, and AOTAutograd's cache keys a graph on this repr, not on
+        # the constants (a hit in another process would run on that process's addresses).
+        self._config_key = (cfg.rank, *cfg.shared, cfg.group_name, cfg.num_sms, tuple(segments.bases))
         for field in dataclasses.fields(cfg):
             setattr(self, field.name, getattr(cfg, field.name))
         self.num_local_experts = cfg.num_experts // cfg.world_size
@@ -310,7 +313,8 @@ class SymmBuffers(OpaqueBase):
         if bufs is None or bufs._config_key != config_key:
             raise RuntimeError(
                 f"compiled code names SymmBuffers #{key} with (rank, W, T_max, H, K, E, alignment, C, overflow, "
-                f"dtype, device type, payload dtype, group, num_sms) = {config_key}, but this process holds "
+                f"dtype, device type, payload dtype, group, num_sms, segment addresses) = {config_key}, but this "
+                f"process holds "
                 f"{'no such buffers' if bufs is None else bufs._config_key} (code from another process's compile "
                 "cache?)"
             )
@@ -356,7 +360,8 @@ _COMPILED_LOCK = threading.Lock()
 def _load_pickled_buffers(key: list) -> SymmBuffers:
     raise RuntimeError(
         f"SymmBuffers cannot be unpickled (pickled: rank, W, T_max, H, K, E, alignment, C, overflow, "
-        f"dtype, device type, payload dtype, group, num_sms = {key}): they are memory that the group's peers write; "
+        f"dtype, device type, payload dtype, group, num_sms, segment addresses = {key}): they are memory that the "
+        f"group's peers write; "
         "create them collectively with alltoall_ops.SymmBuffers(...) in the process that uses them"
     )
 
