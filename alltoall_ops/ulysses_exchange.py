@@ -158,6 +158,7 @@ def _buffer(nbytes: Sequence[int], device: torch.device, header: Optional[torch.
             _headers_of.pop(held[0], None)
         memory = _held.get(held)
         if memory is None or memory.numel() < total:
+            _let_go(held[0])
             memory = _held[held] = torch.empty(total, dtype=torch.uint8)
         buffer = memory[:total]
     else:
@@ -170,6 +171,14 @@ def _buffer(nbytes: Sequence[int], device: torch.device, header: Optional[torch.
     for start in _starts(nbytes) if header is not None else ():
         buffer[start : start + PREFIX_BYTES] = header
     return buffer
+
+
+def _let_go(group_name: str) -> None:
+    """Drop the plans' views of the group's held bytes (about to be replaced), so that the old bytes
+    are freed."""
+    for (name, _), plan in _plans.items():
+        if name == group_name:
+            plan.held_views.clear()
 
 
 def _starts(nbytes: Sequence[int]) -> list[int]:
@@ -362,6 +371,7 @@ def _all_to_all(op: str, group_name: str, received: torch.Tensor, send: torch.Te
         comm.all_to_all(op, group_name, received, send, None if received.ndim == 2 else list(recv_bytes),
                         None if send.ndim == 2 else list(send_bytes))
     except BaseException:
+        _let_go(group_name)
         _held.pop((group_name, "send"), None)
         _held.pop((group_name, "recv"), None)
         _headers_of.pop(group_name, None)

@@ -757,6 +757,26 @@ def test_repeated_exchanges_carry_their_count(pool2):
         assert ranks[0] == ranks[1] and ranks[0][1:] == (True, True), ranks
 
 
+def run_growing_exchanges(rank, world_size):
+    """A larger exchange replaces the group's held bytes: the smaller plans' views of the old ones
+    go with them (nothing keeps the old bytes alive), and the smaller exchange still works."""
+    from alltoall_ops import ulysses_exchange
+
+    group_name = dist.group.WORLD.group_name
+    small = torch.zeros(1, 2, 2 * world_size, 3)
+    a2a.seq_to_head(small)
+    plan = ulysses_exchange._headers_of[group_name]
+    held = ulysses_exchange._held[(group_name, "send")].numel()
+    a2a.seq_to_head(torch.zeros(1, 2, 2 * world_size, held))  # more bytes than held
+    dropped = plan.held_views == {}
+    _check_exchange(rank, world_size, (1, 2 * world_size, 2 * world_size, 3), 1, 2, seed=31)
+    return dropped
+
+
+def test_growing_exchanges_let_old_buffers_go(pool2):
+    assert pool2.run(run_growing_exchanges) == [True, True]
+
+
 def run_attn_fn_errors(rank, world_size):
     """attn_fn outputs of the wrong shape, on every rank alike: each raises at once, naming attn_fn."""
     W = world_size
