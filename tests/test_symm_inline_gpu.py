@@ -1,15 +1,12 @@
 """symm_mem's ops inlined into compiled graphs on a CUDA GPU (docs/design.md, "symm_mem ops in
 compiled graphs"): inductor launches their kernels (no ``torch.ops.alltoall_ops.symm_*`` call
-left in its code), the results equal eager bit for bit, forward and backward (on torch
-symmetric memory too, one rank, where the barrier kernels keep the ops opaque); the row moves
+left in its code), the results equal eager bit for bit, forward and backward; the row moves
 run in the order written; a dispatch whose outputs are unused still exchanges; under
 ``a2a.sac_policy()`` the backward does not run the forward's exchange again."""
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from functools import partial
 
 import pytest
@@ -24,20 +21,9 @@ pytestmark = pytest.mark.gpu
 T, H, K, E = 96, 256, 4, 16
 
 
-@pytest.fixture(scope="module")
-def group():
-    """A one-rank NCCL group: torch symmetric memory needs one."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-        dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
-def _buffers(allocator: str) -> a2a.SymmBuffers:
-    return a2a.SymmBuffers(T, H, K, E, dtype=torch.bfloat16, device="cuda", allocator=allocator)
+def _buffers() -> a2a.SymmBuffers:
+    """One rank's buffers in plain memory (no process group): the buffers whose ops are inlined."""
+    return a2a.SymmBuffers(T, H, K, E, dtype=torch.bfloat16, device="cuda")
 
 
 def _inputs(seed: int):
@@ -62,8 +48,8 @@ def _launches(code: str, kernel: str) -> list[int]:
     return [m.start() for m in re.finditer(rf"\b{kernel}_\d+\.run\(", code)]
 
 
-def test_inlined_forward_equals_eager(group):
-    bufs = _buffers("auto")
+def test_inlined_forward_equals_eager():
+    bufs = _buffers()
     step = _layer(bufs)
     compiled = torch.compile(step, fullgraph=True)
     for seed in range(3):  # one compilation over routings
@@ -80,9 +66,8 @@ def test_inlined_forward_equals_eager(group):
             assert put < out, "the copy-out was moved before the put it reads"
 
 
-@pytest.mark.parametrize("allocator", ["auto", "symmetric"])
-def test_inlined_backward_equals_eager(group, allocator):
-    bufs = _buffers(allocator)
+def test_inlined_backward_equals_eager():
+    bufs = _buffers()
     step = _layer(bufs)
     compiled = torch.compile(step, fullgraph=True)
     for seed in range(2):
@@ -97,10 +82,10 @@ def test_inlined_backward_equals_eager(group, allocator):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_unused_outputs_still_exchange(group):
+def test_unused_outputs_still_exchange():
     # Only tokens_per_expert is returned: the dispatch's put and copy-out stay in the graph (a
     # peer waits for them), kept by the assert on their token.
-    bufs = _buffers("auto")
+    bufs = _buffers()
 
     def counts_only(x, idx):
         _, tokens_per_expert, _ = a2a.dispatch(x, idx, num_experts=E, buffers=bufs)
@@ -116,7 +101,7 @@ def test_unused_outputs_still_exchange(group):
 def test_sac_saves_the_exchange():
     # Under selective checkpointing with the library's policy, the backward graph recomputes no
     # forward exchange: its copy-outs are its own (the backward of combine is one dispatch).
-    bufs = _buffers("auto")
+    bufs = _buffers()
     step = _layer(bufs)
 
     def checkpointed(x, idx, weights):
