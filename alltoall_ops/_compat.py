@@ -164,22 +164,20 @@ def graph_constant(t: Any) -> Any:
     means the same (never memory that peers write)."""
     import torch
     from torch._guards import detect_fake_mode
-
     from torch._subclasses.functional_tensor import FunctionalTensor
 
-    fake_mode = detect_fake_mode()
-    if fake_mode is None or type(t) is not torch.Tensor:
+    # NB: an inlined body is traced under functionalization (inline_in_aot) and only there; one
+    # mode query, so that eager calls pay no more
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FUNCTIONAL) is None or type(t) is not torch.Tensor:
         return t
+    fake_mode = detect_fake_mode()
     allowed = fake_mode.allow_non_fake_inputs
     fake_mode.allow_non_fake_inputs = True
     try:
         constant = torch.ops.aten.alias.default(t)  # a fake tensor, traced as a get_attr of t
     finally:
         fake_mode.allow_non_fake_inputs = allowed
-    # NB: under functionalization (an inlined body) the kernels' wrappers take functional tensors only
-    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FUNCTIONAL) is not None:
-        constant = FunctionalTensor.to_functional(constant)
-    return constant
+    return FunctionalTensor.to_functional(constant)  # NB: the kernels' wrappers take functional tensors only
 
 
 def _output_node(out: Any) -> Any:

@@ -571,13 +571,18 @@ def _disagreement(case: str, rank: int, world_size: int):
             a2a.head_to_seq(torch.zeros(1, 4, 1, 2))
 
 
+def _outcome(call, *args) -> tuple[str, str]:
+    """("returned", "") or the ValueError's (type name, message) of ``call(*args)`` on this rank."""
+    try:
+        call(*args)
+    except ValueError as exc:
+        return type(exc).__name__, str(exc)
+    return "returned", ""
+
+
 def run_disagreement(rank, world_size, case, debug):
     with debug_mode(debug):
-        try:
-            _disagreement(case, rank, world_size)
-            got = ("returned", "")
-        except ValueError as exc:
-            got = (type(exc).__name__, str(exc))
+        got = _outcome(_disagreement, case, rank, world_size)
     _check_exchange(rank, world_size, (1, 2 * world_size, 2 * world_size, 2), 1, 2, seed=23)  # still in step
     return got
 
@@ -682,11 +687,7 @@ def run_later_change(rank, world_size, case):
     else:
         a2a.seq_to_head(agreed)
     with HostTraffic() as traffic:
-        try:
-            _later_call(case, rank, world_size)
-            got = ("returned", "")
-        except ValueError as exc:
-            got = (type(exc).__name__, str(exc))
+        got = _outcome(_later_call, case, rank, world_size)
     _check_exchange(rank, world_size, (1, 2 * world_size, 2 * world_size, 2), 1, 2, seed=26)  # still in step
     return got, dict(traffic.collectives)
 

@@ -13,7 +13,6 @@ import triton.language as tl
 
 from ..validation import positive_int
 
-
 try:  # read once: triton.jit reads it at decoration
     _INTERPRETED = bool(triton.knobs.runtime.interpret)
 except AttributeError:  # Triton without knobs

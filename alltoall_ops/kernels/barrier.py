@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ._config import LAUNCH_LOCK, launch, order_after
+from .region import or_new_token
 
 
 @triton.jit
@@ -94,5 +95,5 @@ def barrier(pads_table: torch.Tensor, rank: int, timeout_s: float, op: int, call
     with LAUNCH_LOCK:
         launch(_barrier_kernel, pads_table)[(1,)](
             pads_table, rank, int(timeout_s * 1e9), op, call_1, call_1 if counter is None else counter,
-            int(counter is not None), call_1.new_empty(1) if token is None else token,
+            int(counter is not None), or_new_token(token, call_1.device),
             WORLD_SIZE=pads_table.numel(), num_warps=1)

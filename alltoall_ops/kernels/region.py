@@ -1,8 +1,9 @@
-"""Memory a kernel reaches by address (imports no Triton: the ops name regions of the buffers)."""
+"""Memory a kernel reaches by address, and the token that orders such kernels (imports no Triton:
+the ops name regions of the buffers)."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -25,3 +26,14 @@ class Region(NamedTuple):
             raise ValueError(f"Region.of: the tensor must be contiguous, got strides {t.stride()}")
         shape = (t.shape[0], t.numel() // max(t.shape[0], 1) if t.dim() > 1 else 1)
         return cls(torch.tensor([t.data_ptr()], dtype=torch.int64, device=t.device), 0, shape, t.dtype)
+
+
+def new_token(device: torch.device) -> torch.Tensor:
+    """A fresh (1,) int64 ordering token: kernels that write through regions each set it
+    (``kernels._config.order_after``), so that compiled code runs them in the order launched."""
+    return torch.empty(1, dtype=torch.int64, device=device)
+
+
+def or_new_token(token: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The caller's ordering token, or a fresh one (a launch that orders nothing)."""
+    return token if token is not None else new_token(device)

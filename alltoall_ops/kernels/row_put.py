@@ -34,7 +34,7 @@ import triton.language as tl
 
 from ._config import (LAUNCH_LOCK, cast_rne, launch, order_after, program_grid,
                       require_contiguous, row_blocks, tl_acc_dtype, upcast)
-from .region import Region
+from .region import Region, or_new_token
 
 
 MAX_COUNTED_PROGRAMS = 8192
@@ -164,7 +164,8 @@ def put_rows(
             src, scale if scale is not None else src, dst, count if count is not None else dst,
             rows_table if rows_table is not None else dst, out if out is not None else src,
             tags_table if tags_table is not None else dst, tag_index if tag_index is not None else dst,
-            _token(token, dst), n, src.shape[0], H, world_size, tag_base, K=top_k, DST_STRIDE=dst_stride,
+            or_new_token(token, dst.device), n, src.shape[0], H, world_size, tag_base, K=top_k,
+            DST_STRIDE=dst_stride,
             HAS_SCALE=scale is not None, HAS_TAGS=tags_table is not None, HAS_TAG_INDEX=tag_index is not None,
             ONE_OUT=out is not None, HAS_COUNT=count is not None, ACC_DTYPE=tl_acc_dtype(acc_dtype),
             BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H, BLOCK_W=triton.next_power_of_2(world_size),
@@ -194,8 +195,8 @@ def put_meta(send_row: torch.Tensor, meta_table: torch.Tensor, rank: int, token:
     block_l = triton.next_power_of_2(max(1, min(L, 1024)))
     grid = program_grid(W, 1, max_programs)[:1]
     with LAUNCH_LOCK:
-        launch(_put_meta_kernel, send_row)[grid](send_row, meta_table, _token(token, send_row), rank, L, W,
-                                                 BLOCK_L=block_l)
+        launch(_put_meta_kernel, send_row)[grid](send_row, meta_table, or_new_token(token, send_row.device),
+                                                 rank, L, W, BLOCK_L=block_l)
 
 
 @triton.jit
@@ -212,13 +213,10 @@ def read_region(src: Region, token: Optional[torch.Tensor] = None) -> torch.Tens
     out = torch.empty(src.shape, dtype=src.dtype, device=src.table.device)
     n = out.numel()
     with LAUNCH_LOCK:
-        launch(_read_region_kernel, out)[(1,)](src.table, src.index, out, _token(token, out), n,
+        launch(_read_region_kernel, out)[(1,)](src.table, src.index, out, or_new_token(token, out.device), n,
                                                BLOCK=triton.next_power_of_2(max(1, min(n, 1024))))
     return out
 
-
-def _token(token: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    return token if token is not None else torch.empty(1, dtype=torch.int64, device=like.device)
 
 
 @triton.jit
@@ -292,6 +290,6 @@ def copy_out(
     with LAUNCH_LOCK:  # NB: one program per row block across all of X (see the kernel)
         launch(_copy_out_kernel, out)[program_grid(blocks.grid(C, X)[0], 1, max_programs)[:1]](
             recv.table, recv.index, tags.table, tags.index, num_routed, out, tail if tail is not None else out,
-            row_src, _token(token, out), C, X, x_out,
+            row_src, or_new_token(token, out.device), C, X, x_out,
             HAS_TAIL=tail is not None, BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H, num_warps=blocks.num_warps,
         )

@@ -7,8 +7,9 @@ Modules: ``segments`` (the allocators), ``buffers`` (``SymmBuffers``, ``run_simu
 kernels are in :mod:`alltoall_ops.kernels`. See docs/symm_mem.md.
 
 Every rank holds one :class:`SymmBuffers` (created collectively, once). Its segment, which every
-peer can write, holds four regions; a (4, W) int64 *pointer table* on the device gives each
-region's address on every rank, and the kernels write peers' regions through it:
+peer can write, holds four regions; one (1, W) int64 *address table* per region on the device
+gives its address on every rank, and the kernels reach every region through them (compiled code
+holds the tables as constants, never the regions):
 
     recv  (C, H)        rows dispatched to this rank, expert-major (written by the senders)
     tags  (C,)  int64   source code ``src_rank * N_max + send_position`` of each received row, -1 none

@@ -314,9 +314,8 @@ class SymmBuffers(OpaqueBase):
             raise RuntimeError(
                 f"compiled code names SymmBuffers #{key} with (rank, W, T_max, H, K, E, alignment, C, overflow, "
                 f"dtype, device type, payload dtype, group, num_sms, segment addresses) = {config_key}, but this "
-                f"process holds "
-                f"{'no such buffers' if bufs is None else bufs._config_key} (code from another process's compile "
-                "cache?)"
+                f"process holds {'no such buffers' if bufs is None else bufs._config_key} (code from another "
+                "process's compile cache?)"
             )
         return bufs
 
@@ -361,8 +360,7 @@ def _load_pickled_buffers(key: list) -> SymmBuffers:
     raise RuntimeError(
         f"SymmBuffers cannot be unpickled (pickled: rank, W, T_max, H, K, E, alignment, C, overflow, "
         f"dtype, device type, payload dtype, group, num_sms, segment addresses = {key}): they are memory that the "
-        f"group's peers write; "
-        "create them collectively with alltoall_ops.SymmBuffers(...) in the process that uses them"
+        "group's peers write; create them collectively with alltoall_ops.SymmBuffers(...) in the process that uses them"
     )
 
 

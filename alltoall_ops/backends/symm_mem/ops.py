@@ -12,7 +12,7 @@ from ..._compat import graph_constant, input_grads, inputs_as, named_inputs
 from ...comm import comm_op
 from ...errors import CapacityError, GroupMismatchError, PeerInputError, RoutingError
 from ...kernels import loader
-from ...kernels.region import Region
+from ...kernels.region import Region, new_token
 from ...payload import FORMATS, PLAIN
 from ...rows import accumulation_dtype, weight_grad_op
 from .buffers import ALIGNMENT, CALL, FAILED, META, N_SLOTS, RECV, RET, TAGS, SymmBuffers, check_payload
@@ -131,7 +131,7 @@ def _inlined(bound: dict) -> bool:
 
 
 def _addresses(buffers: SymmBuffers) -> tuple[torch.Tensor, ...]:
-    """The buffers' address tables (W,) of RECV, TAGS, RET and META, constants of compiled code."""
+    """The buffers' address tables (1, W) of RECV, TAGS, RET and META, constants of compiled code."""
     return tuple(graph_constant(t) for t in buffers.tables)
 
 
@@ -139,11 +139,6 @@ def _own(buffers: SymmBuffers, tables: tuple[torch.Tensor, ...], region: int, sh
          dtype: torch.dtype) -> Region:
     """This rank's ``region`` (RECV, TAGS, RET, META) of the buffers, named by address."""
     return Region(tables[region], buffers.rank, shape, dtype)
-
-
-def _token(like: torch.Tensor) -> torch.Tensor:
-    """A fresh (1,) ordering token (``kernels._config.order_after``)."""
-    return torch.empty(1, dtype=torch.int64, device=like.device)
 
 
 def _keep_alive(token_1: torch.Tensor, op: str) -> None:
@@ -167,7 +162,7 @@ def symm_exchange_meta_op(send_row_L: torch.Tensor, buffers: SymmBuffers, expert
         _check_meta(meta_WL, buffers, expert_alignment, meta_WL[0, buffers.num_experts + CALL :][:1])
         return meta_WL
     W, L = buffers.world_size, send_row_L.shape[0]
-    tables, token_1 = _addresses(buffers), _token(send_row_L)
+    tables, token_1 = _addresses(buffers), new_token(send_row_L.device)
     row_L = send_row_L.clone()
     call_1 = row_L[buffers.num_experts + CALL : buffers.num_experts + CALL + 1]
     buffers._segments.barrier(META_OP, call_1, advance=True, token=token_1)
@@ -248,7 +243,7 @@ def _put_rows_and_copy_out(
     k = loader.load()
     K, C = position_TK.shape[1], buffers.capacity
     acc = accumulation_dtype(rows_TX.dtype, *(() if scale_TK is None else (scale_TK.dtype,)))
-    tables, token_1 = _addresses(buffers), _token(rows_TX)
+    tables, token_1 = _addresses(buffers), new_token(rows_TX.device)
     buffers._segments.barrier(DISPATCH_OP, call_1, token=token_1)
     # NB: the kernel reads the pointer table as addresses of rows_TX's dtype: the RECV region's rows.
     k.put_rows(
@@ -338,7 +333,7 @@ def symm_combine_op(
         k.topk_reduce(expert_out_CH, slot_dst_N.view(T, K), slot_dst_N, weights_TK, y_TH, None, acc,
                       max_programs=buffers.num_sms)
         return y_TH, returned_NH
-    tables, token_1 = _addresses(buffers), _token(expert_out_CH)
+    tables, token_1 = _addresses(buffers), new_token(expert_out_CH.device)
     buffers._segments.barrier(COMBINE_OP, call_1, token=token_1)
     k.put_rows(expert_out_CH, row_src_C, buffers.max_slots, tables[RET], count=num_routed_1, token=token_1,
                max_programs=buffers.num_sms)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ... import comm
+from ..._compat import graph_constant
 from ...errors import CollectiveError, GroupMismatchError
 from ...groups import Group, process_group
 from ...kernels import loader
@@ -184,8 +185,6 @@ class _CudaSymmetricSegments(_Segments):
 
     def barrier(self, op: int, call_1: torch.Tensor, advance: bool = False,
                 token: Optional[torch.Tensor] = None) -> None:
-        from ..._compat import graph_constant
-
         loader.load().barrier(graph_constant(self.pads_table), self._rank, self._timeout, op, call_1,
                               graph_constant(self._calls_address) if advance else None, token)
 
