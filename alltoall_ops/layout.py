@@ -323,21 +323,6 @@ def expert_major_rows(recv_counts: torch.Tensor, expert_alignment: int, num_rece
     return shift + torch.arange(num_received, device=recv_counts.device)
 
 
-def slot_rows(starts_E: torch.Tensor, send_counts_E: torch.Tensor, topk_idx: torch.Tensor, position: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where each slot of this rank lands, with no host sync.
-
-    starts_E: (E,) this rank's row of :func:`block_starts` over all experts' owners;
-    send_counts_E: (E,) slots this rank sends to each expert; topk_idx, position: (T, K) of this
-    rank (``position`` from :func:`plan_routing`). Returns ``expert`` (N,), each slot's expert
-    clamped into [0, E) (check validity separately), and ``row`` (N,), its row in the expert
-    owner's expert-major output: block start + (send position - first send position of that
-    expert here)."""
-    expert = topk_idx.reshape(-1).to(torch.int64).clamp(0, starts_E.shape[0] - 1)  # (N,)
-    row = (starts_E - exclusive_cumsum(send_counts_E, 0)).index_select(0, expert) + position.reshape(-1)
-    return expert, row
-
-
 def bad_ids_error(rank: int, status: Sequence[int], num_experts: int) -> RoutingError:
     """The error for rank ``rank``'s routing status (num_bad, min id, max id) with num_bad > 0."""
     num_bad, lo, hi = status

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import alltoall_ops as a2a
+from alltoall_ops import layout
 from alltoall_ops.errors import GroupMismatchError
 from alltoall_ops.testing import CommOpCounter, DistributedPool, RankFailures, nan_unwritten_rows
 from alltoall_ops.backends import symm_mem
@@ -45,7 +46,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 E, H, K = 8, 6, 2
-SYMM_OPS = ("alltoall_ops::symm_exchange_meta", "alltoall_ops::symm_dispatch", "alltoall_ops::symm_combine")
+SYMM_OPS = ("alltoall_ops::symm_exchange_meta", "alltoall_ops::symm_place_slots", "alltoall_ops::symm_dispatch",
+            "alltoall_ops::symm_combine")
 
 
 def _inputs(seed: int, rank: int, T: int, dtype: torch.dtype, w_dtype: torch.dtype, num_experts: int = E):
@@ -426,8 +428,9 @@ def run_two_layers(rank: int, world_size: int) -> dict:
 def test_two_layers_share_buffers(pool2):
     for counts in pool2.run(run_two_layers):
         # Backward of each layer: one dispatch (combine's adjoint) and one combine (dispatch's).
-        # The SAC policy saves every symm op; full recompute re-runs the 3 forward ops per layer.
-        assert counts == {"plain": 4, "sac": 4, "recompute": 10, "compiled plain": 4, "compiled sac": 4}, counts
+        # The SAC policy saves every symm op; full recompute re-runs the 4 forward ops per layer
+        # (exchange_meta, place_slots, dispatch, combine).
+        assert counts == {"plain": 4, "sac": 4, "recompute": 12, "compiled plain": 4, "compiled sac": 4}, counts
 
 
 # --------------------------------------------------------------------------------------------
@@ -470,10 +473,11 @@ class TestCompiled(TestCase):
         assert results[0] == results[1]
         summary, constant, num_forward, num_backward = results[0]
         assert (num_forward, num_backward) == (1, 1)  # no graph break, no recompilation
-        assert constant == [True] * 5  # every symm op names the buffers themselves, a constant of the graph
+        assert constant == [True] * 6  # every symm op names the buffers themselves, a constant of the graph
         self.assertExpectedInline(summary, """\
 forward 0:
-  alltoall_ops.symm_exchange_meta(buffers=<constant SymmBuffers>, expert_alignment=2)
+  alltoall_ops.symm_exchange_meta(buffers=<constant SymmBuffers>)
+  alltoall_ops.symm_place_slots(buffers=<constant SymmBuffers>, expert_alignment=2)
   alltoall_ops.symm_dispatch(scale_TK=None, buffers=<constant SymmBuffers>)
   alltoall_ops.symm_combine(weights_TK=<tensor>, buffers=<constant SymmBuffers>, save_returned=True)
 backward 0:
@@ -589,7 +593,7 @@ def test_dispatch_and_combine_compiled_apart_never_copy_the_buffers(monkeypatch)
                      if n.op == "get_attr" and isinstance(getattr(gm, n.target), torch.Tensor)]
         assert constants == [], f"tensor constants in a compiled graph: {constants}"
         assert not list(gm.buffers()) and not list(gm.parameters())
-        assert _buffers_arguments(gm) in ([bufs[0]], [bufs[0]] * 2)  # a constant of the graph, not an input
+        assert _buffers_arguments(gm) in ([bufs[0]], [bufs[0]] * 3)  # a constant of the graph, not an input
 
     # What torch pickles of them: the configuration, never the memory; a copy cannot be loaded.
     data = pickle.dumps(bufs[0])
@@ -718,17 +722,20 @@ def _one_rank_call():
     bufs = a2a.SymmBuffers(5, H, K, E, dtype=torch.float64, device="cpu")
     x, topk_idx, weights, grad_y = _inputs(60, 0, 5, torch.float64, torch.float64)
     routed, _, handle = a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs)
-    return bufs, x, weights, grad_y, routed, handle
+    return bufs, x, weights, grad_y, routed, handle, topk_idx
 
 
 def test_opcheck():
     # test_schema is left out: it fails for any op with an opaque argument on torch 2.13.
     tests = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
-    bufs, x, weights, grad_y, routed, h = _one_rank_call()
+    bufs, x, weights, grad_y, routed, h, topk_idx = _one_rank_call()
     x, w = x.requires_grad_(), weights.requires_grad_()
     ops = symm_ops
     cases = [
-        (ops.symm_exchange_meta_op, (h.meta_WL[0].clone(), bufs, 1)),
+        (ops.symm_exchange_meta_op, (h.meta_WL[0].clone(), bufs)),
+        (ops.symm_place_slots_op, (h.meta_WL, topk_idx, h.position_TK, bufs, 1)),
+        (ops.symm_place_slots_op, (h.meta_WL[:, : E + layout.STATUS_COLUMNS].clone(), topk_idx, h.position_TK, bufs,
+                                   1)),  # one rank: the plan's send_meta
         (ops.symm_dispatch_op, (x, None, h.position_TK, h.slot_dst_N, h.num_routed_1, h.call_1, bufs)),
         (ops.symm_dispatch_op, (x, w.detach(), h.position_TK, h.slot_dst_N, h.num_routed_1, h.call_1, bufs)),
         (ops.symm_combine_op,
@@ -745,7 +752,7 @@ def test_opcheck():
 
 
 def test_weights_gradient_needs_save_returned():
-    bufs, _, weights, grad_y, routed, h = _one_rank_call()
+    bufs, _, weights, grad_y, routed, h, _ = _one_rank_call()
     w = weights.requires_grad_()
     y, _ = symm_ops.symm_combine_op(routed, w, h.position_TK, h.slot_dst_N, h.row_src_C, h.num_routed_1, h.call_1,
                                     bufs, False)
@@ -754,7 +761,7 @@ def test_weights_gradient_needs_save_returned():
 
 
 def test_argument_errors():
-    bufs, x, weights, _, routed, handle = _one_rank_call()
+    bufs, x, weights, _, routed, handle, _ = _one_rank_call()
     topk_idx = torch.zeros(5, K, dtype=torch.int64)
     with pytest.raises(ValueError, match="x: the buffers hold torch.float64 rows of H = 6"):
         a2a.dispatch(x.float(), topk_idx, num_experts=E, buffers=bufs)
@@ -858,7 +865,7 @@ def test_second_order_gradients_simulated_two_ranks(unwritten_as_nan):
 def test_opcheck_second_order_paths():
     # The autograd paths that only double backward takes: dispatch's scale, weight_grad's inputs.
     tests = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
-    bufs, x, weights, grad_y, routed, h = _one_rank_call()
+    bufs, x, weights, grad_y, routed, h, _ = _one_rank_call()
     returned = torch.randn(h.position_TK.numel(), H, dtype=torch.float64)
     cases = [
         (symm_ops.symm_dispatch_op,

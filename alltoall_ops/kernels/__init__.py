@@ -9,7 +9,8 @@
     topk_reduce.py   ``topk_reduce``: each token's weighted sum over its top-k slots (combine)
     weight_grad.py   ``weight_grad``: the gradient of the routing weights / dispatch scale
     barrier.py       ``barrier``: the symm_mem backend's signal-pad barrier, with a deadline
-    meta_check.py    ``check_meta``: the symm_mem backend's metadata checks, one bitmask
+    slot_placement.py ``place_slots``: the symm_mem backend's metadata checks and where each
+                     slot lands, one launch
     _config.py       launch blocks per kernel, shared helpers (exact casts, the ordering token)
     region.py        ``Region``: a buffer named by its address (what compiled code may hold)
 

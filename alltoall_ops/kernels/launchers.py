@@ -7,16 +7,16 @@ from . import routing_plan
 from ._config import interpreting, row_blocks
 from .barrier import barrier
 from .dispatch_layout import dispatch_layout
-from .meta_check import check_meta
 from .quantize import dequantize_rows, quantize_rows
 from .row_gather import gather_rows
 from .routing_plan import plan_rows, plan_slots
 from .row_put import copy_out, put_meta, put_rows, read_region
+from .slot_placement import place_slots
 from .topk_reduce import topk_reduce
 from .weight_grad import weight_grad
 
 __all__ = [
-    "barrier", "check_meta", "copy_out", "dispatch_layout", "gather_rows", "interpreting", "plan_rows", "plan_slots",
+    "barrier", "copy_out", "dispatch_layout", "gather_rows", "interpreting", "place_slots", "plan_rows", "plan_slots",
     "put_meta", "put_rows", "read_region", "dequantize_rows", "quantize_rows", "routing_plan", "row_blocks",
     "topk_reduce", "weight_grad",
 ]

@@ -1,6 +1,5 @@
-"""The ``symm_mem`` backend: the slots' placement on the device (``place_slots``),
-:class:`SymmMemHandle`, buffers cached for eager calls, and :class:`SymmMemBackend` (see the
-package docstring and docs/symm_mem.md)."""
+"""The ``symm_mem`` backend: :class:`SymmMemHandle`, buffers cached for eager calls, and
+:class:`SymmMemBackend` (see the package docstring and docs/symm_mem.md)."""
 
 from __future__ import annotations
 
@@ -17,44 +16,7 @@ from ...payload import PLAIN, Payload, op_kwargs, routed
 from ...validation import check_combine_args, check_dispatch_args
 from ..base import Backend, DispatchHandle, save_returned
 from .buffers import CALL, FAILED, META_EXTRA, SymmBuffers, check_payload
-from .ops import SlotArgs, symm_combine_op, symm_dispatch_op, symm_exchange_meta_op
-
-
-# --------------------------------------------------------------------------------------------
-# The slots' placement on the device (plain tensor maths, traced by torch.compile)
-
-
-@dataclasses.dataclass(frozen=True)
-class SlotPlacement:
-    """Where :func:`place_slots` puts this rank's slots. slot_dst: (N,) int64, destination code
-    ``rank * C + row`` of each slot t * K + k, -1 where nothing is sent (a dropped slot, or a row
-    past capacity); tokens_per_expert: (e,) rows of ``routed`` per local expert (padding
-    included, cut at C); num_routed: (1,) their sum, every row this rank receives lies below it;
-    dropped: (W,) valid slots that did not fit in each rank's capacity."""
-
-    slot_dst: torch.Tensor
-    tokens_per_expert: torch.Tensor
-    num_routed: torch.Tensor
-    dropped: torch.Tensor
-
-
-def place_slots(meta_WL: torch.Tensor, topk_idx_TK: torch.Tensor, position_TK: torch.Tensor, bufs: SymmBuffers,
-                expert_alignment: int) -> SlotPlacement:
-    """Where every slot of this rank lands, from the exchanged metadata (W, L): the collective
-    backend's expert-major, source-rank, send-order layout (``layout.slot_rows``), cut at C."""
-    W, E, e, C = bufs.world_size, bufs.num_experts, bufs.num_local_experts, bufs.capacity
-    counts_WE = meta_WL[:, :E]  # counts[s, g]: slots rank s sends to expert g
-    starts_WE, padded_E = layout.block_starts(counts_WE, e, expert_alignment)
-    expert_N, row_N = layout.slot_rows(starts_WE[bufs.rank], counts_WE[bufs.rank], topk_idx_TK, position_TK)
-    g_N = topk_idx_TK.reshape(-1)
-    valid_N = (g_N >= 0) & (g_N < E) & (position_TK.reshape(-1) < bufs.max_slots)
-    slot_dst_N = torch.where(valid_N & (row_N < C), (expert_N // e) * C + row_N, torch.full_like(row_N, -1))
-    padded_We = padded_E.view(W, e)  # group sizes on each owner
-    own_start_e = starts_WE[0].view(W, e)[bufs.rank]  # source rank 0's blocks start their expert groups
-    tokens_per_expert_e = torch.minimum(padded_We[bufs.rank], (C - own_start_e).clamp(min=0))
-    past_WE = (starts_WE + counts_WE - C).clamp(min=0)  # rows of block (s, g) past C
-    dropped_W = torch.minimum(past_WE, counts_WE).sum(0).view(W, e).sum(1)
-    return SlotPlacement(slot_dst_N, tokens_per_expert_e, tokens_per_expert_e.sum().reshape(1), dropped_W)
+from .ops import SlotArgs, symm_combine_op, symm_dispatch_op, symm_exchange_meta_op, symm_place_slots_op
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,7 +175,8 @@ class SymmMemBackend(Backend):
         failure[buffers.num_experts + FAILED] = 1
         buffers._own_error = f"{type(error).__name__}: {error}"
         try:
-            symm_exchange_meta_op(failure, buffers, 0)
+            no_slots = torch.empty(0, 1, dtype=torch.int64, device=buffers.device)
+            symm_place_slots_op(symm_exchange_meta_op(failure, buffers), no_slots, no_slots, buffers, 1)
         except (PeerInputError, CollectiveError):
             pass  # what the peers raise, or peers later than the deadline (not told); this rank raises its own error
         finally:
@@ -230,20 +193,24 @@ class SymmMemBackend(Backend):
         bufs = buffers
         if bufs is None:
             bufs = cached_buffers(x_TH, topk_idx_TK, num_experts, group, expert_alignment, payload)
-        E, W, e = bufs.num_experts, bufs.world_size, bufs.num_local_experts
-        plan = layout.plan_routing(topk_idx_TK, E, W, bufs.num_sms)
-        # (L,): counts, routing status, then N_SLOTS, ALIGNMENT, FAILED (0) and CALL (set by the op).
-        # NB: filled on the device, not copied from the host: eager calls stay CUDA-graph capturable.
-        header = torch.zeros(META_EXTRA - layout.STATUS_COLUMNS, dtype=torch.int64, device=x_TH.device)
-        header[0].fill_(topk_idx_TK.numel())
-        header[1].fill_(expert_alignment)
-        send_row_L = torch.cat([plan.send_meta[:, :e].reshape(-1), plan.send_meta[0, e:], header])
-        meta_WL = call(symm_exchange_meta_op, send_row_L, bufs, expert_alignment)
-        r = place_slots(meta_WL, topk_idx_TK, plan.position, bufs, expert_alignment)
-        call_1 = meta_WL[bufs.rank, bufs.num_experts + CALL : bufs.num_experts + CALL + 1]  # this step's (device)
-        slots = SlotArgs(plan.position, r.slot_dst, r.num_routed, call_1, bufs)
+        E, e = bufs.num_experts, bufs.num_local_experts
+        plan = layout.plan_routing(topk_idx_TK, E, bufs.world_size, bufs.num_sms)
+        if bufs.world_size == 1:  # the all-gather of one row is the row: the placement reads the plan's
+            meta = plan.send_meta
+        else:
+            # (L,): counts, routing status, then N_SLOTS, ALIGNMENT, FAILED (0) and CALL (set by the op).
+            # NB: filled on the device, not copied from the host: eager calls stay CUDA-graph capturable.
+            header = torch.zeros(META_EXTRA - layout.STATUS_COLUMNS, dtype=torch.int64, device=x_TH.device)
+            header[0].fill_(topk_idx_TK.numel())
+            header[1].fill_(expert_alignment)
+            send_row_L = torch.cat([plan.send_meta[:, :e].reshape(-1), plan.send_meta[0, e:], header])
+            meta = call(symm_exchange_meta_op, send_row_L, bufs)
+        meta_WL, slot_dst_N, tokens_per_expert_e, num_routed_1, dropped_W = call(
+            symm_place_slots_op, meta, topk_idx_TK, plan.position, bufs, expert_alignment)
+        call_1 = meta_WL[bufs.rank, E + CALL : E + CALL + 1]  # this step's (device)
+        slots = SlotArgs(plan.position, slot_dst_N, num_routed_1, call_1, bufs)
         routed_CH, scale_CB, row_src_C = call(symm_dispatch_op, x_TH=x_TH, scale_TK=None, **slots.kwargs(),
                                               **op_kwargs(payload), async_op=async_op, differentiable=(x_TH,))
-        handle = SymmMemHandle(plan.position, meta_WL, r.slot_dst, row_src_C, r.num_routed, call_1, r.dropped, bufs,
+        handle = SymmMemHandle(plan.position, meta_WL, slot_dst_N, row_src_C, num_routed_1, call_1, dropped_W, bufs,
                                bufs.capacity, expert_alignment)
-        return routed(payload, routed_CH, scale_CB), r.tokens_per_expert, handle
+        return routed(payload, routed_CH, scale_CB), tokens_per_expert_e, handle

@@ -24,8 +24,8 @@ from .segments import COMBINE_OP, DISPATCH_OP, META_OP
 
 
 CHECK_COLUMNS = (FAILED, CALL, ALIGNMENT, 0, N_SLOTS)
-"""Columns past the E counts that the checks' kernel reads (``kernels/meta_check.py``): the
-failure flag, the call number, the alignment, the status' count of bad ids, N = T * K."""
+"""Columns past the E counts that the placement kernel checks (``kernels/slot_placement.py``):
+the failure flag, the call number, the alignment, the status' count of bad ids, N = T * K."""
 
 CHECK_FAILED = ("alltoall_ops symm_mem: a metadata check failed (a rank rejected its arguments, ranks out of step "
                 "or disagreeing on expert_alignment, bad expert ids, T * K above the buffers' max_tokens_per_rank "
@@ -33,22 +33,20 @@ CHECK_FAILED = ("alltoall_ops symm_mem: a metadata check failed (a rank rejected
 """The device-side assert's message on CUDA (torch takes fewer than 255 characters)."""
 
 
-def _check_meta(meta_WL: torch.Tensor, bufs: SymmBuffers, expert_alignment: int, call_1: torch.Tensor) -> None:
-    """Every rank's metadata row (W, L), checked in the order: a rank's failure flag, the call
-    numbers (against this rank's ``call_1``, (1,) int64 on the device), the alignments, the
-    expert ids, T * K, and the capacity (unless overflow='drop'), by one kernel. CPU: the first
-    failed check raises at once. CUDA: no host sync, a device-side assert
+def _raise_failed_checks(failed_checks_1: torch.Tensor, meta_WL: torch.Tensor, bufs: SymmBuffers,
+                         expert_alignment: int) -> None:
+    """The placement kernel's failed checks (1,) on every rank's metadata (W, L), in the order: a
+    rank's failure flag, the call numbers, the alignments, the expert ids, T * K, and the
+    capacity (unless overflow='drop'). CPU: the first failed check raises at once (every rank
+    sees the same metadata, so all raise alike). CUDA: no host sync, a device-side assert
     (``torch._assert_async``) that surfaces at the next synchronisation."""
-    E, W, C = bufs.num_experts, bufs.world_size, bufs.capacity
-    failed_checks_1 = loader.load().check_meta(
-        meta_WL, E, CHECK_COLUMNS, call_1, expert_alignment, bufs.max_slots, C, bufs.overflow != "drop"
-    )
     if failed_checks_1.device.type != "cpu":
         torch._assert_async(failed_checks_1 == 0, CHECK_FAILED)
         return
     failed_checks = int(failed_checks_1)
     if not failed_checks:
         return
+    E, W, C = bufs.num_experts, bufs.world_size, bufs.capacity
     counts, status, extra = meta_WL[:, :E], meta_WL[:, E : E + layout.STATUS_COLUMNS], meta_WL[:, E:]
     n_slots = extra[:, N_SLOTS]
 
@@ -120,8 +118,8 @@ class SlotArgs(NamedTuple):
 # Compiled on CUDA (buffers whose barriers are device work), each op's body is inlined: its
 # kernels are launched by inductor's code. They reach the buffers through the address tables (graph
 # constants: ``_addresses``), and every kernel of a body sets one (1,) token, which orders
-# them as written and ends in a device-side assert that dead-code elimination keeps
-# (``_keep_alive``); docs/design.md ("symm_mem ops in compiled graphs").
+# them as written. Only one-rank plain buffers are inlined today, where no peer waits for a
+# call whose outputs go unused; docs/design.md ("symm_mem ops in compiled graphs").
 
 
 def _inlined(bound: dict) -> bool:
@@ -141,26 +139,16 @@ def _own(buffers: SymmBuffers, tables: tuple[torch.Tensor, ...], region: int, sh
     return Region(tables[region], buffers.rank, shape, dtype)
 
 
-def _keep_alive(token_1: torch.Tensor, op: str) -> None:
-    """Traced: a device-side assert on the op's token (its kernels set it to 0), a side effect that
-    keeps every kernel of the op in the graph even where no output is used (a peer waits for our
-    writes). Eager code runs what it calls: nothing to do."""
-    if type(token_1) is not torch.Tensor:
-        torch._assert_async(token_1 == 0, f"alltoall_ops {op}: a kernel of the exchange did not run")
-
-
 @comm_op("symm_exchange_meta", inline=_inlined)
-def symm_exchange_meta_op(send_row_L: torch.Tensor, buffers: SymmBuffers, expert_alignment: int) -> torch.Tensor:
+def symm_exchange_meta_op(send_row_L: torch.Tensor, buffers: SymmBuffers) -> torch.Tensor:
     """(L,) int64 metadata row of this rank -> meta (W, L), row s from rank s (an all-gather).
 
     The op numbers its calls on ``buffers`` on the device (the entry barrier writes column CALL
     of the row sent; zero on one rank, which has no peers to be out of step with): column CALL
     of the output is the call number that the dispatch and combine of this step stamp their
-    barriers with. Checks every rank's row (see ``_check_meta``) and raises on all ranks alike."""
+    barriers with. ``symm_place_slots`` checks the rows."""
     if buffers.world_size == 1:  # the all-gather of one row is the row: no put, no barrier
-        meta_WL = send_row_L.clone().view(1, -1)
-        _check_meta(meta_WL, buffers, expert_alignment, meta_WL[0, buffers.num_experts + CALL :][:1])
-        return meta_WL
+        return send_row_L.clone().view(1, -1)
     W, L = buffers.world_size, send_row_L.shape[0]
     tables, token_1 = _addresses(buffers), new_token(send_row_L.device)
     row_L = send_row_L.clone()
@@ -169,14 +157,43 @@ def symm_exchange_meta_op(send_row_L: torch.Tensor, buffers: SymmBuffers, expert
     loader.load().put_meta(row_L, tables[META], buffers.rank, token=token_1, max_programs=buffers.num_sms)
     buffers._segments.barrier(META_OP, call_1, token=token_1)
     meta_WL = loader.load().read_region(_own(buffers, tables, META, (W, L), torch.int64), token=token_1)
-    _check_meta(meta_WL, buffers, expert_alignment, call_1)  # NB: its assert keeps the chain alive
     return meta_WL
 
 
 @symm_exchange_meta_op.register_fake
-def _(send_row_L, buffers, expert_alignment):
+def _(send_row_L, buffers):
     # NB: one row from each of the W ranks.
     return send_row_L.new_empty(buffers.world_size, send_row_L.shape[0])
+
+
+# NB: a communication op too: on CPU a rank's failure row makes every rank gather the error
+# messages (``_raise_failed_checks``).
+@comm_op("symm_place_slots", inline=_inlined)
+def symm_place_slots_op(
+    meta: torch.Tensor, topk_idx_TK: torch.Tensor, position_TK: torch.Tensor, buffers: SymmBuffers,
+    expert_alignment: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every rank's metadata -> meta_WL (W, L), slot_dst (N,), tokens_per_expert (e,),
+    num_routed (1,), dropped (W,), int64: the checks of the metadata (raised on every rank alike,
+    see ``_raise_failed_checks``) and where each slot of this rank lands (``SlotPlacement``), one
+    kernel (``kernels/slot_placement.py``). meta: ``symm_exchange_meta``'s (W, L); on one rank the
+    routing plan's send_meta (1, E + status columns) instead, whose header is this call's (no
+    exchange, no row assembled). topk_idx, position: (T, K) of this rank."""
+    p = loader.load().place_slots(
+        meta, topk_idx_TK, position_TK, num_experts=buffers.num_experts, world_size=buffers.world_size,
+        rank=buffers.rank, meta_columns=buffers.meta_columns, columns=CHECK_COLUMNS,
+        expert_alignment=expert_alignment, max_slots=buffers.max_slots, capacity=buffers.capacity,
+        check_overflow=buffers.overflow != "drop", max_programs=buffers.num_sms,
+    )
+    _raise_failed_checks(p.failed_checks_1, p.meta_WL, buffers, expert_alignment)
+    return p.meta_WL, p.slot_dst_N, p.tokens_per_expert_e, p.num_routed_1, p.dropped_W
+
+
+@symm_place_slots_op.register_fake
+def _(meta, topk_idx_TK, position_TK, buffers, expert_alignment):
+    W, e = buffers.world_size, buffers.num_local_experts
+    new = meta.new_empty
+    return new(W, buffers.meta_columns), new(topk_idx_TK.numel()), new(e), new(1), new(W)
 
 
 @comm_op("symm_dispatch", inline=_inlined)
@@ -257,7 +274,6 @@ def _put_rows_and_copy_out(
     recv_CX = _own(buffers, tables, RECV, (C, rows_TX.shape[1]), rows_TX.dtype)
     k.copy_out(recv_CX, _own(buffers, tables, TAGS, (C, 1), torch.int64), num_routed_1, out_CX, row_src_C, tail=tail,
                token=token_1, max_programs=buffers.num_sms)
-    _keep_alive(token_1, "symm_dispatch")
     return row_src_C
 
 
@@ -342,7 +358,6 @@ def symm_combine_op(
         _own(buffers, tables, RET, (buffers.max_slots, H), expert_out_CH.dtype), position_TK, slot_dst_N, weights_TK,
         y_TH, returned_NH if save_returned else None, acc, max_programs=buffers.num_sms, token=token_1,
     )
-    _keep_alive(token_1, "symm_combine")
     return y_TH, returned_NH
 
 

@@ -1,0 +1,208 @@
+"""Kernel of the symm_mem backend's slot placement: the checks of the exchanged metadata and
+where every slot of this rank lands, in one launch, no host sync.
+
+Legend: ``W`` ranks, ``E`` experts, ``e = E / W`` local experts per rank, ``C`` rows of capacity,
+``N`` slots of this rank (``rank``). Row s of ``meta`` (W, L) is rank s's: ``counts[s, g]``
+(columns [0, E): slots rank s sends to expert g), then the status and the header at the given
+offsets past E. Reference semantics (``a`` the alignment; ``SymmMemBackend``'s layout: expert
+groups on their owner, within a group the source ranks in order, each source's slots in send
+order)::
+
+    padded[g]       = round_up(counts[:, g].sum(), a)
+    expert_start[g] = sum(padded[g'] for g' of g's owner with g' < g)
+    start[s, g]     = expert_start[g] + counts[:s, g].sum()                 # block (s, g)'s first row
+    row(slot)       = start[rank, g] - counts[rank, :g].sum() + position    # g = the slot's expert
+    slot_dst(slot)  = (g // e) * C + row  if 0 <= g < E, position < max_slots and row < C  else -1
+    tokens_per_expert[j] = min(padded[rank*e + j], max(C - expert_start[rank*e + j], 0))
+    num_routed      = tokens_per_expert.sum()
+    dropped[r]      = sum over s and g of r of min(max(start[s, g] + counts[s, g] - C, 0), counts[s, g])
+    failed_checks   = (any(col(failed) != 0)                         << 0    # a rank's own error
+                     | any(col(call) != meta[rank, E + call])        << 1    # ranks out of step
+                     | any(col(alignment) != a)                      << 2    # alignments differ
+                     | any(col(bad_ids) > 0)                         << 3    # bad expert ids
+                     | any(col(n_slots) > max_slots)                 << 4    # T * K too large
+                     | any(expert_start + padded > C) if check_overflow  << 5)  # a rank's rows past C
+
+with ``col(name) = meta[:, E + name]``. One rank (``ONE_RANK``): ``meta`` is the routing plan's
+``send_meta`` (1, E + status), the header is this call's (n_slots = N, the alignment, no failure,
+call 0) and the kernel writes the full row into ``meta_out``, so no exchange and no row assembly
+run. Otherwise ``meta_out`` gets a copy of ``meta``.
+
+Every program computes each expert's ``start[rank, g] - counts[rank, :g].sum()`` (tiles of
+BLOCK_E experts; ``expert_start`` as a cumulative sum over all experts minus that of the
+group's first expert, read back from a scratch row) into its scratch row, then places its
+blocks of slots with a gather from that row. Program 0 alone writes the
+per-expert outputs, the checks and ``meta_out``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._config import LAUNCH_LOCK, launch, program_grid
+
+GPU_BLOCK_S = 1024
+"""Slots a program places per step."""
+MAX_PROGRAMS = 16
+"""Most programs: each recomputes the (W, E) tables, so more only pay for many slots."""
+GPU_NUM_WARPS = 8
+MAX_BLOCK_E = 1024
+"""Most experts per tile."""
+
+
+@triton.jit
+def _any(b_fail, m):
+    """[B] bool, mask [B] -> int64 scalar, 1 where a masked-in entry fails."""
+    return tl.max((b_fail & m).to(tl.int64), axis=0)
+
+
+@triton.jit
+def _place_slots_kernel(
+    meta_ptr, L_in, idx_ptr, position_ptr,
+    meta_out_ptr, failed_checks_ptr, slot_dst_ptr, tokens_ptr, num_routed_ptr, dropped_ptr, scratch_ptr,
+    N, E, e, rank, L_out, alignment, max_slots, capacity,
+    col_failed, col_call, col_alignment, col_bad_ids, col_n_slots,
+    WORLD_SIZE: tl.constexpr, ONE_RANK: tl.constexpr, CHECK_OVERFLOW: tl.constexpr,
+    BLOCK_W: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    first = pid == 0
+    o_w = tl.arange(0, BLOCK_W)
+    m_w = o_w < WORLD_SIZE
+    if first:  # dropped rows are summed into (W,) below
+        tl.store(dropped_ptr + o_w, tl.zeros([BLOCK_W], dtype=tl.int64), mask=m_w)
+        tl.debug_barrier()
+    p_starts = scratch_ptr + pid * 2 * E  # each expert's first row counted over all owners, then
+    p_offset = p_starts + E  # of each expert, row of a slot - its send position (see below)
+    padded_carry = tl.zeros([], dtype=tl.int64)  # padded rows of the experts before this tile
+    sent_carry = tl.zeros([], dtype=tl.int64)  # this rank's slots to the experts before this tile
+    overflow = tl.zeros([], dtype=tl.int64)
+    num_routed = tl.zeros([], dtype=tl.int64)
+    for i_g in range(0, E, BLOCK_E):
+        o_g = i_g + tl.arange(0, BLOCK_E)  # [BE] experts
+        m_g = o_g < E
+        b_total = tl.zeros([BLOCK_E], dtype=tl.int64)
+        b_before = tl.zeros([BLOCK_E], dtype=tl.int64)  # from the ranks below this one
+        for s in range(WORLD_SIZE):
+            b_counts = tl.load(meta_ptr + s * L_in + o_g, mask=m_g, other=0)
+            b_total += b_counts
+            b_before += tl.where(s < rank, b_counts, 0)
+        b_own = tl.load(meta_ptr + rank * L_in + o_g, mask=m_g, other=0)
+        b_padded = (b_total + alignment - 1) // alignment * alignment
+        b_starts = tl.cumsum(b_padded, axis=0) - b_padded + padded_carry
+        tl.store(p_starts + o_g, b_starts, mask=m_g)
+        # NB: the group's first expert may lie in an earlier tile: its start is read back from
+        # memory, once every thread's store of this tile has landed.
+        tl.debug_barrier()
+        b_expert_start = b_starts - tl.load(p_starts + o_g // e * e, mask=m_g, other=0)
+        b_sent_incl = tl.cumsum(b_own, axis=0) + sent_carry
+        tl.store(p_offset + o_g, b_expert_start + b_before - (b_sent_incl - b_own), mask=m_g)
+        padded_carry += tl.sum(b_padded, axis=0)
+        sent_carry += tl.sum(b_own, axis=0)
+        if first:
+            overflow |= _any(b_expert_start + b_padded > capacity, m_g)
+            m_own = m_g & (o_g // e == rank)
+            b_tokens = tl.minimum(b_padded, tl.maximum(capacity - b_expert_start, 0))
+            tl.store(tokens_ptr + o_g - rank * e, b_tokens, mask=m_own)
+            num_routed += tl.sum(tl.where(m_own, b_tokens, 0), axis=0)
+            b_start = b_expert_start
+            b_dropped = tl.zeros([BLOCK_E], dtype=tl.int64)
+            for s in range(WORLD_SIZE):
+                b_counts = tl.load(meta_ptr + s * L_in + o_g, mask=m_g, other=0)
+                b_dropped += tl.minimum(tl.maximum(b_start + b_counts - capacity, 0), b_counts)
+                b_start += b_counts
+            tl.atomic_add(dropped_ptr + o_g // e, b_dropped, mask=m_g & (b_dropped > 0))
+    if first:
+        p_row = meta_ptr + o_w * L_in + E  # [BW] each rank's first column past the counts
+        failed = _any(tl.load(p_row + col_bad_ids, mask=m_w, other=0) > 0, m_w) << 3
+        if ONE_RANK:
+            failed |= (N > max_slots).to(tl.int64) << 4
+        else:
+            own_call = tl.load(meta_ptr + rank * L_in + E + col_call)
+            failed |= _any(tl.load(p_row + col_failed, mask=m_w, other=0) != 0, m_w)
+            failed |= _any(tl.load(p_row + col_call, mask=m_w, other=0) != own_call, m_w) << 1
+            failed |= _any(tl.load(p_row + col_alignment, mask=m_w, other=0) != alignment, m_w) << 2
+            failed |= _any(tl.load(p_row + col_n_slots, mask=m_w, other=0) > max_slots, m_w) << 4
+        if CHECK_OVERFLOW:
+            failed |= overflow << 5
+        tl.store(failed_checks_ptr, failed)
+        tl.store(num_routed_ptr, num_routed)
+        for s in range(WORLD_SIZE):
+            for i_l in range(0, L_out, BLOCK_L):
+                o_l = i_l + tl.arange(0, BLOCK_L)
+                b_row = tl.load(meta_ptr + s * L_in + o_l, mask=o_l < L_in, other=0)
+                if ONE_RANK:  # this call's header
+                    b_row = tl.where(o_l == E + col_n_slots, N, b_row)
+                    b_row = tl.where(o_l == E + col_alignment, alignment, b_row)
+                tl.store(meta_out_ptr + s * L_out + o_l, b_row, mask=o_l < L_out)
+    tl.debug_barrier()  # the scratch row is whole before any thread gathers from it
+    for i_s in range(pid * BLOCK_S, N, tl.num_programs(0) * BLOCK_S):
+        o_s = i_s + tl.arange(0, BLOCK_S)  # [BS] slots
+        m_s = o_s < N
+        b_g = tl.load(idx_ptr + o_s, mask=m_s, other=-1).to(tl.int64)
+        b_position = tl.load(position_ptr + o_s, mask=m_s, other=0)
+        b_valid = (b_g >= 0) & (b_g < E) & (b_position < max_slots)
+        b_g = tl.minimum(tl.maximum(b_g, 0), E - 1)
+        b_row = tl.load(p_offset + b_g, mask=m_s, other=0) + b_position
+        b_dst = tl.where(b_valid & (b_row < capacity), (b_g // e) * capacity + b_row, -1)
+        tl.store(slot_dst_ptr + o_s, b_dst, mask=m_s)
+
+
+class Placement(NamedTuple):
+    """:func:`place_slots`' outputs, int64 on meta's device."""
+
+    meta_WL: torch.Tensor
+    failed_checks_1: torch.Tensor
+    slot_dst_N: torch.Tensor
+    tokens_per_expert_e: torch.Tensor
+    num_routed_1: torch.Tensor
+    dropped_W: torch.Tensor
+
+
+def place_slots(
+    meta: torch.Tensor,
+    topk_idx: torch.Tensor,
+    position: torch.Tensor,
+    *,
+    num_experts: int,
+    world_size: int,
+    rank: int,
+    meta_columns: int,
+    columns: tuple[int, int, int, int, int],
+    expert_alignment: int,
+    max_slots: int,
+    capacity: int,
+    check_overflow: bool,
+    max_programs: Optional[int] = None,
+) -> Placement:
+    """The module docstring's outputs, one launch. meta: every rank's exchanged row (W, L =
+    meta_columns), or with world_size 1 the routing plan's send_meta (1, E + status columns);
+    topk_idx, position: (T, K) of this rank; columns: offsets past E of (failed, call, alignment,
+    bad ids, n_slots). Returns meta_WL (W, L) (one rank: the row with this call's header),
+    failed_checks (1,) (bit i: check i failed), slot_dst (N,), tokens_per_expert (e,),
+    num_routed (1,), dropped (W,). ``max_programs``: an SM budget."""
+    W, E = world_size, num_experts
+    e, N, dev = E // W, topk_idx.numel(), meta.device
+    meta = meta.contiguous()
+    meta_WL = torch.empty(W, meta_columns, dtype=torch.int64, device=dev)
+    failed_checks_1 = torch.empty(1, dtype=torch.int64, device=dev)
+    slot_dst_N = torch.empty(N, dtype=torch.int64, device=dev)
+    tokens_per_expert_e = torch.empty(e, dtype=torch.int64, device=dev)
+    num_routed_1 = torch.empty(1, dtype=torch.int64, device=dev)
+    dropped_W = torch.empty(W, dtype=torch.int64, device=dev)
+    programs = program_grid(min(MAX_PROGRAMS, max(1, triton.cdiv(N, GPU_BLOCK_S))), 1, max_programs)[0]
+    scratch = torch.empty(programs, 2, E, dtype=torch.int64, device=dev)
+    with LAUNCH_LOCK:
+        launch(_place_slots_kernel, meta)[(programs,)](
+            meta, meta.shape[1], topk_idx.reshape(N).contiguous(), position.reshape(N).contiguous(),
+            meta_WL, failed_checks_1, slot_dst_N, tokens_per_expert_e, num_routed_1, dropped_W, scratch,
+            N, E, e, rank, meta_columns, expert_alignment, max_slots, capacity, *columns,
+            WORLD_SIZE=W, ONE_RANK=W == 1 and meta.shape[1] < meta_columns, CHECK_OVERFLOW=check_overflow,
+            BLOCK_W=triton.next_power_of_2(W), BLOCK_E=min(MAX_BLOCK_E, triton.next_power_of_2(E)),
+            BLOCK_S=GPU_BLOCK_S, BLOCK_L=triton.next_power_of_2(min(meta_columns, 1024)), num_warps=GPU_NUM_WARPS,
+        )
+    return Placement(meta_WL, failed_checks_1, slot_dst_N, tokens_per_expert_e, num_routed_1, dropped_W)

@@ -1,0 +1,264 @@
+"""The symm_mem placement kernel (``kernels/slot_placement.py``) against plain torch: its six
+checks of the exchanged metadata and where each slot lands, on random metadata and routings
+(Triton's interpreter without CUDA, compiled with it); the one-rank form that reads the routing
+plan's send_meta; and the CPU path of ``symm_place_slots``: the first failed check raises its own
+error."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import alltoall_ops as a2a
+from alltoall_ops import layout
+from alltoall_ops.backends.symm_mem import ops as symm_ops, run_simulated
+from alltoall_ops.backends.symm_mem.buffers import ALIGNMENT, CALL, FAILED, META_EXTRA, N_SLOTS
+from alltoall_ops.errors import CapacityError, GroupMismatchError, PeerInputError, RoutingError
+from alltoall_ops.kernels import loader
+
+DEVICE = "cpu" if loader.load().interpreting() else "cuda"
+
+
+def _needed_W(counts_WE: torch.Tensor, alignment: int) -> torch.Tensor:
+    """(W, E) slots of each source rank per expert -> (W,) rows each rank receives, padded."""
+    W, E = counts_WE.shape
+    return layout.round_up(counts_WE.sum(0), alignment).view(W, E // W).sum(1)
+
+
+def _reference_checks(meta_WL: torch.Tensor, E: int, rank: int, alignment: int, max_slots: int, capacity: int,
+                      check_overflow: bool) -> int:
+    """The six checks in the kernel's order, as a bitmask."""
+    checks = [
+        (meta_WL[:, E + FAILED] != 0).any(),
+        (meta_WL[:, E + CALL] != meta_WL[rank, E + CALL]).any(),
+        (meta_WL[:, E + ALIGNMENT] != alignment).any(),
+        (meta_WL[:, E] > 0).any(),  # the status' first column: bad expert ids
+        (meta_WL[:, E + N_SLOTS] > max_slots).any(),
+        check_overflow and (_needed_W(meta_WL[:, :E], alignment) > capacity).any(),
+    ]
+    return sum(int(bool(c)) << i for i, c in enumerate(checks))
+
+
+def _reference_placement(counts_WE: torch.Tensor, topk_idx_TK: torch.Tensor, position_TK: torch.Tensor, rank: int,
+                         alignment: int, max_slots: int, C: int) -> tuple[torch.Tensor, ...]:
+    """slot_dst (N,), tokens_per_expert (e,), num_routed (1,), dropped (W,) in plain torch: the
+    collective backend's expert-major, source-rank, send-order layout, cut at C."""
+    W, E = counts_WE.shape
+    e = E // W
+    starts_WE, padded_E = layout.block_starts(counts_WE, e, alignment)
+    g_N = topk_idx_TK.reshape(-1).to(torch.int64)
+    expert_N = g_N.clamp(0, E - 1)
+    row_N = (starts_WE[rank] - layout.exclusive_cumsum(counts_WE[rank], 0))[expert_N] + position_TK.reshape(-1)
+    valid_N = (g_N >= 0) & (g_N < E) & (position_TK.reshape(-1) < max_slots)
+    slot_dst_N = torch.where(valid_N & (row_N < C), (expert_N // e) * C + row_N, torch.full_like(row_N, -1))
+    own_start_e = starts_WE[0].view(W, e)[rank]  # source rank 0's blocks start the expert groups
+    tokens_per_expert_e = torch.minimum(padded_E.view(W, e)[rank], (C - own_start_e).clamp(min=0))
+    dropped_W = torch.minimum((starts_WE + counts_WE - C).clamp(min=0), counts_WE).sum(0).view(W, e).sum(1)
+    return slot_dst_N, tokens_per_expert_e, tokens_per_expert_e.sum().reshape(1), dropped_W
+
+
+def _place(meta: torch.Tensor, topk_idx_TK: torch.Tensor, position_TK: torch.Tensor, *, W: int, E: int, rank: int,
+           alignment: int, max_slots: int, capacity: int, check_overflow: bool = True, max_programs=None):
+    return loader.load().place_slots(
+        meta.to(DEVICE), topk_idx_TK.to(DEVICE), position_TK.to(DEVICE), num_experts=E, world_size=W, rank=rank,
+        meta_columns=E + META_EXTRA, columns=symm_ops.CHECK_COLUMNS, expert_alignment=alignment,
+        max_slots=max_slots, capacity=capacity, check_overflow=check_overflow, max_programs=max_programs,
+    )
+
+
+def _routing(T: int, K: int, E: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random routing of T tokens with some -1 and some bad ids -> topk_idx (T, K), position
+    (T, K) and send_meta (1, E + status) of one rank's plan."""
+    g = torch.Generator().manual_seed(seed)
+    topk_idx = torch.randint(-1, E + 1, (T, K), generator=g)
+    plan = layout.plan_routing(topk_idx.to(DEVICE), E, 1)
+    return topk_idx, plan.position.cpu(), plan.send_meta.cpu()
+
+
+def _assert_placement(p, expected) -> None:
+    names = ("slot_dst", "tokens_per_expert", "num_routed", "dropped")
+    for name, got, want in zip(names, (p.slot_dst_N, p.tokens_per_expert_e, p.num_routed_1, p.dropped_W), expected):
+        assert torch.equal(got.cpu(), want), f"{name}: {got.tolist()} != {want.tolist()}"
+
+
+@st.composite
+def metadata(draw):
+    """(meta_WL, topk_idx, position, rank, alignment, max_slots, capacity, check_overflow): rank's
+    row counts its own random routing (some -1, some bad ids), the other rows random; each flag
+    column mostly right, max_slots and the capacity on their bounds or one off."""
+    W, e = draw(st.integers(1, 5)), draw(st.integers(1, 6))
+    E, rank = W * e, draw(st.integers(0, W - 1))
+    alignment, call = draw(st.integers(1, 4)), draw(st.integers(1, 10**6))
+    T, K = draw(st.integers(0, 6)), draw(st.integers(1, 3))
+    topk_idx = torch.tensor(draw(st.lists(st.lists(st.integers(-1, E), min_size=K, max_size=K),
+                                          min_size=T, max_size=T)), dtype=torch.int64).view(T, K)
+    plan = layout.plan_routing(topk_idx.to(DEVICE), E, W)
+
+    def column(good: int, bad: st.SearchStrategy) -> list[int]:
+        return [draw(st.one_of(st.just(good), bad)) if draw(st.booleans()) else good for _ in range(W)]
+
+    counts_WE = torch.tensor(draw(st.lists(st.lists(st.integers(0, 9), min_size=E, max_size=E),
+                                           min_size=W, max_size=W)))
+    counts_WE[rank] = plan.send_meta[:, :e].reshape(-1).cpu()
+    n_slots = counts_WE.sum(1)
+    n_slots[rank] = T * K
+    bad_ids = column(0, st.integers(1, 3))
+    status = [[bad_ids[s], draw(st.integers(-1, E)), draw(st.integers(-1, E))] for s in range(W)]
+    meta_WL = torch.zeros(W, E + META_EXTRA, dtype=torch.int64)
+    meta_WL[:, :E] = counts_WE
+    meta_WL[:, E : E + layout.STATUS_COLUMNS] = torch.tensor(status)
+    meta_WL[:, E + N_SLOTS] = n_slots
+    meta_WL[:, E + FAILED] = torch.tensor(column(0, st.just(1)))
+    meta_WL[:, E + CALL] = torch.tensor(column(call, st.integers(0, call + 1)))
+    meta_WL[:, E + ALIGNMENT] = torch.tensor(column(alignment, st.integers(1, 4)))
+    near = st.sampled_from([-1, 0, 0, 1])  # on the bound half the time: a check off by one fails
+    max_slots = max(0, int(n_slots.max()) + draw(near))
+    capacity = max(1, int(_needed_W(counts_WE, alignment).max()) + draw(near))
+    return meta_WL, topk_idx, plan.position.cpu(), rank, alignment, max_slots, capacity, draw(st.booleans())
+
+
+@settings(max_examples=60, deadline=None, derandomize=False)
+@given(metadata())
+def test_kernel_matches_the_reference(case):
+    meta_WL, topk_idx, position, rank, alignment, max_slots, capacity, check_overflow = case
+    W, E = meta_WL.shape[0], meta_WL.shape[1] - META_EXTRA
+    p = _place(meta_WL, topk_idx, position, W=W, E=E, rank=rank, alignment=alignment, max_slots=max_slots,
+               capacity=capacity, check_overflow=check_overflow)
+    assert p.failed_checks_1.shape == (1,) and p.failed_checks_1.dtype == torch.int64
+    expected = _reference_checks(meta_WL, E, rank, alignment, max_slots, capacity, check_overflow)
+    got = int(p.failed_checks_1)
+    assert got == expected, f"{got:06b} != {expected:06b} (bits: check 0 last)"
+    assert torch.equal(p.meta_WL.cpu(), meta_WL)
+    _assert_placement(p, _reference_placement(meta_WL[:, :E], topk_idx, position, rank, alignment, max_slots,
+                                              capacity))
+
+
+@pytest.mark.parametrize("W, e, max_programs", [(48, 40, None), (3, 1500, None), (3, 1500, 2)])
+def test_more_than_one_tile(W, e, max_programs):
+    # Past the kernel's tile of MAX_BLOCK_E = 1024 experts, with expert groups across tiles (e =
+    # 1500, not a power of two), many slots over several programs (or two striding: an SM
+    # budget), many ranks. The capacity just enough, then one short (rows dropped).
+    alignment, rank = 3, W - 2
+    E = W * e
+    topk_idx = torch.randint(-1, E, (1500, 2), generator=torch.Generator().manual_seed(e))
+    position = layout.plan_routing(topk_idx.to(DEVICE), E, W).position.cpu()
+    meta_WL = torch.zeros(W, E + META_EXTRA, dtype=torch.int64)
+    meta_WL[:, :E] = torch.randint(0, 5, (W, E), generator=torch.Generator().manual_seed(W))
+    meta_WL[rank, :E] = torch.bincount(topk_idx[topk_idx >= 0], minlength=E)
+    meta_WL[:, E + CALL], meta_WL[:, E + ALIGNMENT] = 7, alignment
+    most = int(_needed_W(meta_WL[:, :E], alignment).max())
+    for capacity, expected in ((most, 0), (most - 1, 1 << 5)):
+        p = _place(meta_WL, topk_idx, position, W=W, E=E, rank=rank, alignment=alignment, max_slots=3000,
+                   capacity=capacity, max_programs=max_programs)
+        assert int(p.failed_checks_1) == expected == _reference_checks(meta_WL, E, rank, alignment, 3000, capacity,
+                                                                       True)
+        _assert_placement(p, _reference_placement(meta_WL[:, :E], topk_idx, position, rank, alignment, 3000,
+                                                  capacity))
+
+
+@pytest.mark.parametrize("T, K, E, alignment, max_slots, capacity", [
+    (40, 3, 7, 1, 120, 200),  # everything fits
+    (40, 3, 7, 4, 120, 50),  # padded groups past C: dropped slots
+    (40, 3, 7, 1, 119, 200),  # T * K above max_slots: bit 4
+])
+def test_one_rank_reads_the_plan(T, K, E, alignment, max_slots, capacity):
+    # One rank: no exchange, the kernel reads the plan's send_meta (1, E + 3) and writes the row
+    # with this call's header (n_slots, alignment, no failure, call 0).
+    topk_idx, position, send_meta = _routing(T, K, E, seed=T * E + alignment)
+    p = _place(send_meta, topk_idx, position, W=1, E=E, rank=0, alignment=alignment, max_slots=max_slots,
+               capacity=capacity)
+    row = torch.cat([send_meta[0], torch.tensor([T * K, alignment, 0, 0])]).view(1, -1)
+    assert torch.equal(p.meta_WL.cpu(), row)
+    expected = _reference_checks(row, E, 0, alignment, max_slots, capacity, True)
+    assert int(p.failed_checks_1) == expected and (expected >> 4 & 1) == (T * K > max_slots)
+    _assert_placement(p, _reference_placement(row[:, :E], topk_idx, position, 0, alignment, max_slots, capacity))
+
+
+FAILURES = [  # check i of the kernel's bits: how to fail it on rank 0 of two (E = 2, call 1), the error
+    (lambda m: m[0, 2 + FAILED].fill_(1), PeerInputError, "rank 0 rejected its arguments"),
+    (lambda m: m[0, 2 + CALL].fill_(2), GroupMismatchError, "out of step"),
+    (lambda m: m[0, 2 + ALIGNMENT].fill_(2), GroupMismatchError, "disagree on expert_alignment"),
+    (lambda m: m[0, 2:5].copy_(torch.tensor([1, -1, 7])), RoutingError, "1 expert id(s) outside"),
+    (lambda m: m[0, 2 + N_SLOTS].fill_(3), CapacityError, "T * K = 3 slots"),
+    (lambda m: m[0, 0].fill_(4), CapacityError, "overflow: rank 0 must receive 4 rows"),
+]
+
+
+@pytest.mark.parametrize("first", range(len(FAILURES)))
+def test_the_first_failed_check_raises(first):
+    # Checks first.. all fail: symm_place_slots raises the first one's error (CPU) on both ranks,
+    # with its message.
+    if DEVICE != "cpu":
+        pytest.skip("CUDA: a device-side assert, no exception")
+    bufs = a2a.SymmBuffers.simulated(2, 2, 1, 1, 2, dtype=torch.float32, device="cpu", capacity=3)  # N_max = 2
+    meta_WL = torch.zeros(2, 2 + META_EXTRA, dtype=torch.int64)
+    meta_WL[:, 2 + CALL], meta_WL[:, 2 + ALIGNMENT] = 1, 1
+    no_slots = torch.empty(0, 1, dtype=torch.int64)
+    errors = []
+
+    def place(rank, b):
+        try:
+            symm_ops.symm_place_slots_op(meta_WL, no_slots, no_slots, b, 1)
+        except Exception as e:  # noqa: BLE001 - compared below
+            errors.append(e)
+
+    run_simulated(place, bufs)
+    assert errors == []  # passes
+    for fail, _, _ in FAILURES[first:]:
+        fail(meta_WL)
+    _, kind, message = FAILURES[first]
+    run_simulated(place, bufs)
+    assert len(errors) == 2 and all(type(e) is kind for e in errors), errors
+    assert all(re.search(re.escape(message), str(e)) for e in errors), errors
+
+
+def test_the_device_assert_message_fits():
+    assert len(symm_ops.CHECK_FAILED) < 255  # torch._assert_async's limit (RuntimeError past it)
+
+
+_WRITTEN_BY_THE_KERNEL = """
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+
+class CudaTarget:
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+triton.runtime.driver.set_active(CudaTarget())
+from alltoall_ops.backends.symm_mem.buffers import ALIGNMENT, CALL, FAILED, META_EXTRA, N_SLOTS
+from alltoall_ops.kernels import slot_placement  # not through loader.load(): compiled, not interpreted
+
+E, N = 16, 64
+L = E + META_EXTRA
+shapes = {
+    "meta_ptr": (1, E + 3), "idx_ptr": (N,), "position_ptr": (N,), "meta_out_ptr": (1, L), "failed_checks_ptr": (1,),
+    "slot_dst_ptr": (N,), "tokens_ptr": (E,), "num_routed_ptr": (1,), "dropped_ptr": (1,), "scratch_ptr": (1, 2, E),
+}
+kwargs = {name: torch.zeros(shape, dtype=torch.int64) for name, shape in shapes.items()}
+kwargs.update(L_in=E + 3, N=N, E=E, e=E, rank=0, L_out=L, alignment=1, max_slots=N, capacity=N,
+              col_failed=FAILED, col_call=CALL, col_alignment=ALIGNMENT, col_bad_ids=0, col_n_slots=N_SLOTS,
+              WORLD_SIZE=1, ONE_RANK=True, CHECK_OVERFLOW=True, BLOCK_W=1, BLOCK_E=E, BLOCK_S=N, BLOCK_L=32)
+accessed = identify_accessed_tensors(slot_placement._place_slots_kernel, kwargs, {})
+print(" ".join(sorted(dep.name for dep in accessed.read_writes.writes if dep.name in shapes)))
+"""
+
+
+def test_compiled_code_sees_only_the_outputs_written():
+    # Inductor asks which arguments a user kernel writes (from its Triton IR); where its analysis
+    # fails it takes every argument for written, and compiled code then copies topk_idx before
+    # the launch and back into the caller's tensor after it (seen on the H200 with a scan over a
+    # tuple). The analysis needs no GPU: a CUDA target stands in for the driver.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _WRITTEN_BY_THE_KERNEL], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["dropped_ptr", "failed_checks_ptr", "meta_out_ptr", "num_routed_ptr", "scratch_ptr",
+                                  "slot_dst_ptr", "tokens_ptr"]
