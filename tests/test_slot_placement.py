@@ -226,7 +226,7 @@ def test_the_device_assert_message_fits():
 _WRITTEN_BY_THE_KERNEL = """
 import torch, triton
 from triton.backends.compiler import GPUTarget
-from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+from torch._higher_order_ops import triton_kernel_wrap
 
 class CudaTarget:
     def get_current_target(self):
@@ -246,8 +246,13 @@ kwargs = {name: torch.zeros(shape, dtype=torch.int64) for name, shape in shapes.
 kwargs.update(L_in=E + 3, N=N, E=E, e=E, rank=0, L_out=L, alignment=1, max_slots=N, capacity=N,
               col_failed=FAILED, col_call=CALL, col_alignment=ALIGNMENT, col_bad_ids=0, col_n_slots=N_SLOTS,
               WORLD_SIZE=1, ONE_RANK=True, CHECK_OVERFLOW=True, BLOCK_W=1, BLOCK_E=E, BLOCK_S=N, BLOCK_L=32)
-accessed = identify_accessed_tensors(slot_placement._place_slots_kernel, kwargs, {})
-print(" ".join(sorted(dep.name for dep in accessed.read_writes.writes if dep.name in shapes)))
+kernel = slot_placement._place_slots_kernel
+if hasattr(triton_kernel_wrap, "identify_accessed_tensors"):  # torch >= 2.13
+    accessed = triton_kernel_wrap.identify_accessed_tensors(kernel, kwargs, {})
+    written = [dep.name for dep in accessed.read_writes.writes]
+else:
+    written = triton_kernel_wrap.identify_mutated_tensors(kernel, kwargs, {})
+print(" ".join(sorted(name for name in written if name in shapes)))
 """
 
 

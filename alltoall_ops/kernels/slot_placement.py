@@ -120,7 +120,9 @@ def _place_slots_kernel(
         p_row = meta_ptr + o_w * L_in + E  # [BW] each rank's first column past the counts
         failed = _any(tl.load(p_row + col_bad_ids, mask=m_w, other=0) > 0, m_w) << 3
         if ONE_RANK:
-            failed |= (N > max_slots).to(tl.int64) << 4
+            # NB: as a tensor, since N and max_slots may both be compile-time ints (inductor's
+            # analysis of the kernel specializes them), whose comparison is a Python bool.
+            failed |= (tl.full([], N, tl.int64) > max_slots).to(tl.int64) << 4
         else:
             own_call = tl.load(meta_ptr + rank * L_in + E + col_call)
             failed |= _any(tl.load(p_row + col_failed, mask=m_w, other=0) != 0, m_w)
