@@ -121,9 +121,11 @@ def _launcher_cases() -> dict:
                    acc_dtype=torch.float64)
         return out, buf, tags
 
-    def put_meta(row):  # row 1 of two peers' (W, L) buffers
-        metas = torch.zeros(2, 2, row.numel(), dtype=torch.int64)
-        k.put_meta(row, torch.tensor([m.data_ptr() for m in metas]), 1)
+    def put_meta(send_meta):  # row 1 of two peers' (W, L) buffers: E = 4 counts, 3 status columns, a header
+        metas = torch.zeros(2, 2, 11, dtype=torch.int64)
+        k.put_meta(send_meta, (6, 2, 0), torch.tensor([9]), torch.tensor([m.data_ptr() for m in metas]), 1, 4, 11,
+                   (3, 4, 5, 6))
+        assert metas[0, 1].tolist() == [0, 1, 5, 6, 2, 3, 4, 6, 2, 0, 9]  # checks the case, any input strides
         return (metas,)
 
     def topk_reduce(ret, position, slot_dst, weights):
@@ -138,7 +140,7 @@ def _launcher_cases() -> dict:
 
     return dict(
         put_rows=(put_rows, (x, dst, scale, dst.flip(0))),
-        put_meta=(put_meta, (torch.arange(5),)),
+        put_meta=(put_meta, (torch.arange(10).view(2, 5),)),
         topk_reduce=(topk_reduce, (ret, position, dst, scale)),
         weight_grad=(weight_grad, (x, ret, position)),
         plan_slots=(partial(k.plan_slots, num_experts=E, world_size=2),

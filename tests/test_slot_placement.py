@@ -1,7 +1,7 @@
 """The symm_mem placement kernel (``kernels/slot_placement.py``) against plain torch: its six
 checks of the exchanged metadata and where each slot lands, on random metadata and routings
 (Triton's interpreter without CUDA, compiled with it); the one-rank form that reads the routing
-plan's send_meta; and the CPU path of ``symm_place_slots``: the first failed check raises its own
+plan's send_meta; and the CPU path of the exchange's checks: the first failed check raises its own
 error."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from alltoall_ops.backends.symm_mem import ops as symm_ops, run_simulated
 from alltoall_ops.backends.symm_mem.buffers import ALIGNMENT, CALL, FAILED, META_EXTRA, N_SLOTS
 from alltoall_ops.errors import CapacityError, GroupMismatchError, PeerInputError, RoutingError
 from alltoall_ops.kernels import loader
+from alltoall_ops.kernels.region import Region
 
 DEVICE = "cpu" if loader.load().interpreting() else "cuda"
 
@@ -65,10 +66,13 @@ def _reference_placement(counts_WE: torch.Tensor, topk_idx_TK: torch.Tensor, pos
 
 
 def _place(meta: torch.Tensor, topk_idx_TK: torch.Tensor, position_TK: torch.Tensor, *, W: int, E: int, rank: int,
-           alignment: int, max_slots: int, capacity: int, check_overflow: bool = True, max_programs=None):
+           alignment: int, max_slots: int, capacity: int, check_overflow: bool = True, max_programs=None,
+           at_address: bool = False):
+    """The kernel's outputs; ``at_address``: meta read through its address (as from the buffers)."""
+    meta = meta.to(DEVICE)
     return loader.load().place_slots(
-        meta.to(DEVICE), topk_idx_TK.to(DEVICE), position_TK.to(DEVICE), num_experts=E, world_size=W, rank=rank,
-        meta_columns=E + META_EXTRA, columns=symm_ops.CHECK_COLUMNS, expert_alignment=alignment,
+        Region.of(meta) if at_address else meta, topk_idx_TK.to(DEVICE), position_TK.to(DEVICE), num_experts=E,
+        world_size=W, rank=rank, meta_columns=E + META_EXTRA, columns=symm_ops.CHECK_COLUMNS, expert_alignment=alignment,
         max_slots=max_slots, capacity=capacity, check_overflow=check_overflow, max_programs=max_programs,
     )
 
@@ -125,12 +129,12 @@ def metadata(draw):
 
 
 @settings(max_examples=60, deadline=None, derandomize=False)
-@given(metadata())
-def test_kernel_matches_the_reference(case):
+@given(metadata(), st.booleans())
+def test_kernel_matches_the_reference(case, at_address):
     meta_WL, topk_idx, position, rank, alignment, max_slots, capacity, check_overflow = case
     W, E = meta_WL.shape[0], meta_WL.shape[1] - META_EXTRA
     p = _place(meta_WL, topk_idx, position, W=W, E=E, rank=rank, alignment=alignment, max_slots=max_slots,
-               capacity=capacity, check_overflow=check_overflow)
+               capacity=capacity, check_overflow=check_overflow, at_address=at_address)
     assert p.failed_checks_1.shape == (1,) and p.failed_checks_1.dtype == torch.int64
     expected = _reference_checks(meta_WL, E, rank, alignment, max_slots, capacity, check_overflow)
     got = int(p.failed_checks_1)
@@ -156,7 +160,7 @@ def test_more_than_one_tile(W, e, max_programs):
     most = int(_needed_W(meta_WL[:, :E], alignment).max())
     for capacity, expected in ((most, 0), (most - 1, 1 << 5)):
         p = _place(meta_WL, topk_idx, position, W=W, E=E, rank=rank, alignment=alignment, max_slots=3000,
-                   capacity=capacity, max_programs=max_programs)
+                   capacity=capacity, max_programs=max_programs, at_address=True)
         assert int(p.failed_checks_1) == expected == _reference_checks(meta_WL, E, rank, alignment, 3000, capacity,
                                                                        True)
         _assert_placement(p, _reference_placement(meta_WL[:, :E], topk_idx, position, rank, alignment, 3000,
@@ -193,7 +197,7 @@ FAILURES = [  # check i of the kernel's bits: how to fail it on rank 0 of two (E
 
 @pytest.mark.parametrize("first", range(len(FAILURES)))
 def test_the_first_failed_check_raises(first):
-    # Checks first.. all fail: symm_place_slots raises the first one's error (CPU) on both ranks,
+    # Checks first.. all fail: the exchange raises the first one's error (CPU) on both ranks,
     # with its message.
     if DEVICE != "cpu":
         pytest.skip("CUDA: a device-side assert, no exception")
@@ -203,9 +207,11 @@ def test_the_first_failed_check_raises(first):
     no_slots = torch.empty(0, 1, dtype=torch.int64)
     errors = []
 
-    def place(rank, b):
+    def place(rank, b):  # the exchange op's checks, on this metadata
+        p = _place(meta_WL, no_slots, no_slots, W=2, E=2, rank=rank, alignment=1, max_slots=b.max_slots,
+                   capacity=b.capacity)
         try:
-            symm_ops.symm_place_slots_op(meta_WL, no_slots, no_slots, b, 1)
+            symm_ops._raise_failed_checks(p.failed_checks_1, p.meta_WL, b, 1)
         except Exception as e:  # noqa: BLE001 - compared below
             errors.append(e)
 
@@ -239,13 +245,15 @@ from alltoall_ops.kernels import slot_placement  # not through loader.load(): co
 E, N = 16, 64
 L = E + META_EXTRA
 shapes = {
-    "meta_ptr": (1, E + 3), "idx_ptr": (N,), "position_ptr": (N,), "meta_out_ptr": (1, L), "failed_checks_ptr": (1,),
-    "slot_dst_ptr": (N,), "tokens_ptr": (E,), "num_routed_ptr": (1,), "dropped_ptr": (1,), "scratch_ptr": (1, 2, E),
+    "meta_ptr": (1, E + 3), "meta_table_ptr": (1, 1), "idx_ptr": (N,), "position_ptr": (N,), "meta_out_ptr": (1, L),
+    "failed_checks_ptr": (1,), "slot_dst_ptr": (N,), "tokens_ptr": (E,), "num_routed_ptr": (1,), "dropped_ptr": (1,),
+    "scratch_ptr": (1, 2, E), "token_ptr": (1,),
 }
 kwargs = {name: torch.zeros(shape, dtype=torch.int64) for name, shape in shapes.items()}
-kwargs.update(L_in=E + 3, N=N, E=E, e=E, rank=0, L_out=L, alignment=1, max_slots=N, capacity=N,
+kwargs.update(meta_index=0, L_in=E + 3, N=N, E=E, e=E, rank=0, L_out=L, alignment=1, max_slots=N, capacity=N,
               col_failed=FAILED, col_call=CALL, col_alignment=ALIGNMENT, col_bad_ids=0, col_n_slots=N_SLOTS,
-              WORLD_SIZE=1, ONE_RANK=True, CHECK_OVERFLOW=True, BLOCK_W=1, BLOCK_E=E, BLOCK_S=N, BLOCK_L=32)
+              WORLD_SIZE=1, ONE_RANK=True, META_AT_ADDRESS=False, CHECK_OVERFLOW=True, BLOCK_W=1, BLOCK_E=E,
+              BLOCK_S=N, BLOCK_L=32)
 kernel = slot_placement._place_slots_kernel
 if hasattr(triton_kernel_wrap, "identify_accessed_tensors"):  # torch >= 2.13
     accessed = triton_kernel_wrap.identify_accessed_tensors(kernel, kwargs, {})
@@ -266,4 +274,4 @@ def test_compiled_code_sees_only_the_outputs_written():
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["dropped_ptr", "failed_checks_ptr", "meta_out_ptr", "num_routed_ptr", "scratch_ptr",
-                                  "slot_dst_ptr", "tokens_ptr"]
+                                  "slot_dst_ptr", "token_ptr", "tokens_ptr"]

@@ -46,8 +46,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 E, H, K = 8, 6, 2
-SYMM_OPS = ("alltoall_ops::symm_exchange_meta", "alltoall_ops::symm_place_slots", "alltoall_ops::symm_dispatch",
-            "alltoall_ops::symm_combine")
+SYMM_OPS = ("alltoall_ops::symm_exchange_meta", "alltoall_ops::symm_dispatch", "alltoall_ops::symm_combine")
 
 
 def _inputs(seed: int, rank: int, T: int, dtype: torch.dtype, w_dtype: torch.dtype, num_experts: int = E):
@@ -428,9 +427,8 @@ def run_two_layers(rank: int, world_size: int) -> dict:
 def test_two_layers_share_buffers(pool2):
     for counts in pool2.run(run_two_layers):
         # Backward of each layer: one dispatch (combine's adjoint) and one combine (dispatch's).
-        # The SAC policy saves every symm op; full recompute re-runs the 4 forward ops per layer
-        # (exchange_meta, place_slots, dispatch, combine).
-        assert counts == {"plain": 4, "sac": 4, "recompute": 12, "compiled plain": 4, "compiled sac": 4}, counts
+        # The SAC policy saves every symm op; full recompute re-runs the 3 forward ops per layer.
+        assert counts == {"plain": 4, "sac": 4, "recompute": 10, "compiled plain": 4, "compiled sac": 4}, counts
 
 
 # --------------------------------------------------------------------------------------------
@@ -473,11 +471,10 @@ class TestCompiled(TestCase):
         assert results[0] == results[1]
         summary, constant, num_forward, num_backward = results[0]
         assert (num_forward, num_backward) == (1, 1)  # no graph break, no recompilation
-        assert constant == [True] * 6  # every symm op names the buffers themselves, a constant of the graph
+        assert constant == [True] * 5  # every symm op names the buffers themselves, a constant of the graph
         self.assertExpectedInline(summary, """\
 forward 0:
-  alltoall_ops.symm_exchange_meta(buffers=<constant SymmBuffers>)
-  alltoall_ops.symm_place_slots(buffers=<constant SymmBuffers>, expert_alignment=2)
+  alltoall_ops.symm_exchange_meta(buffers=<constant SymmBuffers>, expert_alignment=2)
   alltoall_ops.symm_dispatch(scale_TK=None, buffers=<constant SymmBuffers>)
   alltoall_ops.symm_combine(weights_TK=<tensor>, buffers=<constant SymmBuffers>, save_returned=True)
 backward 0:
@@ -593,7 +590,7 @@ def test_dispatch_and_combine_compiled_apart_never_copy_the_buffers(monkeypatch)
                      if n.op == "get_attr" and isinstance(getattr(gm, n.target), torch.Tensor)]
         assert constants == [], f"tensor constants in a compiled graph: {constants}"
         assert not list(gm.buffers()) and not list(gm.parameters())
-        assert _buffers_arguments(gm) in ([bufs[0]], [bufs[0]] * 3)  # a constant of the graph, not an input
+        assert _buffers_arguments(gm) in ([bufs[0]], [bufs[0]] * 2)  # a constant of the graph, not an input
 
     # What torch pickles of them: the configuration, never the memory; a copy cannot be loaded.
     data = pickle.dumps(bufs[0])
@@ -732,10 +729,8 @@ def test_opcheck():
     x, w = x.requires_grad_(), weights.requires_grad_()
     ops = symm_ops
     cases = [
-        (ops.symm_exchange_meta_op, (h.meta_WL[0].clone(), bufs)),
-        (ops.symm_place_slots_op, (h.meta_WL, topk_idx, h.position_TK, bufs, 1)),
-        (ops.symm_place_slots_op, (h.meta_WL[:, : E + layout.STATUS_COLUMNS].clone(), topk_idx, h.position_TK, bufs,
-                                   1)),  # one rank: the plan's send_meta
+        (ops.symm_exchange_meta_op, (h.meta_WL[:, : E + layout.STATUS_COLUMNS].clone(), topk_idx, h.position_TK, bufs,
+                                     1)),  # one rank: the plan's send_meta
         (ops.symm_dispatch_op, (x, None, h.position_TK, h.slot_dst_N, h.num_routed_1, h.call_1, bufs)),
         (ops.symm_dispatch_op, (x, w.detach(), h.position_TK, h.slot_dst_N, h.num_routed_1, h.call_1, bufs)),
         (ops.symm_combine_op,

@@ -4,7 +4,7 @@
     routing_plan.py  ``plan_slots``: the send order of every slot, without a sort (layout);
                      ``plan_rows``: one rank's padded expert-major rows (the local backend)
     row_gather.py    ``gather_rows``: one rank's expert-major rows from its tokens (local dispatch)
-    row_put.py       ``put_rows`` / ``put_meta``: rows and metadata into local or peer buffers;
+    row_put.py       ``put_rows`` / ``put_meta``: rows and metadata rows into local or peer buffers;
                      ``copy_out``: the receiver's copy of its buffer into fresh tensors
     topk_reduce.py   ``topk_reduce``: each token's weighted sum over its top-k slots (combine)
     weight_grad.py   ``weight_grad``: the gradient of the routing weights / dispatch scale

@@ -10,7 +10,7 @@ Reference semantics (``tables[r]`` is rank r's buffer)::
                     peer, row = divmod(dst[i], stride)                   # (with ``out``: peer 0)
                     tables[peer][row] = src[i // K] * (scale.flat[i] if scale else 1)
                     tags[peer][row] = tag_base + (tag_index[i] if tag_index else i)  # when tags
-    put_meta:   for peer in range(W): meta[peer][rank] = send_row
+    put_meta:   for peer in range(W): meta[peer][rank] = row   # row: counts, status, header (put_meta's doc)
     copy_out:   for d in range(n):                                           # n = num_routed
                     out[d] = recv[d] if tags[d] >= 0 else 0; row_src[d] = tags[d]; tags[d] = -1
                 row_src[n:] = -1                                             # out[n:] not written
@@ -174,49 +174,46 @@ def put_rows(
 
 
 @triton.jit
-def _put_meta_kernel(row_ptr, meta_table_ptr, token_ptr, rank, L, world_size, BLOCK_L: tl.constexpr):
+def _put_meta_kernel(
+    send_meta_ptr, call_ptr, meta_table_ptr, token_ptr, rank, world_size, E, e, L, n_status,
+    n_slots, alignment, failed, col_n_slots, col_alignment, col_failed, col_call,
+    BLOCK_L: tl.constexpr,
+):
     order_after(token_ptr)
     for i_peer in range(tl.program_id(0), world_size, tl.num_programs(0)):
         p_meta = tl.load(meta_table_ptr + i_peer).to(tl.pointer_type(tl.int64))
-        for i_l in range(tl.cdiv(L, BLOCK_L)):
-            o_l = i_l * BLOCK_L + tl.arange(0, BLOCK_L)
-            m_l = o_l < L
-            b_row = tl.load(row_ptr + o_l, mask=m_l, other=0)
-            tl.store(p_meta + rank * L + o_l, b_row, mask=m_l)
+        for i_l in range(0, L, BLOCK_L):
+            o_l = i_l + tl.arange(0, BLOCK_L)  # [BL] columns of the row
+            m_counts = o_l < E  # expert g's count: the plan's row of its owner
+            b_row = tl.load(send_meta_ptr + (o_l // e) * (e + n_status) + o_l % e, mask=m_counts, other=0)
+            m_status = (o_l >= E) & (o_l < E + n_status)
+            b_row = tl.where(m_status, tl.load(send_meta_ptr + e + o_l - E, mask=m_status, other=0), b_row)
+            b_row = tl.where(o_l == E + col_n_slots, n_slots, b_row)
+            b_row = tl.where(o_l == E + col_alignment, alignment, b_row)
+            b_row = tl.where(o_l == E + col_failed, failed, b_row)
+            b_row = tl.where(o_l == E + col_call, tl.load(call_ptr), b_row)
+            tl.store(p_meta + rank * L + o_l, b_row, mask=o_l < L)
 
 
-def put_meta(send_row: torch.Tensor, meta_table: torch.Tensor, rank: int, token: Optional[torch.Tensor] = None,
-             max_programs: Optional[int] = None) -> None:
-    """Write the int64 ``send_row`` (L,) into row ``rank`` of every rank's (W, L) metadata buffer:
-    a program per peer, or at most ``max_programs`` striding over them (an SM budget). token:
-    as put_rows'."""
-    L, W = send_row.numel(), meta_table.numel()
-    send_row, meta_table = send_row.contiguous(), meta_table.contiguous()
-    block_l = triton.next_power_of_2(max(1, min(L, 1024)))
+def put_meta(send_meta: torch.Tensor, header: tuple[int, int, int], call_1: torch.Tensor, meta_table: torch.Tensor,
+             rank: int, num_experts: int, meta_columns: int, columns: tuple[int, int, int, int],
+             token: Optional[torch.Tensor] = None, max_programs: Optional[int] = None) -> None:
+    """This rank's metadata row into row ``rank`` of every rank's (W, L = meta_columns) int64
+    metadata buffer, assembled on the way: column g < E the count of expert g (``send_meta``, the
+    routing plan's (W, e + status), row g // e, column g % e), then the status (its first row's
+    last columns), then the header: ``header`` = (n_slots, alignment, failed) and the call
+    number ``call_1`` (1,) at the offsets ``columns`` = (n_slots, alignment, failed, call) past
+    E; other columns 0. A program per peer, or at most ``max_programs`` striding over them (an
+    SM budget). token: as put_rows'."""
+    W, E = meta_table.numel(), num_experts
+    send_meta, meta_table = send_meta.contiguous(), meta_table.contiguous()
+    e = E // send_meta.shape[0]
     grid = program_grid(W, 1, max_programs)[:1]
     with LAUNCH_LOCK:
-        launch(_put_meta_kernel, send_row)[grid](send_row, meta_table, or_new_token(token, send_row.device),
-                                                 rank, L, W, BLOCK_L=block_l)
-
-
-@triton.jit
-def _read_region_kernel(table_ptr, index, out_ptr, token_ptr, n, BLOCK: tl.constexpr):
-    order_after(token_ptr)
-    p_src = tl.load(table_ptr + index).to(tl.pointer_type(out_ptr.dtype.element_ty))
-    for i in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
-        o = i + tl.arange(0, BLOCK)
-        tl.store(out_ptr + o, tl.load(p_src + o, mask=o < n), mask=o < n)
-
-
-def read_region(src: Region, token: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """A fresh copy of the region ``src`` (small: the metadata), in one program. token: as put_rows'."""
-    out = torch.empty(src.shape, dtype=src.dtype, device=src.table.device)
-    n = out.numel()
-    with LAUNCH_LOCK:
-        launch(_read_region_kernel, out)[(1,)](src.table, src.index, out, or_new_token(token, out.device), n,
-                                               BLOCK=triton.next_power_of_2(max(1, min(n, 1024))))
-    return out
-
+        launch(_put_meta_kernel, send_meta)[grid](
+            send_meta, call_1, meta_table, or_new_token(token, send_meta.device), rank, W, E, e, meta_columns,
+            send_meta.shape[1] - e, *header, *columns, BLOCK_L=triton.next_power_of_2(max(1, min(meta_columns, 1024))),
+        )
 
 
 @triton.jit

@@ -26,13 +26,14 @@ order)::
 with ``col(name) = meta[:, E + name]``. One rank (``ONE_RANK``): ``meta`` is the routing plan's
 ``send_meta`` (1, E + status), the header is this call's (n_slots = N, the alignment, no failure,
 call 0) and the kernel writes the full row into ``meta_out``, so no exchange and no row assembly
-run. Otherwise ``meta_out`` gets a copy of ``meta``.
+run. Otherwise ``meta_out`` gets a copy of ``meta``, which may be read by address (``META_AT_ADDRESS``:
+the symm_mem buffers' metadata region, where the peers put their rows).
 
 Every program computes each expert's ``start[rank, g] - counts[rank, :g].sum()`` (tiles of
 BLOCK_E experts; ``expert_start`` as a cumulative sum over all experts minus that of the
 group's first expert, read back from a scratch row) into its scratch row, then places its
-blocks of slots with a gather from that row. Program 0 alone writes the
-per-expert outputs, the checks and ``meta_out``.
+blocks of slots with a gather from that row. Program 0 alone writes the per-expert outputs,
+the checks and ``meta_out``.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import LAUNCH_LOCK, launch, program_grid
+from ._config import LAUNCH_LOCK, launch, order_after, program_grid
+from .region import Region, or_new_token
 
 GPU_BLOCK_S = 1024
 """Slots a program places per step."""
@@ -62,13 +64,16 @@ def _any(b_fail, m):
 
 @triton.jit
 def _place_slots_kernel(
-    meta_ptr, L_in, idx_ptr, position_ptr,
-    meta_out_ptr, failed_checks_ptr, slot_dst_ptr, tokens_ptr, num_routed_ptr, dropped_ptr, scratch_ptr,
+    meta_ptr, meta_table_ptr, meta_index, L_in, idx_ptr, position_ptr,
+    meta_out_ptr, failed_checks_ptr, slot_dst_ptr, tokens_ptr, num_routed_ptr, dropped_ptr, scratch_ptr, token_ptr,
     N, E, e, rank, L_out, alignment, max_slots, capacity,
     col_failed, col_call, col_alignment, col_bad_ids, col_n_slots,
-    WORLD_SIZE: tl.constexpr, ONE_RANK: tl.constexpr, CHECK_OVERFLOW: tl.constexpr,
+    WORLD_SIZE: tl.constexpr, ONE_RANK: tl.constexpr, META_AT_ADDRESS: tl.constexpr, CHECK_OVERFLOW: tl.constexpr,
     BLOCK_W: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
+    order_after(token_ptr)
+    if META_AT_ADDRESS:  # NB: in the body, not a helper (see row_put's copy-out)
+        meta_ptr = tl.load(meta_table_ptr + meta_index).to(tl.pointer_type(tl.int64))
     pid = tl.program_id(0)
     first = pid == 0
     o_w = tl.arange(0, BLOCK_W)
@@ -166,7 +171,7 @@ class Placement(NamedTuple):
 
 
 def place_slots(
-    meta: torch.Tensor,
+    meta: torch.Tensor | Region,
     topk_idx: torch.Tensor,
     position: torch.Tensor,
     *,
@@ -179,17 +184,30 @@ def place_slots(
     max_slots: int,
     capacity: int,
     check_overflow: bool,
+    token: Optional[torch.Tensor] = None,
     max_programs: Optional[int] = None,
 ) -> Placement:
     """The module docstring's outputs, one launch. meta: every rank's exchanged row (W, L =
-    meta_columns), or with world_size 1 the routing plan's send_meta (1, E + status columns);
+    meta_columns), a tensor or a region (the symm_mem buffers' metadata), or with world_size 1
+    the routing plan's send_meta (1, E + status columns);
     topk_idx, position: (T, K) of this rank; columns: offsets past E of (failed, call, alignment,
     bad ids, n_slots). Returns meta_WL (W, L) (one rank: the row with this call's header),
     failed_checks (1,) (bit i: check i failed), slot_dst (N,), tokens_per_expert (e,),
-    num_routed (1,), dropped (W,). ``max_programs``: an SM budget."""
+    num_routed (1,), dropped (W,). token: as ``row_put.put_rows``'; ``max_programs``: an SM
+    budget."""
     W, E = world_size, num_experts
-    e, N, dev = E // W, topk_idx.numel(), meta.device
-    meta = meta.contiguous()
+    e, N, dev = E // W, topk_idx.numel(), topk_idx.device
+    at_address = isinstance(meta, Region)
+    meta_columns_in = meta.shape[1]
+    if at_address:
+        meta_tensor, meta_table, meta_index = meta.table, meta.table, meta.index  # NB: meta_ptr unread
+    else:
+        meta_tensor = meta = meta.contiguous()
+        meta_table, meta_index = meta, 0  # unread
+    one_rank = meta_columns_in < meta_columns
+    if one_rank and (W != 1 or at_address):
+        raise ValueError(f"place_slots: meta of {meta_columns_in} < {meta_columns} columns (a plan's send_meta) "
+                         f"needs world_size 1 and a tensor, got world_size {W}")
     meta_WL = torch.empty(W, meta_columns, dtype=torch.int64, device=dev)
     failed_checks_1 = torch.empty(1, dtype=torch.int64, device=dev)
     slot_dst_N = torch.empty(N, dtype=torch.int64, device=dev)
@@ -199,11 +217,12 @@ def place_slots(
     programs = program_grid(min(MAX_PROGRAMS, max(1, triton.cdiv(N, GPU_BLOCK_S))), 1, max_programs)[0]
     scratch = torch.empty(programs, 2, E, dtype=torch.int64, device=dev)
     with LAUNCH_LOCK:
-        launch(_place_slots_kernel, meta)[(programs,)](
-            meta, meta.shape[1], topk_idx.reshape(N).contiguous(), position.reshape(N).contiguous(),
-            meta_WL, failed_checks_1, slot_dst_N, tokens_per_expert_e, num_routed_1, dropped_W, scratch,
-            N, E, e, rank, meta_columns, expert_alignment, max_slots, capacity, *columns,
-            WORLD_SIZE=W, ONE_RANK=W == 1 and meta.shape[1] < meta_columns, CHECK_OVERFLOW=check_overflow,
+        launch(_place_slots_kernel, topk_idx)[(programs,)](
+            meta_tensor, meta_table, meta_index, meta_columns_in, topk_idx.reshape(N).contiguous(),
+            position.reshape(N).contiguous(), meta_WL, failed_checks_1, slot_dst_N, tokens_per_expert_e, num_routed_1,
+            dropped_W, scratch, or_new_token(token, dev), N, E, e, rank, meta_columns, expert_alignment, max_slots,
+            capacity, *columns,
+            WORLD_SIZE=W, ONE_RANK=one_rank, META_AT_ADDRESS=at_address, CHECK_OVERFLOW=check_overflow,
             BLOCK_W=triton.next_power_of_2(W), BLOCK_E=min(MAX_BLOCK_E, triton.next_power_of_2(E)),
             BLOCK_S=GPU_BLOCK_S, BLOCK_L=triton.next_power_of_2(min(meta_columns, 1024)), num_warps=GPU_NUM_WARPS,
         )

@@ -15,8 +15,8 @@ from ...groups import LOCAL, Group, process_group
 from ...payload import PLAIN, Payload, op_kwargs, routed
 from ...validation import check_combine_args, check_dispatch_args
 from ..base import Backend, DispatchHandle, save_returned
-from .buffers import CALL, FAILED, META_EXTRA, SymmBuffers, check_payload
-from .ops import SlotArgs, symm_combine_op, symm_dispatch_op, symm_exchange_meta_op, symm_place_slots_op
+from .buffers import CALL, SymmBuffers, check_payload
+from .ops import SlotArgs, symm_combine_op, symm_dispatch_op, symm_exchange_meta_op
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,12 +171,12 @@ class SymmMemBackend(Backend):
             return super().tell_peers(group, buffers, error)
         if buffers.world_size == 1:
             return
-        failure = torch.zeros(buffers.meta_columns, dtype=torch.int64, device=buffers.device)
-        failure[buffers.num_experts + FAILED] = 1
         buffers._own_error = f"{type(error).__name__}: {error}"
         try:
+            no_plan = torch.zeros(buffers.world_size, buffers.num_local_experts + layout.STATUS_COLUMNS,
+                                  dtype=torch.int64, device=buffers.device)
             no_slots = torch.empty(0, 1, dtype=torch.int64, device=buffers.device)
-            symm_place_slots_op(symm_exchange_meta_op(failure, buffers), no_slots, no_slots, buffers, 1)
+            symm_exchange_meta_op(no_plan, no_slots, no_slots, buffers, 1, failed=True)
         except (PeerInputError, CollectiveError):
             pass  # what the peers raise, or peers later than the deadline (not told); this rank raises its own error
         finally:
@@ -193,20 +193,10 @@ class SymmMemBackend(Backend):
         bufs = buffers
         if bufs is None:
             bufs = cached_buffers(x_TH, topk_idx_TK, num_experts, group, expert_alignment, payload)
-        E, e = bufs.num_experts, bufs.num_local_experts
+        E = bufs.num_experts
         plan = layout.plan_routing(topk_idx_TK, E, bufs.world_size, bufs.num_sms)
-        if bufs.world_size == 1:  # the all-gather of one row is the row: the placement reads the plan's
-            meta = plan.send_meta
-        else:
-            # (L,): counts, routing status, then N_SLOTS, ALIGNMENT, FAILED (0) and CALL (set by the op).
-            # NB: filled on the device, not copied from the host: eager calls stay CUDA-graph capturable.
-            header = torch.zeros(META_EXTRA - layout.STATUS_COLUMNS, dtype=torch.int64, device=x_TH.device)
-            header[0].fill_(topk_idx_TK.numel())
-            header[1].fill_(expert_alignment)
-            send_row_L = torch.cat([plan.send_meta[:, :e].reshape(-1), plan.send_meta[0, e:], header])
-            meta = call(symm_exchange_meta_op, send_row_L, bufs)
         meta_WL, slot_dst_N, tokens_per_expert_e, num_routed_1, dropped_W = call(
-            symm_place_slots_op, meta, topk_idx_TK, plan.position, bufs, expert_alignment)
+            symm_exchange_meta_op, plan.send_meta, topk_idx_TK, plan.position, bufs, expert_alignment)
         call_1 = meta_WL[bufs.rank, E + CALL : E + CALL + 1]  # this step's (device)
         slots = SlotArgs(plan.position, slot_dst_N, num_routed_1, call_1, bufs)
         routed_CH, scale_CB, row_src_C = call(symm_dispatch_op, x_TH=x_TH, scale_TK=None, **slots.kwargs(),

@@ -27,6 +27,9 @@ CHECK_COLUMNS = (FAILED, CALL, ALIGNMENT, 0, N_SLOTS)
 """Columns past the E counts that the placement kernel checks (``kernels/slot_placement.py``):
 the failure flag, the call number, the alignment, the status' count of bad ids, N = T * K."""
 
+HEADER_COLUMNS = (N_SLOTS, ALIGNMENT, FAILED, CALL)
+"""Columns past the E counts of a metadata row's header, as ``kernels.row_put.put_meta`` writes it."""
+
 CHECK_FAILED = ("alltoall_ops symm_mem: a metadata check failed (a rank rejected its arguments, ranks out of step "
                 "or disagreeing on expert_alignment, bad expert ids, T * K above the buffers' max_tokens_per_rank "
                 "* top_k, or overflow)")
@@ -140,59 +143,47 @@ def _own(buffers: SymmBuffers, tables: tuple[torch.Tensor, ...], region: int, sh
 
 
 @comm_op("symm_exchange_meta", inline=_inlined)
-def symm_exchange_meta_op(send_row_L: torch.Tensor, buffers: SymmBuffers) -> torch.Tensor:
-    """(L,) int64 metadata row of this rank -> meta (W, L), row s from rank s (an all-gather).
-
-    The op numbers its calls on ``buffers`` on the device (the entry barrier writes column CALL
-    of the row sent; zero on one rank, which has no peers to be out of step with): column CALL
-    of the output is the call number that the dispatch and combine of this step stamp their
-    barriers with. ``symm_place_slots`` checks the rows."""
-    if buffers.world_size == 1:  # the all-gather of one row is the row: no put, no barrier
-        return send_row_L.clone().view(1, -1)
-    W, L = buffers.world_size, send_row_L.shape[0]
-    tables, token_1 = _addresses(buffers), new_token(send_row_L.device)
-    row_L = send_row_L.clone()
-    call_1 = row_L[buffers.num_experts + CALL : buffers.num_experts + CALL + 1]
-    buffers._segments.barrier(META_OP, call_1, advance=True, token=token_1)
-    loader.load().put_meta(row_L, tables[META], buffers.rank, token=token_1, max_programs=buffers.num_sms)
-    buffers._segments.barrier(META_OP, call_1, token=token_1)
-    meta_WL = loader.load().read_region(_own(buffers, tables, META, (W, L), torch.int64), token=token_1)
-    return meta_WL
-
-
-@symm_exchange_meta_op.register_fake
-def _(send_row_L, buffers):
-    # NB: one row from each of the W ranks.
-    return send_row_L.new_empty(buffers.world_size, send_row_L.shape[0])
-
-
-# NB: a communication op too: on CPU a rank's failure row makes every rank gather the error
-# messages (``_raise_failed_checks``).
-@comm_op("symm_place_slots", inline=_inlined)
-def symm_place_slots_op(
-    meta: torch.Tensor, topk_idx_TK: torch.Tensor, position_TK: torch.Tensor, buffers: SymmBuffers,
-    expert_alignment: int,
+def symm_exchange_meta_op(
+    send_meta_WS: torch.Tensor, topk_idx_TK: torch.Tensor, position_TK: torch.Tensor, buffers: SymmBuffers,
+    expert_alignment: int, failed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every rank's metadata -> meta_WL (W, L), slot_dst (N,), tokens_per_expert (e,),
-    num_routed (1,), dropped (W,), int64: the checks of the metadata (raised on every rank alike,
-    see ``_raise_failed_checks``) and where each slot of this rank lands (``SlotPlacement``), one
-    kernel (``kernels/slot_placement.py``). meta: ``symm_exchange_meta``'s (W, L); on one rank the
-    routing plan's send_meta (1, E + status columns) instead, whose header is this call's (no
-    exchange, no row assembled). topk_idx, position: (T, K) of this rank."""
+    """The routing plan's send_meta (W, e + status) and topk_idx, position (T, K) of this rank ->
+    meta_WL (W, L), slot_dst (N,), tokens_per_expert (e,), num_routed (1,), dropped (W,), int64.
+
+    Every rank puts its metadata row (L,) into every peer's buffer (an all-gather): its counts
+    per expert, its routing status, then N_SLOTS = T * K, ALIGNMENT, FAILED (``failed``: this
+    rank rejected its arguments) and CALL, the call number of the exchange on ``buffers``,
+    counted on the device by the entry barrier (zero on one rank, which has no peers to be out
+    of step with): the dispatch and combine of this step stamp their barriers with it. Then one
+    kernel (``kernels/slot_placement.py``) checks every row (raised on every rank alike, see
+    ``_raise_failed_checks``) and places this rank's slots (``SymmMemHandle``): meta_WL is every
+    rank's row. One rank: no exchange; the kernel reads send_meta and this call's header."""
+    W, E, N = buffers.world_size, buffers.num_experts, topk_idx_TK.numel()
+    token_1 = None
+    if W == 1:
+        meta = send_meta_WS  # the all-gather of one row is the row
+    else:
+        tables, token_1 = _addresses(buffers), new_token(send_meta_WS.device)
+        call_1 = torch.empty(1, dtype=torch.int64, device=send_meta_WS.device)  # set by the barrier
+        buffers._segments.barrier(META_OP, call_1, advance=True, token=token_1)
+        loader.load().put_meta(send_meta_WS, (N, expert_alignment, int(failed)), call_1, tables[META], buffers.rank,
+                               E, buffers.meta_columns, HEADER_COLUMNS, token=token_1, max_programs=buffers.num_sms)
+        buffers._segments.barrier(META_OP, call_1, token=token_1)
+        meta = _own(buffers, tables, META, (W, buffers.meta_columns), torch.int64)
     p = loader.load().place_slots(
-        meta, topk_idx_TK, position_TK, num_experts=buffers.num_experts, world_size=buffers.world_size,
-        rank=buffers.rank, meta_columns=buffers.meta_columns, columns=CHECK_COLUMNS,
-        expert_alignment=expert_alignment, max_slots=buffers.max_slots, capacity=buffers.capacity,
-        check_overflow=buffers.overflow != "drop", max_programs=buffers.num_sms,
+        meta, topk_idx_TK, position_TK, num_experts=E, world_size=W, rank=buffers.rank,
+        meta_columns=buffers.meta_columns, columns=CHECK_COLUMNS, expert_alignment=expert_alignment,
+        max_slots=buffers.max_slots, capacity=buffers.capacity, check_overflow=buffers.overflow != "drop",
+        token=token_1, max_programs=buffers.num_sms,
     )
     _raise_failed_checks(p.failed_checks_1, p.meta_WL, buffers, expert_alignment)
     return p.meta_WL, p.slot_dst_N, p.tokens_per_expert_e, p.num_routed_1, p.dropped_W
 
 
-@symm_place_slots_op.register_fake
-def _(meta, topk_idx_TK, position_TK, buffers, expert_alignment):
+@symm_exchange_meta_op.register_fake
+def _(send_meta_WS, topk_idx_TK, position_TK, buffers, expert_alignment, failed=False):
     W, e = buffers.world_size, buffers.num_local_experts
-    new = meta.new_empty
+    new = send_meta_WS.new_empty
     return new(W, buffers.meta_columns), new(topk_idx_TK.numel()), new(e), new(1), new(W)
 
 
