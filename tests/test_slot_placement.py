@@ -72,8 +72,9 @@ def _place(meta: torch.Tensor, topk_idx_TK: torch.Tensor, position_TK: torch.Ten
     meta = meta.to(DEVICE)
     return loader.load().place_slots(
         Region.of(meta) if at_address else meta, topk_idx_TK.to(DEVICE), position_TK.to(DEVICE), num_experts=E,
-        world_size=W, rank=rank, meta_columns=E + META_EXTRA, columns=symm_ops.CHECK_COLUMNS, expert_alignment=alignment,
-        max_slots=max_slots, capacity=capacity, check_overflow=check_overflow, max_programs=max_programs,
+        world_size=W, rank=rank, meta_columns=E + META_EXTRA, columns=symm_ops.CHECK_COLUMNS,
+        expert_alignment=alignment, max_slots=max_slots, capacity=capacity, check_overflow=check_overflow,
+        max_programs=max_programs,
     )
 
 
