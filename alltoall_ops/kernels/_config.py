@@ -48,8 +48,8 @@ def launch(kernel, like: torch.Tensor):
 @triton.jit
 def order_after(token_ptr):
     """Store 0 into the (1,) token from one program: the kernel then mutates the token, which is
-    all inductor sees of its writes through addresses; kernels that do it run in program order,
-    and the op's last one feeds a device-side assert that keeps them alive (docs/design.md)."""
+    all inductor sees of its writes through addresses, so kernels that do it run in program order
+    (docs/design.md, "symm_mem ops in compiled graphs")."""
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(token_ptr, tl.zeros([], dtype=tl.int64))
 
