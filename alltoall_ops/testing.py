@@ -283,11 +283,11 @@ def deadline(seconds: float, late: bool = False) -> Iterator[None]:
 
 @contextlib.contextmanager
 def nan_unwritten_rows() -> Iterator[list[int]]:
-    """Inside the block (this process, every thread), symm_mem's copy-out (and its fp8
+    """Inside the block (this process, every thread), symm_mem's pull (and its fp8
     dequantization) pre-fill their outputs with NaN, so the rows they do not write (routed's past
     ``tokens_per_expert.sum()``, fp8 values and scales included, and the same rows of combine's
     backward) hold NaN: expert code that lets them reach a result or a gradient shows it. Yields
-    the number of such rows of each copy-out (a host read per call)::
+    the number of such rows of each pull (a host read per call)::
 
         with nan_unwritten_rows() as unwritten:
             layer(x).sum().backward()      # y and every gradient free of NaN
@@ -296,13 +296,13 @@ def nan_unwritten_rows() -> Iterator[list[int]]:
     from .kernels import loader
 
     k = loader.load()
-    copy_out, unwritten = k.copy_out, []
+    pull_rows, unwritten = k.pull_rows, []
 
-    def nan_prefilled(recv, tags, num_routed, out, row_src, tail=None, token=None, max_programs=None):
+    def nan_prefilled(tags, num_routed, out, row_src, *, tail=None, **kwargs):
         # uint8 (fp8 wire rows): all ones, NaN as float8_e4m3fn values and as fp32 scale bytes
         for t in (out, tail) if tail is not None else (out,):
             t.fill_(0xFF if t.dtype == torch.uint8 else float("nan"))
-        copy_out(recv, tags, num_routed, out, row_src, tail=tail, token=token, max_programs=max_programs)
+        pull_rows(tags, num_routed, out, row_src, tail=tail, **kwargs)
         unwritten.append(out.shape[0] - int(num_routed))
 
     dequantize_rows = k.dequantize_rows
@@ -311,11 +311,11 @@ def nan_unwritten_rows() -> Iterator[list[int]]:
         out.fill_(float("nan"))
         dequantize_rows(values, scales, num_routed, out, max_programs=max_programs)
 
-    k.copy_out, k.dequantize_rows = nan_prefilled, nan_prefilled_dequantized
+    k.pull_rows, k.dequantize_rows = nan_prefilled, nan_prefilled_dequantized
     try:
         yield unwritten
     finally:
-        k.copy_out, k.dequantize_rows = copy_out, dequantize_rows
+        k.pull_rows, k.dequantize_rows = pull_rows, dequantize_rows
 
 
 # --- inputs, a layer and timers shared by the tests, the GPU checks and the benchmarks -------

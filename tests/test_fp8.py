@@ -334,17 +334,18 @@ def test_dequantize_kernel_equals_reference(C, blocks, dtype, data):
     assert torch.equal(out[:n].nan_to_num(), ref[:n].nan_to_num()) and (out[n:] == 7).all()
 
 
-def test_copy_out_splits_wire_rows():
-    """copy_out with ``tail``: each received row's first columns into out, the rest into tail
+def test_pull_rows_splits_wire_rows():
+    """pull_rows with ``tail``: each pulled row's first columns into out, the rest into tail
     (rows < n; a row with no tag reads zero); nothing past n is written."""
     g = torch.Generator().manual_seed(2)
     C, H, B = 6, 128, 1
-    recv = torch.randint(0, 256, (C, H + 4 * B), generator=g, dtype=torch.uint8)
-    tags = torch.tensor([3, -1, 0, 5, 9, 2])
+    wire = torch.randint(0, 256, (C, H + 4 * B), generator=g, dtype=torch.uint8)
+    code, src_row = torch.tensor([3, -1, 0, 5, 9, 2]), torch.tensor([4, 0, 1, 5, 2, 3])
+    tags = torch.stack([code, src_row, torch.zeros(C, dtype=torch.int64)], 1)
     out, tail = torch.full((C, H), 7, dtype=torch.uint8), torch.full((C, 4 * B), 7, dtype=torch.uint8)
     row_src = torch.empty(C, dtype=torch.int64)
-    loader.load().copy_out(Region.of(recv), Region.of(tags), torch.tensor([4]), out, row_src, tail=tail)
-    expected = torch.where((torch.tensor([3, -1, 0, 5]) >= 0)[:, None], recv[:4], 0)
+    loader.load().pull_rows(Region.of(tags), torch.tensor([4]), out, row_src, rows=wire, tail=tail)
+    expected = torch.where((code[:4] >= 0)[:, None], wire[src_row[:4]], 0)
     assert torch.equal(out[:4], expected[:, :H]) and torch.equal(tail[:4], expected[:, H:])
     assert (out[4:] == 7).all() and (tail[4:] == 7).all()
-    assert row_src.tolist() == [3, -1, 0, 5, -1, -1] and tags[:4].tolist() == [-1] * 4
+    assert row_src.tolist() == [3, -1, 0, 5, -1, -1] and tags[:4, 0].tolist() == [-1] * 4

@@ -11,6 +11,10 @@ Functions run on ranks are module-level (they travel to the pool's processes by 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import subprocess
+import sys
 from functools import partial
 from unittest import mock
 
@@ -20,6 +24,7 @@ import torch
 import alltoall_ops as a2a
 from alltoall_ops import layout
 from alltoall_ops.backends import symm_mem
+from alltoall_ops.backends.symm_mem.buffers import ALIGNMENT, CALL, FAILED, META_EXTRA, N_SLOTS
 from alltoall_ops.kernels import loader
 from alltoall_ops.kernels.region import Region
 from alltoall_ops.backends.collective import dispatch_op
@@ -113,13 +118,18 @@ def _launcher_cases() -> dict:
     position = torch.randperm(N, generator=g).view(T, K)
     ret = torch.randn(N, H, generator=g, **f64)
 
-    def put_rows(src, dst, scale, tag_index):  # one local destination, then a pointer table with tags
-        out, buf, tags = torch.zeros(N, H, **f64), torch.zeros(N, H, **f64), torch.full((N,), -1)
+    def put_rows(src, dst, scale):  # one local destination, then a pointer table
+        out, buf = torch.zeros(N, H, **f64), torch.zeros(N, H, **f64)
         k.put_rows(src, dst, N, out=out, top_k=K, scale=scale, acc_dtype=torch.float64)
-        table, tags_table = torch.tensor([buf.data_ptr()]), torch.tensor([tags.data_ptr()])
-        k.put_rows(src, dst, N, table, top_k=K, scale=scale, tags_table=tags_table, tag_index=tag_index,
-                   acc_dtype=torch.float64)
-        return out, buf, tags
+        k.put_rows(src, dst, N, torch.tensor([buf.data_ptr()]), top_k=K, scale=scale, acc_dtype=torch.float64)
+        return out, buf
+
+    def post_slots(src, dst, scale, tag_index):  # two ranks' tags, this rank's stage
+        stages, tags = torch.zeros(2, T, H, **f64), torch.full((2, N, 3), -1)
+        k.post_slots(src, dst, N // 2, torch.tensor([t.data_ptr() for t in tags]), tag_index, rank=1, tag_base=100,
+                     top_k=K, scale=scale, stage_table=torch.tensor([t.data_ptr() for t in stages]),
+                     acc_dtype=torch.float64)
+        return stages, tags
 
     def put_meta(send_meta):  # row 1 of two peers' (W, L) buffers: E = 4 counts, 3 status columns, a header
         metas = torch.zeros(2, 2, 11, dtype=torch.int64)
@@ -139,7 +149,8 @@ def _launcher_cases() -> dict:
         return (grad_w,)
 
     return dict(
-        put_rows=(put_rows, (x, dst, scale, dst.flip(0))),
+        put_rows=(put_rows, (x, dst, scale)),
+        post_slots=(post_slots, (x, dst, scale, dst.flip(0))),
         put_meta=(put_meta, (torch.arange(10).view(2, 5),)),
         topk_reduce=(topk_reduce, (ret, position, dst, scale)),
         weight_grad=(weight_grad, (x, ret, position)),
@@ -150,7 +161,7 @@ def _launcher_cases() -> dict:
 
 @needs_interpreter
 @pytest.mark.parametrize(
-    "launcher", ["put_rows", "put_meta", "topk_reduce", "weight_grad", "plan_slots"]
+    "launcher", ["put_rows", "post_slots", "put_meta", "topk_reduce", "weight_grad", "plan_slots"]
 )
 def test_launcher_reads_strided_inputs(launcher):
     run, inputs = _launcher_cases()[launcher]
@@ -168,12 +179,12 @@ def test_launchers_reject_strided_outputs():
     position = torch.arange(4).view(2, 2)
     with pytest.raises(ValueError, match="put_rows: out must be contiguous"):
         k.put_rows(x, torch.arange(4), 4, out=strided(torch.empty(4, H)))
-    recv, tags = Region.of(x), Region.of(torch.full((4,), -1))  # NB: regions are contiguous by construction
+    tags = Region.of(torch.full((4, 3), -1))  # NB: regions are contiguous by construction
     for i, name in enumerate(("out", "row_src")):
         outs = [torch.empty(4, H), torch.empty(4, dtype=torch.int64)]
         outs[i] = strided(outs[i])
-        with pytest.raises(ValueError, match=f"copy_out: {name} must be contiguous"):
-            k.copy_out(recv, tags, torch.tensor([4]), *outs)
+        with pytest.raises(ValueError, match=f"pull_rows: {name} must be contiguous"):
+            k.pull_rows(tags, torch.tensor([4]), *outs, rows=x)
     with pytest.raises(ValueError, match="topk_reduce: y must be contiguous"):
         k.topk_reduce(x, position, None, w, strided(torch.empty(2, H)), None, torch.float32)
     with pytest.raises(ValueError, match="topk_reduce: returned must be contiguous"):
@@ -299,3 +310,77 @@ def test_put_rows_stops_at_a_device_count_with_few_programs(monkeypatch, count):
     sent = (dst >= 0) & (torch.arange(n) < count)
     want[dst[sent]] = src[sent]
     torch.testing.assert_close(out, want, equal_nan=True, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# What inductor sees a kernel write (compiled code copies around a launch whatever it takes for written)
+
+
+_WRITTEN_BY_THE_KERNEL = """
+import json, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from torch._higher_order_ops import triton_kernel_wrap
+
+class CudaTarget:
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+triton.runtime.driver.set_active(CudaTarget())
+import importlib  # the kernel's module, not through loader.load(): compiled, not interpreted
+module, name, shapes, scalars = json.loads(sys.argv[1])
+kwargs = {arg: torch.zeros(shape, dtype=torch.int64) for arg, shape in shapes.items()}
+kwargs.update({k: getattr(triton.language, v[3:]) if str(v).startswith("tl.") else v
+               for k, v in scalars.items()})
+kernel = getattr(importlib.import_module(module), name)
+if hasattr(triton_kernel_wrap, "identify_accessed_tensors"):  # torch >= 2.13
+    accessed = triton_kernel_wrap.identify_accessed_tensors(kernel, kwargs, {})
+    written = [dep.name for dep in accessed.read_writes.writes]
+else:
+    written = triton_kernel_wrap.identify_mutated_tensors(kernel, kwargs, {})
+print(" ".join(sorted(arg for arg in written if arg in shapes)))
+"""
+
+E_, N_ = 16, 64
+L_ = E_ + META_EXTRA
+KERNELS = {  # kernel: (tensor arguments' shapes, other arguments, the tensors it writes)
+    "slot_placement._place_slots_kernel": (
+        {"meta_ptr": (1, E_ + 3), "meta_table_ptr": (1, 1), "idx_ptr": (N_,), "position_ptr": (N_,),
+         "meta_out_ptr": (1, L_), "failed_checks_ptr": (1,), "slot_dst_ptr": (N_,), "tokens_ptr": (E_,),
+         "num_routed_ptr": (1,), "dropped_ptr": (1,), "scratch_ptr": (1, 2, E_), "token_ptr": (1,)},
+        dict(meta_index=0, L_in=E_ + 3, N=N_, E=E_, e=E_, rank=0, L_out=L_, alignment=1, max_slots=N_, capacity=N_,
+             col_failed=FAILED, col_call=CALL, col_alignment=ALIGNMENT, col_bad_ids=0, col_n_slots=N_SLOTS,
+             WORLD_SIZE=1, ONE_RANK=True, META_AT_ADDRESS=False, CHECK_OVERFLOW=True, BLOCK_W=1, BLOCK_E=E_,
+             BLOCK_S=N_, BLOCK_L=32),
+        ["dropped_ptr", "failed_checks_ptr", "meta_out_ptr", "num_routed_ptr", "scratch_ptr", "slot_dst_ptr",
+         "token_ptr", "tokens_ptr"]),
+    # the dispatch's two halves write the buffers through addresses only: inductor sees the token
+    "row_put._post_slots_kernel": (
+        {"src_ptr": (8, 16), "scale_ptr": (N_,), "dst_ptr": (N_,), "tag_index_ptr": (N_,), "stage_table_ptr": (1, 2),
+         "tags_table_ptr": (1, 2), "token_ptr": (1,)},
+        dict(n_slots=N_, n_src=8, X=16, world_size=2, rank=0, tag_base=0, K=8, DST_STRIDE=N_, HAS_SCALE=True,
+             STAGE=True, ACC_DTYPE="tl.float32", BLOCK_R=2, BLOCK_H=16, BLOCK_S=N_, BLOCK_W=2),
+        ["token_ptr"]),
+    "row_put._pull_rows_kernel": (
+        {"rows_ptr": (8, 16), "stage_table_ptr": (1, 2), "tags_table_ptr": (1, 2), "num_routed_ptr": (1,),
+         "out_ptr": (N_, 16), "tail_ptr": (N_, 16), "row_src_ptr": (N_,), "token_ptr": (1,)},
+        dict(tags_index=0, n_rows=N_, X=16, X_OUT=16, world_size=2, SRC_STRIDE=N_, STAGED=True, HAS_SCALE=True,
+             ACC_DTYPE="tl.float32", HAS_TAIL=False, BLOCK_R=2, BLOCK_H=16, BLOCK_W=2),
+        ["out_ptr", "row_src_ptr", "token_ptr"]),
+}
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_compiled_code_sees_only_the_outputs_written(kernel):
+    # Inductor asks which arguments a user kernel writes (from its Triton IR); where its analysis
+    # fails it takes every argument for written, and compiled code then copies topk_idx before
+    # the launch and back into the caller's tensor after it (seen on the H200 with a scan over a
+    # tuple). The analysis needs no GPU: a CUDA target stands in for the driver.
+    shapes, scalars, written = KERNELS[kernel]
+    module, name = kernel.split(".")
+    arg = json.dumps([f"alltoall_ops.kernels.{module}", name, shapes, scalars])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _WRITTEN_BY_THE_KERNEL, arg], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == written

@@ -3,7 +3,7 @@
 Each capped launcher, with ``max_programs`` 1, 2 and 3, writes exactly what it writes uncapped:
 the row blocks are made tiny (4 rows, 4 columns, 64 for wide rows: ``_tiny_blocks``) so that a few rows make
 several row blocks, a number that is no multiple of the cap, and some launches have two column
-blocks. Zero rows, a device-side count below the rows (put_rows ``count=``, copy_out's and
+blocks. Zero rows, a device-side count below the rows (put_rows ``count=``, pull_rows' and
 dequantize_rows' ``num_routed``) included. fp64 values (bf16 for the fp8 kernels' input).
 """
 
@@ -80,35 +80,60 @@ def test_put_rows(n, H, count):
 
     def run(max_programs):
         out = torch.full((rows_out, H), float("nan"), **F64)
-        buf, tags = torch.full((rows_out, H), float("nan"), **F64), torch.full((rows_out,), -1)
+        buf = torch.full((rows_out, H), float("nan"), **F64)
         k.put_rows(src, dst, rows_out, out=out, top_k=K, scale=scale, acc_dtype=torch.float64, count=count_1,
                    max_programs=max_programs)
-        table, tags_table = torch.tensor([buf.data_ptr()]), torch.tensor([tags.data_ptr()])
-        k.put_rows(src, dst, rows_out, table, top_k=K, tags_table=tags_table,
-                   tag_index=dst.flip(0), tag_base=100, count=count_1, max_programs=max_programs)
-        return out, buf, tags
+        k.put_rows(src, dst, rows_out, torch.tensor([buf.data_ptr()]), top_k=K, count=count_1,
+                   max_programs=max_programs)
+        return out, buf
 
     want = run(None)
     for cap in CAPS:
         _same(run(cap), want)
 
 
+@pytest.mark.parametrize("H", [3, 6])  # one and two column blocks
+@pytest.mark.parametrize("n", ROWS)
+def test_post_slots(n, H):
+    k = loader.load()
+    K, rows_out, W = 2, 20, 2
+    g = torch.Generator().manual_seed(n * 10 + H)
+    src = torch.randn(n // K + 1, H, generator=g, **F64)
+    scale = torch.randn(n, generator=g, **F64)
+    dst = torch.randperm(W * rows_out, generator=g)[:n]
+    dst[::3] = -1
+
+    def run(max_programs):
+        stages = torch.full((W, rows_out, H), float("nan"), **F64)
+        tags = torch.full((W, rows_out, 3), -1)
+        k.post_slots(src, dst, rows_out, torch.tensor([t.data_ptr() for t in tags]), dst.flip(0), rank=1,
+                     tag_base=100, top_k=K, scale=scale, stage_table=torch.tensor([t.data_ptr() for t in stages]),
+                     acc_dtype=torch.float64, max_programs=max_programs)
+        return stages, tags
+
+    want = run(None)
+    assert torch.equal(want[0][1, : src.shape[0]], src)  # this rank's rows, staged once each
+    for cap in CAPS:
+        _same(run(cap), want)
+
+
 @pytest.mark.parametrize("tail", [False, True])
 @pytest.mark.parametrize("C", ROWS)
-def test_copy_out(C, tail):
+def test_pull_rows(C, tail):
     k = loader.load()
-    X, x_out = 6, 4
+    X, x_out, n_src = 6, 4, 7
     g = torch.Generator().manual_seed(C)
-    recv = torch.randn(C, X, generator=g, **F64)
-    tags0 = torch.arange(C).masked_fill(torch.rand(C, generator=g) < 0.3, -1)
+    rows = torch.randn(n_src, X, generator=g, **F64)
+    code = torch.arange(C).masked_fill(torch.rand(C, generator=g) < 0.3, -1)
+    tags0 = torch.stack([code, torch.randint(0, n_src, (C,), generator=g), torch.zeros(C, dtype=torch.int64)], 1)
     for n in sorted({0, C // 2 + 1, C}):  # num_routed: none, part (not a block boundary), all
         def run(max_programs, n=n):
             tags = tags0.clone()
             out = torch.full((C, x_out if tail else X), float("nan"), **F64)
             rest = torch.full((C, X - x_out), float("nan"), **F64) if tail else None
             row_src = torch.full((C,), -7)
-            k.copy_out(Region.of(recv), Region.of(tags), torch.tensor([n]), out, row_src, tail=rest,
-                       max_programs=max_programs)
+            k.pull_rows(Region.of(tags), torch.tensor([n]), out, row_src, rows=rows, tail=rest,
+                        max_programs=max_programs)
             return out, row_src, tags, *(() if rest is None else (rest,))
 
         want = run(None)

@@ -190,8 +190,9 @@ def test_errors():
     with pytest.raises(ValueError, match="payload_dtype: expected None or"):
         a2a.SymmBuffers(4, H, K, 4, dtype=torch.bfloat16, device="cpu", payload_dtype=torch.float16)
     assert "payload_dtype=torch.float8_e4m3fn" in repr(fp8_bufs)
-    # The fp8 buffers' receive region holds the (C, P) wire rows and combine's backward's (C, H) rows.
-    assert fp8_bufs.recv_packed.shape == (fp8_bufs.capacity, fp8.packed_width(H)) and plain.recv_packed is None
+    # The stage (the ROWS region) holds T_max wire rows of P bytes and combine's N_max (H,) rows.
+    stage_bytes = fp8_bufs.rows.numel() * fp8_bufs.rows.element_size()
+    assert stage_bytes >= max(fp8_bufs.max_tokens_per_rank * fp8.packed_width(H), fp8_bufs.max_slots * H * 2)
 
 
 # --------------------------------------------------------------------------------------------

@@ -62,8 +62,8 @@ def test_inlined_forward_equals_eager():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         if seed == 0:
             assert "alltoall_ops.symm_" not in code, "a symm_mem op is still called, not inlined"
-            (put,), (out,) = _launches(code, "_put_rows_kernel"), _launches(code, "_copy_out_kernel")
-            assert put < out, "the copy-out was moved before the put it reads"
+            (post,), (pull,) = _launches(code, "_post_slots_kernel"), _launches(code, "_pull_rows_kernel")
+            assert post < pull, "the pull was moved before the tags it reads were posted"
 
 
 def test_inlined_backward_equals_eager():
@@ -84,7 +84,7 @@ def test_inlined_backward_equals_eager():
 
 def test_unused_rows_are_not_moved():
     # Only tokens_per_expert is returned. One rank: no peer waits for the rows, so dead-code
-    # elimination drops the dispatch's put and copy-out; the placement (which counts) stays.
+    # elimination drops the dispatch's post and pull; the placement (which counts) stays.
     bufs = _buffers()
 
     def counts_only(x, idx):
@@ -95,13 +95,13 @@ def test_unused_rows_are_not_moved():
     got, (code, *_) = run_and_get_code(torch.compile(counts_only, fullgraph=True), x, idx)
     torch.testing.assert_close(got, counts_only(x, idx))
     assert _launches(code, "_place_slots_kernel")
-    for kernel in ("_put_rows_kernel", "_copy_out_kernel"):
+    for kernel in ("_post_slots_kernel", "_pull_rows_kernel"):
         assert not _launches(code, kernel), f"{kernel} ran for unused rows"
 
 
 def test_sac_saves_the_exchange():
     # Under selective checkpointing with the library's policy, the backward graph recomputes no
-    # forward exchange: its copy-outs are its own (the backward of combine is one dispatch).
+    # forward exchange: its pulls are its own (the backward of combine is one dispatch).
     bufs = _buffers()
     step = _layer(bufs)
 
@@ -123,5 +123,5 @@ def test_sac_saves_the_exchange():
     xe = x.clone().requires_grad_()
     step(xe, idx, weights).float().sum().backward()
     torch.testing.assert_close(xr.grad, xe.grad, rtol=0, atol=0)
-    assert len(_launches(forward, "_copy_out_kernel")) == 1
-    assert len(_launches(backward, "_copy_out_kernel")) == 1, "the backward ran the forward's dispatch again"
+    assert len(_launches(forward, "_pull_rows_kernel")) == 1
+    assert len(_launches(backward, "_pull_rows_kernel")) == 1, "the backward ran the forward's dispatch again"

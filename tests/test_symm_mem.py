@@ -648,27 +648,35 @@ def test_simulated_peers_match_processes(pool):
 
 
 # --------------------------------------------------------------------------------------------
-# Rows past n = tokens_per_expert.sum(): the copy-out does not write them, nothing reads them
+# Rows past n = tokens_per_expert.sum(): the pull does not write them, nothing reads them
 
 
+@pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("n", [0, 1, 255, 256, 300, 600])
-def test_copy_out_writes_rows_below_n_only(n):
+def test_pull_rows_writes_rows_below_n_only(n, staged):
     # C = 600 rows in the interpreter's blocks of 256: a block that straddles n, and (n < 512)
     # blocks past n, which skip the row copy. Rows arrive below n only; rows below n that got
-    # none (padding) must come out zero.
-    C, H_ = 600, 5
+    # none (padding) must come out zero. Each row comes from source row tags[d, 1] of its sender
+    # (tags[d, 0] // stride: one of two stages, or one rank's rows), times the scale in tags[d, 2].
+    C, H_, n_src, stride = 600, 5, 40, 1000
     g = torch.Generator().manual_seed(n)
-    recv = torch.randn(C, H_, generator=g, dtype=torch.float64)
+    sources = torch.randn(2 if staged else 1, n_src, H_, generator=g, dtype=torch.float64)
     arrived = (torch.rand(C, generator=g) < 0.7) & (torch.arange(C) < n)
-    tags = torch.where(arrived, torch.randperm(C, generator=g), -1)
-    expected_src = tags.clone()
+    sender = torch.randint(0, sources.shape[0], (C,), generator=g)
+    src_row = torch.randint(0, n_src, (C,), generator=g)
+    scale = torch.randn(C, generator=g, dtype=torch.float64)
+    code = torch.where(arrived, sender * stride + torch.randperm(C, generator=g), -1)
+    tags = torch.stack([code, src_row, scale.view(torch.int64)], 1)
     out = torch.full((C, H_), float("nan"), dtype=torch.float64)
     row_src = torch.full((C,), 12345)
-    loader.load().copy_out(Region.of(recv), Region.of(tags), torch.tensor([n]), out, row_src)
-    assert torch.equal(out[:n], torch.where(arrived[:n, None], recv[:n], 0))
+    where = ({"stage_table": torch.tensor([s.data_ptr() for s in sources])} if staged else {"rows": sources[0]})
+    loader.load().pull_rows(Region.of(tags), torch.tensor([n]), out, row_src, src_stride=stride, scaled=True,
+                            acc_dtype=torch.float64, **where)
+    expected = sources[sender[:n], src_row[:n]] * scale[:n, None]
+    assert torch.equal(out[:n], torch.where(arrived[:n, None], expected, 0))
     assert torch.isnan(out[n:]).all(), "rows past n must not be written"
-    assert torch.equal(row_src, expected_src)  # -1 past n
-    assert (tags == -1).all(), "tags not reset for the next call"
+    assert torch.equal(row_src, code)  # -1 past n
+    assert (tags[:, 0] == -1).all(), "tags not reset for the next call"
 
 
 def test_rows_past_n_are_not_written_and_never_read(pool2, unwritten_as_nan):

@@ -435,7 +435,7 @@ def check_timing() -> str:
     torch.cuda.synchronize()
     differ = int((static["y"] != y_ref).sum())
     nbytes_row = H * 2
-    dispatch_bytes = 4 * T * K * nbytes_row  # gather-read + write peers + copy-out read + write
+    dispatch_bytes = 2 * T * K * nbytes_row  # one rank: each routed row read from x and written once (pull_rows)
     combine_bytes = 3 * T * K * nbytes_row + T * nbytes_row  # read + write peers, reduce read, y
     return (f"dispatch {t_dispatch:.0f} us ({dispatch_bytes / t_dispatch / 1e6:.2f} TB/s), combine "
             f"{t_combine:.0f} us ({combine_bytes / t_combine / 1e6:.2f} TB/s), graph replay of both "

@@ -37,12 +37,19 @@ def part_a():
 
     def put(mp):
         bufs = [torch.full((C, H), float("nan"), device=dev).bfloat16() for _ in range(W)]
-        tags = [torch.full((C,), -1, device=dev, dtype=torch.int64) for _ in range(W)]
-        table = torch.tensor([b.data_ptr() for b in bufs], device=dev)
-        ttable = torch.tensor([t.data_ptr() for t in tags], device=dev)
-        k.put_rows(src, dst, C, table, top_k=K, scale=scale, tags_table=ttable, max_programs=mp)
+        k.put_rows(src, dst, C, torch.tensor([b.data_ptr() for b in bufs], device=dev), top_k=K, scale=scale,
+                   max_programs=mp)
         torch.cuda.synchronize()
-        return bufs + tags
+        return bufs
+
+    def post(mp):
+        stages = [torch.full((T, H), float("nan"), device=dev).bfloat16() for _ in range(W)]
+        tags = [torch.full((C, 3), -1, device=dev, dtype=torch.int64) for _ in range(W)]
+        k.post_slots(src, dst, C, torch.tensor([t.data_ptr() for t in tags], device=dev), perm, rank=1, tag_base=0,
+                     top_k=K, scale=scale, stage_table=torch.tensor([s.data_ptr() for s in stages], device=dev),
+                     max_programs=mp)
+        torch.cuda.synchronize()
+        return stages + tags
 
     def put_count(mp):
         out = torch.full((C, H), float("nan"), device=dev).bfloat16()
@@ -52,11 +59,14 @@ def part_a():
     recv = torch.randn(C, H, device=dev, generator=g).bfloat16()
     n_routed = torch.tensor([C - 1000], device=dev)
 
-    def cout(mp):
-        tags = torch.randint(-1, 1000, (C,), device=dev, generator=torch.Generator(device=dev).manual_seed(3))
+    def pull(mp):
+        gen = torch.Generator(device=dev).manual_seed(3)
+        code = torch.randint(-1, W * 1000, (C,), device=dev, generator=gen)
+        tags = torch.stack([code, torch.randint(0, T, (C,), device=dev, generator=gen), torch.zeros_like(code)], 1)
         out = torch.full((C, H), float("nan"), device=dev).bfloat16()
         row_src = torch.full((C,), -7, device=dev, dtype=torch.int64)
-        k.copy_out(Region.of(recv), Region.of(tags), n_routed, out, row_src, max_programs=mp)
+        k.pull_rows(Region.of(tags), n_routed, out, row_src, stage_table=torch.tensor(
+            [recv.data_ptr(), recv[T].data_ptr()], device=dev), src_stride=1000, max_programs=mp)
         return [out, row_src, tags]
 
     position = torch.randperm(N, device=dev, generator=g).view(T, K)
@@ -83,7 +93,8 @@ def part_a():
         k.weight_grad(src, recv[:N], position, gw, torch.float32, max_programs=mp)
         return [gw]
 
-    for name, fn in [("put_rows", put), ("put_rows count", put_count), ("copy_out", cout), ("topk_reduce", reduce),
+    for name, fn in [("put_rows", put), ("put_rows count", put_count), ("post_slots", post), ("pull_rows", pull),
+                     ("topk_reduce", reduce),
                      ("quantize", quant), ("dequantize", dequant), ("weight_grad", wgrad)]:
         ref = fn(None)
         torch.cuda.synchronize()
@@ -122,9 +133,11 @@ def part_d():
     big = torch.randn(N, H, device=dev, generator=g).bfloat16()
     dst = torch.randperm(W * C, device=dev, generator=g)[:N]
     bufs = [torch.empty((C, H), device=dev).bfloat16() for _ in range(W)]
-    tags = [torch.full((C,), -1, device=dev, dtype=torch.int64) for _ in range(W)]
+    tags = [torch.full((C, 3), -1, device=dev, dtype=torch.int64) for _ in range(W)]
     table = torch.tensor([b.data_ptr() for b in bufs], device=dev)
     ttable = torch.tensor([t.data_ptr() for t in tags], device=dev)
+    stages = [torch.empty((T, H), device=dev).bfloat16() for _ in range(W)]
+    stage_table = torch.tensor([s.data_ptr() for s in stages], device=dev)
     out = torch.empty(N, H, device=dev).bfloat16()
     perm = torch.randperm(N, device=dev, generator=g)
     from benchmarks.scatter_kernel import scatter_rows
@@ -134,16 +147,20 @@ def part_d():
     t = time_us(lambda: out.copy_(big))
     print(f"  copy_: {2 * N * H * 2 / t / 1e3:5.0f} GB/s", flush=True)
     put_variants = [(1, 4096, 4), (4, 2048, 8), (8, 2048, 16), (8, 2048, 32), (16, 2048, 32), (4, 2048, 16)]
-    sweep("put_rows", lambda mp: k.put_rows(src, dst, C, table, top_k=K, tags_table=ttable, tag_index=perm,
-                                            max_programs=mp), (T + N) * H * 2, put_variants)
-    ntags = torch.randint(0, 1000, (C,), device=dev, generator=g)
+    sweep("put_rows", lambda mp: k.put_rows(src, dst, C, table, top_k=K, max_programs=mp), (T + N) * H * 2,
+          put_variants)
+    sweep("put_rows", lambda mp: k.post_slots(src, dst, C, ttable, perm, rank=0, tag_base=0, top_k=K,
+                                              stage_table=stage_table, max_programs=mp),
+          2 * T * H * 2, put_variants[:3])  # post_slots: its stage takes put_rows' blocks
+    ntags = torch.stack([torch.randint(0, W * 1000, (C,), device=dev, generator=g),
+                         torch.randint(0, T, (C,), device=dev, generator=g), torch.zeros(C, device=dev).long()], 1)
     n_routed = torch.tensor([C], device=dev)
     row_src = torch.empty(C, device=dev, dtype=torch.int64)
-    tags_buf, big_region = ntags.clone(), Region.of(big)
+    tags_buf = ntags.clone()
     tags_region = Region.of(tags_buf)
-    sweep("copy_out", lambda mp: (tags_buf.copy_(ntags),
-                                  k.copy_out(big_region, tags_region, n_routed, out, row_src, max_programs=mp)),
-          2 * N * H * 2, [(2, 2048, 8), (16, 2048, 32), (16, 2048, 16), (32, 2048, 32)])
+    sweep("pull_rows", lambda mp: (tags_buf.copy_(ntags), k.pull_rows(
+        tags_region, n_routed, out, row_src, stage_table=stage_table, src_stride=1000, max_programs=mp)),
+          2 * N * H * 2, [(2, 2048, 8), (4, 2048, 8), (16, 2048, 32), (32, 2048, 32)])
     position = perm.view(T, K)
     w = torch.rand(T, K, device=dev, generator=g)
     y = torch.empty(T, H, device=dev).bfloat16()

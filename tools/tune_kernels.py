@@ -7,8 +7,8 @@ Kernels (bf16, H = 7168, K = 8, E = 256, fresh random top-k routing):
 - ``put_rows`` (dispatch, every backend): x (T, H) -> (T*K, H) rows in send order, each token
   read once; bytes (T + T*K) * H * 2.
 - ``topk_reduce``: (T*K, H) rows -> (T, H) weighted top-k sums; same bytes.
-- ``copy_out``: (C, H) receive buffer -> routed rows, C = T*K, all C written (num_routed = C); bytes
-  2 * C * H * 2.
+- ``pull_rows``: routed rows, C = T*K, all C written (num_routed = C), each read from row
+  ``tags[d, 1]`` of x (one rank's source); bytes 2 * C * H * 2.
 - ``weight_grad``: reads grad_y (T, H) and (T*K, H) rows; bytes (T + T*K) * H * 2.
 - ``plan_slots`` (the layout: routing -> order, positions, counts), checked against its torch
   implementation, timed eagerly and replayed from a CUDA graph (device time), against torch's
@@ -122,17 +122,16 @@ def sweep_rows(T: int, bandwidth: float, top: int) -> None:
     sweep("topk_reduce", lambda: k.topk_reduce(ret, plan.position, None, weights, y, None, torch.float32),
           nbytes, bandwidth, itertools.product([1, 2, 4], widths, warps), top)
 
-    tags = torch.full((N,), -1, dtype=torch.int64, device=dev)
-    row_src = torch.empty_like(tags)
+    tags = torch.full((N, 3), -1, dtype=torch.int64, device=dev)
+    row_src = torch.empty(N, dtype=torch.int64, device=dev)
     num_routed = torch.full((1,), N, dtype=torch.int64, device=dev)  # every row written
+    tags_region, source_row = Region.of(tags), torch.randint(0, T, (N,), device=dev)
 
-    ret_region, tags_region = Region.of(ret), Region.of(tags)
+    def pull_rows():
+        tags[::2, 0], tags[:, 1] = 1, source_row  # half the rows arrived
+        k.pull_rows(tags_region, num_routed, send, row_src, rows=x)
 
-    def copy_out():
-        tags[::2] = 1  # half the rows arrived
-        k.copy_out(ret_region, tags_region, num_routed, send, row_src)
-
-    sweep("copy_out", copy_out, 2 * N * H * 2, bandwidth, itertools.product([2, 4, 8], [2048, 4096], warps), top)
+    sweep("pull_rows", pull_rows, 2 * N * H * 2, bandwidth, itertools.product([2, 4, 8], [2048, 4096], warps), top)
     grad_w = torch.empty(T, K, device=dev)
     sweep("weight_grad", lambda: k.weight_grad(x, ret, plan.position, grad_w, torch.float32),
           nbytes, bandwidth, itertools.product([1, 2, 4], [2048, 4096], warps), top)

@@ -5,7 +5,8 @@
                      ``plan_rows``: one rank's padded expert-major rows (the local backend)
     row_gather.py    ``gather_rows``: one rank's expert-major rows from its tokens (local dispatch)
     row_put.py       ``put_rows`` / ``put_meta``: rows and metadata rows into local or peer buffers;
-                     ``copy_out``: the receiver's copy of its buffer into fresh tensors
+                     ``post_slots`` / ``pull_rows``: a dispatch's two halves, each row read
+                     by its receiver from its sender's stage into a fresh tensor
     topk_reduce.py   ``topk_reduce``: each token's weighted sum over its top-k slots (combine)
     weight_grad.py   ``weight_grad``: the gradient of the routing weights / dispatch scale
     barrier.py       ``barrier``: the symm_mem backend's signal-pad barrier, with a deadline

@@ -92,7 +92,7 @@ GPU_BLOCKS: dict[str, tuple[int, int, int]] = {
     "put_rows": (1, 4096, 4),
     "gather_rows": (1, 4096, 4),  # as put_rows (not swept on its own)
     "topk_reduce": (2, 1024, 8),
-    "copy_out": (2, 2048, 8),
+    "pull_rows": (2, 2048, 8),
     "weight_grad": (1, 4096, 8),
 }
 """(BLOCK_R, BLOCK_H for 2-byte elements, num_warps) of each kernel on a GPU; measured on one H200
@@ -102,13 +102,13 @@ proportionally narrower BLOCK_H, so a program moves the same bytes."""
 BUDGET_BLOCKS: dict[str, tuple[int, int, int]] = {
     "put_rows": (8, 2048, 32),
     "topk_reduce": (8, 2048, 32),
-    "copy_out": (32, 2048, 32),
+    "pull_rows": (32, 2048, 32),
     "weight_grad": (8, 2048, 16),
 }
 """The same under an SM budget (``max_programs``): one program per SM, so each program holds an
 SM's worth of bytes in flight (32-128 KB a step, 32 warps) instead of a small tile among many on
 the SM. On one H200 (``tools/sm_budget_diag.py``, T = 4096, H = 2048, K = 6, bf16, 16 programs)
-the GPU tiles moved 69 (put_rows) / 246 (copy_out) / 276 (topk_reduce) GB/s, these tiles 259 /
+the GPU tiles moved 69 (put_rows) / 246 (copy_out, now pull_rows) / 276 (topk_reduce) GB/s, these tiles 259 /
 978 / 902, a plain scatter kernel (``benchmarks/scatter_kernel.py``) 938; docs/benchmarks.md."""
 
 

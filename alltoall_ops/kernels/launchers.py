@@ -10,13 +10,13 @@ from .dispatch_layout import dispatch_layout
 from .quantize import dequantize_rows, quantize_rows
 from .row_gather import gather_rows
 from .routing_plan import plan_rows, plan_slots
-from .row_put import copy_out, put_meta, put_rows
+from .row_put import post_slots, pull_rows, put_meta, put_rows
 from .slot_placement import place_slots
 from .topk_reduce import topk_reduce
 from .weight_grad import weight_grad
 
 __all__ = [
-    "barrier", "copy_out", "dispatch_layout", "gather_rows", "interpreting", "place_slots", "plan_rows", "plan_slots",
-    "put_meta", "put_rows", "dequantize_rows", "quantize_rows", "routing_plan", "row_blocks",
+    "barrier", "dispatch_layout", "gather_rows", "interpreting", "place_slots", "plan_rows", "plan_slots",
+    "post_slots", "pull_rows", "put_meta", "put_rows", "dequantize_rows", "quantize_rows", "routing_plan", "row_blocks",
     "topk_reduce", "weight_grad",
 ]

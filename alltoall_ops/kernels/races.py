@@ -13,7 +13,7 @@ ordered way to share) and reports two kinds of race:
   barriers, which on a GPU different threads may do in either order (a replicated value is
   loaded by every thread holding a copy and stored by one of them).
 
-The second kind is the bug that made the symm_mem copy-out drop rows on the H200 under an SM
+The second kind is the bug that made the symm_mem copy-out (now ``pull_rows``) drop rows on the H200 under an SM
 budget (its programs read each row's tag and reset it to -1 with no barrier between). Uses the
 interpreter's builder (``triton.runtime.interpreter``: ``create_masked_load`` /
 ``create_masked_store`` / ``create_barrier`` and the launch's ``GridExecutor``); a Triton whose

@@ -8,6 +8,12 @@ from typing import NamedTuple, Optional
 import torch
 
 
+TAG_COLUMNS = 3
+"""Columns of a received row's tag (int64; ``kernels.row_put``): its source code (``rank *
+stride + send position``, -1: no row), the row's index in its source's rows, and its scale (the
+bits of one value of the accumulation dtype, 0 without a scale)."""
+
+
 class Region(NamedTuple):
     """A contiguous (rows, columns) array of ``dtype`` named by its address: ``table[index]``
     (an int64 on the device) holds its base. Kernels reach the symm_mem buffers this way, so that

@@ -1,4 +1,4 @@
-"""Kernels that move rows and metadata into peer buffers, and the receiver's copy-out.
+"""Kernels that move rows and metadata into peer buffers, and the receiver's pull.
 
 Legend: ``W`` ranks, ``E`` experts, ``N = T * K`` send slots, ``C`` receive capacity (rows),
 ``H`` hidden. A *destination code* ``dst = peer * stride + row`` names row ``row`` of rank
@@ -9,15 +9,25 @@ Reference semantics (``tables[r]`` is rank r's buffer)::
     put_rows:   for i in range(min(n, count)): if dst[i] >= 0:               # i: slot t * K + k
                     peer, row = divmod(dst[i], stride)                   # (with ``out``: peer 0)
                     tables[peer][row] = src[i // K] * (scale.flat[i] if scale else 1)
-                    tags[peer][row] = tag_base + (tag_index[i] if tag_index else i)  # when tags
     put_meta:   for peer in range(W): meta[peer][rank] = row   # row: counts, status, header (put_meta's doc)
-    copy_out:   for d in range(n):                                           # n = num_routed
-                    out[d] = recv[d] if tags[d] >= 0 else 0; row_src[d] = tags[d]; tags[d] = -1
+    post_slots: stage[rank][:n] = rows                                       # with a stage (W > 1)
+                for i in range(N): if dst[i] >= 0:
+                    peer, row = divmod(dst[i], stride)
+                    tags[peer][row] = (tag_base + tag_index[i], i // K, bits(scale.flat[i]) or 0)
+    pull_rows:  for d in range(n):                                           # n = num_routed
+                    code, j, bits = tags[d]
+                    out[d] = source(code)[j] * scale(bits) if code >= 0 else 0; row_src[d] = code
+                    tags[d, 0] = -1
                 row_src[n:] = -1                                             # out[n:] not written
-                (with ``tail``: out[d], tail[d] = the first and the last columns of that row)
+                (source(code): stage[code // stride], or one rank's rows; with ``tail``: out[d],
+                 tail[d] = the first and the last columns of that row)
 
-``max_programs`` (put_rows, copy_out; None: one program per row block): at most that many
-programs, each striding over row blocks i, i + P, ... (``_config.program_grid``), as a
+A dispatch is ``post_slots``, a barrier, then ``pull_rows``: each row is written once where it
+is used (the receiver's fresh output), and each token's row once more into its sender's stage
+(W > 1), since peers can read only symmetric memory. Combine (few rows per token) puts.
+
+``max_programs`` (put_rows, post_slots, pull_rows; None: one program per row block): at most
+that many programs, each striding over row blocks i, i + P, ... (``_config.program_grid``), as a
 device-side count already bounds put_rows' (``MAX_COUNTED_PROGRAMS``); same results.
 
 The kernels index every tensor as contiguous: the launchers copy strided inputs (``.contiguous()``,
@@ -32,9 +42,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import (LAUNCH_LOCK, cast_rne, launch, order_after, program_grid,
-                      require_contiguous, row_blocks, tl_acc_dtype, upcast)
-from .region import Region, or_new_token
+from ._config import (LAUNCH_LOCK, cast_rne, launch, order_after, program_grid, require_contiguous, row_blocks,
+                      tl_acc_dtype, upcast)
+from .region import TAG_COLUMNS, Region, or_new_token
 
 
 MAX_COUNTED_PROGRAMS = 8192
@@ -50,10 +60,9 @@ def _select(b_index, b_table, o_w):
 
 @triton.jit
 def _put_rows_kernel(
-    src_ptr, scale_ptr, dst_ptr, count_ptr, rows_table_ptr, out_ptr, tags_table_ptr, tag_index_ptr, token_ptr,
-    n_rows, n_src, H, world_size, tag_base,
-    K: tl.constexpr, DST_STRIDE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_TAGS: tl.constexpr,
-    HAS_TAG_INDEX: tl.constexpr, ONE_OUT: tl.constexpr,
+    src_ptr, scale_ptr, dst_ptr, count_ptr, rows_table_ptr, out_ptr, token_ptr,
+    n_rows, n_src, H, world_size,
+    K: tl.constexpr, DST_STRIDE: tl.constexpr, HAS_SCALE: tl.constexpr, ONE_OUT: tl.constexpr,
     HAS_COUNT: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
@@ -65,8 +74,6 @@ def _put_rows_kernel(
     o_w = tl.arange(0, BLOCK_W)  # [BW] ranks
     if not ONE_OUT:
         b_rows_table = tl.load(rows_table_ptr + o_w, mask=o_w < world_size, other=0)
-    if HAS_TAGS:
-        b_tags_table = tl.load(tags_table_ptr + o_w, mask=o_w < world_size, other=0)
     step = tl.num_programs(0) * BLOCK_R
     o_first = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     b_dst = tl.load(dst_ptr + o_first, mask=o_first < n_todo, other=-1)  # [BR]
@@ -101,14 +108,6 @@ def _put_rows_kernel(
             if HAS_SCALE:  # fp32 (fp64) product, rounded once
                 b_x = cast_rne(upcast(b_x, ACC_DTYPE) * b_scale[:, None], src_ptr.dtype.element_ty)
             tl.store(p_row[:, None] + o_h[None, :], b_x, mask=m)
-        if HAS_TAGS:
-            if tl.program_id(1) == 0:
-                if HAS_TAG_INDEX:
-                    b_tag = tl.load(tag_index_ptr + o_r, mask=m_r, other=0)
-                else:
-                    b_tag = o_r
-                p_tags = _select(b_peer, b_tags_table, o_w).to(tl.pointer_type(tl.int64))
-                tl.store(p_tags + b_row, tag_base + b_tag, mask=m_r)
         b_dst = b_dst_next
 
 
@@ -121,9 +120,6 @@ def put_rows(
     out: Optional[torch.Tensor] = None,
     top_k: int = 1,
     scale: Optional[torch.Tensor] = None,
-    tags_table: Optional[torch.Tensor] = None,
-    tag_index: Optional[torch.Tensor] = None,
-    tag_base: int = 0,
     acc_dtype: torch.dtype = torch.float32,
     count: Optional[torch.Tensor] = None,
     token: Optional[torch.Tensor] = None,
@@ -132,9 +128,8 @@ def put_rows(
     """Write row ``i // top_k`` of ``src`` (rows, H) to the destination code ``dst[i]`` for every
     i < n, times ``scale.flat[i]`` when given; neighbouring i of one source row share its read.
 
-    rows_table / tags_table: (W,) int64 base addresses of every rank's row buffer (``src.dtype``;
-    16-byte aligned, as every region of SymmBuffers is: the kernel's vector stores rely on it)
-    / int64 tag buffer; each row's tag is ``tag_base + tag_index[i]`` (default i). ``out``
+    rows_table: (W,) int64 base addresses of every rank's row buffer (``src.dtype``; 16-byte
+    aligned, as every region of SymmBuffers is: the kernel's vector stores rely on it). ``out``
     instead of ``rows_table``: one local (dst_stride, H) destination, no pointer table.
     ``count``: a one-element int64 device tensor; rows i >= count have no destination (-1) and
     are not visited: at most ``MAX_COUNTED_PROGRAMS`` row programs stride over the first count
@@ -150,9 +145,7 @@ def put_rows(
     if (out is None) == (rows_table is None):
         raise ValueError("put_rows: pass exactly one of rows_table and out")
     require_contiguous("put_rows", out=out)
-    src, dst, scale, rows_table, tags_table, tag_index = (
-        None if t is None else t.contiguous() for t in (src, dst, scale, rows_table, tags_table, tag_index)
-    )
+    src, dst, scale, rows_table = (None if t is None else t.contiguous() for t in (src, dst, scale, rows_table))
     world_size = 1 if out is not None else rows_table.numel()
     blocks = row_blocks("put_rows", n, H, src.element_size(), max_programs)
     row_programs, h_programs = blocks.grid(n, H)
@@ -163,13 +156,10 @@ def put_rows(
         launch(_put_rows_kernel, src)[(row_programs, h_programs)](
             src, scale if scale is not None else src, dst, count if count is not None else dst,
             rows_table if rows_table is not None else dst, out if out is not None else src,
-            tags_table if tags_table is not None else dst, tag_index if tag_index is not None else dst,
-            or_new_token(token, dst.device), n, src.shape[0], H, world_size, tag_base, K=top_k,
-            DST_STRIDE=dst_stride,
-            HAS_SCALE=scale is not None, HAS_TAGS=tags_table is not None, HAS_TAG_INDEX=tag_index is not None,
-            ONE_OUT=out is not None, HAS_COUNT=count is not None, ACC_DTYPE=tl_acc_dtype(acc_dtype),
-            BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H, BLOCK_W=triton.next_power_of_2(world_size),
-            num_warps=blocks.num_warps,
+            or_new_token(token, dst.device), n, src.shape[0], H, world_size, K=top_k, DST_STRIDE=dst_stride,
+            HAS_SCALE=scale is not None, ONE_OUT=out is not None, HAS_COUNT=count is not None,
+            ACC_DTYPE=tl_acc_dtype(acc_dtype), BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H,
+            BLOCK_W=triton.next_power_of_2(world_size), num_warps=blocks.num_warps,
         )
 
 
@@ -216,30 +206,136 @@ def put_meta(send_meta: torch.Tensor, header: tuple[int, int, int], call_1: torc
         )
 
 
+_TAG_COLUMNS = tl.constexpr(TAG_COLUMNS)
+
+
 @triton.jit
-def _copy_out_kernel(
-    recv_table_ptr, recv_index, tags_table_ptr, tags_index, num_routed_ptr, out_ptr, tail_ptr, row_src_ptr,
-    token_ptr, n_rows, X, X_OUT,
-    HAS_TAIL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+def _post_slots_kernel(
+    src_ptr, scale_ptr, dst_ptr, tag_index_ptr, stage_table_ptr, tags_table_ptr, token_ptr,
+    n_slots, n_src, X, world_size, rank, tag_base,
+    K: tl.constexpr, DST_STRIDE: tl.constexpr, HAS_SCALE: tl.constexpr, STAGE: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_W: tl.constexpr,
 ):
     order_after(token_ptr)
-    # NB: the regions' bases are loaded here, not in a helper: inductor's analysis of which
-    # arguments a kernel writes would see a store through a helper's result as a store into the
-    # helper's arguments (the address tables, constants of the graph).
-    recv_ptr = tl.load(recv_table_ptr + recv_index).to(tl.pointer_type(out_ptr.dtype.element_ty))
+    if STAGE:  # this rank's rows, once each, into its own stage, where the receivers read them
+        stage_ptr = tl.multiple_of(tl.load(stage_table_ptr + rank).to(tl.pointer_type(src_ptr.dtype.element_ty)), 16)
+        for i_r in range(tl.program_id(0), tl.cdiv(n_src, BLOCK_R), tl.num_programs(0)):
+            o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR] source rows
+            for i_h in range(tl.program_id(1), tl.cdiv(X, BLOCK_H), tl.num_programs(1)):
+                o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
+                m = (o_r < n_src)[:, None] & (o_h < X)[None, :]
+                b_x = tl.load(src_ptr + o_r[:, None] * X + o_h[None, :], mask=m)
+                tl.store(stage_ptr + o_r[:, None] * X + o_h[None, :], b_x, mask=m)
+    if tl.program_id(1) == 0:  # each slot's tag into the row its destination will pull
+        o_w = tl.arange(0, BLOCK_W)  # [BW] ranks
+        b_tags_table = tl.load(tags_table_ptr + o_w, mask=o_w < world_size, other=0)
+        for i_s in range(tl.program_id(0), tl.cdiv(n_slots, BLOCK_S), tl.num_programs(0)):
+            o_s = (i_s * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)  # [BS] slots t * K + k
+            b_dst = tl.load(dst_ptr + o_s, mask=o_s < n_slots, other=-1)
+            m_s = (o_s < n_slots) & (b_dst >= 0) & (b_dst < world_size * DST_STRIDE) & (o_s // K < n_src)
+            # NB: DST_STRIDE is a compile-time constant: the division is a multiply and a shift
+            b_peer = tl.where(m_s, b_dst // DST_STRIDE, 0)
+            p_tag = _select(b_peer, b_tags_table, o_w).to(tl.pointer_type(tl.int64)) + tl.where(
+                m_s, b_dst % DST_STRIDE, 0) * _TAG_COLUMNS
+            b_code = tag_base + tl.load(tag_index_ptr + o_s, mask=m_s, other=0)
+            b_bits = tl.zeros([BLOCK_S], dtype=tl.int64)
+            if HAS_SCALE:
+                b_scale = upcast(tl.load(scale_ptr + o_s, mask=m_s, other=0), ACC_DTYPE)
+                if ACC_DTYPE == tl.float64:
+                    b_bits = b_scale.to(tl.int64, bitcast=True)
+                else:
+                    b_bits = b_scale.to(tl.int32, bitcast=True).to(tl.int64)
+            tl.store(p_tag + 1, o_s // K, mask=m_s)
+            tl.store(p_tag + 2, b_bits, mask=m_s)
+            tl.store(p_tag, b_code, mask=m_s)
+
+
+def post_slots(
+    rows: torch.Tensor,
+    dst: torch.Tensor,
+    dst_stride: int,
+    tags_table: torch.Tensor,
+    tag_index: torch.Tensor,
+    *,
+    rank: int,
+    tag_base: int,
+    top_k: int = 1,
+    scale: Optional[torch.Tensor] = None,
+    stage_table: Optional[torch.Tensor] = None,
+    acc_dtype: torch.dtype = torch.float32,
+    token: Optional[torch.Tensor] = None,
+    max_programs: Optional[int] = None,
+) -> None:
+    """The sender's half of a pulled exchange: for every slot i < N = ``dst.numel()`` with a
+    destination code ``dst[i] = peer * dst_stride + row`` (-1: none), the tag of that row of
+    ``peer`` (``tags_table``: (W,) int64 base addresses of every rank's (stride, TAG_COLUMNS) tags)
+    = (``tag_base + tag_index[i]``, the slot's source row ``i // top_k``, the bits of
+    ``scale.flat[i]`` in ``acc_dtype`` or 0). With ``stage_table`` ((W,) base addresses of every
+    rank's stage, 16-byte aligned), this rank's ``rows`` (n, X) are also copied into its own
+    stage, once each, where ``pull_rows`` of the receivers reads them (without it they read
+    ``rows`` itself: one rank). token, max_programs: as put_rows'."""
+    n_src, X = rows.shape
+    N = dst.numel()
+    rows, dst, scale, tag_index, tags_table = (
+        None if t is None else t.contiguous() for t in (rows, dst, scale, tag_index, tags_table))
+    world_size = tags_table.numel()
+    blocks = row_blocks("put_rows", n_src, X, rows.element_size(), max_programs)
+    row_programs, h_programs = blocks.grid(n_src, X) if stage_table is not None else (triton.cdiv(max(N, 1), 1024), 1)
+    row_programs, h_programs = program_grid(max(row_programs, 1), h_programs, max_programs)
+    with LAUNCH_LOCK:
+        launch(_post_slots_kernel, rows)[(row_programs, h_programs)](
+            rows, scale if scale is not None else rows, dst, tag_index,
+            stage_table if stage_table is not None else tags_table, tags_table, or_new_token(token, rows.device),
+            N, n_src, X, world_size, rank, tag_base, K=top_k, DST_STRIDE=dst_stride, HAS_SCALE=scale is not None,
+            STAGE=stage_table is not None, ACC_DTYPE=tl_acc_dtype(acc_dtype), BLOCK_R=blocks.BLOCK_R,
+            BLOCK_H=blocks.BLOCK_H, BLOCK_S=1024,
+            BLOCK_W=triton.next_power_of_2(world_size), num_warps=blocks.num_warps,
+        )
+
+
+@triton.jit
+def _pull_rows_kernel(
+    rows_ptr, stage_table_ptr, tags_table_ptr, tags_index, num_routed_ptr, out_ptr, tail_ptr, row_src_ptr,
+    token_ptr, n_rows, X, X_OUT, world_size,
+    SRC_STRIDE: tl.constexpr, STAGED: tl.constexpr, HAS_SCALE: tl.constexpr, ACC_DTYPE: tl.constexpr,
+    HAS_TAIL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    order_after(token_ptr)
+    # NB: the tags' base is loaded here, not in a helper: inductor's analysis of which arguments
+    # a kernel writes would see a store through a helper's result as a store into the helper's
+    # arguments (the address tables, constants of the graph).
     tags_ptr = tl.load(tags_table_ptr + tags_index).to(tl.pointer_type(tl.int64))
+    if STAGED:
+        o_w = tl.arange(0, BLOCK_W)  # [BW] ranks
+        b_stage_table = tl.load(stage_table_ptr + o_w, mask=o_w < world_size, other=0)
     n_routed = tl.load(num_routed_ptr)  # rows [0, n_routed) of out are written, the rest left as they are
     for i_r in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_R), tl.num_programs(0)):  # row blocks
         o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR]
         m_r = o_r < n_rows
         m_routed = m_r & (o_r < n_routed)
-        b_tag = tl.load(tags_ptr + o_r, mask=m_routed, other=-1)  # [BR] source code of each row, -1: none
+        b_code = tl.load(tags_ptr + o_r * _TAG_COLUMNS, mask=m_routed, other=-1)  # [BR] source code, -1: none
         if i_r * BLOCK_R < n_routed:  # NB: a block past n_routed moves no row, only writes row_src
-            m_valid = m_routed & (b_tag >= 0)
+            m_valid = m_routed & (b_code >= 0)
+            b_src_row = tl.load(tags_ptr + o_r * _TAG_COLUMNS + 1, mask=m_valid, other=0)  # [BR] row in its source
+            if STAGED:
+                # NB: 16-byte aligned bases (every region of SymmBuffers): vector loads
+                p_src = tl.multiple_of(_select(tl.where(m_valid, b_code // SRC_STRIDE, 0), b_stage_table, o_w).to(
+                    tl.pointer_type(out_ptr.dtype.element_ty)), 16) + b_src_row * X  # [BR]
+            else:
+                p_src = rows_ptr + b_src_row * X
+            if HAS_SCALE:
+                b_bits = tl.load(tags_ptr + o_r * _TAG_COLUMNS + 2, mask=m_valid, other=0)
+                if ACC_DTYPE == tl.float64:
+                    b_scale = b_bits.to(tl.float64, bitcast=True)
+                else:
+                    b_scale = b_bits.to(tl.int32).to(tl.float32, bitcast=True)
             for i_h in range(tl.cdiv(X, BLOCK_H)):
                 o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
                 m_h = (o_h < X)[None, :]
-                b_x = tl.load(recv_ptr + o_r[:, None] * X + o_h[None, :], mask=m_valid[:, None] & m_h, other=0)
+                b_x = tl.load(p_src[:, None] + o_h[None, :], mask=m_valid[:, None] & m_h, other=0)
+                if HAS_SCALE:  # fp32 (fp64) product, rounded once
+                    b_x = cast_rne(upcast(b_x, ACC_DTYPE) * b_scale[:, None], out_ptr.dtype.element_ty)
                 if HAS_TAIL:  # columns [0, X_OUT) to out, [X_OUT, X) to tail
                     m_out = (o_h < X_OUT)[None, :]
                     tl.store(out_ptr + o_r[:, None] * X_OUT + o_h[None, :], b_x,
@@ -250,43 +346,57 @@ def _copy_out_kernel(
                     tl.store(out_ptr + o_r[:, None] * X + o_h[None, :], b_x, mask=m_routed[:, None] & m_h)
             # NB: each program owns its row blocks across all of X, so resetting the tags here
             # cannot race with another program's read of them; within the program, every thread
-            # holding a copy of b_tag must have loaded it before one of them resets it: the
+            # holding a copy of a tag must have loaded it before one of them resets it: the
             # barrier (without it, slow programs read -1 and dropped rows; seen on the H200 only
             # under an SM budget). Past n_routed the tags stay -1.
             tl.debug_barrier()
-            tl.store(tags_ptr + o_r, tl.full([BLOCK_R], -1, tl.int64), mask=m_routed)
-        tl.store(row_src_ptr + o_r, b_tag, mask=m_r)
+            tl.store(tags_ptr + o_r * _TAG_COLUMNS, tl.full([BLOCK_R], -1, tl.int64), mask=m_routed)
+        tl.store(row_src_ptr + o_r, b_code, mask=m_r)
 
 
-def copy_out(
-    recv: Region, tags: Region, num_routed: torch.Tensor, out: torch.Tensor, row_src: torch.Tensor,
+def pull_rows(
+    tags: Region, num_routed: torch.Tensor, out: torch.Tensor, row_src: torch.Tensor, *,
+    rows: Optional[torch.Tensor] = None,
+    stage_table: Optional[torch.Tensor] = None,
+    src_stride: int = 1,
+    scaled: bool = False,
+    acc_dtype: torch.dtype = torch.float32,
     tail: Optional[torch.Tensor] = None,
     token: Optional[torch.Tensor] = None,
     max_programs: Optional[int] = None,
 ) -> None:
-    """Copy the first n = ``num_routed`` rows of this rank's receive buffer recv (C, X) into
-    ``out``, zero where no row arrived; rows [n, C) of ``out`` are not written. recv and tags:
-    regions named by address (``_config.Region``), tags (C, 1) int64. ``num_routed``: a
-    one-element int64 tensor on the device (read by the kernel: no host sync). ``row_src`` (C,)
-    gets each row's tag (-1 past n); the tags are reset to -1 for the next call. With ``tail``
-    (C, X - X_out) of recv's dtype, out (C, X_out) takes the first X_out columns of each row and
-    tail the rest (fp8 wire rows into values and scale bytes, no copy of the whole buffer).
-    ``max_programs``: at most that many programs, each striding over row blocks (an SM budget).
-    token: as put_rows'."""
-    C, X = recv.shape
+    """The receiver's half of a pulled exchange: for the first n = ``num_routed`` rows d of this
+    rank's tags (C, TAG_COLUMNS) (a region named by address, ``_config.Region``), ``out[d]`` =
+    row ``tags[d, 1]`` of the source's rows, times the scale of ``tags[d, 2]`` when ``scaled``
+    (in ``acc_dtype``, rounded once), zero where ``tags[d, 0]`` is -1; rows [n, C) of ``out`` are
+    not written. The source's rows: ``stage_table[tags[d, 0] // src_stride]`` (every rank's
+    stage, (W,) base addresses; ``post_slots`` put them there), or ``rows`` (one rank: the rows
+    themselves). ``num_routed``: a one-element int64 device tensor (no host sync). ``row_src``
+    (C,) gets each row's source code (-1 past n); the codes are reset to -1 for the next call.
+    With ``tail`` (C, X - X_out) of out's dtype, out (C, X_out) takes the first X_out columns
+    of each row and tail the rest (fp8 wire rows into values and scale bytes). max_programs: at
+    most that many programs, each striding over row blocks (an SM budget). token: as put_rows'."""
+    C = tags.shape[0]
     if C == 0:
         if token is not None:
             token.zero_()
         return
-    require_contiguous("copy_out", out=out, row_src=row_src, tail=tail)
-    x_out = X if tail is None else out.shape[1]
-    if tail is not None and (tail.dtype != recv.dtype or out.dtype != recv.dtype or tail.shape[1] != X - x_out):
-        raise ValueError(f"copy_out: out and tail must split recv's {X} columns in its dtype {recv.dtype}, got "
-                         f"{out.dtype} {tuple(out.shape)} and {tail.dtype} {tuple(tail.shape)}")
-    blocks = row_blocks("copy_out", C, X, out.element_size(), max_programs)
+    if (rows is None) == (stage_table is None):
+        raise ValueError("pull_rows: pass exactly one of rows and stage_table")
+    require_contiguous("pull_rows", out=out, row_src=row_src, tail=tail)
+    X = out.shape[1] + (0 if tail is None else tail.shape[1])
+    if tail is not None and tail.dtype != out.dtype:
+        raise ValueError(f"pull_rows: out and tail must have one dtype, got {out.dtype} and {tail.dtype}")
+    if rows is not None and (rows.dtype != out.dtype or rows.shape[1] != X):
+        raise ValueError(f"pull_rows: rows must be (n, {X}) {out.dtype}, got {tuple(rows.shape)} {rows.dtype}")
+    rows = None if rows is None else rows.contiguous()
+    world_size = 1 if stage_table is None else stage_table.numel()
+    blocks = row_blocks("pull_rows", C, X, out.element_size(), max_programs)
     with LAUNCH_LOCK:  # NB: one program per row block across all of X (see the kernel)
-        launch(_copy_out_kernel, out)[program_grid(blocks.grid(C, X)[0], 1, max_programs)[:1]](
-            recv.table, recv.index, tags.table, tags.index, num_routed, out, tail if tail is not None else out,
-            row_src, or_new_token(token, out.device), C, X, x_out,
-            HAS_TAIL=tail is not None, BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H, num_warps=blocks.num_warps,
+        launch(_pull_rows_kernel, out)[program_grid(blocks.grid(C, X)[0], 1, max_programs)[:1]](
+            rows if rows is not None else out, stage_table if stage_table is not None else tags.table, tags.table,
+            tags.index, num_routed, out, tail if tail is not None else out, row_src, or_new_token(token, out.device),
+            C, X, out.shape[1], world_size, SRC_STRIDE=src_stride, STAGED=stage_table is not None, HAS_SCALE=scaled,
+            ACC_DTYPE=tl_acc_dtype(acc_dtype), HAS_TAIL=tail is not None, BLOCK_R=blocks.BLOCK_R,
+            BLOCK_H=blocks.BLOCK_H, BLOCK_W=triton.next_power_of_2(world_size), num_warps=blocks.num_warps,
         )

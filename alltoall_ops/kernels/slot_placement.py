@@ -72,7 +72,7 @@ def _place_slots_kernel(
     BLOCK_W: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
     order_after(token_ptr)
-    if META_AT_ADDRESS:  # NB: in the body, not a helper (see row_put's copy-out)
+    if META_AT_ADDRESS:  # NB: in the body, not a helper (see row_put's pull_rows)
         meta_ptr = tl.load(meta_table_ptr + meta_index).to(tl.pointer_type(tl.int64))
     pid = tl.program_id(0)
     first = pid == 0

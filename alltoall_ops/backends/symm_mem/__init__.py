@@ -11,9 +11,11 @@ peer can write, holds four regions; one (1, W) int64 *address table* per region 
 gives its address on every rank, and the kernels reach every region through them (compiled code
 holds the tables as constants, never the regions):
 
-    recv  (C, H)        rows dispatched to this rank, expert-major (written by the senders)
-    tags  (C,)  int64   source code ``src_rank * N_max + send_position`` of each received row, -1 none
-    ret   (N_max, H)    this rank's slots coming back from combine, in send order
+    recv  (C, H)        rows of combine's backward (an fp8 dispatch's wire rows today; see ops.py)
+    tags  (C, 3) int64  of each row this rank receives, written by its sender: source code
+                        ``src_rank * N_max + send_position`` (-1 none), row in the source, scale bits
+    ret   (N_max, H)    this rank's slots coming back from combine, in send order; during a
+                        dispatch, its stage: this rank's rows (once per token), which peers read
     meta  (W, L) int64  row s: rank s's counts per global expert, its routing status, its N,
                         alignment, failure flag and call number (``buffers.META_EXTRA`` columns)
 

@@ -17,14 +17,15 @@ from ...payload import PLAIN, Format, format_of
 from ...comm import get_timeout
 from ...groups import Group, resolve_group
 from ...kernels.loader import check_kernels_run_on
+from ...kernels.region import TAG_COLUMNS
 from ...validation import check_num_experts, positive_int
 from .segments import (_CudaSymmetricSegments, _LocalSegments, _Segments, _SharedMemorySegments, _SimulatedSegments,
                        address_table, setup_gather)
 
 logger = logging.getLogger(__name__)
 
-RECV, TAGS, RET, META = range(4)
-"""Rows of the pointer table: the regions of a segment."""
+TAGS, ROWS, META = range(3)
+"""The regions of a segment, each with its address table (``SymmBuffers.tables``)."""
 
 N_SLOTS, ALIGNMENT, FAILED, CALL = range(layout.STATUS_COLUMNS, layout.STATUS_COLUMNS + 4)
 META_EXTRA = layout.STATUS_COLUMNS + 4
@@ -68,11 +69,12 @@ class _Config:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         N_max = self.max_tokens_per_rank * self.top_k
         meta_cols = self.num_experts + META_EXTRA
-        # NB: with an fp8 payload, RECV holds the (C, P) uint8 wire rows of a dispatch and, in
-        # the backward, the (C, H) ``dtype`` rows of combine's adjoint (a dispatch of gradients).
-        recv_row_bytes = max(self.hidden * itemsize, format_of(self.payload_dtype).wire_bytes(self.hidden, self.dtype))
-        sizes = [self.capacity * recv_row_bytes, self.capacity * 8,
-                 N_max * self.hidden * itemsize, self.world_size * meta_cols * 8]
+        # NB: ROWS holds N_max rows of ``dtype`` (combine's returned rows; the stage of a dispatch
+        # of combine's gradient, as N "tokens" in double backward) or T_max wire rows (the stage of
+        # an fp8 dispatch).
+        wire_bytes = format_of(self.payload_dtype).wire_bytes(self.hidden, self.dtype)
+        rows_bytes = max(N_max * self.hidden * itemsize, self.max_tokens_per_rank * wire_bytes)
+        sizes = [self.capacity * TAG_COLUMNS * 8, rows_bytes, self.world_size * meta_cols * 8]
         offsets, total = [], 0
         for size in sizes:
             offsets.append(total)
@@ -272,15 +274,11 @@ class SymmBuffers(OpaqueBase):
             itemsize = torch.empty((), dtype=dtype).element_size()
             return segments.local[offsets[i] : offsets[i] + n * itemsize].view(dtype).view(shape)
 
-        self.recv = region(RECV, cfg.dtype, (C, H))  # dispatches in dtype (with fp8: combine's backward)
-        # fp8 dispatches: packed wire rows (C, P) uint8 in the same region (None without fp8)
-        wire_bytes = format_of(cfg.payload_dtype).wire_bytes(H, cfg.dtype)
-        self.recv_packed = None if cfg.payload_dtype is None else region(RECV, torch.uint8, (C, wire_bytes))
-        self.tags = region(TAGS, torch.int64, (C,))
-        self.ret = region(RET, cfg.dtype, (self.max_slots, H))
+        self.tags = region(TAGS, torch.int64, (C, TAG_COLUMNS))
+        self.rows = region(ROWS, cfg.dtype, (self.max_slots, H))  # returned rows, or a dispatch's stage
         self.meta = region(META, torch.int64, (W, self.meta_columns))
         self.tags.fill_(-1)
-        # (1, W) int64 base addresses of region i (RECV, TAGS, RET, META) on every rank; immutable.
+        # (1, W) int64 base addresses of region i (TAGS, ROWS, META) on every rank; immutable.
         # NB: one tensor per region, so that compiled code holds each as a constant and indexes
         # none of them with a torch op (inductor would fold it on the real tensor); 2-D, since
         # inductor writes a 1-D constant of up to 8 elements into its code as literals, made

@@ -12,10 +12,10 @@ from ..._compat import graph_constant, input_grads, inputs_as, named_inputs
 from ...comm import comm_op
 from ...errors import CapacityError, GroupMismatchError, PeerInputError, RoutingError
 from ...kernels import loader
-from ...kernels.region import Region, new_token
+from ...kernels.region import TAG_COLUMNS, Region, new_token
 from ...payload import FORMATS, PLAIN
 from ...rows import accumulation_dtype, weight_grad_op
-from .buffers import ALIGNMENT, CALL, FAILED, META, N_SLOTS, RECV, RET, TAGS, SymmBuffers, check_payload
+from .buffers import ALIGNMENT, CALL, FAILED, META, N_SLOTS, ROWS, TAGS, SymmBuffers, check_payload
 from .segments import COMBINE_OP, DISPATCH_OP, META_OP
 
 
@@ -113,8 +113,9 @@ class SlotArgs(NamedTuple):
 
 
 # --------------------------------------------------------------------------------------------
-# Ops. Each: entry barrier (peers are done reading what we will overwrite), kernel writes into
-# peers' buffers, barrier (all writes landed), copy out of our own buffers into fresh tensors.
+# Ops. Each: entry barrier (peers are done with what we will overwrite), kernel writes into
+# peers' buffers (dispatch: the tags, and its rows into its own stage), barrier (all writes
+# landed), then reads into fresh tensors (dispatch: each row pulled from its sender's stage).
 # Both barriers are stamped with the op and the call number of its metadata exchange (call_1,
 # device data): ranks out of step raise (CUDA: trap) there, before anything moves.
 #
@@ -132,13 +133,13 @@ def _inlined(bound: dict) -> bool:
 
 
 def _addresses(buffers: SymmBuffers) -> tuple[torch.Tensor, ...]:
-    """The buffers' address tables (1, W) of RECV, TAGS, RET and META, constants of compiled code."""
+    """The buffers' address tables (1, W) of TAGS, ROWS and META, constants of compiled code."""
     return tuple(graph_constant(t) for t in buffers.tables)
 
 
 def _own(buffers: SymmBuffers, tables: tuple[torch.Tensor, ...], region: int, shape: tuple[int, int],
          dtype: torch.dtype) -> Region:
-    """This rank's ``region`` (RECV, TAGS, RET, META) of the buffers, named by address."""
+    """This rank's ``region`` (TAGS, ROWS, META) of the buffers, named by address."""
     return Region(tables[region], buffers.rank, shape, dtype)
 
 
@@ -211,28 +212,28 @@ def symm_dispatch_op(
     [0, n) received, zero where none; rows [n, C) unspecified (not written). row_src: each row's
     source code (``rank * N_max + position``), -1 where none. payload, x_scale_TB, out_dtype: the
     rows' format, as the collective ``dispatch`` op's; a format with scales needs buffers created
-    for it (``payload_dtype``): each slot's packed wire row (``payload.pack``, P bytes) goes to
-    the peers' RECV region and the copy-out splits it into values and scales. async_op: the
-    barriers, puts and copy-out on the communication stream, pending until ``overlap.wait``."""
+    for it (``payload_dtype``): each token's packed wire row (``payload.pack``, P bytes) is what
+    moves, and the receiver's pull splits it into values and scales. async_op: the barriers and
+    kernels on the communication stream, pending until ``overlap.wait``."""
     fmt, C, H = FORMATS[payload], buffers.capacity, x_TH.shape[1]
-    if fmt is not PLAIN:  # plain rows fit any buffers' RECV region (with fp8: combine's backward)
+    if fmt is not PLAIN:  # plain rows fit any buffers' stage (with fp8: combine's backward)
         check_payload(buffers, fmt)
     if fmt is PLAIN:
         values_CH, scale_CB = x_TH.new_empty(C, H), None
-        row_src_C = _put_rows_and_copy_out(x_TH, scale_TK, position_TK, slot_dst_N, num_routed_1, call_1,
-                                           buffers, values_CH)
+        row_src_C = _post_and_pull(x_TH, scale_TK, position_TK, slot_dst_N, num_routed_1, call_1, buffers,
+                                   values_CH)
     else:
-        # NB: each slot moves one wire row (values' bytes, then its scales'); the copy-out splits
+        # NB: each slot moves one wire row (values' bytes, then its scales'); the pull splits
         # the received ones into values and scale bytes, rows < n only.
         rows_TP = fmt.encode_packed(x_TH, x_scale_TB, buffers.num_sms)
         values_CH = x_TH.new_empty(C, H, dtype=torch.uint8)
         scale_CB = x_TH.new_empty(C, fmt.scale_columns(H), dtype=fmt.scale_dtype)
-        row_src_C = _put_rows_and_copy_out(rows_TP, None, position_TK, slot_dst_N, num_routed_1, call_1, buffers,
-                                           values_CH, scale_CB.view(torch.uint8))
+        row_src_C = _post_and_pull(rows_TP, None, position_TK, slot_dst_N, num_routed_1, call_1, buffers, values_CH,
+                                   scale_CB.view(torch.uint8))
     return (*fmt.decode(values_CH, scale_CB, out_dtype, num_routed_1, buffers.num_sms), row_src_C)
 
 
-def _put_rows_and_copy_out(
+def _post_and_pull(
     rows_TX: torch.Tensor,
     scale_TK: Optional[torch.Tensor],
     position_TK: torch.Tensor,
@@ -243,28 +244,32 @@ def _put_rows_and_copy_out(
     out_CX: torch.Tensor,
     tail: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """The body of a dispatch: entry barrier, each slot's row of ``rows_TX`` (T, X) (times its
-    scale) into the peers' RECV region with its tag, barrier, then this rank's RECV region
-    (viewed as (C, X) rows of rows_TX's dtype) copied out into ``out_CX`` (with
-    ``tail``: its first columns, the rest into tail; rows past num_routed not written).
+    """The body of a dispatch: entry barrier; ``post_slots``: each slot's tag (source code, source
+    row, scale) into the row of its destination's tags, and (W > 1) the rows ``rows_TX`` (T, X),
+    once each, into this rank's stage (the ROWS region); barrier; ``pull_rows``: each of the
+    first num_routed rows of this rank's tags read from its sender's stage (one rank: from
+    rows_TX itself), times its scale, into ``out_CX`` (with ``tail``: its first columns, the
+    rest into tail; rows past num_routed not written). Each row is written once where it is used.
     Returns row_src (C,)."""
-    k = loader.load()
-    K, C = position_TK.shape[1], buffers.capacity
+    k, rows_TX = loader.load(), rows_TX.contiguous()  # NB: one copy of strided rows, read by both kernels
+    (T, K), C, X = position_TK.shape, buffers.capacity, rows_TX.shape[1]
+    if T * X * rows_TX.element_size() > buffers.rows.numel() * buffers.rows.element_size():
+        raise CapacityError(f"symm_dispatch: {T} rows of {X} {rows_TX.dtype} do not fit the buffers' stage of "
+                            f"{buffers.rows.numel() * buffers.rows.element_size()} bytes")
     acc = accumulation_dtype(rows_TX.dtype, *(() if scale_TK is None else (scale_TK.dtype,)))
     tables, token_1 = _addresses(buffers), new_token(rows_TX.device)
+    staged = buffers.world_size > 1  # NB: peers read only symmetric memory; one rank reads rows_TX
     buffers._segments.barrier(DISPATCH_OP, call_1, token=token_1)
-    # NB: the kernel reads the pointer table as addresses of rows_TX's dtype: the RECV region's rows.
-    k.put_rows(
-        rows_TX, slot_dst_N, C, tables[RECV],
-        top_k=K, scale=scale_TK, tags_table=tables[TAGS],
-        tag_index=position_TK.reshape(-1), tag_base=buffers.rank * buffers.max_slots, acc_dtype=acc,
-        token=token_1, max_programs=buffers.num_sms,
-    )
+    k.post_slots(rows_TX, slot_dst_N, C, tables[TAGS], position_TK.reshape(-1), rank=buffers.rank,
+                 tag_base=buffers.rank * buffers.max_slots, top_k=K, scale=scale_TK,
+                 stage_table=tables[ROWS] if staged else None, acc_dtype=acc, token=token_1,
+                 max_programs=buffers.num_sms)
     buffers._segments.barrier(DISPATCH_OP, call_1, token=token_1)
     row_src_C = torch.empty(C, dtype=torch.int64, device=rows_TX.device)
-    recv_CX = _own(buffers, tables, RECV, (C, rows_TX.shape[1]), rows_TX.dtype)
-    k.copy_out(recv_CX, _own(buffers, tables, TAGS, (C, 1), torch.int64), num_routed_1, out_CX, row_src_C, tail=tail,
-               token=token_1, max_programs=buffers.num_sms)
+    k.pull_rows(_own(buffers, tables, TAGS, (C, TAG_COLUMNS), torch.int64), num_routed_1, out_CX, row_src_C,
+                rows=None if staged else rows_TX, stage_table=tables[ROWS] if staged else None,
+                src_stride=buffers.max_slots, scaled=scale_TK is not None, acc_dtype=acc, tail=tail,
+                token=token_1, max_programs=buffers.num_sms)
     return row_src_C
 
 
@@ -342,11 +347,11 @@ def symm_combine_op(
         return y_TH, returned_NH
     tables, token_1 = _addresses(buffers), new_token(expert_out_CH.device)
     buffers._segments.barrier(COMBINE_OP, call_1, token=token_1)
-    k.put_rows(expert_out_CH, row_src_C, buffers.max_slots, tables[RET], count=num_routed_1, token=token_1,
+    k.put_rows(expert_out_CH, row_src_C, buffers.max_slots, tables[ROWS], count=num_routed_1, token=token_1,
                max_programs=buffers.num_sms)
     buffers._segments.barrier(COMBINE_OP, call_1, token=token_1)
     k.topk_reduce(
-        _own(buffers, tables, RET, (buffers.max_slots, H), expert_out_CH.dtype), position_TK, slot_dst_N, weights_TK,
+        _own(buffers, tables, ROWS, (buffers.max_slots, H), expert_out_CH.dtype), position_TK, slot_dst_N, weights_TK,
         y_TH, returned_NH if save_returned else None, acc, max_programs=buffers.num_sms, token=token_1,
     )
     return y_TH, returned_NH
