@@ -182,6 +182,61 @@ class CommOpCounter(TorchDispatchMode):
 
 
 
+class TorchOpBytes(TorchDispatchMode):
+    """A dispatch mode summing the bytes each torch op writes into ``written`` (by op name): its
+    fresh outputs and the tensors it mutates, whole; views and ``empty*`` allocations write
+    nothing. The package's own ops are entered: their bodies' torch ops are counted, not their
+    outputs; inside an interpreted launch that ``bytes_written`` records, nothing (the
+    interpreter's copies of the kernel's arguments). A mode is per thread: simulated ranks each
+    enter one on a shared counter."""
+
+    _NOTHING_WRITTEN = ("aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
+                        "aten::new_empty_strided")
+
+    def __init__(self, written: collections.Counter):
+        super().__init__()
+        self.written = written
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from ._compat import _IMPLS
+        from .kernels.races import in_recorded_launch
+
+        kwargs = kwargs or {}
+        if in_recorded_launch():  # the interpreter's own copies of a kernel's arguments
+            return func(*args, **kwargs)
+        if func.namespace == "alltoall_ops":
+            impl = next(fn for op, fn in _IMPLS.items() if op._opoverload is func)
+            with TorchOpBytes(self.written):
+                return impl(*args, **kwargs)
+        out = func(*args, **kwargs)
+        schema = func._schema
+        values = (*args, *(kwargs.get(a.name) for a in schema.arguments[len(args):]))
+        written = [v for a, v in zip(schema.arguments, values) if a.alias_info is not None and a.alias_info.is_write]
+        fresh = schema.name not in self._NOTHING_WRITTEN and all(r.alias_info is None for r in schema.returns)
+        if not written and fresh:
+            written = list(out) if isinstance(out, (tuple, list)) else [out]
+        self.written[schema.name] += sum(t.numel() * t.element_size() for t in written if isinstance(t, torch.Tensor))
+        return out
+
+
+@contextlib.contextmanager
+def bytes_written() -> Iterator[collections.Counter]:
+    """The bytes a piece of code writes on the CPU, by kernel or torch op name::
+
+        with bytes_written() as written:   # kernels of every thread, torch ops of this one
+            dispatch(...)                  # simulated ranks: each thread enters TorchOpBytes(written)
+        sum(written.values())
+
+    Kernels (Triton's interpreter): their masked-in stores (``kernels.races.record_stored_bytes``);
+    torch ops: as :class:`TorchOpBytes` counts them. The counter is filled at the exit."""
+    from .kernels.races import record_stored_bytes
+
+    written: collections.Counter = collections.Counter()
+    with record_stored_bytes() as by_kernel, TorchOpBytes(written):
+        yield written
+    written.update(by_kernel)
+
+
 _READS = ("tolist", "item", "numpy", "__bool__", "__int__", "__float__", "__index__")
 _COLLECTIVES = ("all_to_all_single", "all_gather", "all_gather_into_tensor", "all_reduce", "broadcast",
                 "all_gather_object", "barrier", "send", "recv", "reduce_scatter_tensor")

@@ -17,7 +17,8 @@ For each SM budget (8 / 16 / 32 SMs, and ``all``: ``num_sms=None``, no cap):
   (``triton.testing.do_bench``: medians, warm-up) span both streams: the pair's wall time;
 - ``serial``: exchange + gemm, what ``both`` would be without any overlap;
 - ``GB/s``: the exchange's bytes (every kernel's rows read once and written once: per rank
-  2 T + 2 N + 4 n rows of H, n rows received) over its time, and the same for a plain 30-line
+  3 T + N + 4 n rows of H, n rows received: the dispatch stages T rows and pulls n, the combine
+  puts n rows back and reduces N into T) over its time, and the same for a plain 30-line
   scatter kernel of bf16 rows to a permuted destination on as many programs (``scatter``, its
   best tile of 8 rows and 16 warps): the bandwidth per SM the exchange keeps.
 
@@ -101,7 +102,7 @@ class Exchange:
         total = 0
         for (topk_idx, _), (_, tpe, _) in zip(self.routes, self.graph.outs):
             T, n, N = topk_idx.shape[0], int(tpe.sum()), int((topk_idx >= 0).sum())
-            total += (2 * T + 2 * N + 4 * n) * self.xs[0].shape[1] * self.xs[0].element_size()
+            total += (3 * T + N + 4 * n) * self.xs[0].shape[1] * self.xs[0].element_size()
         return total
 
     def results(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -890,3 +890,23 @@ def test_compiled_code_names_buffers_with_their_addresses():
     assert repr_a.split(",", 1)[1] != repr_b.split(",", 1)[1], "one key for two allocations"
     assert str(a._segments.bases[0]) in repr_a
     assert a2a.SymmBuffers._compiled(a._key, a._config_key) is a
+
+
+# --------------------------------------------------------------------------------------------
+# Bytes a dispatch writes (issue 38): each routed row once, and with peers each token once more
+
+
+@pytest.mark.parametrize("W", [1, 2])
+def test_a_dispatch_writes_each_row_once(W):
+    # Every kernel's stores and every torch op's outputs, over the payload (each valid slot's row
+    # once). The pull writes each routed row once into routed; with peers each token's row goes
+    # once more into its sender's stage (1/K of the payload). Left: the tags and row_src (32
+    # bytes a row of 2048 here) and the CPU plan's torch ops. Writing each row twice (a put into
+    # the receiver's buffer, then a copy-out) is 2x and more.
+    from tools.bytes_written import dispatch_bytes
+
+    K = 8
+    written, payload = dispatch_bytes(W, K)
+    rows_once = 1 + (1 / K if W > 1 else 0)
+    assert sum(written.values()) / payload < rows_once + 0.08, written.most_common(5)
+    assert written["_pull_rows_kernel"] / payload < 1.03, "a routed row written more than once"

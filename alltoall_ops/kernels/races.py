@@ -1,4 +1,4 @@
-"""A race check for the kernels in Triton's interpreter (CPU tests).
+"""What the kernels access in Triton's interpreter (CPU tests): a race check, and the bytes they store.
 
 The interpreter runs a launch's programs one after another, and each block operation of a
 program as one numpy operation, so a kernel whose result depends on the order of its programs,
@@ -13,18 +13,21 @@ ordered way to share) and reports two kinds of race:
   barriers, which on a GPU different threads may do in either order (a replicated value is
   loaded by every thread holding a copy and stored by one of them).
 
-The second kind is the bug that made the symm_mem copy-out (now ``pull_rows``) drop rows on the H200 under an SM
-budget (its programs read each row's tag and reset it to -1 with no barrier between). Uses the
-interpreter's builder (``triton.runtime.interpreter``: ``create_masked_load`` /
-``create_masked_store`` / ``create_barrier`` and the launch's ``GridExecutor``); a Triton whose
-interpreter lacks them makes :func:`record_races` raise instead of checking nothing.
+The second kind is the bug that made the symm_mem copy-out (now ``pull_rows``) drop rows on the
+H200 under an SM budget (its programs read each row's tag and reset it to -1 with no barrier
+between). :func:`record_stored_bytes` counts what each kernel writes (the bytes a dispatch moves,
+issue 38). Both use the interpreter's builder (``triton.runtime.interpreter``:
+``create_masked_load`` / ``create_masked_store`` / ``create_barrier`` and the launch's
+``GridExecutor``); a Triton whose interpreter lacks them makes them raise instead of checking
+nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator
+import threading
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -55,7 +58,7 @@ class _Launch:
         self.all_stores: list[tuple[tuple, np.ndarray]] = []
         self.races: list[Race] = []
 
-    def access(self, store: bool, ptrs: np.ndarray, mask: np.ndarray) -> None:
+    def access(self, store: bool, ptrs: np.ndarray, mask: np.ndarray, itemsize: int) -> None:
         addrs = np.asarray(ptrs)[np.broadcast_to(np.asarray(mask, dtype=bool), np.shape(ptrs))]
         (self.stores if store else self.loads).append(addrs.astype(np.uint64).ravel())
 
@@ -113,14 +116,37 @@ def _by_program(intervals: list[tuple[tuple, np.ndarray]]) -> dict[tuple, np.nda
     return {p: np.unique(_cat(a)) for p, a in out.items()}
 
 
-@contextlib.contextmanager
-def record_races() -> Iterator[list[Race]]:
-    """Inside: every interpreted launch is checked for races; the list (yielded) collects them.
+class _StoredBytes:
+    """The bytes one launch stores (masked-in lanes times the element size; atomics aside)."""
 
-    >>> with record_races() as races:
-    ...     launcher(...)          # any launches of interpreted Triton kernels
-    >>> assert not races, races
-    """
+    def __init__(self, kernel: str):
+        self.kernel, self.bytes = kernel, 0
+
+    def access(self, store: bool, ptrs: np.ndarray, mask: np.ndarray, itemsize: int) -> None:
+        if store:
+            self.bytes += int(np.broadcast_to(np.asarray(mask, dtype=bool), np.shape(ptrs)).sum()) * itemsize
+
+    def barrier(self) -> None:
+        pass
+
+    def start_program(self, program: tuple) -> None:
+        pass
+
+
+_LAUNCHING = threading.local()
+
+
+def in_recorded_launch() -> bool:
+    """Whether this thread is inside a recorded interpreted launch (whose torch ops, the
+    interpreter's copies of the arguments, are not the kernel's work)."""
+    return getattr(_LAUNCHING, "active", False)
+
+
+@contextlib.contextmanager
+def _interpreted_accesses(new_launch: Callable[[str], Any], finish: Callable[[Any], None]) -> Iterator[None]:
+    """Inside: each interpreted launch gets a recorder ``new_launch(kernel name)``, which sees its
+    masked loads and stores (``access(store, ptrs, mask, itemsize)``; atomics aside), barriers
+    and program starts; ``finish(recorder)`` at the launch's end."""
     from triton.runtime import interpreter as ti
 
     builder, executor = ti.interpreter_builder, ti.GridExecutor
@@ -128,23 +154,22 @@ def record_races() -> Iterator[list[Race]]:
              "create_atomic_load", "create_atomic_store")
     missing = [n for n in names if not hasattr(builder, n)]
     if missing:
-        raise RuntimeError(f"record_races: this Triton's interpreter has no {missing}; the check cannot run")
-    races: list[Race] = []
-    launches: list[_Launch] = []
+        raise RuntimeError(f"kernels.races: this Triton's interpreter has no {missing}; the check cannot run")
+    launches: list = []
     atomic = [False]
     if any(n in vars(builder) for n in names):
-        raise RuntimeError("record_races: already recording (it does not nest)")
+        raise RuntimeError("kernels.races: already recording (recorders do not nest)")
     original = {n: getattr(builder, n) for n in names}
     original_call = executor.__call__
 
     def masked_load(ptrs, mask, other, cache_policy, is_volatile):
         if launches and not atomic[0]:
-            launches[-1].access(False, ptrs.data, mask.data)
+            launches[-1].access(False, ptrs.data, mask.data, 0)
         return original["create_masked_load"](ptrs, mask, other, cache_policy, is_volatile)
 
     def masked_store(ptrs, value, mask, cache_policy):
         if launches and not atomic[0]:
-            launches[-1].access(True, ptrs.data, mask.data)
+            launches[-1].access(True, ptrs.data, mask.data, np.asarray(value.data).itemsize)
         return original["create_masked_store"](ptrs, value, mask, cache_policy)
 
     def barrier():
@@ -167,11 +192,13 @@ def record_races() -> Iterator[list[Race]]:
         return op
 
     def call(self, *args, **kwargs):
-        launches.append(_Launch(getattr(self.fn, "__name__", str(self.fn))))
+        launches.append(new_launch(getattr(self.fn, "__name__", str(self.fn))))
+        _LAUNCHING.active = True
         try:
             return original_call(self, *args, **kwargs)
         finally:
-            races.extend(launches.pop().finish())
+            _LAUNCHING.active = False
+            finish(launches.pop())
 
     patches = dict(create_masked_load=masked_load, create_masked_store=masked_store, create_barrier=barrier,
                    set_grid_idx=set_grid_idx, create_atomic_load=as_atomic("create_atomic_load"),
@@ -180,8 +207,34 @@ def record_races() -> Iterator[list[Race]]:
         setattr(builder, n, fn)
     executor.__call__ = call
     try:
-        yield races
+        yield
     finally:
         for n in patches:
             delattr(builder, n)  # the class's methods again
         executor.__call__ = original_call
+
+
+@contextlib.contextmanager
+def record_races() -> Iterator[list[Race]]:
+    """Inside: every interpreted launch is checked for races; the list (yielded) collects them.
+
+    >>> with record_races() as races:
+    ...     launcher(...)          # any launches of interpreted Triton kernels
+    >>> assert not races, races
+    """
+    races: list[Race] = []
+    with _interpreted_accesses(_Launch, lambda launch: races.extend(launch.finish())):
+        yield races
+
+
+@contextlib.contextmanager
+def record_stored_bytes() -> Iterator[dict[str, int]]:
+    """Inside: the bytes each interpreted kernel stores (masked-in lanes; atomics aside), summed
+    by kernel name into the yielded dict, over every thread's launches."""
+    stored: dict[str, int] = {}
+
+    def finish(launch: _StoredBytes) -> None:
+        stored[launch.kernel] = stored.get(launch.kernel, 0) + launch.bytes
+
+    with _interpreted_accesses(_StoredBytes, finish):
+        yield stored
