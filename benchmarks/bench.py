@@ -185,7 +185,7 @@ def row_offsets(num_rows: int, rank: int, like: torch.Tensor) -> torch.Tensor:
 def check_routed(what: str, routed: torch.Tensor, tpe: torch.Tensor, ref_rows: torch.Tensor,
                  ref_tpe: torch.Tensor) -> None:
     """tokens_per_expert equal; the first R rows equal the reference exactly (symm_mem: the rows
-    past them are unspecified, not written by the copy-out, and not checked)."""
+    past them are unspecified, not written by the pull, and not checked)."""
     R = int(ref_tpe.sum())
     if not torch.equal(tpe.cpu(), ref_tpe.cpu()):
         raise AssertionError(f"{what}: tokens_per_expert {tpe.tolist()} != reference {ref_tpe.tolist()}")
@@ -600,8 +600,8 @@ def bench_peers(b: Bench, shape, W: int) -> None:
     e, N, row_bytes = E // W, T * K, H * torch.empty((), dtype=DTYPE).element_size()
     full = W * N  # the default capacity: every slot of every rank could land on one rank
 
-    def need_gb(C: int) -> float:  # per rank: receive buffer + routed (C rows each),
-        return W * row_bytes * (2 * C + 3 * N) / 1e9  # returned rows, reference, slack (N each)
+    def need_gb(C: int) -> float:  # per rank: routed (C rows), stage / returned rows, reference,
+        return W * row_bytes * (C + 3 * N) / 1e9  # slack (N each)
 
     mode = b.args.symm_capacity
     capped = mode == "2tk" or (mode == "auto" and need_gb(full) > b.args.symm_mem_gb)
