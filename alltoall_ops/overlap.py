@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
-from ._compat import custom_op, is_compiling
+from ._compat import OpaqueBase, custom_op, is_compiling
 
 Out = TypeVar("Out")
 
@@ -107,7 +107,8 @@ def start(exchange: Callable[[], Out], *reads: Any) -> Out:
 def startable(body: Callable[..., Out]) -> Callable[..., Out]:
     """An exchange op's body with the meaning of its ``async_op`` argument (a bool, last, default
     False): with it, the body runs through :func:`start` on the communication stream, reading
-    every tensor argument. The op's schema is the body's (the wrapper keeps its signature)."""
+    every tensor argument (and holding its opaque ones: symm_mem's buffers, :func:`pending_on`).
+    The op's schema is the body's (the wrapper keeps its signature)."""
     signature = inspect.signature(body, eval_str=True)  # NB: annotations resolved in the body's module
     position = list(signature.parameters).index("async_op")
 
@@ -116,7 +117,7 @@ def startable(body: Callable[..., Out]) -> Callable[..., Out]:
         async_op = args[position] if len(args) > position else kwargs.get("async_op", False)
         if not async_op:
             return body(*args, **kwargs)
-        reads = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        reads = [a for a in (*args, *kwargs.values()) if isinstance(a, (torch.Tensor, OpaqueBase))]
         return start(lambda: body(*args, **kwargs), *reads)
 
     op_body.__signature__ = signature  # what custom_op infers the schema from
@@ -187,6 +188,12 @@ def _wait_add_backward(ctx, grad_TH):
 
 
 wait_add.register_autograd(_wait_add_backward, setup_context=_wait_add_setup_context)
+
+
+def pending_on(obj: Any) -> bool:
+    """Whether an exchange started and not waited for in this process holds ``obj`` (an opaque
+    argument of its op, e.g. symm_mem's buffers) among what it reads."""
+    return any(any(a is obj for a in pending.reads) for pending in PendingExchange.started)
 
 
 def pending_exchanges() -> int:

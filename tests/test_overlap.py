@@ -193,3 +193,24 @@ forward 0:
 backward 0:
   alltoall_ops.local_dispatch(scale_TK=<tensor>)
   alltoall_ops.local_combine(weights_TK=None)"""
+
+
+def test_symm_mem_buffers_wait_for_a_pending_exchange():
+    # A synchronous exchange runs on the current stream, not after an async one on the
+    # communication stream: on the same buffers it raises until the pending one was waited for.
+    bufs = a2a.SymmBuffers(T, H, K, E, dtype=torch.float32, device="cpu")
+    x = torch.randn(T, H)
+    topk_idx, weights = routing(T, K, E, seed=random.randrange(1 << 20))
+    routed, _, handle = a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs)
+    y = a2a.combine(routed, handle, weights, async_op=True)
+    with pytest.raises(RuntimeError, match=r"alltoall_ops.dispatch \(symm_mem\): an exchange on these buffers was "
+                                           "started with async_op=True and not waited for"):
+        a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs, async_op=True)
+    with pytest.raises(RuntimeError, match=r"alltoall_ops.combine \(symm_mem\): an exchange on these buffers"):
+        a2a.combine(routed, handle, weights)
+    other = a2a.SymmBuffers(T, H, K, E, dtype=torch.float32, device="cpu")  # other buffers: no wait needed
+    a2a.dispatch(x, topk_idx, num_experts=E, buffers=other)
+    a2a.wait(y)
+    routed2, _, handle2 = a2a.dispatch(x, topk_idx, num_experts=E, buffers=bufs)
+    assert torch.equal(a2a.combine(routed2, handle2, weights), y)
+    assert overlap.pending_exchanges() == 0
