@@ -129,6 +129,38 @@ def test_one_rank_matches_local(T, k, num_experts, alignment, bf16, seed):
     _assert_same_as_collective(symm, run(backend="local"), bufs.capacity)
 
 
+@given(
+    W=st.integers(2, 4), tokens=st.lists(st.integers(0, 5), min_size=4, max_size=4), k=st.integers(1, 3),
+    e=st.integers(1, 2), alignment=st.integers(1, 3), bf16=st.booleans(), seed=st.integers(0, 2**16),
+)
+def test_simulated_peers_match_one_process_reference(W, tokens, k, e, alignment, bf16, seed):
+    # W ranks simulated in one process (each row pulled from its sender's stage), uneven T (zero
+    # too), against the local backend on every rank's tokens concatenated in rank order: its
+    # expert-major rows are every destination's rows in rank order, its y and gradients every
+    # rank's, in slices.
+    dtype, w_dtype = (torch.bfloat16, torch.float32) if bf16 else (torch.float64, torch.float64)
+    T, E = tokens[:W], W * e
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(t, H, generator=g).to(dtype) for t in T]
+    idxs = [torch.randint(-1, E, (t, k), generator=g) for t in T]
+    ws = [torch.rand(t, k, generator=g).to(w_dtype) for t in T]
+    grads = [torch.randn(t, H, generator=g).to(dtype) for t in T]
+    ref = _step(torch.cat(xs), torch.cat(idxs), torch.cat(ws), torch.cat(grads), backend="local",
+                expert_alignment=alignment, num_experts=E)
+    bufs = a2a.SymmBuffers.simulated(W, max(max(T), 1), H, k, E, dtype=dtype, device="cpu",
+                                     expert_alignment=alignment)
+    got = symm_mem.run_simulated(lambda r, b: _step(xs[r], idxs[r], ws[r], grads[r], backend="symm_mem",
+                                                    expert_alignment=alignment, buffers=b, num_experts=E), bufs)
+    row, token = 0, 0
+    for r, symm in enumerate(got):
+        tpe = ref["tokens_per_expert"][r * e : (r + 1) * e]
+        R, tokens_r = int(tpe.sum()), slice(token, token + T[r])
+        want = dict(tokens_per_expert=tpe, routed=ref["routed"][row : row + R], y=ref["y"][tokens_r],
+                    grad_x=ref["grad_x"][tokens_r], grad_w=ref["grad_w"][tokens_r])
+        _assert_same_as_collective(symm, want, bufs[r].capacity)
+        row, token = row + R, token + T[r]
+
+
 def test_bf16_products_round_like_torch():
     # Scaled rows (combine's backward) are fp32 products rounded once to bf16, on the bits.
     T, k = 64, 2
