@@ -59,7 +59,7 @@ class _Launch:
         self.races: list[Race] = []
 
     def access(self, store: bool, ptrs: np.ndarray, mask: np.ndarray, itemsize: int) -> None:
-        addrs = np.asarray(ptrs)[np.broadcast_to(np.asarray(mask, dtype=bool), np.shape(ptrs))]
+        addrs = np.asarray(ptrs)[_lanes(ptrs, mask)]
         (self.stores if store else self.loads).append(addrs.astype(np.uint64).ravel())
 
     def barrier(self) -> None:
@@ -103,6 +103,11 @@ class _Launch:
                                (first, second)))
 
 
+def _lanes(ptrs: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """The masked-in lanes of an access, as a boolean array of the pointers' shape."""
+    return np.broadcast_to(np.asarray(mask, dtype=bool), np.shape(ptrs))
+
+
 def _cat(arrays: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(arrays) if arrays else np.empty(0, dtype=np.uint64)
 
@@ -124,7 +129,7 @@ class _StoredBytes:
 
     def access(self, store: bool, ptrs: np.ndarray, mask: np.ndarray, itemsize: int) -> None:
         if store:
-            self.bytes += int(np.broadcast_to(np.asarray(mask, dtype=bool), np.shape(ptrs)).sum()) * itemsize
+            self.bytes += int(_lanes(ptrs, mask).sum()) * itemsize
 
     def barrier(self) -> None:
         pass

@@ -207,6 +207,8 @@ def put_meta(send_meta: torch.Tensor, header: tuple[int, int, int], call_1: torc
 
 
 _TAG_COLUMNS = tl.constexpr(TAG_COLUMNS)
+_SLOTS_PER_BLOCK = 1024
+"""Slots per block of post_slots' tag loop."""
 
 
 @triton.jit
@@ -281,7 +283,10 @@ def post_slots(
         None if t is None else t.contiguous() for t in (rows, dst, scale, tag_index, tags_table))
     world_size = tags_table.numel()
     blocks = row_blocks("put_rows", n_src, X, rows.element_size(), max_programs)
-    row_programs, h_programs = blocks.grid(n_src, X) if stage_table is not None else (triton.cdiv(max(N, 1), 1024), 1)
+    if stage_table is not None:
+        row_programs, h_programs = blocks.grid(n_src, X)
+    else:
+        row_programs, h_programs = triton.cdiv(max(N, 1), _SLOTS_PER_BLOCK), 1
     row_programs, h_programs = program_grid(max(row_programs, 1), h_programs, max_programs)
     with LAUNCH_LOCK:
         launch(_post_slots_kernel, rows)[(row_programs, h_programs)](
@@ -289,7 +294,7 @@ def post_slots(
             stage_table if stage_table is not None else tags_table, tags_table, or_new_token(token, rows.device),
             N, n_src, X, world_size, rank, tag_base, K=top_k, DST_STRIDE=dst_stride, HAS_SCALE=scale is not None,
             STAGE=stage_table is not None, ACC_DTYPE=tl_acc_dtype(acc_dtype), BLOCK_R=blocks.BLOCK_R,
-            BLOCK_H=blocks.BLOCK_H, BLOCK_S=1024,
+            BLOCK_H=blocks.BLOCK_H, BLOCK_S=_SLOTS_PER_BLOCK,
             BLOCK_W=triton.next_power_of_2(world_size), num_warps=blocks.num_warps,
         )
 

@@ -7,22 +7,22 @@ Modules: ``segments`` (the allocators), ``buffers`` (``SymmBuffers``, ``run_simu
 kernels are in :mod:`alltoall_ops.kernels`. See docs/symm_mem.md.
 
 Every rank holds one :class:`SymmBuffers` (created collectively, once). Its segment, which every
-peer can write, holds four regions; one (1, W) int64 *address table* per region on the device
-gives its address on every rank, and the kernels reach every region through them (compiled code
-holds the tables as constants, never the regions):
+peer can read and write, holds three regions; one (1, W) int64 *address table* per region on
+the device gives its address on every rank, and the kernels reach every region through them
+(compiled code holds the tables as constants, never the regions):
 
-    recv  (C, H)        rows of combine's backward (an fp8 dispatch's wire rows today; see ops.py)
     tags  (C, 3) int64  of each row this rank receives, written by its sender: source code
                         ``src_rank * N_max + send_position`` (-1 none), row in the source, scale bits
-    ret   (N_max, H)    this rank's slots coming back from combine, in send order; during a
+    rows  (N_max, H)    this rank's slots coming back from combine, in send order; during a
                         dispatch, its stage: this rank's rows (once per token), which peers read
+                        (sized for T_max fp8 wire rows too)
     meta  (W, L) int64  row s: rank s's counts per global expert, its routing status, its N,
                         alignment, failure flag and call number (``buffers.META_EXTRA`` columns)
 
-One call of an op (``entry barrier; write peers; barrier; read own buffers into fresh
-tensors``) leaves nothing behind that a later call could overwrite: every returned tensor is a
-copy, so any number of layers may share one ``SymmBuffers``, in any order, with autograd,
-recomputation and selective checkpointing.
+One call of an op (``entry barrier; write peers; barrier; read into fresh tensors``: a
+dispatch's receivers pull each row from its sender's stage) leaves nothing behind that a later
+call could overwrite: every returned tensor is a copy, so any number of layers may share one
+``SymmBuffers``, in any order, with autograd, recomputation and selective checkpointing.
 
 Allocators, one op code: CUDA symmetric memory (``torch.distributed._symmetric_memory``, one
 process per GPU, barriers are a signal-pad kernel); a CPU stand-in (a shared-memory segment per

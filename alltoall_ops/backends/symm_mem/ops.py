@@ -258,16 +258,18 @@ def _post_and_pull(
                             f"{buffers.rows.numel() * buffers.rows.element_size()} bytes")
     acc = accumulation_dtype(rows_TX.dtype, *(() if scale_TK is None else (scale_TK.dtype,)))
     tables, token_1 = _addresses(buffers), new_token(rows_TX.device)
-    staged = buffers.world_size > 1  # NB: peers read only symmetric memory; one rank reads rows_TX
+    # NB: peers read only symmetric memory: with peers the rows go through this rank's stage (the
+    # ROWS region); one rank's pull reads rows_TX itself.
+    stage_table = tables[ROWS] if buffers.world_size > 1 else None
     buffers._segments.barrier(DISPATCH_OP, call_1, token=token_1)
     k.post_slots(rows_TX, slot_dst_N, C, tables[TAGS], position_TK.reshape(-1), rank=buffers.rank,
                  tag_base=buffers.rank * buffers.max_slots, top_k=K, scale=scale_TK,
-                 stage_table=tables[ROWS] if staged else None, acc_dtype=acc, token=token_1,
+                 stage_table=stage_table, acc_dtype=acc, token=token_1,
                  max_programs=buffers.num_sms)
     buffers._segments.barrier(DISPATCH_OP, call_1, token=token_1)
     row_src_C = torch.empty(C, dtype=torch.int64, device=rows_TX.device)
     k.pull_rows(_own(buffers, tables, TAGS, (C, TAG_COLUMNS), torch.int64), num_routed_1, out_CX, row_src_C,
-                rows=None if staged else rows_TX, stage_table=tables[ROWS] if staged else None,
+                rows=rows_TX if stage_table is None else None, stage_table=stage_table,
                 src_stride=buffers.max_slots, scaled=scale_TK is not None, acc_dtype=acc, tail=tail,
                 token=token_1, max_programs=buffers.num_sms)
     return row_src_C
