@@ -343,17 +343,23 @@ print(" ".join(sorted(arg for arg in written if arg in shapes)))
 
 E_, N_ = 16, 64
 L_ = E_ + META_EXTRA
+_PULL_TENSORS = {"rows_ptr": (8, 16), "row_map_ptr": (N_,), "position_ptr": (N_,), "scale_ptr": (N_,),
+                 "num_routed_ptr": (1,), "out_ptr": (N_, 16), "tail_ptr": (N_, 16), "row_src_ptr": (N_,),
+                 "token_ptr": (1,)}
+_PULL_SCALARS = dict(tags_index=0, n_rows=N_, X=16, X_OUT=16, K=8, SRC_STRIDE=N_, HAS_SCALE=True,
+                     ACC_DTYPE="tl.float32", HAS_TAIL=False, BLOCK_R=2, BLOCK_H=16)
 KERNELS = {  # kernel: (tensor arguments' shapes, other arguments, the tensors it writes)
     "slot_placement._place_slots_kernel": (
         {"meta_ptr": (1, E_ + 3), "meta_table_ptr": (1, 1), "idx_ptr": (N_,), "position_ptr": (N_,),
-         "meta_out_ptr": (1, L_), "failed_checks_ptr": (1,), "slot_dst_ptr": (N_,), "tokens_ptr": (E_,),
-         "num_routed_ptr": (1,), "dropped_ptr": (1,), "scratch_ptr": (1, 2, E_), "token_ptr": (1,)},
+         "meta_out_ptr": (1, L_), "failed_checks_ptr": (1,), "slot_dst_ptr": (N_,), "row_slot_ptr": (N_,),
+         "tokens_ptr": (E_,), "num_routed_ptr": (1,), "dropped_ptr": (1,), "scratch_ptr": (1, 2, E_), "token_ptr": (1,)},
         dict(meta_index=0, L_in=E_ + 3, N=N_, E=E_, e=E_, rank=0, L_out=L_, alignment=1, max_slots=N_, capacity=N_,
              col_failed=FAILED, col_call=CALL, col_alignment=ALIGNMENT, col_bad_ids=0, col_n_slots=N_SLOTS,
-             WORLD_SIZE=1, ONE_RANK=True, META_AT_ADDRESS=False, CHECK_OVERFLOW=True, BLOCK_W=1, BLOCK_E=E_,
+             WORLD_SIZE=1, ONE_RANK=True, META_AT_ADDRESS=False, CHECK_OVERFLOW=True, ASSERT_CHECKS=True, BLOCK_W=1,
+             BLOCK_E=E_,
              BLOCK_S=N_, BLOCK_L=32),
-        ["dropped_ptr", "failed_checks_ptr", "meta_out_ptr", "num_routed_ptr", "scratch_ptr", "slot_dst_ptr",
-         "token_ptr", "tokens_ptr"]),
+        ["dropped_ptr", "failed_checks_ptr", "meta_out_ptr", "num_routed_ptr", "row_slot_ptr", "scratch_ptr",
+         "slot_dst_ptr", "token_ptr", "tokens_ptr"]),
     # the dispatch's two halves write the buffers through addresses only: inductor sees the token
     "row_put._post_slots_kernel": (
         {"src_ptr": (8, 16), "scale_ptr": (N_,), "dst_ptr": (N_,), "tag_index_ptr": (N_,), "stage_table_ptr": (1, 2),
@@ -362,11 +368,17 @@ KERNELS = {  # kernel: (tensor arguments' shapes, other arguments, the tensors i
              STAGE=True, ACC_DTYPE="tl.float32", BLOCK_R=2, BLOCK_H=16, BLOCK_S=N_, BLOCK_W=2),
         ["token_ptr"]),
     "row_put._pull_rows_kernel": (
-        {"rows_ptr": (8, 16), "stage_table_ptr": (1, 2), "tags_table_ptr": (1, 2), "num_routed_ptr": (1,),
-         "out_ptr": (N_, 16), "tail_ptr": (N_, 16), "row_src_ptr": (N_,), "token_ptr": (1,)},
-        dict(tags_index=0, n_rows=N_, X=16, X_OUT=16, world_size=2, SRC_STRIDE=N_, STAGED=True, HAS_SCALE=True,
-             ACC_DTYPE="tl.float32", HAS_TAIL=False, BLOCK_R=2, BLOCK_H=16, BLOCK_W=2),
+        {**_PULL_TENSORS, "stage_table_ptr": (1, 2), "tags_table_ptr": (1, 2)},
+        dict(_PULL_SCALARS, world_size=2, ROW_MAP=False, STAGED=True, BLOCK_W=2),
         ["out_ptr", "row_src_ptr", "token_ptr"]),
+    "row_put._pull_rows_kernel[one rank]": (  # reads the placement's row map, writes its outputs only
+        {**_PULL_TENSORS, "stage_table_ptr": (1,), "tags_table_ptr": (1,)},
+        dict(_PULL_SCALARS, world_size=1, ROW_MAP=True, STAGED=False, BLOCK_W=1),
+        ["out_ptr", "row_src_ptr", "token_ptr"]),
+    "weight_grad._weight_grad_kernel": (
+        {"grad_y_ptr": (8, 16), "returned_ptr": (N_, 16), "position_ptr": (8, 2), "grad_w_ptr": (8, 2)},
+        dict(T=8, H=16, n_returned=N_, K=2, ACC_DTYPE="tl.float32", BLOCK_T=8, BLOCK_H=16),
+        ["grad_w_ptr"]),
 }
 
 
@@ -377,7 +389,7 @@ def test_compiled_code_sees_only_the_outputs_written(kernel):
     # the launch and back into the caller's tensor after it (seen on the H200 with a scan over a
     # tuple). The analysis needs no GPU: a CUDA target stands in for the driver.
     shapes, scalars, written = KERNELS[kernel]
-    module, name = kernel.split(".")
+    module, name = kernel.split("[")[0].split(".")
     arg = json.dumps([f"alltoall_ops.kernels.{module}", name, shapes, scalars])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", _WRITTEN_BY_THE_KERNEL, arg], env=env, capture_output=True,

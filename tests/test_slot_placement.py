@@ -88,6 +88,12 @@ def _assert_placement(p, expected) -> None:
     names = ("slot_dst", "tokens_per_expert", "num_routed", "dropped")
     for name, got, want in zip(names, (p.slot_dst_N, p.tokens_per_expert_e, p.num_routed_1, p.dropped_W), expected):
         assert torch.equal(got.cpu(), want), f"{name}: {got.tolist()} != {want.tolist()}"
+    slot_dst_N, _, num_routed_1, _ = expected
+    if p.row_slot_C.numel():  # one rank: each routed row's slot (the inverse of slot_dst), -1 for padding
+        n, sent = int(num_routed_1), slot_dst_N >= 0
+        row_slot = torch.full((n,), -1)
+        row_slot[slot_dst_N[sent]] = torch.arange(slot_dst_N.numel())[sent]
+        assert torch.equal(p.row_slot_C[:n].cpu(), row_slot), f"row_slot: {p.row_slot_C[:n].tolist()} != {row_slot}"
 
 
 @st.composite
@@ -169,10 +175,11 @@ def test_more_than_one_tile(W, e, max_programs):
     (40, 3, 7, 1, 120, 200),  # everything fits
     (40, 3, 7, 4, 120, 50),  # padded groups past C: dropped slots
     (40, 3, 7, 1, 119, 200),  # T * K above max_slots: bit 4
+    (300, 4, 5, 8, 1200, 1240),  # many slots per expert, wide padding
 ])
 def test_one_rank_reads_the_plan(T, K, E, alignment, max_slots, capacity):
     # One rank: no exchange, the kernel reads the plan's send_meta (1, E + 3) and writes the row
-    # with this call's header (n_slots, alignment, no failure, call 0).
+    # with this call's header (n_slots, alignment, no failure, call 0), and each routed row's slot.
     topk_idx, position, send_meta = _routing(T, K, E, seed=T * E + alignment)
     p = _place(send_meta, topk_idx, position, W=1, E=E, rank=0, alignment=alignment, max_slots=max_slots,
                capacity=capacity)
@@ -222,6 +229,3 @@ def test_the_first_failed_check_raises(first):
     assert len(errors) == 2 and all(type(e) is kind for e in errors), errors
     assert all(re.search(re.escape(message), str(e)) for e in errors), errors
 
-
-def test_the_device_assert_message_fits():
-    assert len(symm_ops.CHECK_FAILED) < 255  # torch._assert_async's limit (RuntimeError past it)

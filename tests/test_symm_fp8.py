@@ -182,7 +182,7 @@ def test_errors():
         a2a.dispatch(x.float(), idx, num_experts=4, buffers=fp8_bufs, payload_dtype=FP8)
     with pytest.raises(ValueError, match="the buffers hold no fp8 wire rows"):
         _, _, h = a2a.dispatch(x, idx, num_experts=4, buffers=plain)
-        symm_ops.symm_dispatch_op(x, None, h.position_TK, h.slot_dst_N, h.num_routed_1, h.call_1, plain, payload="fp8")
+        symm_ops.symm_dispatch_op(x, None, *h.slots[:-1], plain, payload="fp8")
     with pytest.raises(ValueError, match="H divisible by 128 .*, got H = 100"):
         a2a.SymmBuffers(4, 100, K, 4, dtype=torch.bfloat16, device="cpu", payload_dtype=FP8)
     with pytest.raises(ValueError, match="H divisible by 128"):
@@ -236,7 +236,7 @@ def test_opcheck():
     bufs = a2a.SymmBuffers(5, H, K, E, dtype=torch.bfloat16, device="cpu", payload_dtype=FP8)
     (_, _), _, h = a2a.dispatch(x, idx, num_experts=E, buffers=bufs, payload_dtype=FP8)
     assert h.num_routed_1.tolist() == [bufs.capacity]
-    route = (h.position_TK, h.slot_dst_N, h.num_routed_1, h.call_1, bufs)
+    route = tuple(h.slots)
     op = symm_ops.symm_dispatch_op
     dequantized = {"payload": "fp8", "out_dtype": torch.bfloat16}
     torch.library.opcheck(op, (x.clone().requires_grad_(), None, *route), dequantized, test_utils=tests)

@@ -75,11 +75,19 @@ def test_inlined_backward_equals_eager():
         grads = []
         for fn in (step, compiled):
             xr, wr = x.clone().requires_grad_(), weights.clone().requires_grad_()
-            y = fn(xr, idx, wr)
-            (y.float() * torch.arange(H, device="cuda")).sum().backward()
+
+            def forward_backward(fn=fn, xr=xr, idx=idx, wr=wr):
+                y = fn(xr, idx, wr)
+                (y.float() * torch.arange(H, device="cuda")).sum().backward()
+                return y
+
+            y, codes = run_and_get_code(forward_backward)
             grads.append((y, xr.grad, wr.grad))
         for want, got in zip(*grads):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+        if seed == 0:  # the weights' gradient kernel too is launched by inductor
+            backward = codes[-1]
+            assert "alltoall_ops.weight_grad" not in backward and _launches(backward, "_weight_grad_kernel")
 
 
 def test_unused_rows_are_not_moved():

@@ -174,7 +174,7 @@ def test_bf16_products_round_like_torch():
     bufs = a2a.SymmBuffers(T, H, k, 1, dtype=torch.bfloat16, device="cpu")
     topk_idx = torch.zeros(T, k, dtype=torch.int64)
     _, _, h = a2a.dispatch(x, topk_idx, num_experts=1, buffers=bufs)
-    routed, _, _ = symm_ops.symm_dispatch_op(x, scale, h.position_TK, h.slot_dst_N, h.num_routed_1, h.call_1, bufs)
+    routed, _, _ = symm_ops.symm_dispatch_op(x, scale, *h.slots)
     slots = torch.argsort(h.position_TK.reshape(-1))  # one rank, no padding: row i carries send position i
     expected = (x.float()[slots // k] * scale.reshape(-1)[slots, None]).to(torch.bfloat16)
     torch.testing.assert_close(routed, expected, rtol=0, atol=0, equal_nan=True)
@@ -711,6 +711,32 @@ def test_pull_rows_writes_rows_below_n_only(n, staged):
     assert (tags[:, 0] == -1).all(), "tags not reset for the next call"
 
 
+@pytest.mark.parametrize("n", [0, 1, 255, 300, 600])
+def test_pull_rows_by_a_row_map(n):
+    # One rank, no tags: row d < n is slot i = row_map[d]'s (the placement's row_slot): token row
+    # i // K times scale.flat[i], its code position.flat[i]; -1 (padding): zero, code -1. The
+    # map's rows past n are not written by the placement: garbage there must not be read.
+    C, H_, T_, K_ = 600, 5, 150, 4
+    g = torch.Generator().manual_seed(n)
+    rows = torch.randn(T_, H_, generator=g, dtype=torch.float64)
+    scale = torch.randn(T_, K_, generator=g, dtype=torch.float64)
+    position = torch.randperm(T_ * K_, generator=g).view(T_, K_)
+    slot = torch.randint(0, T_ * K_, (C,), generator=g)
+    row_map = torch.where(torch.rand(C, generator=g) < 0.8, slot, -1)
+    row_map[n:] = 10**9  # garbage
+    out = torch.full((C, H_), float("nan"), dtype=torch.float64)
+    row_src = torch.full((C,), 12345)
+    loader.load().pull_rows(None, torch.tensor([n]), out, row_src, rows=rows, row_map=row_map, position=position,
+                            scale=scale, top_k=K_, acc_dtype=torch.float64)
+    has = row_map[:n] >= 0
+    i = row_map[:n].clamp(min=0)
+    expected = rows[i // K_] * scale.reshape(-1)[i, None]
+    assert torch.equal(out[:n], torch.where(has[:, None], expected, 0))
+    assert torch.isnan(out[n:]).all(), "rows past n must not be written"
+    assert torch.equal(row_src[:n], torch.where(has, position.reshape(-1)[i], -1))
+    assert (row_src[n:] == -1).all()
+
+
 def test_rows_past_n_are_not_written_and_never_read(pool2, unwritten_as_nan):
     # The copy-out's outputs start as NaN (the fixture): routed's rows past n, and the same rows
     # of combine's backward (a dispatch of grad_y), stay NaN. The expert makes them NaN in
@@ -771,12 +797,12 @@ def test_opcheck():
     cases = [
         (ops.symm_exchange_meta_op, (h.meta_WL[:, : E + layout.STATUS_COLUMNS].clone(), topk_idx, h.position_TK, bufs,
                                      1)),  # one rank: the plan's send_meta
-        (ops.symm_dispatch_op, (x, None, h.position_TK, h.slot_dst_N, h.num_routed_1, h.call_1, bufs)),
-        (ops.symm_dispatch_op, (x, w.detach(), h.position_TK, h.slot_dst_N, h.num_routed_1, h.call_1, bufs)),
+        (ops.symm_dispatch_op, (x, None, *h.slots)),
+        (ops.symm_dispatch_op, (x, w.detach(), *h.slots)),
         (ops.symm_combine_op,
-         (routed.requires_grad_(), w, h.position_TK, h.slot_dst_N, h.row_src_C, h.num_routed_1, h.call_1, bufs, True)),
+         (routed.requires_grad_(), w, *h.slots[:3], h.row_src_C, *h.slots[3:], True)),
         (ops.symm_combine_op,
-         (routed, None, h.position_TK, h.slot_dst_N, h.row_src_C, h.num_routed_1, h.call_1, bufs, False)),
+         (routed, None, *h.slots[:3], h.row_src_C, *h.slots[3:], False)),
         (weight_grad_op,
          (grad_y, torch.randn(routed.shape[0], H, dtype=torch.float64), h.position_TK, w.detach())),
     ]
@@ -789,8 +815,7 @@ def test_opcheck():
 def test_weights_gradient_needs_save_returned():
     bufs, _, weights, grad_y, routed, h, _ = _one_rank_call()
     w = weights.requires_grad_()
-    y, _ = symm_ops.symm_combine_op(routed, w, h.position_TK, h.slot_dst_N, h.row_src_C, h.num_routed_1, h.call_1,
-                                    bufs, False)
+    y, _ = symm_ops.symm_combine_op(routed, w, row_src_C=h.row_src_C, **h.slots.kwargs(), save_returned=False)
     with pytest.raises(RuntimeError, match="save_returned=False"):
         torch.autograd.grad(y, w, grad_y)
 
@@ -904,7 +929,7 @@ def test_opcheck_second_order_paths():
     returned = torch.randn(h.position_TK.numel(), H, dtype=torch.float64)
     cases = [
         (symm_ops.symm_dispatch_op,
-         (x.requires_grad_(), weights.requires_grad_(), h.position_TK, h.slot_dst_N, h.num_routed_1, h.call_1, bufs)),
+         (x.requires_grad_(), weights.requires_grad_(), *h.slots)),
         (weight_grad_op,
          (grad_y.requires_grad_(), returned.requires_grad_(), h.position_TK, weights.detach())),
     ]

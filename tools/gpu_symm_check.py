@@ -305,20 +305,26 @@ def check_compile() -> str:
 
 
 def check_overflow_assert() -> str:
-    code = (
-        "import torch, alltoall_ops as a2a\n"
-        "b = a2a.SymmBuffers(4, 8, 2, 2, dtype=torch.float32, device='cuda', capacity=3)\n"
-        "x = torch.randn(4, 8, device='cuda'); idx = torch.zeros(4, 2, dtype=torch.int64, device='cuda')\n"
-        "a2a.dispatch(x, idx, num_experts=2, buffers=b)\n"
-        "print('queued without a host sync', flush=True)\n"
-        "torch.cuda.synchronize()\n"
-        "print('NO ERROR')\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, check=False)
-    assert "NO ERROR" not in out.stdout and out.returncode != 0, (out.stdout, out.stderr[-800:])
-    assert "device-side assert" in out.stderr, out.stderr[-800:]
-    where = "at the sync" if "queued without a host sync" in out.stdout else "at a later launch in dispatch"
-    return f"overflow surfaced {where}: 'CUDA error: device-side assert triggered'"
+    """Overflow on CUDA: the placement kernel's own device-side assert, eager and compiled (no
+    assert kernel of its own; inductor compiles the kernel with its asserts)."""
+    seen = []
+    rows = "lambda x, idx, **kw: a2a.dispatch(x, idx, **kw)[0]"
+    for how, call in (("eager", f"({rows})"), ("compiled", f"torch.compile({rows}, fullgraph=True)")):
+        code = (
+            "import torch, alltoall_ops as a2a\n"
+            "b = a2a.SymmBuffers(4, 8, 2, 2, dtype=torch.float32, device='cuda', capacity=3)\n"
+            "x = torch.randn(4, 8, device='cuda'); idx = torch.zeros(4, 2, dtype=torch.int64, device='cuda')\n"
+            f"{call}(x, idx, num_experts=2, buffers=b)\n"
+            "print('queued without a host sync', flush=True)\n"
+            "torch.cuda.synchronize()\n"
+            "print('NO ERROR')\n"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+        assert "NO ERROR" not in out.stdout and out.returncode != 0, (how, out.stdout, out.stderr[-800:])
+        assert "device-side assert" in out.stderr, (how, out.stderr[-800:])
+        assert "a metadata check failed" in out.stderr, (how, out.stderr[-1500:])
+        seen.append(f"{how} {'at the sync' if 'queued without a host sync' in out.stdout else 'at a later launch'}")
+    return f"overflow surfaced as the placement's device-side assert, {', '.join(seen)}"
 
 
 def check_barrier_streams() -> str:

@@ -45,6 +45,18 @@ def launch(kernel, like: torch.Tensor):
     return torch.library.wrap_triton(kernel)
 
 
+def assert_options(like: torch.Tensor) -> dict:
+    """Launch options that keep a kernel's ``tl.device_assert`` for tensors like ``like``.
+
+    Triton compiles device asserts only with ``debug``; inductor compiles the kernels it launches
+    with it (``config.assert_indirect_indexing``, on by default) and without the overflow checks
+    that ``debug`` adds, and so does an eager CUDA launch with these options. Traced launches
+    (``wrap_triton``) and the interpreter take none."""
+    if type(like) is torch.Tensor and like.device.type == "cuda" and not _INTERPRETED:
+        return {"debug": True, "sanitize_overflow": False}
+    return {}
+
+
 @triton.jit
 def order_after(token_ptr):
     """Store 0 into the (1,) token from one program: the kernel then mutates the token, which is
@@ -92,7 +104,7 @@ GPU_BLOCKS: dict[str, tuple[int, int, int]] = {
     "put_rows": (1, 4096, 4),
     "gather_rows": (1, 4096, 4),  # as put_rows (not swept on its own)
     "topk_reduce": (2, 1024, 8),
-    "pull_rows": (2, 2048, 8),
+    "pull_rows": (4, 2048, 8),
     "weight_grad": (1, 4096, 8),
 }
 """(BLOCK_R, BLOCK_H for 2-byte elements, num_warps) of each kernel on a GPU; measured on one H200
@@ -100,7 +112,7 @@ with ``tools/tune_kernels.py`` (docs/benchmarks.md has the sweep). Wider element
 proportionally narrower BLOCK_H, so a program moves the same bytes."""
 
 BUDGET_BLOCKS: dict[str, tuple[int, int, int]] = {
-    "put_rows": (8, 2048, 32),
+    "put_rows": (16, 2048, 32),
     "topk_reduce": (8, 2048, 32),
     "pull_rows": (32, 2048, 32),
     "weight_grad": (8, 2048, 16),

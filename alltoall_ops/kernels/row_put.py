@@ -20,11 +20,14 @@ Reference semantics (``tables[r]`` is rank r's buffer)::
                     tags[d, 0] = -1
                 row_src[n:] = -1                                             # out[n:] not written
                 (source(code): stage[code // stride], or one rank's rows; with ``tail``: out[d],
-                 tail[d] = the first and the last columns of that row)
+                 tail[d] = the first and the last columns of that row; with a ``row_map`` (one
+                 rank, no tags): i = row_map[d], code, j, bits = position.flat[i], i // K,
+                 scale.flat[i] if i >= 0, and the tags are not touched)
 
 A dispatch is ``post_slots``, a barrier, then ``pull_rows``: each row is written once where it
 is used (the receiver's fresh output), and each token's row once more into its sender's stage
-(W > 1), since peers can read only symmetric memory. Combine (few rows per token) puts.
+(W > 1), since peers can read only symmetric memory. One rank pulls by the placement's row map
+alone (one launch). Combine (few rows per token) puts.
 
 ``max_programs`` (put_rows, post_slots, pull_rows; None: one program per row block): at most
 that many programs, each striding over row blocks i, i + P, ... (``_config.program_grid``), as a
@@ -301,16 +304,18 @@ def post_slots(
 
 @triton.jit
 def _pull_rows_kernel(
-    rows_ptr, stage_table_ptr, tags_table_ptr, tags_index, num_routed_ptr, out_ptr, tail_ptr, row_src_ptr,
-    token_ptr, n_rows, X, X_OUT, world_size,
-    SRC_STRIDE: tl.constexpr, STAGED: tl.constexpr, HAS_SCALE: tl.constexpr, ACC_DTYPE: tl.constexpr,
-    HAS_TAIL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
+    rows_ptr, stage_table_ptr, tags_table_ptr, tags_index, row_map_ptr, position_ptr, scale_ptr, num_routed_ptr,
+    out_ptr, tail_ptr, row_src_ptr, token_ptr, n_rows, X, X_OUT, world_size,
+    K: tl.constexpr, SRC_STRIDE: tl.constexpr, ROW_MAP: tl.constexpr, STAGED: tl.constexpr, HAS_SCALE: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_W: tl.constexpr,
 ):
     order_after(token_ptr)
     # NB: the tags' base is loaded here, not in a helper: inductor's analysis of which arguments
     # a kernel writes would see a store through a helper's result as a store into the helper's
     # arguments (the address tables, constants of the graph).
-    tags_ptr = tl.load(tags_table_ptr + tags_index).to(tl.pointer_type(tl.int64))
+    if not ROW_MAP:
+        tags_ptr = tl.load(tags_table_ptr + tags_index).to(tl.pointer_type(tl.int64))
     if STAGED:
         o_w = tl.arange(0, BLOCK_W)  # [BW] ranks
         b_stage_table = tl.load(stage_table_ptr + o_w, mask=o_w < world_size, other=0)
@@ -319,17 +324,26 @@ def _pull_rows_kernel(
         o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR]
         m_r = o_r < n_rows
         m_routed = m_r & (o_r < n_routed)
-        b_code = tl.load(tags_ptr + o_r * _TAG_COLUMNS, mask=m_routed, other=-1)  # [BR] source code, -1: none
+        if ROW_MAP:  # [BR] each row's slot i (-1: none): its code is its send position
+            b_slot = tl.load(row_map_ptr + o_r, mask=m_routed, other=-1)
+            b_code = tl.load(position_ptr + b_slot, mask=m_routed & (b_slot >= 0), other=-1)
+        else:
+            b_code = tl.load(tags_ptr + o_r * _TAG_COLUMNS, mask=m_routed, other=-1)  # [BR] source code, -1: none
         if i_r * BLOCK_R < n_routed:  # NB: a block past n_routed moves no row, only writes row_src
             m_valid = m_routed & (b_code >= 0)
-            b_src_row = tl.load(tags_ptr + o_r * _TAG_COLUMNS + 1, mask=m_valid, other=0)  # [BR] row in its source
+            if ROW_MAP:
+                b_src_row = b_slot // K  # [BR] row in its source
+            else:
+                b_src_row = tl.load(tags_ptr + o_r * _TAG_COLUMNS + 1, mask=m_valid, other=0)
             if STAGED:
                 # NB: 16-byte aligned bases (every region of SymmBuffers): vector loads
                 p_src = tl.multiple_of(_select(tl.where(m_valid, b_code // SRC_STRIDE, 0), b_stage_table, o_w).to(
                     tl.pointer_type(out_ptr.dtype.element_ty)), 16) + b_src_row * X  # [BR]
             else:
                 p_src = rows_ptr + b_src_row * X
-            if HAS_SCALE:
+            if HAS_SCALE and ROW_MAP:
+                b_scale = upcast(tl.load(scale_ptr + b_slot, mask=m_valid, other=0), ACC_DTYPE)
+            elif HAS_SCALE:
                 b_bits = tl.load(tags_ptr + o_r * _TAG_COLUMNS + 2, mask=m_valid, other=0)
                 if ACC_DTYPE == tl.float64:
                     b_scale = b_bits.to(tl.float64, bitcast=True)
@@ -349,22 +363,27 @@ def _pull_rows_kernel(
                              mask=m_routed[:, None] & m_h & ~m_out)
                 else:
                     tl.store(out_ptr + o_r[:, None] * X + o_h[None, :], b_x, mask=m_routed[:, None] & m_h)
-            # NB: each program owns its row blocks across all of X, so resetting the tags here
-            # cannot race with another program's read of them; within the program, every thread
-            # holding a copy of a tag must have loaded it before one of them resets it: the
-            # barrier (without it, slow programs read -1 and dropped rows; seen on the H200 only
-            # under an SM budget). Past n_routed the tags stay -1.
-            tl.debug_barrier()
-            tl.store(tags_ptr + o_r * _TAG_COLUMNS, tl.full([BLOCK_R], -1, tl.int64), mask=m_routed)
+            if not ROW_MAP:
+                # NB: each program owns its row blocks across all of X, so resetting the tags here
+                # cannot race with another program's read of them; within the program, every
+                # thread holding a copy of a tag must have loaded it before one of them resets it:
+                # the barrier (without it, slow programs read -1 and dropped rows; seen on the H200
+                # only under an SM budget). Past n_routed the tags stay -1.
+                tl.debug_barrier()
+                tl.store(tags_ptr + o_r * _TAG_COLUMNS, tl.full([BLOCK_R], -1, tl.int64), mask=m_routed)
         tl.store(row_src_ptr + o_r, b_code, mask=m_r)
 
 
 def pull_rows(
-    tags: Region, num_routed: torch.Tensor, out: torch.Tensor, row_src: torch.Tensor, *,
+    tags: Optional[Region], num_routed: torch.Tensor, out: torch.Tensor, row_src: torch.Tensor, *,
     rows: Optional[torch.Tensor] = None,
     stage_table: Optional[torch.Tensor] = None,
     src_stride: int = 1,
     scaled: bool = False,
+    row_map: Optional[torch.Tensor] = None,
+    position: Optional[torch.Tensor] = None,
+    scale: Optional[torch.Tensor] = None,
+    top_k: int = 1,
     acc_dtype: torch.dtype = torch.float32,
     tail: Optional[torch.Tensor] = None,
     token: Optional[torch.Tensor] = None,
@@ -378,10 +397,17 @@ def pull_rows(
     stage, (W,) base addresses; ``post_slots`` put them there), or ``rows`` (one rank: the rows
     themselves). ``num_routed``: a one-element int64 device tensor (no host sync). ``row_src``
     (C,) gets each row's source code (-1 past n); the codes are reset to -1 for the next call.
+    One rank without tags: ``row_map`` (C,) (the placement's row_slot: each row's slot i, -1
+    none) instead of ``tags``, with ``rows``, ``position`` (N,) and ``scale`` (N,) or None: row
+    d is ``rows[i // top_k]`` times ``scale[i]``, its code ``position[i]``.
     With ``tail`` (C, X - X_out) of out's dtype, out (C, X_out) takes the first X_out columns
     of each row and tail the rest (fp8 wire rows into values and scale bytes). max_programs: at
     most that many programs, each striding over row blocks (an SM budget). token: as put_rows'."""
-    C = tags.shape[0]
+    if (tags is None) == (row_map is None):
+        raise ValueError("pull_rows: pass exactly one of tags and row_map")
+    if row_map is not None and (rows is None or position is None):
+        raise ValueError("pull_rows: a row_map needs rows and position (one rank)")
+    C = tags.shape[0] if tags is not None else row_map.shape[0]
     if C == 0:
         if token is not None:
             token.zero_()
@@ -394,14 +420,18 @@ def pull_rows(
         raise ValueError(f"pull_rows: out and tail must have one dtype, got {out.dtype} and {tail.dtype}")
     if rows is not None and (rows.dtype != out.dtype or rows.shape[1] != X):
         raise ValueError(f"pull_rows: rows must be (n, {X}) {out.dtype}, got {tuple(rows.shape)} {rows.dtype}")
-    rows = None if rows is None else rows.contiguous()
+    rows, row_map, position, scale = (None if t is None else t.contiguous() for t in (rows, row_map, position, scale))
     world_size = 1 if stage_table is None else stage_table.numel()
+    tags_table, tags_index = (tags.table, tags.index) if tags is not None else (row_map, 0)  # NB: unread with a row map
     blocks = row_blocks("pull_rows", C, X, out.element_size(), max_programs)
     with LAUNCH_LOCK:  # NB: one program per row block across all of X (see the kernel)
         launch(_pull_rows_kernel, out)[program_grid(blocks.grid(C, X)[0], 1, max_programs)[:1]](
-            rows if rows is not None else out, stage_table if stage_table is not None else tags.table, tags.table,
-            tags.index, num_routed, out, tail if tail is not None else out, row_src, or_new_token(token, out.device),
-            C, X, out.shape[1], world_size, SRC_STRIDE=src_stride, STAGED=stage_table is not None, HAS_SCALE=scaled,
-            ACC_DTYPE=tl_acc_dtype(acc_dtype), HAS_TAIL=tail is not None, BLOCK_R=blocks.BLOCK_R,
-            BLOCK_H=blocks.BLOCK_H, BLOCK_W=triton.next_power_of_2(world_size), num_warps=blocks.num_warps,
+            rows if rows is not None else out, stage_table if stage_table is not None else tags_table, tags_table,
+            tags_index, row_map if row_map is not None else row_src, position if position is not None else row_src,
+            scale if scale is not None else num_routed, num_routed, out, tail if tail is not None else out, row_src,
+            or_new_token(token, out.device), C, X, out.shape[1], world_size, K=top_k, SRC_STRIDE=src_stride,
+            ROW_MAP=row_map is not None, STAGED=stage_table is not None,
+            HAS_SCALE=scaled if row_map is None else scale is not None, ACC_DTYPE=tl_acc_dtype(acc_dtype),
+            HAS_TAIL=tail is not None, BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H,
+            BLOCK_W=triton.next_power_of_2(world_size), num_warps=blocks.num_warps,
         )

@@ -16,6 +16,7 @@ order)::
     tokens_per_expert[j] = min(padded[rank*e + j], max(C - expert_start[rank*e + j], 0))
     num_routed      = tokens_per_expert.sum()
     dropped[r]      = sum over s and g of r of min(max(start[s, g] + counts[s, g] - C, 0), counts[s, g])
+    row_slot[row(slot)] = slot, row_slot[padding row] = -1      # one rank, rows < num_routed
     failed_checks   = (any(col(failed) != 0)                         << 0    # a rank's own error
                      | any(col(call) != meta[rank, E + call])        << 1    # ranks out of step
                      | any(col(alignment) != a)                      << 2    # alignments differ
@@ -26,8 +27,10 @@ order)::
 with ``col(name) = meta[:, E + name]``. One rank (``ONE_RANK``): ``meta`` is the routing plan's
 ``send_meta`` (1, E + status), the header is this call's (n_slots = N, the alignment, no failure,
 call 0) and the kernel writes the full row into ``meta_out``, so no exchange and no row assembly
-run. Otherwise ``meta_out`` gets a copy of ``meta``, which may be read by address (``META_AT_ADDRESS``:
-the symm_mem buffers' metadata region, where the peers put their rows).
+run; it also writes ``row_slot``, the slot of each routed row (the rows between an expert's
+slots and its padded end: -1), from which the dispatch reads its rows (no tags). Otherwise
+``meta_out`` gets a copy of ``meta``, which may be read by address (``META_AT_ADDRESS``: the
+symm_mem buffers' metadata region, where the peers put their rows).
 
 Every program computes each expert's ``start[rank, g] - counts[rank, :g].sum()`` (tiles of
 BLOCK_E experts; ``expert_start`` as a cumulative sum over all experts minus that of the
@@ -44,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import LAUNCH_LOCK, launch, order_after, program_grid
+from ._config import LAUNCH_LOCK, assert_options, launch, order_after, program_grid
 from .region import Region, or_new_token
 
 GPU_BLOCK_S = 1024
@@ -65,10 +68,12 @@ def _any(b_fail, m):
 @triton.jit
 def _place_slots_kernel(
     meta_ptr, meta_table_ptr, meta_index, L_in, idx_ptr, position_ptr,
-    meta_out_ptr, failed_checks_ptr, slot_dst_ptr, tokens_ptr, num_routed_ptr, dropped_ptr, scratch_ptr, token_ptr,
+    meta_out_ptr, failed_checks_ptr, slot_dst_ptr, row_slot_ptr, tokens_ptr, num_routed_ptr, dropped_ptr, scratch_ptr,
+    token_ptr,
     N, E, e, rank, L_out, alignment, max_slots, capacity,
     col_failed, col_call, col_alignment, col_bad_ids, col_n_slots,
     WORLD_SIZE: tl.constexpr, ONE_RANK: tl.constexpr, META_AT_ADDRESS: tl.constexpr, CHECK_OVERFLOW: tl.constexpr,
+    ASSERT_CHECKS: tl.constexpr,
     BLOCK_W: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
     order_after(token_ptr)
@@ -121,6 +126,11 @@ def _place_slots_kernel(
                 b_dropped += tl.minimum(tl.maximum(b_start + b_counts - capacity, 0), b_counts)
                 b_start += b_counts
             tl.atomic_add(dropped_ptr + o_g // e, b_dropped, mask=m_g & (b_dropped > 0))
+            if ONE_RANK:  # the padding rows of each expert (alignment - 1 at most): no slot
+                for j in range(alignment - 1):
+                    o_pad = b_expert_start + b_total + j  # [BE]
+                    tl.store(row_slot_ptr + o_pad, tl.full([BLOCK_E], -1, tl.int64),
+                             mask=m_g & (b_total + j < b_padded) & (o_pad < capacity))
     if first:
         p_row = meta_ptr + o_w * L_in + E  # [BW] each rank's first column past the counts
         failed = _any(tl.load(p_row + col_bad_ids, mask=m_w, other=0) > 0, m_w) << 3
@@ -137,6 +147,10 @@ def _place_slots_kernel(
         if CHECK_OVERFLOW:
             failed |= overflow << 5
         tl.store(failed_checks_ptr, failed)
+        if ASSERT_CHECKS:
+            tl.device_assert(failed == 0, "alltoall_ops symm_mem: a metadata check failed (a rank rejected its "
+                             "arguments, ranks out of step or disagreeing on expert_alignment, bad expert ids, "
+                             "T * K above max_tokens_per_rank * top_k, or overflow)")
         tl.store(num_routed_ptr, num_routed)
         for s in range(WORLD_SIZE):
             for i_l in range(0, L_out, BLOCK_L):
@@ -157,6 +171,8 @@ def _place_slots_kernel(
         b_row = tl.load(p_offset + b_g, mask=m_s, other=0) + b_position
         b_dst = tl.where(b_valid & (b_row < capacity), (b_g // e) * capacity + b_row, -1)
         tl.store(slot_dst_ptr + o_s, b_dst, mask=m_s)
+        if ONE_RANK:  # b_dst is the row
+            tl.store(row_slot_ptr + b_dst, o_s.to(tl.int64), mask=m_s & (b_dst >= 0))
 
 
 class Placement(NamedTuple):
@@ -165,6 +181,7 @@ class Placement(NamedTuple):
     meta_WL: torch.Tensor
     failed_checks_1: torch.Tensor
     slot_dst_N: torch.Tensor
+    row_slot_C: torch.Tensor
     tokens_per_expert_e: torch.Tensor
     num_routed_1: torch.Tensor
     dropped_W: torch.Tensor
@@ -184,6 +201,7 @@ def place_slots(
     max_slots: int,
     capacity: int,
     check_overflow: bool,
+    assert_checks: bool = False,
     token: Optional[torch.Tensor] = None,
     max_programs: Optional[int] = None,
 ) -> Placement:
@@ -192,9 +210,11 @@ def place_slots(
     the routing plan's send_meta (1, E + status columns);
     topk_idx, position: (T, K) of this rank; columns: offsets past E of (failed, call, alignment,
     bad ids, n_slots). Returns meta_WL (W, L) (one rank: the row with this call's header),
-    failed_checks (1,) (bit i: check i failed), slot_dst (N,), tokens_per_expert (e,),
-    num_routed (1,), dropped (W,). token: as ``row_put.put_rows``'; ``max_programs``: an SM
-    budget."""
+    failed_checks (1,) (bit i: check i failed), slot_dst (N,), row_slot (one rank: (C,), rows
+    past num_routed not written; else (0,)), tokens_per_expert (e,),
+    num_routed (1,), dropped (W,). assert_checks (CUDA): a failed check is also a device-side
+    assert of the kernel (no host sync, no launch of its own; the CUDA context is unusable
+    after it). token: as ``row_put.put_rows``'; ``max_programs``: an SM budget."""
     W, E = world_size, num_experts
     e, N, dev = E // W, topk_idx.numel(), topk_idx.device
     at_address = isinstance(meta, Region)
@@ -211,6 +231,7 @@ def place_slots(
     meta_WL = torch.empty(W, meta_columns, dtype=torch.int64, device=dev)
     failed_checks_1 = torch.empty(1, dtype=torch.int64, device=dev)
     slot_dst_N = torch.empty(N, dtype=torch.int64, device=dev)
+    row_slot_C = torch.empty(capacity if one_rank else 0, dtype=torch.int64, device=dev)
     tokens_per_expert_e = torch.empty(e, dtype=torch.int64, device=dev)
     num_routed_1 = torch.empty(1, dtype=torch.int64, device=dev)
     dropped_W = torch.empty(W, dtype=torch.int64, device=dev)
@@ -219,11 +240,13 @@ def place_slots(
     with LAUNCH_LOCK:
         launch(_place_slots_kernel, topk_idx)[(programs,)](
             meta_tensor, meta_table, meta_index, meta_columns_in, topk_idx.reshape(N).contiguous(),
-            position.reshape(N).contiguous(), meta_WL, failed_checks_1, slot_dst_N, tokens_per_expert_e, num_routed_1,
-            dropped_W, scratch, or_new_token(token, dev), N, E, e, rank, meta_columns, expert_alignment, max_slots,
-            capacity, *columns,
+            position.reshape(N).contiguous(), meta_WL, failed_checks_1, slot_dst_N,
+            row_slot_C if one_rank else slot_dst_N, tokens_per_expert_e, num_routed_1, dropped_W, scratch,
+            or_new_token(token, dev), N, E, e, rank, meta_columns, expert_alignment, max_slots, capacity, *columns,
             WORLD_SIZE=W, ONE_RANK=one_rank, META_AT_ADDRESS=at_address, CHECK_OVERFLOW=check_overflow,
+            ASSERT_CHECKS=assert_checks and dev.type == "cuda",
             BLOCK_W=triton.next_power_of_2(W), BLOCK_E=min(MAX_BLOCK_E, triton.next_power_of_2(E)),
             BLOCK_S=GPU_BLOCK_S, BLOCK_L=triton.next_power_of_2(min(meta_columns, 1024)), num_warps=GPU_NUM_WARPS,
+            **assert_options(topk_idx),
         )
-    return Placement(meta_WL, failed_checks_1, slot_dst_N, tokens_per_expert_e, num_routed_1, dropped_W)
+    return Placement(meta_WL, failed_checks_1, slot_dst_N, row_slot_C, tokens_per_expert_e, num_routed_1, dropped_W)

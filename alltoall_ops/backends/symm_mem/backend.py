@@ -28,7 +28,8 @@ class SymmMemHandle(DispatchHandle):
     """What ``combine`` needs to undo one symm_mem ``dispatch``; tensors, ints and the buffers.
 
     position_TK: each slot's send position; meta_WL: every rank's counts; slot_dst_N:
-    destination of each slot; row_src_C: source of each routed row; num_routed_1: (1,) rows of
+    destination of each slot; row_slot_C: one rank's slot of each routed row ((0,) with peers);
+    row_src_C: source of each routed row; num_routed_1: (1,) rows of
     routed with data, tokens_per_expert.sum(); call_1: (1,) the call number of the dispatch's
     metadata exchange, which its combine's barriers carry; dropped_W: slots past each rank's
     capacity (overflow='drop'); num_rows: C."""
@@ -36,6 +37,7 @@ class SymmMemHandle(DispatchHandle):
     position_TK: torch.Tensor
     meta_WL: torch.Tensor
     slot_dst_N: torch.Tensor
+    row_slot_C: torch.Tensor
     row_src_C: torch.Tensor
     num_routed_1: torch.Tensor
     call_1: torch.Tensor
@@ -46,7 +48,8 @@ class SymmMemHandle(DispatchHandle):
 
     @property
     def slots(self) -> SlotArgs:
-        return SlotArgs(self.position_TK, self.slot_dst_N, self.num_routed_1, self.call_1, self.buffers)
+        return SlotArgs(self.position_TK, self.slot_dst_N, self.row_slot_C, self.num_routed_1, self.call_1,
+                        self.buffers)
 
     @property
     def group_name(self) -> str:
@@ -211,12 +214,12 @@ class SymmMemBackend(Backend):
         _check_nothing_pending(bufs, "dispatch")  # NB: even an async dispatch exchanges the metadata in place
         E = bufs.num_experts
         plan = layout.plan_routing(topk_idx_TK, E, bufs.world_size, bufs.num_sms)
-        meta_WL, slot_dst_N, tokens_per_expert_e, num_routed_1, dropped_W = call(
+        meta_WL, slot_dst_N, row_slot_C, tokens_per_expert_e, num_routed_1, dropped_W = call(
             symm_exchange_meta_op, plan.send_meta, topk_idx_TK, plan.position, bufs, expert_alignment)
         call_1 = meta_WL[bufs.rank, E + CALL : E + CALL + 1]  # this step's (device)
-        slots = SlotArgs(plan.position, slot_dst_N, num_routed_1, call_1, bufs)
+        slots = SlotArgs(plan.position, slot_dst_N, row_slot_C, num_routed_1, call_1, bufs)
         routed_CH, scale_CB, row_src_C = call(symm_dispatch_op, x_TH=x_TH, scale_TK=None, **slots.kwargs(),
                                               **op_kwargs(payload), async_op=async_op, differentiable=(x_TH,))
-        handle = SymmMemHandle(plan.position, meta_WL, slot_dst_N, row_src_C, num_routed_1, call_1, dropped_W, bufs,
-                               bufs.capacity, expert_alignment)
+        handle = SymmMemHandle(plan.position, meta_WL, slot_dst_N, row_slot_C, row_src_C, num_routed_1, call_1,
+                               dropped_W, bufs, bufs.capacity, expert_alignment)
         return routed(payload, routed_CH, scale_CB), tokens_per_expert_e, handle

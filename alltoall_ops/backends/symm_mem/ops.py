@@ -30,21 +30,14 @@ the failure flag, the call number, the alignment, the status' count of bad ids, 
 HEADER_COLUMNS = (N_SLOTS, ALIGNMENT, FAILED, CALL)
 """Columns past the E counts of a metadata row's header, as ``kernels.row_put.put_meta`` writes it."""
 
-CHECK_FAILED = ("alltoall_ops symm_mem: a metadata check failed (a rank rejected its arguments, ranks out of step "
-                "or disagreeing on expert_alignment, bad expert ids, T * K above the buffers' max_tokens_per_rank "
-                "* top_k, or overflow)")
-"""The device-side assert's message on CUDA (torch takes fewer than 255 characters)."""
-
-
 def _raise_failed_checks(failed_checks_1: torch.Tensor, meta_WL: torch.Tensor, bufs: SymmBuffers,
                          expert_alignment: int) -> None:
     """The placement kernel's failed checks (1,) on every rank's metadata (W, L), in the order: a
     rank's failure flag, the call numbers, the alignments, the expert ids, T * K, and the
     capacity (unless overflow='drop'). CPU: the first failed check raises at once (every rank
-    sees the same metadata, so all raise alike). CUDA: no host sync, a device-side assert
-    (``torch._assert_async``) that surfaces at the next synchronisation."""
+    sees the same metadata, so all raise alike). CUDA: nothing here; the placement kernel's own
+    device-side assert (``assert_checks``) surfaces at the next synchronisation, no host sync."""
     if failed_checks_1.device.type != "cpu":
-        torch._assert_async(failed_checks_1 == 0, CHECK_FAILED)
         return
     failed_checks = int(failed_checks_1)
     if not failed_checks:
@@ -99,6 +92,7 @@ class SlotArgs(NamedTuple):
 
     position_TK: torch.Tensor
     slot_dst_N: torch.Tensor
+    row_slot_C: torch.Tensor
     num_routed_1: torch.Tensor
     call_1: torch.Tensor
     buffers: SymmBuffers
@@ -147,9 +141,10 @@ def _own(buffers: SymmBuffers, tables: tuple[torch.Tensor, ...], region: int, sh
 def symm_exchange_meta_op(
     send_meta_WS: torch.Tensor, topk_idx_TK: torch.Tensor, position_TK: torch.Tensor, buffers: SymmBuffers,
     expert_alignment: int, failed: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The routing plan's send_meta (W, e + status) and topk_idx, position (T, K) of this rank ->
-    meta_WL (W, L), slot_dst (N,), tokens_per_expert (e,), num_routed (1,), dropped (W,), int64.
+    meta_WL (W, L), slot_dst (N,), row_slot (one rank: (C,), else (0,)), tokens_per_expert (e,),
+    num_routed (1,), dropped (W,), int64.
 
     Every rank puts its metadata row (L,) into every peer's buffer (an all-gather): its counts
     per expert, its routing status, then N_SLOTS = T * K, ALIGNMENT, FAILED (``failed``: this
@@ -158,7 +153,8 @@ def symm_exchange_meta_op(
     of step with): the dispatch and combine of this step stamp their barriers with it. Then one
     kernel (``kernels/slot_placement.py``) checks every row (raised on every rank alike, see
     ``_raise_failed_checks``) and places this rank's slots (``SymmMemHandle``): meta_WL is every
-    rank's row. One rank: no exchange; the kernel reads send_meta and this call's header."""
+    rank's row. One rank: no exchange; the kernel reads send_meta and this call's header, and
+    row_slot is each routed row's slot, which its dispatches read their rows by (no tags)."""
     W, E, N = buffers.world_size, buffers.num_experts, topk_idx_TK.numel()
     token_1 = None
     if W == 1:
@@ -175,17 +171,18 @@ def symm_exchange_meta_op(
         meta, topk_idx_TK, position_TK, num_experts=E, world_size=W, rank=buffers.rank,
         meta_columns=buffers.meta_columns, columns=CHECK_COLUMNS, expert_alignment=expert_alignment,
         max_slots=buffers.max_slots, capacity=buffers.capacity, check_overflow=buffers.overflow != "drop",
-        token=token_1, max_programs=buffers.num_sms,
+        assert_checks=True, token=token_1, max_programs=buffers.num_sms,
     )
     _raise_failed_checks(p.failed_checks_1, p.meta_WL, buffers, expert_alignment)
-    return p.meta_WL, p.slot_dst_N, p.tokens_per_expert_e, p.num_routed_1, p.dropped_W
+    return p.meta_WL, p.slot_dst_N, p.row_slot_C, p.tokens_per_expert_e, p.num_routed_1, p.dropped_W
 
 
 @symm_exchange_meta_op.register_fake
 def _(send_meta_WS, topk_idx_TK, position_TK, buffers, expert_alignment, failed=False):
     W, e = buffers.world_size, buffers.num_local_experts
     new = send_meta_WS.new_empty
-    return new(W, buffers.meta_columns), new(topk_idx_TK.numel()), new(e), new(1), new(W)
+    return (new(W, buffers.meta_columns), new(topk_idx_TK.numel()), new(buffers.capacity if W == 1 else 0), new(e),
+            new(1), new(W))
 
 
 @comm_op("symm_dispatch", inline=_inlined)
@@ -195,6 +192,7 @@ def symm_dispatch_op(
     scale_TK: Optional[torch.Tensor],
     position_TK: torch.Tensor,
     slot_dst_N: torch.Tensor,
+    row_slot_C: torch.Tensor,
     num_routed_1: torch.Tensor,
     call_1: torch.Tensor,
     buffers: SymmBuffers,
@@ -206,7 +204,8 @@ def symm_dispatch_op(
     """(T, H) rows -> routed (C, H), routed_scale (C, B), row_src (C,) int64.
 
     Slot (t, k) carries row ``x_TH[t]`` (times ``scale_TK[t, k]`` in fp32, rounded once) to
-    ``slot_dst_N[t * K + k]``, tagged with its send position ``position_TK[t, k]``. num_routed_1:
+    ``slot_dst_N[t * K + k]``, tagged with its send position ``position_TK[t, k]`` (one rank:
+    row d pulls slot ``row_slot_C[d]``, the placement's, with no tags). num_routed_1:
     (1,) int64 n = tokens_per_expert.sum(), every received row lies below it. call_1: (1,) int64,
     the call number of the dispatch's metadata exchange (its barriers' stamp). routed: rows
     [0, n) received, zero where none; rows [n, C) unspecified (not written). row_src: each row's
@@ -220,16 +219,16 @@ def symm_dispatch_op(
         check_payload(buffers, fmt)
     if fmt is PLAIN:
         values_CH, scale_CB = x_TH.new_empty(C, H), None
-        row_src_C = _post_and_pull(x_TH, scale_TK, position_TK, slot_dst_N, num_routed_1, call_1, buffers,
-                                   values_CH)
+        row_src_C = _post_and_pull(x_TH, scale_TK, position_TK, slot_dst_N, row_slot_C, num_routed_1, call_1,
+                                   buffers, values_CH)
     else:
         # NB: each slot moves one wire row (values' bytes, then its scales'); the pull splits
         # the received ones into values and scale bytes, rows < n only.
         rows_TP = fmt.encode_packed(x_TH, x_scale_TB, buffers.num_sms)
         values_CH = x_TH.new_empty(C, H, dtype=torch.uint8)
         scale_CB = x_TH.new_empty(C, fmt.scale_columns(H), dtype=fmt.scale_dtype)
-        row_src_C = _post_and_pull(rows_TP, None, position_TK, slot_dst_N, num_routed_1, call_1, buffers, values_CH,
-                                   scale_CB.view(torch.uint8))
+        row_src_C = _post_and_pull(rows_TP, None, position_TK, slot_dst_N, row_slot_C, num_routed_1, call_1, buffers,
+                                   values_CH, scale_CB.view(torch.uint8))
     return (*fmt.decode(values_CH, scale_CB, out_dtype, num_routed_1, buffers.num_sms), row_src_C)
 
 
@@ -238,6 +237,7 @@ def _post_and_pull(
     scale_TK: Optional[torch.Tensor],
     position_TK: torch.Tensor,
     slot_dst_N: torch.Tensor,
+    row_slot_C: torch.Tensor,
     num_routed_1: torch.Tensor,
     call_1: torch.Tensor,
     buffers: SymmBuffers,
@@ -250,34 +250,37 @@ def _post_and_pull(
     first num_routed rows of this rank's tags read from its sender's stage (one rank: from
     rows_TX itself), times its scale, into ``out_CX`` (with ``tail``: its first columns, the
     rest into tail; rows past num_routed not written). Each row is written once where it is used.
+    One rank: only the pull, by the placement's ``row_slot_C`` (no peers, no tags, no barrier).
     Returns row_src (C,)."""
     k, rows_TX = loader.load(), rows_TX.contiguous()  # NB: one copy of strided rows, read by both kernels
     (T, K), C, X = position_TK.shape, buffers.capacity, rows_TX.shape[1]
+    acc = accumulation_dtype(rows_TX.dtype, *(() if scale_TK is None else (scale_TK.dtype,)))
+    row_src_C = torch.empty(C, dtype=torch.int64, device=rows_TX.device)
+    if buffers.world_size == 1:
+        k.pull_rows(None, num_routed_1, out_CX, row_src_C, rows=rows_TX, row_map=row_slot_C,
+                    position=position_TK.reshape(-1), scale=scale_TK, top_k=K, acc_dtype=acc, tail=tail,
+                    max_programs=buffers.num_sms)
+        return row_src_C
     if T * X * rows_TX.element_size() > buffers.rows.numel() * buffers.rows.element_size():
         raise CapacityError(f"symm_dispatch: {T} rows of {X} {rows_TX.dtype} do not fit the buffers' stage of "
                             f"{buffers.rows.numel() * buffers.rows.element_size()} bytes")
-    acc = accumulation_dtype(rows_TX.dtype, *(() if scale_TK is None else (scale_TK.dtype,)))
     tables, token_1 = _addresses(buffers), new_token(rows_TX.device)
-    # NB: peers read only symmetric memory: with peers the rows go through this rank's stage (the
-    # ROWS region); one rank's pull reads rows_TX itself.
-    stage_table = tables[ROWS] if buffers.world_size > 1 else None
+    # NB: peers read only symmetric memory: the rows go through this rank's stage (the ROWS region)
     buffers._segments.barrier(DISPATCH_OP, call_1, token=token_1)
     k.post_slots(rows_TX, slot_dst_N, C, tables[TAGS], position_TK.reshape(-1), rank=buffers.rank,
                  tag_base=buffers.rank * buffers.max_slots, top_k=K, scale=scale_TK,
-                 stage_table=stage_table, acc_dtype=acc, token=token_1,
+                 stage_table=tables[ROWS], acc_dtype=acc, token=token_1,
                  max_programs=buffers.num_sms)
     buffers._segments.barrier(DISPATCH_OP, call_1, token=token_1)
-    row_src_C = torch.empty(C, dtype=torch.int64, device=rows_TX.device)
     k.pull_rows(_own(buffers, tables, TAGS, (C, TAG_COLUMNS), torch.int64), num_routed_1, out_CX, row_src_C,
-                rows=rows_TX if stage_table is None else None, stage_table=stage_table,
-                src_stride=buffers.max_slots, scaled=scale_TK is not None, acc_dtype=acc, tail=tail,
-                token=token_1, max_programs=buffers.num_sms)
+                stage_table=tables[ROWS], src_stride=buffers.max_slots, scaled=scale_TK is not None, acc_dtype=acc,
+                tail=tail, token=token_1, max_programs=buffers.num_sms)
     return row_src_C
 
 
 @symm_dispatch_op.register_fake
-def _(x_TH, scale_TK, position_TK, slot_dst_N, num_routed_1, call_1, buffers, x_scale_TB=None, payload="plain",
-      out_dtype=None, async_op=False):
+def _(x_TH, scale_TK, position_TK, slot_dst_N, row_slot_C, num_routed_1, call_1, buffers, x_scale_TB=None,
+      payload="plain", out_dtype=None, async_op=False):
     # NB: fixed capacity C, so no data-dependent size: the graph never waits for the counts.
     fmt, C = FORMATS[payload], buffers.capacity
     if fmt is not PLAIN:
@@ -321,6 +324,7 @@ def symm_combine_op(
     weights_TK: Optional[torch.Tensor],
     position_TK: torch.Tensor,
     slot_dst_N: torch.Tensor,
+    row_slot_C: torch.Tensor,
     row_src_C: torch.Tensor,
     num_routed_1: torch.Tensor,
     call_1: torch.Tensor,
@@ -360,8 +364,8 @@ def symm_combine_op(
 
 
 @symm_combine_op.register_fake
-def _(expert_out_CH, weights_TK, position_TK, slot_dst_N, row_src_C, num_routed_1, call_1, buffers, save_returned,
-      async_op=False):
+def _(expert_out_CH, weights_TK, position_TK, slot_dst_N, row_slot_C, row_src_C, num_routed_1, call_1, buffers,
+      save_returned, async_op=False):
     # NB: static shapes: T and K from position_TK.
     T, K = position_TK.shape
     H = expert_out_CH.shape[1]
