@@ -352,7 +352,8 @@ KERNELS = {  # kernel: (tensor arguments' shapes, other arguments, the tensors i
     "slot_placement._place_slots_kernel": (
         {"meta_ptr": (1, E_ + 3), "meta_table_ptr": (1, 1), "idx_ptr": (N_,), "position_ptr": (N_,),
          "meta_out_ptr": (1, L_), "failed_checks_ptr": (1,), "slot_dst_ptr": (N_,), "row_slot_ptr": (N_,),
-         "tokens_ptr": (E_,), "num_routed_ptr": (1,), "dropped_ptr": (1,), "scratch_ptr": (1, 2, E_), "token_ptr": (1,)},
+         "tokens_ptr": (E_,), "num_routed_ptr": (1,), "dropped_ptr": (1,), "scratch_ptr": (1, 2, E_),
+         "token_ptr": (1,)},
         dict(meta_index=0, L_in=E_ + 3, N=N_, E=E_, e=E_, rank=0, L_out=L_, alignment=1, max_slots=N_, capacity=N_,
              col_failed=FAILED, col_call=CALL, col_alignment=ALIGNMENT, col_bad_ids=0, col_n_slots=N_SLOTS,
              WORLD_SIZE=1, ONE_RANK=True, META_AT_ADDRESS=False, CHECK_OVERFLOW=True, ASSERT_CHECKS=True, BLOCK_W=1,

@@ -737,6 +737,24 @@ def test_pull_rows_by_a_row_map(n):
     assert (row_src[n:] == -1).all()
 
 
+def test_one_rank_reduction_reads_the_rows_in_place():
+    # One rank's combine moves nothing: slot (t, k)'s row is expert_out[slot_dst[t * K + k]]
+    # (-1: a dropped slot adds nothing, whatever its weight), returned in send order (position).
+    C, H_, T_, K_ = 50, 3, 12, 3
+    g = torch.Generator().manual_seed(3)
+    expert_out = torch.randn(C, H_, generator=g, dtype=torch.float64)
+    slot_dst = torch.randint(-1, C, (T_ * K_,), generator=g)
+    position = torch.randperm(T_ * K_, generator=g).view(T_, K_)
+    weights = torch.randn(T_, K_, generator=g, dtype=torch.float64)
+    weights.view(-1)[slot_dst < 0] = float("nan")
+    y, returned = torch.empty(T_, H_, dtype=torch.float64), torch.full((T_ * K_, H_), 7.0, dtype=torch.float64)
+    loader.load().topk_reduce(expert_out, position, slot_dst, weights, y, returned, torch.float64,
+                              read_at_slot_dst=True)
+    rows = torch.where((slot_dst >= 0)[:, None], expert_out[slot_dst.clamp(min=0)], 0).view(T_, K_, H_)
+    torch.testing.assert_close(y, (rows * torch.nan_to_num(weights)[..., None]).sum(1), rtol=1e-12, atol=1e-12)
+    assert torch.equal(returned[position.reshape(-1)], rows.reshape(-1, H_))
+
+
 def test_rows_past_n_are_not_written_and_never_read(pool2, unwritten_as_nan):
     # The copy-out's outputs start as NaN (the fixture): routed's rows past n, and the same rows
     # of combine's backward (a dispatch of grad_y), stay NaN. The expert makes them NaN in

@@ -12,6 +12,9 @@ is given, reads a zero row)::
                           returned[p] = row                      # when asked for
                       y[t] = acc rounded once to y's dtype
 
+    (``read_at_slot_dst``, one rank: row = ret[slot_dst[t * K + k]], valid where that is in
+    [0, num_valid): the expert rows where they are; returned[p] as above.)
+
 ``max_programs`` (None: one program per token block): at most that many programs, each striding
 over token blocks i, i + P, ... (``_config.program_grid``: an SM budget); same results.
 """
@@ -33,7 +36,7 @@ from .region import Region
 def _topk_reduce_kernel(
     ret_ptr, ret_index, position_ptr, slot_dst_ptr, weights_ptr, y_ptr, returned_ptr, token_ptr,
     T, H, n_valid,
-    RET_AT_ADDRESS: tl.constexpr, HAS_TOKEN: tl.constexpr,
+    RET_AT_ADDRESS: tl.constexpr, HAS_TOKEN: tl.constexpr, READ_AT_SLOT_DST: tl.constexpr,
     K: tl.constexpr, HAS_SLOT_DST: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SAVE_RETURNED: tl.constexpr,
     ACC_DTYPE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
@@ -53,10 +56,17 @@ def _topk_reduce_kernel(
             for k in tl.static_range(K):  # slots in k order: deterministic
                 b_pos = tl.load(position_ptr + o_t * K + k, mask=m_t, other=0)  # [BT]
                 m_pos = m_t & (b_pos >= 0) & (b_pos < T * K)  # never out of bounds (of returned)
-                m_row = m_t & (b_pos >= 0) & (b_pos < n_valid)  # n_valid <= the rows of ret (launcher)
                 if HAS_SLOT_DST:
-                    m_row = m_row & (tl.load(slot_dst_ptr + o_t * K + k, mask=m_t, other=-1) >= 0)
-                p_row = p_ret + b_pos[:, None] * H + o_h[None, :]
+                    b_dst = tl.load(slot_dst_ptr + o_t * K + k, mask=m_t, other=-1)
+                if READ_AT_SLOT_DST:  # the row where it is
+                    b_read = b_dst
+                    m_row = m_t & (b_dst >= 0) & (b_dst < n_valid)
+                else:
+                    b_read = b_pos
+                    m_row = m_t & (b_pos >= 0) & (b_pos < n_valid)  # n_valid <= the rows of ret (launcher)
+                    if HAS_SLOT_DST:
+                        m_row = m_row & (b_dst >= 0)
+                p_row = p_ret + b_read[:, None] * H + o_h[None, :]
                 b_row = tl.load(p_row, mask=m_row[:, None] & m_h, other=0)  # [BT, BH]
                 if SAVE_RETURNED:
                     tl.store(returned_ptr + b_pos[:, None] * H + o_h[None, :], b_row, mask=m_pos[:, None] & m_h)
@@ -80,6 +90,7 @@ def topk_reduce(
     num_valid: Optional[int] = None,
     max_programs: Optional[int] = None,
     token: Optional[torch.Tensor] = None,
+    read_at_slot_dst: bool = False,
 ) -> None:
     """y (T, H) = weighted sum over k of the returned rows ``ret[position[t, k]]`` (n, H) of the
     valid slots; ``returned`` (N, H), when given, receives every slot's row in send order (zero
@@ -87,7 +98,9 @@ def topk_reduce(
     when slot_dst (N,) is given, it sent its row (``slot_dst[t * K + k] >= 0``); any other slot
     adds nothing, whatever its weight (T, K). ``max_programs``: at most that many programs (an SM
     budget), each striding over token blocks. ret: a tensor, or a region of y's dtype named by
-    address (``_config.Region``: symm_mem's returned rows). token: as ``put_rows``'."""
+    address (``_config.Region``: symm_mem's returned rows). token: as ``put_rows``'.
+    ``read_at_slot_dst`` (one rank): each slot's row is ``ret[slot_dst[t * K + k]]`` instead (the
+    expert rows in place), still returned at its position."""
     T, K = position.shape
     H = y.shape[1]
     if T == 0 or H == 0:
@@ -98,6 +111,8 @@ def topk_reduce(
     n_valid = ret.shape[0] if num_valid is None else num_valid
     if not 0 <= n_valid <= ret.shape[0]:
         raise ValueError(f"topk_reduce: num_valid = {num_valid} outside [0, {ret.shape[0]}] (rows of ret)")
+    if read_at_slot_dst and slot_dst is None:
+        raise ValueError("topk_reduce: read_at_slot_dst needs slot_dst")
     at_address = isinstance(ret, Region)
     if at_address and ret.dtype != y.dtype:
         raise ValueError(f"topk_reduce: the region ret holds {ret.dtype} rows, y is {y.dtype}")
@@ -109,7 +124,8 @@ def topk_reduce(
             ret_ptr, ret_index, position, slot_dst if slot_dst is not None else position,
             weights if weights is not None else y, y,
             returned if returned is not None else y, token if token is not None else position, T, H, n_valid,
-            RET_AT_ADDRESS=at_address, HAS_TOKEN=token is not None, K=K, HAS_SLOT_DST=slot_dst is not None,
+            RET_AT_ADDRESS=at_address, HAS_TOKEN=token is not None, READ_AT_SLOT_DST=read_at_slot_dst, K=K,
+            HAS_SLOT_DST=slot_dst is not None,
             HAS_WEIGHTS=weights is not None,
             SAVE_RETURNED=returned is not None, ACC_DTYPE=tl_acc_dtype(acc_dtype),
             BLOCK_T=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H, num_warps=blocks.num_warps,

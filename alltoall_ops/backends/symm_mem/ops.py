@@ -345,11 +345,11 @@ def symm_combine_op(
     y_TH = expert_out_CH.new_empty(T, H)
     returned_NH = expert_out_CH.new_empty(T * K if save_returned else 0, H)
     acc = accumulation_dtype(expert_out_CH.dtype, *(() if weights_TK is None else (weights_TK.dtype,)))
-    if buffers.world_size == 1 and not save_returned:
+    if buffers.world_size == 1:
         # NB: one rank: every row is where the reduction reads it (slot_dst = row). Nothing moves
         # and no peer waits: no buffer to order kernels on, nothing to keep alive.
-        k.topk_reduce(expert_out_CH, slot_dst_N.view(T, K), slot_dst_N, weights_TK, y_TH, None, acc,
-                      max_programs=buffers.num_sms)
+        k.topk_reduce(expert_out_CH, position_TK, slot_dst_N, weights_TK, y_TH, returned_NH if save_returned else None,
+                      acc, max_programs=buffers.num_sms, read_at_slot_dst=True)
         return y_TH, returned_NH
     tables, token_1 = _addresses(buffers), new_token(expert_out_CH.device)
     buffers._segments.barrier(COMBINE_OP, call_1, token=token_1)
