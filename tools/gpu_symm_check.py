@@ -91,12 +91,11 @@ def symm_rank(rank: int, bufs: symm_mem.SymmBuffers, inputs: tuple) -> dict:
     A = bufs.expert_alignment
     routed, tpe, h = a2a.dispatch(x, topk_idx, num_experts=bufs.num_experts, expert_alignment=A, buffers=bufs)
     out = routed * 2 + 1
-    args = (h.position_TK, h.slot_dst_N, h.row_src_C, h.num_routed_1, h.call_1, bufs)
-    y, returned = symm_ops.symm_combine_op(out, weights, *args, True)
-    y1, _ = symm_ops.symm_combine_op(out, None, *args, False)
-    grad_out, _, _ = symm_ops.symm_dispatch_op(grad_y, weights, h.position_TK, h.slot_dst_N, h.num_routed_1,
-                                               h.call_1, bufs)  # combine's adjoint
-    grad_x, _ = symm_ops.symm_combine_op(grad_out * 2, None, *args, False)  # dispatch's adjoint
+    route = dict(row_src_C=h.row_src_C, **h.slots.kwargs())
+    y, returned = symm_ops.symm_combine_op(out, weights, **route, save_returned=True)
+    y1, _ = symm_ops.symm_combine_op(out, None, **route, save_returned=False)
+    grad_out, _, _ = symm_ops.symm_dispatch_op(grad_y, weights, *h.slots)  # combine's adjoint
+    grad_x, _ = symm_ops.symm_combine_op(grad_out * 2, None, **route, save_returned=False)  # dispatch's adjoint
     grad_w = weight_grad_op(grad_y, returned, h.position_TK, weights)
     return dict(routed=routed, tpe=tpe, y=y, y1=y1, grad_x=grad_x, grad_w=grad_w, dropped=h.dropped_W)
 
@@ -373,7 +372,7 @@ def check_bf16_rounding() -> str:
     scale = scale.to(DEVICE)
     bufs = a2a.SymmBuffers(T, H, k, 1, dtype=torch.bfloat16, device=DEVICE)
     _, _, h = a2a.dispatch(x, torch.zeros(T, k, dtype=torch.int64, device=DEVICE), num_experts=1, buffers=bufs)
-    routed, _, _ = symm_ops.symm_dispatch_op(x, scale, h.position_TK, h.slot_dst_N, h.num_routed_1, h.call_1, bufs)
+    routed, _, _ = symm_ops.symm_dispatch_op(x, scale, *h.slots)
     order = torch.argsort(h.position_TK.reshape(-1))  # send position i holds slot order[i]
     expected = (x.float()[order // k] * scale.reshape(-1)[order, None]).to(torch.bfloat16)
     torch.testing.assert_close(routed, expected, rtol=0, atol=0, equal_nan=True)
