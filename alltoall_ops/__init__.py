@@ -15,7 +15,7 @@ from . import _cache_key  # noqa: F401  (isort: skip)
 from . import errors
 from .api import combine, dispatch, dispatch_layout, exchange_counts
 from .backends import DispatchHandle
-from .backends.symm_mem import SymmBuffers
+from .backends.symm_mem import SymmBuffers, UlyssesBuffers
 from .checkpoint import sac_policy
 from .comm import communication_ops, get_timeout, set_timeout
 from .groups import warmup
@@ -25,7 +25,7 @@ from .ulysses import head_to_seq, seq_to_head, ulysses_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["DispatchHandle", "SymmBuffers", "__version__", "combine", "communication_ops", "dispatch",
-           "dispatch_layout", "errors", "hierarchical_dispatch",
-           "exchange_counts", "get_timeout", "head_to_seq", "sac_policy", "seq_to_head", "set_timeout",
-           "ulysses_attention", "wait", "wait_add", "warmup"]
+__all__ = ["DispatchHandle", "SymmBuffers", "UlyssesBuffers", "__version__", "combine", "communication_ops",
+           "dispatch", "dispatch_layout", "errors", "hierarchical_dispatch", "exchange_counts", "get_timeout",
+           "head_to_seq", "sac_policy", "seq_to_head", "set_timeout", "ulysses_attention", "wait", "wait_add",
+           "warmup"]

@@ -48,8 +48,9 @@ import torch
 
 from . import comm, ulysses_exchange as exchange
 from ._compat import call, input_grads, is_compiling
+from .backends.symm_mem.ulysses_buffers import UlyssesBuffers
 from .errors import GroupMismatchError
-from .groups import LOCAL, communication_group, process_group, resolve_group
+from .groups import LOCAL, Group, communication_group, process_group, resolve_group
 from .comm import comm_op
 from .validation import as_int
 
@@ -170,19 +171,28 @@ def _full_shape(x: torch.Tensor, head_dim: int, num_heads: int) -> list:
 
 
 def _plan(op: str, xs: Sequence[torch.Tensor], group_name: str, seq_dim: int, head_dim: int,
-          num_heads: Optional[Sequence[int]], attention: Sequence[int]) -> exchange.Plan:
+          num_heads: Optional[Sequence[int]], attention: Sequence[int], buffers: Any = None) -> exchange.Plan:
     """The checks of ``op`` on each of ``xs`` (see :func:`_check_args`; one dtype and ndim for
     all) and what its exchange does: computed once per distinct arguments (the same arguments
-    pass the same checks), so that an exchange's host work is a lookup."""
+    pass the same checks), so that an exchange's host work is a lookup. With ``buffers``
+    (UlyssesBuffers) the group is theirs, and so are the plans."""
     shapes = (xs[0].shape, xs[0].dtype) if len(xs) == 1 else tuple((x.shape, x.dtype) for x in xs)
     args = (op, seq_dim, head_dim, shapes, None if num_heads is None else tuple(num_heads), tuple(attention))
+    if buffers is not None:
+        plan = buffers.plans.get(args)
+        if plan is None:
+            plan = buffers.plans[args] = _make_plan(op, xs, LOCAL, seq_dim, head_dim, num_heads, attention,
+                                                    (buffers.world_size, buffers.rank))
+        return plan
     return exchange.cached_plan(group_name, args, _make_plan, op, xs, group_name, seq_dim, head_dim, num_heads,
                                 attention)
 
 
 def _make_plan(op: str, xs: Sequence[torch.Tensor], group_name: str, seq_dim: int, head_dim: int,
-               num_heads: Optional[Sequence[int]], attention: Sequence[int]) -> exchange.Plan:
-    W, rank = _group_size(group_name), _group_rank(group_name)
+               num_heads: Optional[Sequence[int]], attention: Sequence[int],
+               world: Optional[tuple[int, int]] = None) -> exchange.Plan:
+    """See :func:`_plan`; world: (W, rank), by default the group's."""
+    W, rank = world or (_group_size(group_name), _group_rank(group_name))
     for i, x in enumerate(xs):
         seq_dim, head_dim, _ = _checked(op, group_name, _check_args, op, x, W, rank, seq_dim, head_dim,
                                         None if num_heads is None else num_heads[i])
@@ -275,16 +285,33 @@ def seq_to_head_op(xs: list[torch.Tensor], group_name: str, seq_dim: int, head_d
     return exchange.exchange("seq_to_head", xs, group_name, plan, agreed_sizes, _described(xs, plan, attention))
 
 
-@seq_to_head_op.register_fake
-def _(xs, group_name, seq_dim, head_dim, attention, agreed_sizes):
-    W, rank = _group_size(group_name), _group_rank(group_name)
-    outs = []
+def _seq_to_head_outputs(xs: Sequence[torch.Tensor], W: int, rank: int, seq_dim: int, head_dim: int) -> list[list]:
+    """The output shapes of a seq_to_head of ``xs`` on rank ``rank`` of W (checked)."""
+    shapes = []
     for x in xs:
         seq_dim, head_dim, _ = _check_args("seq_to_head", x, W, rank, seq_dim, head_dim)
         shape = list(x.shape)
         shape[seq_dim], shape[head_dim] = shape[seq_dim] * W, head_counts(shape[head_dim], W)[rank]
-        outs.append(x.new_empty(shape))
-    return outs
+        shapes.append(shape)
+    return shapes
+
+
+def _head_to_seq_outputs(xs: Sequence[torch.Tensor], W: int, rank: int, seq_dim: int, head_dim: int,
+                         num_heads: Sequence[int]) -> list[list]:
+    """The output shapes of a head_to_seq of ``xs`` on rank ``rank`` of W (checked)."""
+    shapes = []
+    for x, n in zip(xs, num_heads):
+        seq_dim, head_dim, n = _check_args("head_to_seq", x, W, rank, seq_dim, head_dim, n)
+        shape = _full_shape(x, head_dim, n)
+        shape[seq_dim] //= W
+        shapes.append(shape)
+    return shapes
+
+
+@seq_to_head_op.register_fake
+def _(xs, group_name, seq_dim, head_dim, attention, agreed_sizes):
+    shapes = _seq_to_head_outputs(xs, _group_size(group_name), _group_rank(group_name), seq_dim, head_dim)
+    return [x.new_empty(shape) for x, shape in zip(xs, shapes)]
 
 
 @comm_op("head_to_seq", schema="(Tensor[] xs, str group_name, int seq_dim, int head_dim, SymInt[] num_heads, "
@@ -300,14 +327,8 @@ def head_to_seq_op(xs: list[torch.Tensor], group_name: str, seq_dim: int, head_d
 
 @head_to_seq_op.register_fake
 def _(xs, group_name, seq_dim, head_dim, num_heads, attention, agreed_sizes):
-    W, rank = _group_size(group_name), _group_rank(group_name)
-    outs = []
-    for x, n in zip(xs, num_heads):
-        seq_dim, head_dim, n = _check_args("head_to_seq", x, W, rank, seq_dim, head_dim, n)
-        shape = _full_shape(x, head_dim, n)
-        shape[seq_dim] //= W
-        outs.append(x.new_empty(shape))
-    return outs
+    shapes = _head_to_seq_outputs(xs, _group_size(group_name), _group_rank(group_name), seq_dim, head_dim, num_heads)
+    return [x.new_empty(shape) for x, shape in zip(xs, shapes)]
 
 
 def _no_grad(ints: Sequence[int]) -> Optional[list]:
@@ -346,11 +367,92 @@ seq_to_head_op.register_autograd(_seq_to_head_backward, setup_context=_seq_to_he
 head_to_seq_op.register_autograd(_head_to_seq_backward, setup_context=_head_to_seq_setup)
 
 
+# The same exchanges through UlyssesBuffers (``buffers=``; ulysses_exchange.symm_exchange): the
+# group is the buffers', the headers travel in the stage and are compared on the device, so no
+# size agreement is needed (every rank's stage holds its largest exchange).
+
+
+@comm_op("symm_seq_to_head")
+def symm_seq_to_head_op(xs: list[torch.Tensor], buffers: UlyssesBuffers, seq_dim: int, head_dim: int,
+                        attention: list[int]) -> list[torch.Tensor]:
+    """:func:`seq_to_head_op` through ``buffers``."""
+    W, rank = buffers.world_size, buffers.rank
+    plan = _plan("seq_to_head", xs, buffers.group_name, seq_dim, head_dim, None, attention, buffers)
+    shapes = _seq_to_head_outputs(xs, W, rank, seq_dim, head_dim)
+    cat_counts = [(x.shape[plan.seq_dim], 0) for x in xs]  # every rank's chunk of the sequence
+    return exchange.symm_exchange("seq_to_head", xs, buffers, plan, shapes, cat_counts,
+                                  _described(xs, plan, attention))
+
+
+@symm_seq_to_head_op.register_fake
+def _(xs, buffers, seq_dim, head_dim, attention):
+    shapes = _seq_to_head_outputs(xs, buffers.world_size, buffers.rank, seq_dim, head_dim)
+    return [x.new_empty(shape) for x, shape in zip(xs, shapes)]
+
+
+@comm_op("symm_head_to_seq")
+def symm_head_to_seq_op(xs: list[torch.Tensor], buffers: UlyssesBuffers, seq_dim: int, head_dim: int,
+                        num_heads: list[int], attention: list[int]) -> list[torch.Tensor]:
+    """:func:`head_to_seq_op` through ``buffers``."""
+    W, rank = buffers.world_size, buffers.rank
+    plan = _plan("head_to_seq", xs, buffers.group_name, seq_dim, head_dim, num_heads, attention, buffers)
+    shapes = _head_to_seq_outputs(xs, W, rank, seq_dim, head_dim, num_heads)
+    cat_counts = [(n // W, n % W) for n in num_heads]  # every rank's heads (head_counts)
+    return exchange.symm_exchange("head_to_seq", xs, buffers, plan, shapes, cat_counts,
+                                  _described(xs, plan, attention))
+
+
+@symm_head_to_seq_op.register_fake
+def _(xs, buffers, seq_dim, head_dim, num_heads, attention):
+    shapes = _head_to_seq_outputs(xs, buffers.world_size, buffers.rank, seq_dim, head_dim, num_heads)
+    return [x.new_empty(shape) for x, shape in zip(xs, shapes)]
+
+
+def _symm_seq_to_head_setup(ctx, inputs, output):
+    xs, ctx.buffers, ctx.seq_dim, ctx.head_dim, ctx.attention = inputs
+    ctx.num_heads = [x.shape[ctx.head_dim] for x in xs]
+
+
+def _symm_head_to_seq_setup(ctx, inputs, output):
+    _, ctx.buffers, ctx.seq_dim, ctx.head_dim, ctx.num_heads, ctx.attention = inputs
+
+
+def _symm_seq_to_head_backward(ctx, grads):
+    grad_xs = symm_head_to_seq_op(list(grads), ctx.buffers, ctx.seq_dim, ctx.head_dim, ctx.num_heads, ctx.attention)
+    return input_grads(symm_seq_to_head_op, xs=grad_xs, attention=_no_grad(ctx.attention))
+
+
+def _symm_head_to_seq_backward(ctx, grads):
+    grad_xs = symm_seq_to_head_op(list(grads), ctx.buffers, ctx.seq_dim, ctx.head_dim, ctx.attention)
+    return input_grads(symm_head_to_seq_op, xs=grad_xs, num_heads=_no_grad(ctx.num_heads),
+                       attention=_no_grad(ctx.attention))
+
+
+symm_seq_to_head_op.register_autograd(_symm_seq_to_head_backward, setup_context=_symm_seq_to_head_setup)
+symm_head_to_seq_op.register_autograd(_symm_head_to_seq_backward, setup_context=_symm_head_to_seq_setup)
+
+
+def _group_or_buffers(fn: str, group: Any, buffers: Any, x: torch.Tensor) -> Group:
+    """The group of a call: ``group``'s, or with ``buffers`` (UlyssesBuffers) theirs (``group``
+    then None or theirs, x on their device)."""
+    if buffers is None:
+        return communication_group(resolve_group(group))
+    if not isinstance(buffers, UlyssesBuffers):
+        raise TypeError(f"{fn}: buffers: expected alltoall_ops.UlyssesBuffers, got {type(buffers).__name__}")
+    if group is not None and resolve_group(group).name != buffers.group_name:
+        raise ValueError(f"{fn}: group: the buffers were created for group {buffers.group_name!r}, got group "
+                         f"{resolve_group(group).name!r}; pass group=None or the buffers' group")
+    if isinstance(x, torch.Tensor) and x.device != buffers.device:
+        raise ValueError(f"{fn}: x: the buffers are on {buffers.device}, got a tensor on {x.device}")
+    return Group(buffers.group_name, buffers.rank, buffers.world_size)
+
+
 # --------------------------------------------------------------------------------------------
 # Public API
 
 
-def seq_to_head(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: int = 2) -> torch.Tensor:
+def seq_to_head(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: int = 2, *,
+                buffers: Optional[UlyssesBuffers] = None) -> torch.Tensor:
     """Sequence shard -> head shard: (B, S/W, Hh, D) -> (B, S, h_r, D) with the default dims.
 
     Rank r's output holds the full sequence (rank 0's chunk first) for its heads
@@ -363,17 +465,22 @@ def seq_to_head(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: 
         group: ProcessGroup, 1-D DeviceMesh, or None (default group; no group when
             torch.distributed is not initialised). A group of one rank does not communicate.
         seq_dim, head_dim: the sequence and head dims of ``x`` (different).
+        buffers: :class:`UlyssesBuffers` (backend symm_mem): the exchange runs as kernels over
+            them, in their group (``group``: None or theirs), with no host sync.
 
     Returns a new tensor; :func:`head_to_seq` with the same dims (and ``num_heads=Hh`` when W
     does not divide Hh) is its inverse."""
-    grp = communication_group(resolve_group(group))
-    seq_dim, head_dim, _ = _checked("seq_to_head", grp.name, _check_args, "seq_to_head", x, grp.size, grp.rank,
+    grp = _group_or_buffers("seq_to_head", group, buffers, x)
+    checks = grp.name if buffers is None else LOCAL  # (debug mode's agreement: process groups only)
+    seq_dim, head_dim, _ = _checked("seq_to_head", checks, _check_args, "seq_to_head", x, grp.size, grp.rank,
                                     seq_dim, head_dim)
+    if buffers is not None:
+        return call(symm_seq_to_head_op, [x], buffers, seq_dim, head_dim, [], differentiable=(x,))[0]
     return call(seq_to_head_op, [x], grp.name, seq_dim, head_dim, [], False, differentiable=(x,))[0]
 
 
 def head_to_seq(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: int = 2, *,
-                num_heads: Optional[int] = None) -> torch.Tensor:
+                num_heads: Optional[int] = None, buffers: Optional[UlyssesBuffers] = None) -> torch.Tensor:
     """Head shard -> sequence shard: (B, S, h_r, D) -> (B, S/W, Hh, D); the inverse of
     :func:`seq_to_head`. S must be divisible by W; other arguments as for :func:`seq_to_head`.
 
@@ -381,9 +488,12 @@ def head_to_seq(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: 
     :func:`seq_to_head` splits them). Default: W times x's heads, right only when W divides Hh;
     with an uneven split pass it on every rank (a rank whose x does not hold its share raises; ranks
     that take different totals send pieces of other sizes: see the module docstring)."""
-    grp = communication_group(resolve_group(group))
-    seq_dim, head_dim, num_heads = _checked("head_to_seq", grp.name, _check_args, "head_to_seq", x, grp.size,
+    grp = _group_or_buffers("head_to_seq", group, buffers, x)
+    checks = grp.name if buffers is None else LOCAL
+    seq_dim, head_dim, num_heads = _checked("head_to_seq", checks, _check_args, "head_to_seq", x, grp.size,
                                             grp.rank, seq_dim, head_dim, num_heads)
+    if buffers is not None:
+        return call(symm_head_to_seq_op, [x], buffers, seq_dim, head_dim, [num_heads], [], differentiable=(x,))[0]
     return call(head_to_seq_op, [x], grp.name, seq_dim, head_dim, [num_heads], [], False, differentiable=(x,))[0]
 
 
@@ -448,6 +558,7 @@ def ulysses_attention(
     *,
     layout: str = "bshd",
     attn_fn: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+    buffers: Optional[UlyssesBuffers] = None,
 ) -> torch.Tensor:
     """Attention over the whole sequence from sequence shards.
 
@@ -466,9 +577,14 @@ def ulysses_attention(
     ``attn_fn(q, k, v)`` on the full sequence and this rank's heads, in ``layout`` (q with this
     rank's share h_r of the Hq heads, possibly 0; k and v with as many, or max(Hkv/W, 1) for GQA /
     MQA), returning the output in ``layout`` with q's h_r heads. Default:
-    ``scaled_dot_product_attention`` with ``is_causal`` and ``scale`` (``enable_gqa`` for GQA)."""
-    grp = communication_group(resolve_group(group))
-    _checked("seq_to_head", grp.name, _check_qkv, q, k, v, grp.size, layout, attn_fn, is_causal, scale)
+    ``scaled_dot_product_attention`` with ``is_causal`` and ``scale`` (``enable_gqa`` for GQA).
+
+    buffers: :class:`UlyssesBuffers` (backend symm_mem): both exchanges run as kernels over them
+    (q, k, v in one), in their group, with no host sync; size them with
+    ``UlyssesBuffers.bytes_for([q.shape, k.shape, v.shape], q.dtype, W)``."""
+    grp = _group_or_buffers("ulysses_attention", group, buffers, q)
+    checks = grp.name if buffers is None else LOCAL
+    _checked("seq_to_head", checks, _check_qkv, q, k, v, grp.size, layout, attn_fn, is_causal, scale)
     seq_dim, head_dim = LAYOUTS[layout], 2
     heads, kv_heads = q.shape[head_dim], k.shape[head_dim]
     attention = attention_args(q, k, v, layout, is_causal, scale, attn_fn) if grp.name != LOCAL else []
@@ -476,10 +592,16 @@ def ulysses_attention(
         # every rank gets the kv head of its q heads
         k, v = (t.repeat_interleave(grp.size // kv_heads, dim=head_dim) for t in (k, v))
     # Hq not divisible by W (then kv heads == q heads): q, k and v split alike, unevenly
-    q, k, v = call(seq_to_head_op, [q, k, v], grp.name, seq_dim, head_dim, attention, False,  # one exchange
-                   differentiable=(q, k, v))
+    if buffers is not None:
+        q, k, v = call(symm_seq_to_head_op, [q, k, v], buffers, seq_dim, head_dim, attention, differentiable=(q, k, v))
+    else:
+        q, k, v = call(seq_to_head_op, [q, k, v], grp.name, seq_dim, head_dim, attention, False,  # one exchange
+                       differentiable=(q, k, v))
     out = attn_fn(q, k, v) if attn_fn is not None else _sdpa(q, k, v, layout, is_causal, scale)
-    _checked("head_to_seq", grp.name, _check_attn_out, out, q, v, layout)
+    _checked("head_to_seq", checks, _check_attn_out, out, q, v, layout)
+    if buffers is not None:
+        return call(symm_head_to_seq_op, [out], buffers, seq_dim, head_dim, [heads], attention,
+                    differentiable=(out,))[0]
     # NB: o's sizes follow from q, k, v's, which their exchange agreed on
     return call(head_to_seq_op, [out], grp.name, seq_dim, head_dim, [heads], attention, True, differentiable=(out,))[0]
 

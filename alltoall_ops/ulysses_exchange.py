@@ -416,3 +416,75 @@ def shape_hint(head_dim: int) -> str:
     return (f" (head_to_seq compares x's shapes with all num_heads heads at dim {head_dim}; a rank without "
             "num_heads takes W times its own heads, so with heads split unevenly every rank must pass num_heads=, "
             "the total head count)")
+
+
+# --------------------------------------------------------------------------------------------
+# The exchange over peer-addressable buffers (UlyssesBuffers; kernels/seq_exchange.py)
+
+_SYMM_OPS = {"seq_to_head": 1, "head_to_seq": 2}
+"""Barrier op codes of the exchanges on UlyssesBuffers (a barrier's stamp: call * 4 + op)."""
+
+
+def _posted_bytes(plan: Plan, W: int, itemsize: int) -> tuple[list[int], int]:
+    """Each tensor's byte offset in a stage slot, and the bytes of the slot used: tensor i takes
+    its bytes on the rank that posts the most of it (head_to_seq: the rank with the most heads),
+    rounded up to ``PIECE_ALIGN``, so that every rank computes the same offsets."""
+    from .backends.symm_mem.ulysses_buffers import PIECE_ALIGN
+    from .layout import round_up
+
+    offsets, total = [], 0
+    for shape in plan.shapes:
+        full = list(shape)
+        if plan.split_dim == plan.seq_dim:  # head_to_seq: x holds this rank's heads of the full shape
+            full[plan.head_dim] = -(-shape[plan.head_dim] // W)
+        offsets.append(total)
+        total += round_up(math.prod(full) * itemsize, PIECE_ALIGN)
+    return offsets, total
+
+
+def symm_exchange(op: str, xs: Sequence[torch.Tensor], bufs: Any, plan: Plan, out_shapes: list[list[int]],
+                  cat_counts: list[tuple[int, int]], described: Callable[[], dict]) -> list[torch.Tensor]:
+    """:func:`exchange` through ``bufs`` (UlyssesBuffers): ``post`` each x into this rank's stage,
+    one barrier (stamped with the op and the buffers' call number), ``gather`` this rank's piece of
+    every rank's x into fresh outputs of ``out_shapes``. cat_counts[i]: (base, extra) of tensor i's
+    positions along the cat dim per rank (``kernels.seq_exchange``). The headers are compared on the
+    device: on CPU tensors a difference raises GroupMismatchError on every rank (as
+    :func:`_check_headers` names it); on CUDA a device-side assert. A stage too small for the
+    exchange: CapacityError on every rank, after the headers (so that ranks whose shapes differ
+    raise the mismatch instead)."""
+    from .errors import CapacityError
+    from .kernels import loader
+
+    W, rank = bufs.world_size, bufs.rank
+    if W == 1:
+        return [x.clone(memory_format=torch.contiguous_format) for x in xs]
+    k, segments = loader.load(), bufs._segments
+    xs = [x.contiguous() for x in xs]
+    offsets, needed = _posted_bytes(plan, W, xs[0].element_size())
+    fits = needed <= bufs.slot_bytes
+    common = dict(rank=rank, slot_bytes=bufs.slot_bytes, split_dim=plan.split_dim, cat_dim=plan.cat_dim)
+    own = []
+    for i, x in enumerate(xs):
+        start = sum(plan.send_sizes[i][:rank])
+        own.append((start, plan.send_sizes[i][rank] if fits else 0))
+        k.post_pieces(x if fits else x.narrow(0, 0, 0), bufs.table, segments.calls_1, offset_bytes=offsets[i],
+                      own=own[i], header=plan.key if i == 0 else None, max_programs=bufs.num_sms, **common)
+    call_1 = torch.empty(1, dtype=torch.int64, device=xs[0].device)
+    segments.barrier(_SYMM_OPS[op], call_1, advance=True)
+    failed_1 = torch.zeros(1, dtype=torch.int32, device=xs[0].device)
+    headers_W8 = torch.empty(W, HEADER_LEN, dtype=torch.int64, device=xs[0].device)
+    outs = []
+    for i, x in enumerate(xs):
+        out = torch.empty(out_shapes[i] if fits else [0] * x.ndim, dtype=x.dtype, device=x.device)
+        k.gather_pieces(x, out if fits else x.narrow(0, 0, 0), bufs.table, call_1, failed_1, headers_W8,
+                        offset_bytes=offsets[i], own=own[i], source_split=x.shape[plan.split_dim],
+                        cat_counts=cat_counts[i], max_programs=bufs.num_sms, **common)
+        outs.append(out)
+    if xs[0].device.type == "cpu" and int(failed_1):
+        headers = headers_W8.view(torch.uint8).view(W, PREFIX_BYTES)
+        _check_headers(op, bufs.group_name, headers, headers[rank], described)
+    if not fits:
+        raise CapacityError(f"alltoall_ops.{op} (symm_mem): the exchange posts {needed} bytes per rank, but the "
+                            f"UlyssesBuffers hold {bufs.max_bytes}; create them with max_bytes >= {needed} "
+                            "(UlyssesBuffers.bytes_for)")
+    return outs

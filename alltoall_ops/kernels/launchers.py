@@ -10,13 +10,14 @@ from .dispatch_layout import dispatch_layout
 from .quantize import dequantize_rows, quantize_rows
 from .row_gather import gather_rows
 from .routing_plan import plan_rows, plan_slots
+from .seq_exchange import gather_pieces, post_pieces
 from .row_put import post_slots, pull_rows, put_meta, put_rows
 from .slot_placement import place_slots
 from .topk_reduce import topk_reduce
 from .weight_grad import weight_grad
 
 __all__ = [
-    "barrier", "dispatch_layout", "gather_rows", "interpreting", "place_slots", "plan_rows", "plan_slots",
-    "post_slots", "pull_rows", "put_meta", "put_rows", "dequantize_rows", "quantize_rows", "routing_plan", "row_blocks",
-    "topk_reduce", "weight_grad",
+    "barrier", "dispatch_layout", "gather_pieces", "gather_rows", "interpreting", "place_slots", "plan_rows",
+    "plan_slots", "post_pieces", "post_slots", "pull_rows", "put_meta", "put_rows", "dequantize_rows", "quantize_rows",
+    "routing_plan", "row_blocks", "topk_reduce", "weight_grad",
 ]

@@ -38,5 +38,6 @@ expert's group padded). ``capacity=`` may set a smaller C; more rows than C is *
 
 from .backend import SymmMemBackend, SymmMemHandle
 from .buffers import SymmBuffers, run_simulated
+from .ulysses_buffers import UlyssesBuffers
 
-__all__ = ["SymmBuffers", "SymmMemBackend", "SymmMemHandle", "run_simulated"]
+__all__ = ["SymmBuffers", "SymmMemBackend", "SymmMemHandle", "UlyssesBuffers", "run_simulated"]

@@ -19,8 +19,7 @@ from ...groups import Group, resolve_group
 from ...kernels.loader import check_kernels_run_on
 from ...kernels.region import TAG_COLUMNS
 from ...validation import check_num_experts, positive_int
-from .segments import (_CudaSymmetricSegments, _LocalSegments, _Segments, _SharedMemorySegments, _SimulatedSegments,
-                       address_table, setup_gather)
+from .segments import _Segments, address_table, make_segments, setup_gather, simulated_segments
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +118,67 @@ def _make_config(
                    expert_alignment, capacity, overflow, dtype, device, payload_dtype, num_sms)
 
 
-class SymmBuffers(OpaqueBase):
+class PeerBuffers(OpaqueBase):
+    """What every buffers type over a segment that the group's peers write shares (``SymmBuffers``,
+    ``UlyssesBuffers``): an opaque value type, equal only to itself, named in compiled code by a
+    key, never copied, never pickled. A subclass sets ``_segments`` and ``_config_key`` (its
+    configuration with every rank's segment address; ``_CONFIG_FIELDS`` names them) and registers
+    itself with ``register_value_type``."""
+
+    _segments: _Segments
+    _config_key: tuple
+    _CONFIG_FIELDS = ""
+    _key: Optional[int] = None  # in _COMPILED, once compiled code names these buffers
+
+    # NB: an opaque value type (torch.compile embeds it as a constant, guarded on ``==``): equal
+    # only to itself, so two buffers never share one compiled graph (nor its recorded CUDA graph,
+    # which replays fixed addresses). The generated code names it by a key in _COMPILED, with
+    # its configuration, which the compile caches hash: a cached graph is reused only for
+    # buffers of the same configuration, and the lookup checks it.
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    __hash__ = object.__hash__
+
+    def __fx_repr__(self) -> tuple[str, dict[str, type]]:
+        with _COMPILED_LOCK:
+            if self._key is None:
+                self._key = len(_COMPILED)
+                _COMPILED[self._key] = self
+        name = type(self).__name__
+        return f"{name}._compiled({self._key}, {self._config_key!r})", {name: type(self)}
+
+    @classmethod
+    def _compiled(cls, key: int, config_key: tuple) -> "PeerBuffers":
+        """The buffers that compiled code names (see ``__fx_repr__``)."""
+        bufs = _COMPILED.get(key)
+        if not isinstance(bufs, cls) or bufs._config_key != config_key:
+            raise RuntimeError(
+                f"compiled code names {cls.__name__} #{key} with ({cls._CONFIG_FIELDS}, segment addresses) = "
+                f"{config_key}, but this process holds {'no such buffers' if bufs is None else bufs._config_key} "
+                "(code from another process's compile cache?)"
+            )
+        return bufs
+
+    # NB: a handle to memory that peers write: a copy would read buffers nobody writes. Graph
+    # modules deep-copy their attributes (seen with AOTAutograd's dynamic-shape path), so copies
+    # are the object itself.
+    def __copy__(self) -> "PeerBuffers":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "PeerBuffers":
+        return self
+
+    # NB: torch's compile caches pickle what they hash; torch 2.11's inductor wrote
+    # ``pickle.loads(<the object's bytes>)`` into the generated module for an opaque graph input
+    # (a GB-sized literal for a large segment, which then failed to import). Pickle the
+    # configuration, never the memory; a loaded copy would be memory no peer writes, so loading
+    # raises.
+    def __reduce__(self) -> tuple:
+        return _load_pickled_buffers, (type(self).__name__, self._CONFIG_FIELDS, list(self._config_key))
+
+
+class SymmBuffers(PeerBuffers):
     """Receive buffers, tags, returned rows, metadata and pointer tables for ``backend="symm_mem"``.
 
     Collective: every rank of ``group`` creates it with the same arguments, once, and passes it
@@ -200,12 +259,7 @@ class SymmBuffers(OpaqueBase):
         if allocator == "symmetric" and device.type != "cuda":
             raise ValueError("allocator='symmetric' (torch symmetric memory) needs a cuda device")
         timeout = get_timeout() if timeout is None else timeout
-        if grp.size == 1 and allocator == "auto":
-            segments: _Segments = _LocalSegments(nbytes, device)
-        elif device.type == "cpu":
-            segments = _SharedMemorySegments(nbytes, grp, timeout)
-        else:
-            segments = _CudaSymmetricSegments(nbytes, grp, device, timeout)
+        segments = make_segments(nbytes, grp, device, timeout, symmetric=allocator == "symmetric")
         self._setup(cfg, segments)
 
     @classmethod
@@ -236,17 +290,16 @@ class SymmBuffers(OpaqueBase):
                          dtype, device, expert_alignment, capacity, overflow, payload_dtype, num_sms)
             for r in range(world_size)
         ]
-        nbytes = cfgs[0].region_offsets()[1]
-        locals_ = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(world_size)]
-        bases = [t.data_ptr() for t in locals_]
-        barrier = threading.Barrier(world_size, timeout=timeout)
-        board: list = [None] * world_size
+        segments = simulated_segments(world_size, cfgs[0].region_offsets()[1], device, timeout)
         out = []
-        for rank, (cfg, local) in enumerate(zip(cfgs, locals_)):
+        for cfg, seg in zip(cfgs, segments):
             bufs = cls.__new__(cls)
-            bufs._setup(cfg, _SimulatedSegments(local, bases, barrier, rank, board))
+            bufs._setup(cfg, seg)
             out.append(bufs)
         return out
+
+    _CONFIG_FIELDS = ("rank, W, T_max, H, K, E, alignment, C, overflow, dtype, device type, payload dtype, group, "
+                      "num_sms")
 
     def _setup(self, cfg: _Config, segments: _Segments) -> None:
         self._cfg = cfg
@@ -254,7 +307,6 @@ class SymmBuffers(OpaqueBase):
         self._own_error: Optional[str] = None  # this rank's argument error, while it tells its peers
         # what the T * K error tells the caller to do; whoever makes the buffers for it may say it its way
         self.max_tokens_hint = "create SymmBuffers with a larger max_tokens_per_rank"
-        self._key: Optional[int] = None  # in _COMPILED, once compiled code names these buffers
         # NB: with every rank's segment address: compiled code with symm_mem's ops inlined holds the
         # address tables as constants, and AOTAutograd's cache keys a graph on this repr, not on
         # the constants (a hit in another process would run on that process's addresses).
@@ -287,53 +339,6 @@ class SymmBuffers(OpaqueBase):
         segments.setup_barrier()  # every rank's tags are -1 before any peer writes
         logger.info("%r: %.1f MiB per rank (%s)", self, segment_bytes / 2**20, type(segments).__name__)
 
-    # NB: an opaque value type (torch.compile embeds it as a constant, guarded on ``==``): equal
-    # only to itself, so two buffers never share one compiled graph (nor its recorded CUDA graph,
-    # which replays fixed addresses). The generated code names it by a key in _COMPILED, with
-    # its configuration, which the compile caches hash: a cached graph is reused only for
-    # buffers of the same configuration, and the lookup checks it.
-    def __eq__(self, other: object) -> bool:
-        return self is other
-
-    __hash__ = object.__hash__
-
-    def __fx_repr__(self) -> tuple[str, dict[str, type]]:
-        with _COMPILED_LOCK:
-            if self._key is None:
-                self._key = len(_COMPILED)
-                _COMPILED[self._key] = self
-        return f"SymmBuffers._compiled({self._key}, {self._config_key!r})", {"SymmBuffers": SymmBuffers}
-
-    @staticmethod
-    def _compiled(key: int, config_key: tuple) -> "SymmBuffers":
-        """The buffers that compiled code names (see ``__fx_repr__``)."""
-        bufs = _COMPILED.get(key)
-        if bufs is None or bufs._config_key != config_key:
-            raise RuntimeError(
-                f"compiled code names SymmBuffers #{key} with (rank, W, T_max, H, K, E, alignment, C, overflow, "
-                f"dtype, device type, payload dtype, group, num_sms, segment addresses) = {config_key}, but this "
-                f"process holds {'no such buffers' if bufs is None else bufs._config_key} (code from another "
-                "process's compile cache?)"
-            )
-        return bufs
-
-    # NB: a handle to memory that peers write: a copy would read buffers nobody writes. Graph
-    # modules deep-copy their attributes (seen with AOTAutograd's dynamic-shape path), so copies
-    # are the object itself.
-    def __copy__(self) -> "SymmBuffers":
-        return self
-
-    def __deepcopy__(self, memo: dict) -> "SymmBuffers":
-        return self
-
-    # NB: torch's compile caches pickle what they hash; torch 2.11's inductor wrote
-    # ``pickle.loads(<the object's bytes>)`` into the generated module for an opaque graph input
-    # (a GB-sized literal for a large segment, which then failed to import). Pickle the
-    # configuration, never the memory; a loaded copy would be memory no peer writes, so loading
-    # raises.
-    def __reduce__(self) -> tuple:
-        return _load_pickled_buffers, (list(self._config_key),)
-
     def __repr__(self) -> str:
         return (f"SymmBuffers(rank={self.rank}, world_size={self.world_size}, T_max={self.max_tokens_per_rank}, "
                 f"H={self.hidden}, K={self.top_k}, E={self.num_experts}, C={self.capacity}, "
@@ -349,16 +354,16 @@ _CONSTANT_MEMBERS = (
 )
 register_value_type(SymmBuffers, constant_members=_CONSTANT_MEMBERS)
 
-_COMPILED: dict[int, SymmBuffers] = {}
+_COMPILED: dict[int, PeerBuffers] = {}
 """Buffers that compiled code names, by key: held for the process."""
 _COMPILED_LOCK = threading.Lock()
 
 
-def _load_pickled_buffers(key: list) -> SymmBuffers:
+def _load_pickled_buffers(type_name: str, fields: str, key: list) -> PeerBuffers:
     raise RuntimeError(
-        f"SymmBuffers cannot be unpickled (pickled: rank, W, T_max, H, K, E, alignment, C, overflow, "
-        f"dtype, device type, payload dtype, group, num_sms, segment addresses = {key}): they are memory that the "
-        "group's peers write; create them collectively with alltoall_ops.SymmBuffers(...) in the process that uses them"
+        f"{type_name} cannot be unpickled (pickled: {fields}, segment addresses = {key}): they are memory that "
+        f"the group's peers write; create them collectively with alltoall_ops.{type_name}(...) in the process "
+        "that uses them"
     )
 
 

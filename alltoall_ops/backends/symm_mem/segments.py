@@ -67,6 +67,8 @@ class _Segments:
 
     local: torch.Tensor
     bases: list[int]
+    calls_1: torch.Tensor
+    """(1,) int64 on the segment's device: the barriers with ``advance`` so far (call numbers)."""
     device_ordered = True
     """Whether the barriers are device work (or nothing), so that an op's body is a sequence of
     kernels compiled code can launch with no Python between them (it is then inlined)."""
@@ -93,6 +95,7 @@ class _LocalSegments(_Segments):
     def __init__(self, nbytes: int, device: torch.device):
         self.local = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self.bases = [self.local.data_ptr()]
+        self.calls_1 = torch.zeros(1, dtype=torch.int64, device=device)
 
 
 class _SharedMemorySegments(_Segments):
@@ -124,13 +127,12 @@ class _SharedMemorySegments(_Segments):
         self.bases = [t.data_ptr() for t in peers]
         self._pads = [t[nbytes:].view(torch.int64).view(2, group.size) for t in peers]  # every rank's pads
         self._barriers = 0  # barriers passed: selects the pad
-        self._calls = 0  # metadata exchanges so far
+        self.calls_1 = torch.zeros(1, dtype=torch.int64)
 
     def barrier(self, op: int, call_1: torch.Tensor, advance: bool = False,
                 token: Optional[torch.Tensor] = None) -> None:
         if advance:
-            self._calls += 1
-            call_1.fill_(self._calls)
+            call_1.copy_(self.calls_1.add_(1))
         mine, i = stamp(op, int(call_1)), self._barriers % 2
         for pads in self._pads:
             pads[i, self._rank] = mine
@@ -179,9 +181,9 @@ class _CudaSymmetricSegments(_Segments):
                                   f"{exc}") from exc
         self.bases = list(self._handle.buffer_ptrs)
         self.pads_table = address_table(list(self._handle.signal_pad_ptrs), device)
-        self._calls_1 = torch.zeros(1, dtype=torch.int64, device=device)  # metadata exchanges so far
+        self.calls_1 = torch.zeros(1, dtype=torch.int64, device=device)
         # NB: compiled code holds the addresses (immutable) as constants, never the counter itself
-        self._calls_address = address_table([self._calls_1.data_ptr()], device)
+        self._calls_address = address_table([self.calls_1.data_ptr()], device)
 
     def barrier(self, op: int, call_1: torch.Tensor, advance: bool = False,
                 token: Optional[torch.Tensor] = None) -> None:
@@ -209,14 +211,14 @@ class _SimulatedSegments(_Segments):
         self.local, self.bases = local, bases
         self._barrier = barrier
         self._rank, self._board = rank, board  # board: one slot per rank, shared by the threads
-        self._calls_1 = torch.zeros(1, dtype=torch.int64, device=local.device)  # metadata exchanges so far
+        self.calls_1 = torch.zeros(1, dtype=torch.int64, device=local.device)
 
     device_ordered = False  # a thread barrier: Python between the kernels
 
     def barrier(self, op: int, call_1: torch.Tensor, advance: bool = False,
                 token: Optional[torch.Tensor] = None) -> None:
         if advance:
-            call_1.copy_(self._calls_1.add_(1))
+            call_1.copy_(self.calls_1.add_(1))
         self._barrier.wait()
 
     def gather_objects(self, obj: Any) -> list:
@@ -231,3 +233,24 @@ class _SimulatedSegments(_Segments):
 
     def abort(self) -> None:
         self._barrier.abort()
+
+
+def make_segments(nbytes: int, group: Group, device: torch.device, timeout: float,
+                  symmetric: bool = False) -> _Segments:
+    """This rank's segment of ``nbytes`` for ``group``: plain memory for one rank (unless
+    ``symmetric``: torch symmetric memory, a check of that path on a one-GPU host), the CPU
+    stand-in on the CPU, CUDA symmetric memory on a GPU."""
+    if group.size == 1 and not symmetric:
+        return _LocalSegments(nbytes, device)
+    if device.type == "cpu":
+        return _SharedMemorySegments(nbytes, group, timeout)
+    return _CudaSymmetricSegments(nbytes, group, device, timeout)
+
+
+def simulated_segments(world_size: int, nbytes: int, device: torch.device, timeout: float) -> list[_SimulatedSegments]:
+    """The segments of ``world_size`` simulated ranks on one device (one thread per rank)."""
+    locals_ = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(world_size)]
+    bases = [t.data_ptr() for t in locals_]
+    barrier = threading.Barrier(world_size, timeout=timeout)
+    board: list = [None] * world_size
+    return [_SimulatedSegments(local, bases, barrier, rank, board) for rank, local in enumerate(locals_)]
