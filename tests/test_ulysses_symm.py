@@ -1,0 +1,255 @@
+"""Ulysses through UlyssesBuffers (``buffers=``, backend symm_mem): the kernels in Triton's
+interpreter over the CPU shared-memory stand-in (gloo processes) and over simulated peers (one
+process, one thread per rank), against the process-group exchange and gathered references (exact,
+fp64, forward and gradients); errors on every rank; torch.compile; opcheck."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import alltoall_ops as a2a
+from alltoall_ops.backends.symm_mem import run_simulated
+from alltoall_ops.groups import NO_GROUP
+from alltoall_ops.inspect import compiled_graphs
+from alltoall_ops.ulysses import head_counts
+
+from .test_ulysses import _attention_inputs, _dense_gqa, _full, _shard
+
+OPS = torch.ops.alltoall_ops
+MAX_BYTES = 1 << 16
+
+_BUFFERS: dict = {}
+
+
+def _buffers(world_size: int) -> a2a.UlyssesBuffers:
+    """This rank's buffers of the pool's group (created collectively on first use, then reused:
+    every test leaves them in step)."""
+    if world_size not in _BUFFERS:
+        _BUFFERS[world_size] = a2a.UlyssesBuffers(MAX_BYTES)
+    return _BUFFERS[world_size]
+
+
+# --------------------------------------------------------------------------------------------
+# Rank functions (module level: they travel to the spawned ranks by reference)
+
+
+def run_exchange(rank, world_size, full_shape, seq_dim, head_dim, seed):
+    """seq_to_head and head_to_seq through the buffers against the process-group exchange:
+    outputs and gradients equal bit for bit. Returns seq_to_head's output shape."""
+    bufs, W = _buffers(world_size), world_size
+    full = _full(seed, full_shape)
+    heads = full_shape[head_dim]
+    x = _shard(full, seq_dim, rank, W).clone()
+    results = []
+    for buffers in (bufs, None):
+        x_in = x.clone().requires_grad_()
+        y = a2a.seq_to_head(x_in, seq_dim=seq_dim, head_dim=head_dim, buffers=buffers)
+        weights = _full(seed + 1 + rank, y.shape)  # so that the gradient is not x's own layout
+        z = a2a.head_to_seq(y * weights, seq_dim=seq_dim, head_dim=head_dim, num_heads=heads, buffers=buffers)
+        (grad,) = torch.autograd.grad(z, x_in, x)
+        results.append((y.detach(), z.detach(), grad))
+    (y, z, grad), (y_ref, z_ref, grad_ref) = results
+    assert torch.equal(y, y_ref) and torch.equal(z, z_ref) and torch.equal(grad, grad_ref)
+    assert torch.equal(y, _shard(full, head_dim, rank, W))  # every rank's chunk, this rank's heads
+    return tuple(y.shape)
+
+
+def run_exchange_cases(rank, world_size):
+    W = world_size
+    cases = [((2, 2 * W, 2 * W, 3), 1, 2), ((2, 3 * W, 5, 4), 1, 2), ((3, 2 * W + 1, W, 2), 2, 1),
+             ((2, W, 2, 4, 3), 1, 3), ((1, 2 * W, 1, 4), -3, -2), ((2, 3, W, 2 * W), 3, 2)]
+    return [run_exchange(rank, W, shape, s, h, 10 + i) for i, (shape, s, h) in enumerate(cases)]
+
+
+def run_attention(rank, world_size, heads_q, heads_kv, layout, is_causal):
+    """ulysses_attention with the buffers against the dense computation and against the call
+    without them: forward and gradients, fp64."""
+    W, bufs = world_size, _buffers(world_size)
+    seq = 1 if layout == "bshd" else 0
+    q, k, v = (_full(60 + i, (2, 2 * W, h, 3)) for i, h in enumerate((heads_q, heads_kv, heads_kv)))
+    upstream = _full(63, (2, 2 * W, heads_q, 3))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = _dense_gqa(*full, causal_window=2 * W if is_causal else None)
+    ref_grads = torch.autograd.grad(ref, full, upstream)
+
+    def to_layout(t):
+        return t if layout == "bshd" else t.transpose(0, 1).contiguous()
+
+    outs = []
+    for buffers in (bufs, None):
+        local = [_shard(to_layout(t), seq, rank, W).clone().requires_grad_() for t in (q, k, v)]
+        out = a2a.ulysses_attention(*local, is_causal=is_causal, layout=layout, buffers=buffers)
+        grads = torch.autograd.grad(out, local, _shard(to_layout(upstream), seq, rank, W))
+        outs.append((out.detach(), grads))
+    (out, grads), (out_ref, grads_ref) = outs
+    assert torch.equal(out, out_ref) and all(torch.equal(g, r) for g, r in zip(grads, grads_ref))
+    torch.testing.assert_close(out, _shard(to_layout(ref), seq, rank, W), rtol=1e-12, atol=1e-12)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, _shard(to_layout(r), seq, rank, W), rtol=1e-12, atol=1e-12)
+
+
+def _outcome(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test compares what each rank raised
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def run_errors(rank, world_size):
+    """What each rank raises when the ranks' pieces differ, or the stage is too small; then an
+    exchange in step still works (the buffers stay usable)."""
+    W, bufs = world_size, _buffers(world_size)
+    x = _full(80, (2, 2, 2 * W, 4))
+    longer = _full(81, (2, 3 if rank == W - 1 else 2, 2 * W, 4))
+    big = _full(82, (2, MAX_BYTES // 8, W, 2))  # 2 * MAX_BYTES / 8 * W * 2 elements of 8 bytes: too many
+    one_big = _full(83, (2, 2 if rank else MAX_BYTES // 8, W, 2))
+    outcomes = {
+        "shape": _outcome(lambda: a2a.seq_to_head(longer, buffers=bufs)),
+        "dtype": _outcome(lambda: a2a.seq_to_head(x.float() if rank == 0 else x, buffers=bufs)),
+        "capacity": _outcome(lambda: a2a.seq_to_head(big, buffers=bufs)),
+        "one too big": _outcome(lambda: a2a.seq_to_head(one_big, buffers=bufs)),
+        "type": _outcome(lambda: a2a.seq_to_head(x, buffers="bufs")),
+        "group": _outcome(lambda: a2a.seq_to_head(x, group=NO_GROUP, buffers=bufs)),
+    }
+    after = a2a.seq_to_head(x, buffers=bufs)
+    assert torch.equal(after, a2a.seq_to_head(x))
+    return outcomes
+
+
+def run_compiled(rank, world_size):
+    """Two exchanges and attention through the buffers under torch.compile(fullgraph=True): no graph
+    break, one node per exchange, the eager results and gradients; then other values, no recompile."""
+    W, bufs = world_size, _buffers(world_size)
+    torch._dynamo.reset()
+
+    def fn(x, q, k, v):
+        y = a2a.seq_to_head(x, buffers=bufs).sin()
+        o = a2a.ulysses_attention(q, k, v, is_causal=True, buffers=bufs)
+        return a2a.head_to_seq(y, num_heads=x.shape[2], buffers=bufs).sum() + o.square().sum()
+
+    def inputs(seed):
+        q, k, v, _ = _attention_inputs(W, seed, heads=3)
+        return [_shard(t, 1, rank, W).clone().requires_grad_() for t in (_full(seed + 9, (2, 2 * W, 3, 4)), q, k, v)]
+
+    eager_in = inputs(90)
+    eager_grads = torch.autograd.grad(fn(*eager_in), eager_in)
+    compiled_in = inputs(90)
+    graphs = compiled_graphs(fn, *compiled_in, loss=lambda out: out)
+    assert graphs.graph_breaks == 0
+    for g, ref in zip((t.grad for t in compiled_in), eager_grads):
+        torch.testing.assert_close(g, ref, rtol=1e-12, atol=1e-12)
+    counts = [graphs.comm_ops(which).count(f"alltoall_ops.{op}") for which in ("forward", "backward")
+              for op in ("symm_seq_to_head", "symm_head_to_seq")]
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    compiled(*inputs(92))
+    fresh = inputs(91)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = compiled(*fresh)
+    torch.testing.assert_close(got, fn(*fresh), rtol=1e-12, atol=1e-12)
+    return counts
+
+
+def run_opcheck(rank, world_size):
+    bufs = _buffers(world_size)
+    x = _full(100 + rank, (2, 3, 2 * world_size + 1, 4)).requires_grad_()
+    torch.library.opcheck(OPS.symm_seq_to_head.default, ([x, x.detach()[..., :2].clone().requires_grad_()], bufs,
+                                                         1, 2, []))
+    n = 2 * world_size + 1
+    h = _shard(_full(110, (2, 2 * world_size, n, 4)), 2, rank, world_size).clone().requires_grad_()
+    torch.library.opcheck(OPS.symm_head_to_seq.default, ([h], bufs, 1, 2, [n], []))
+
+
+# --------------------------------------------------------------------------------------------
+# Tests
+
+
+@pytest.mark.parametrize("pool", [2, 4], indirect=True)
+def test_exchange_matches_process_group_exchange(pool):
+    W = pool.world_size
+    shapes = pool.run(run_exchange_cases)
+    assert shapes[0][0] == (2, 2 * W, 2, 3)  # even heads: 2 a rank
+    assert [s[1][2] for s in shapes] == head_counts(5, W)  # uneven: the first 5 % W ranks one more
+    assert [s[3][3] for s in shapes] == head_counts(4, W)  # 5-D, seq and head dims apart
+
+
+@given(B=st.integers(1, 2), s=st.integers(1, 3), heads=st.integers(1, 7), D=st.integers(1, 5),
+       head_first=st.booleans())
+def test_exchange_property(pool2, B, s, heads, D, head_first):
+    shape, seq_dim, head_dim = ((B, heads, 2 * s, D), 2, 1) if head_first else ((B, 2 * s, heads, D), 1, 2)
+    pool2.run(run_exchange, shape, seq_dim, head_dim, s * 31 + heads)
+
+
+@pytest.mark.parametrize("heads_q, heads_kv, layout, is_causal",
+                         [(4, 4, "bshd", True), (5, 5, "sbhd", False), (4, 2, "bshd", False), (4, 1, "sbhd", True)])
+def test_attention_matches_dense_and_process_group(pool2, heads_q, heads_kv, layout, is_causal):
+    pool2.run(run_attention, heads_q, heads_kv, layout, is_causal)
+
+
+def test_attention_on_four_ranks(pool4):
+    pool4.run(run_attention, 4, 2, "bshd", True)
+    pool4.run(run_attention, 6, 6, "bshd", False)  # 6 heads over 4 ranks: 2, 2, 1, 1
+
+
+def test_errors_on_every_rank(pool2):
+    outcomes = pool2.run(run_errors)
+    for o in outcomes:
+        assert o["shape"][0] == "GroupMismatchError" and "disagree on shape" in o["shape"][1], o["shape"]
+        assert o["dtype"][0] == "GroupMismatchError" and "disagree on dtype" in o["dtype"][1], o["dtype"]
+        assert o["capacity"][0] == "CapacityError" and "UlyssesBuffers hold 65536" in o["capacity"][1]
+        assert o["one too big"][0] == "GroupMismatchError", o["one too big"]
+        assert o["type"][0] == "TypeError" and "UlyssesBuffers" in o["type"][1]
+        assert o["group"][0] == "ValueError" and "group" in o["group"][1]
+    # every rank names the same disagreement (after where it is: "... (rank r of W): ...")
+    assert len({o["shape"][1].split("): ", 1)[1] for o in outcomes}) == 1
+
+
+def test_compiled_one_node_per_exchange(pool2):
+    counts = pool2.run(run_compiled)
+    # forward: q/k/v + x seq_to_head (2), o + y head_to_seq (2); backward: each the other
+    assert counts[0] == [2, 2, 2, 2]
+
+
+def test_opcheck(pool2):
+    pool2.run(run_opcheck)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_simulated_peers_match_reference(world_size):
+    """Simulated ranks (threads, one process): seq_to_head against the gathered reference, its
+    round trip and gradient, on uneven heads."""
+    W, heads = world_size, 2 * world_size - 1
+    bufs = a2a.UlyssesBuffers.simulated(W, MAX_BYTES, device="cpu")
+    full = _full(120, (2, 2 * W, heads, 3))
+
+    def body(rank, b):
+        x = _shard(full, 1, rank, W).clone().requires_grad_()
+        y = a2a.seq_to_head(x, buffers=b)
+        z = a2a.head_to_seq(y * 3, num_heads=heads, buffers=b)
+        (grad,) = torch.autograd.grad(z, x, torch.ones_like(z))
+        return y.detach(), z.detach(), grad
+
+    for rank, (y, z, grad) in enumerate(run_simulated(body, bufs)):
+        assert torch.equal(y, _shard(full, 2, rank, W))
+        assert torch.equal(z, 3 * _shard(full, 1, rank, W))
+        assert torch.equal(grad, torch.full_like(grad, 3.0))
+
+
+def test_bytes_for_fits_attention():
+    need = a2a.UlyssesBuffers.bytes_for([(2, 8, 5, 64)] * 3, torch.bfloat16, 2)
+    assert need == 3 * 2 * 8 * 6 * 64 * 2  # 5 heads padded to 6 (the backward's 3 heads a rank, twice)
+    with pytest.raises(ValueError, match="max_bytes"):
+        a2a.UlyssesBuffers(0)
+
+
+def test_one_rank_is_a_copy():
+    bufs = a2a.UlyssesBuffers(MAX_BYTES, group=NO_GROUP, device="cpu")
+    x = _full(130, (2, 4, 3, 2))
+    y = a2a.seq_to_head(x, buffers=bufs)
+    assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
+    with pytest.raises(ValueError, match="x: the buffers are on cpu"):
+        a2a.seq_to_head(x.to("meta"), buffers=bufs)
