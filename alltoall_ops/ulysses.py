@@ -581,7 +581,8 @@ def ulysses_attention(
 
     buffers: :class:`UlyssesBuffers` (backend symm_mem): both exchanges run as kernels over them
     (q, k, v in one), in their group, with no host sync; size them with
-    ``UlyssesBuffers.bytes_for([q.shape, k.shape, v.shape], q.dtype, W)``."""
+    ``UlyssesBuffers.bytes_for([q.shape, k.shape, v.shape], q.dtype, W)`` (GQA with fewer kv heads
+    than ranks: k and v with W heads, as they move)."""
     grp = _group_or_buffers("ulysses_attention", group, buffers, q)
     checks = grp.name if buffers is None else LOCAL
     _checked("seq_to_head", checks, _check_qkv, q, k, v, grp.size, layout, attn_fn, is_causal, scale)

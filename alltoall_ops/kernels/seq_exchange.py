@@ -41,12 +41,13 @@ HEADER_WORDS = 8
 HEADER_BYTES = HEADER_WORDS * 8
 STAGE_START = 256
 """Byte offset of stage slot 0 in a segment (past the two header slots)."""
+_HEADER_WORDS, _HEADER_BYTES, _STAGE_START = (tl.constexpr(n) for n in (HEADER_WORDS, HEADER_BYTES, STAGE_START))
 
 
 @triton.jit
 def _stage_ptr(segment, parity, slot_bytes, offset_bytes, ELEMENT: tl.constexpr):
     """The stage slot ``parity`` of the segment at address ``segment``, ``offset_bytes`` in."""
-    return (segment + STAGE_START + parity * slot_bytes + offset_bytes).to(tl.pointer_type(ELEMENT))
+    return (segment + _STAGE_START + parity * slot_bytes + offset_bytes).to(tl.pointer_type(ELEMENT))
 
 
 @triton.jit(do_not_specialize=["rank", "slot_bytes", "offset_bytes", "P", "D1", "M", "D2", "Q", "off", "n",
@@ -60,7 +61,7 @@ def _post_kernel(x_ptr, table_ptr, calls_ptr, rank, slot_bytes, offset_bytes, P,
     segment = tl.load(table_ptr + rank)
     if WRITE_HEADER:
         if (pid == 0) & (tl.program_id(1) == 0):
-            header = (segment + parity * HEADER_BYTES).to(tl.pointer_type(tl.int64))
+            header = (segment + parity * _HEADER_BYTES).to(tl.pointer_type(tl.int64))
             tl.store(header + 0, k0)
             tl.store(header + 1, tl.load(calls_ptr) + 1)
             tl.store(header + 2, k1)
@@ -94,12 +95,12 @@ def _gather_kernel(x_ptr, out_ptr, table_ptr, call_ptr, failed_ptr, headers_ptr,
     pid, programs, q = tl.program_id(0), tl.num_programs(0), tl.program_id(1)
     parity = tl.load(call_ptr) & 1
     segment = tl.load(table_ptr + q)
-    words = tl.arange(0, HEADER_WORDS)
-    mine = tl.load((tl.load(table_ptr + rank) + parity * HEADER_BYTES).to(tl.pointer_type(tl.int64)) + words)
-    theirs = tl.load((segment + parity * HEADER_BYTES).to(tl.pointer_type(tl.int64)) + words)
+    words = tl.arange(0, _HEADER_WORDS)
+    mine = tl.load((tl.load(table_ptr + rank) + parity * _HEADER_BYTES).to(tl.pointer_type(tl.int64)) + words)
+    theirs = tl.load((segment + parity * _HEADER_BYTES).to(tl.pointer_type(tl.int64)) + words)
     differs = tl.max((mine != theirs).to(tl.int32), axis=0)
     if pid == 0:
-        tl.store(headers_ptr + q * HEADER_WORDS + words, theirs)
+        tl.store(headers_ptr + q * _HEADER_WORDS + words, theirs)
         if differs != 0:
             tl.atomic_or(failed_ptr, 1)
     if ASSERT_CHECKS:

@@ -1,0 +1,179 @@
+"""Ulysses on one GPU: the exchange alone and attention forward + backward, ours against the
+DeepSpeed-style exchange, with the copy floor, in interleaved rounds.
+
+    python -m benchmarks.ulysses --out $OUT                  # (1, 4096, 32, 128), (1, 32768, 32, 128) bf16
+    python -m benchmarks.ulysses --smoke                     # every path on the CPU, tiny shapes
+
+Shapes are the global (B, S, H, D) of q, k and v; each of the W ranks holds S / W positions.
+Rows (per shape):
+
+- ``seq_to_head q/k/v``: the forward exchange of q, k and v (one call: ``seq_to_head`` of each,
+  or ``ulysses_attention``'s one exchange of the three):
+  - ``deepspeed.w1``: what DeepSpeed's ``_SeqAllToAll`` does, on a one-rank NCCL group: permute
+    each tensor into (W, ...) pieces, ``all_to_all_single``, permute back (3 copies a tensor);
+  - ``collective.w1``: ours on the same group (one rank: a copy of each tensor);
+  - ``symm.wW.sim``: ours through ``UlyssesBuffers.simulated`` (W ranks on this GPU, one thread
+    each; the time covers every rank's exchange, W times one rank's bytes);
+  - ``copy floor``: one ``copy_`` of the bytes every rank posts (all ranks' q, k and v: one read
+    and one write of each byte), the least any exchange can move them in; ``/ floor`` divides by it.
+- ``attention fwd+bwd``: ``ulysses_attention`` (causal SDPA, bf16) forward and backward with the
+  same backends; ``deepspeed.w1`` runs DeepSpeed's exchange around the same SDPA. ``sdpa`` is the
+  attention alone on the gathered tensors (no exchange).
+
+W = 1 rows run the same attention work on one rank; simulated rows split it over W ranks that run
+one after another on the one GPU, so their time is the whole group's work. What only NVLink can
+show (the link's bandwidth, the barrier's latency across GPUs) is not here. Each round times every
+row once, in a fresh order; a row reports the median over rounds (CUDA events,
+``triton.testing.do_bench`` medians) and its spread. Writes ``ulysses_{gpu,smoke}.json`` / ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+import alltoall_ops as a2a
+from alltoall_ops.backends.symm_mem import run_simulated
+from alltoall_ops.testing import timer
+from alltoall_ops.ulysses import symm_seq_to_head_op
+
+SHAPES = {"4096": (1, 4096, 32, 128), "32768": (1, 32768, 32, 128)}
+SMOKE_SHAPES = {"4096": (1, 8, 4, 8)}
+
+
+class _SeqAllToAll(torch.autograd.Function):
+    """DeepSpeed's exchange (``deepspeed.sequence.layer._SeqAllToAll``, written again here for a
+    group of W ranks): scatter ``scatter_dim``, gather ``gather_dim``, permute + all_to_all_single
+    + permute; the backward is the exchange back."""
+
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim, gather_dim):
+        ctx.args = (group, gather_dim, scatter_dim)
+        W = dist.get_world_size(group)
+        pieces = x.unflatten(scatter_dim, (W, -1)).movedim(scatter_dim, 0).contiguous()  # permute
+        out = torch.empty_like(pieces)
+        dist.all_to_all_single(out, pieces, group=group)
+        return torch.cat(out.unbind(0), dim=gather_dim).contiguous()  # permute back
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _SeqAllToAll.apply(grad, *ctx.args), None, None, None
+
+
+def _sdpa(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)
+
+
+def _deepspeed_attention(q, k, v, group):
+    q, k, v = (_SeqAllToAll.apply(t, group, 2, 1) for t in (q, k, v))
+    return _SeqAllToAll.apply(_sdpa(q, k, v), group, 1, 2)
+
+
+def cases(shape: tuple, device: torch.device, worlds: list[int]) -> dict[str, tuple[Callable, float]]:
+    """Row name -> (step, bytes moved per step: what the copy floor moves)."""
+    B, S, H, D = shape
+    dtype = torch.bfloat16
+    qkv = [torch.randn(shape, device=device, dtype=dtype) for _ in range(3)]
+    upstream = torch.randn(shape, device=device, dtype=dtype)
+    group = dist.group.WORLD
+    nbytes = 3 * qkv[0].numel() * qkv[0].element_size()
+    floor_src = torch.cat([t.flatten() for t in qkv])
+    floor_dst = torch.empty_like(floor_src)
+    out: dict[str, tuple[Callable, float]] = {}
+    out["seq_to_head q/k/v copy floor"] = (lambda: floor_dst.copy_(floor_src), nbytes)
+    out["seq_to_head q/k/v deepspeed.w1"] = (lambda: [_SeqAllToAll.apply(t, group, 2, 1) for t in qkv], nbytes)
+    out["seq_to_head q/k/v collective.w1"] = (lambda: [a2a.seq_to_head(t, group) for t in qkv], nbytes)
+    leaves = [t.clone().requires_grad_() for t in qkv]
+
+    def attention_step(fn):
+        def step():
+            for t in leaves:
+                t.grad = None
+            fn(*leaves).backward(upstream)
+        return step
+
+    out["attention fwd+bwd sdpa"] = (attention_step(_sdpa), nbytes)
+    out["attention fwd+bwd deepspeed.w1"] = (attention_step(lambda q, k, v: _deepspeed_attention(q, k, v, group)),
+                                             nbytes)
+    out["attention fwd+bwd collective.w1"] = (attention_step(lambda q, k, v: a2a.ulysses_attention(
+        q, k, v, group, is_causal=True)), nbytes)
+    for W in worlds:
+        bufs = a2a.UlyssesBuffers.simulated(W, a2a.UlyssesBuffers.bytes_for([(B, S // W, H, D)] * 3, dtype, W),
+                                            device=device)
+        local = [[t.narrow(1, r * (S // W), S // W).contiguous() for t in qkv] for r in range(W)]
+        local_up = [upstream.narrow(1, r * (S // W), S // W).contiguous() for r in range(W)]
+        leaves_w = [[t.clone().requires_grad_() for t in ts] for ts in local]
+
+        def qkv_together(rank, b, local=local):  # the one exchange of ulysses_attention's forward
+            return symm_seq_to_head_op(local[rank], b, 1, 2, [])
+
+        def attention(rank, b, leaves_w=leaves_w, local_up=local_up):
+            for t in leaves_w[rank]:
+                t.grad = None
+            a2a.ulysses_attention(*leaves_w[rank], is_causal=True, buffers=b).backward(local_up[rank])
+
+        out[f"seq_to_head q/k/v symm.w{W}.sim"] = (lambda b=bufs, f=qkv_together: run_simulated(f, b), nbytes)
+        out[f"attention fwd+bwd symm.w{W}.sim"] = (lambda b=bufs, f=attention: run_simulated(f, b), nbytes)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None, help="folder for ulysses_{gpu,smoke}.json / .md")
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--worlds", nargs="*", type=int, default=[2, 4], help="simulated world sizes")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (times mean nothing)")
+    args = parser.parse_args(argv)
+    device = torch.device("cpu" if args.smoke else "cuda")
+    if not dist.is_initialized():
+        gpu = {} if args.smoke else {"device_id": torch.device("cuda", torch.cuda.current_device())}
+        dist.init_process_group("gloo" if args.smoke else "nccl", store=dist.HashStore(), rank=0, world_size=1, **gpu)
+    shapes = SMOKE_SHAPES if args.smoke else {k: SHAPES[k] for k in args.shapes}
+    rounds = 1 if args.smoke else args.rounds
+    time_us = timer(device)
+    results = []
+    for shape in shapes.values():
+        rows = cases(shape, device, args.worlds)
+        samples: dict[str, list[float]] = {row: [] for row in rows}
+        for r in range(rounds):
+            order = list(rows)
+            random.Random(r).shuffle(order)
+            for row in order:
+                samples[row].append(time_us(rows[row][0]))
+                print(f"{shape} round {r + 1}/{rounds} {row:40s} {samples[row][-1]:10.1f} us", flush=True)
+        floor = statistics.median(samples["seq_to_head q/k/v copy floor"])
+        base = statistics.median(samples["attention fwd+bwd deepspeed.w1"])
+        for row, values in samples.items():
+            us = statistics.median(values)
+            ref = floor if row.startswith("seq_to_head") else base
+            results.append(dict(shape=list(shape), row=row, us=round(us, 1), min_us=round(min(values), 1),
+                                max_us=round(max(values), 1), ratio=round(us / ref, 3),
+                                gb_s=round(rows[row][1] / us / 1e3, 1) if row.startswith("seq_to_head") else None))
+    lines = [f"# Ulysses on one {'CPU (smoke)' if args.smoke else torch.cuda.get_device_name()}, bf16, "
+             f"{rounds} rounds", "",
+             "| shape (B, S, H, D) | row | us (median) | min-max | / floor (exchange) or / deepspeed.w1 (attention) "
+             "| GB/s |", "|---|---|---|---|---|---|"]
+    lines += [f"| {tuple(r['shape'])} | {r['row']} | {r['us']} | {r['min_us']}-{r['max_us']} | {r['ratio']:.2f}x | "
+              f"{r['gb_s'] if r['gb_s'] is not None else ''} |" for r in results]
+    print("\n".join(lines))
+    if args.out:
+        tag = "smoke" if args.smoke else "gpu"
+        with open(os.path.join(args.out, f"ulysses_{tag}.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        with open(os.path.join(args.out, f"ulysses_{tag}.md"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
