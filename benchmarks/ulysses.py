@@ -21,7 +21,10 @@ Rows (per shape):
   attention alone on the gathered tensors (no exchange).
 
 W = 1 rows run the same attention work on one rank; simulated rows split it over W ranks that run
-one after another on the one GPU, so their time is the whole group's work. What only NVLink can
+one after another on the one GPU, so their time is the whole group's work; they run
+``ulysses_attention``'s exchanges and attention phase by phase
+(``testing.simulated_ulysses_attention``: PyTorch's autograd engine runs CUDA backwards on one
+device thread, where the simulated ranks' threads would wait for each other). What only NVLink can
 show (the link's bandwidth, the barrier's latency across GPUs) is not here. Each round times every
 row once, in a fresh order; a row reports the median over rounds (CUDA events,
 ``triton.testing.do_bench`` medians) and its spread. Writes ``ulysses_{gpu,smoke}.json`` / ``.md``.
@@ -41,7 +44,7 @@ import torch.distributed as dist
 
 import alltoall_ops as a2a
 from alltoall_ops.backends.symm_mem import run_simulated
-from alltoall_ops.testing import timer
+from alltoall_ops.testing import simulated_ulysses_attention, timer
 from alltoall_ops.ulysses import symm_seq_to_head_op
 
 SHAPES = {"4096": (1, 4096, 32, 128), "32768": (1, 32768, 32, 128)}
@@ -110,18 +113,15 @@ def cases(shape: tuple, device: torch.device, worlds: list[int]) -> dict[str, tu
                                             device=device)
         local = [[t.narrow(1, r * (S // W), S // W).contiguous() for t in qkv] for r in range(W)]
         local_up = [upstream.narrow(1, r * (S // W), S // W).contiguous() for r in range(W)]
-        leaves_w = [[t.clone().requires_grad_() for t in ts] for ts in local]
 
         def qkv_together(rank, b, local=local):  # the one exchange of ulysses_attention's forward
             return symm_seq_to_head_op(local[rank], b, 1, 2, [])
 
-        def attention(rank, b, leaves_w=leaves_w, local_up=local_up):
-            for t in leaves_w[rank]:
-                t.grad = None
-            a2a.ulysses_attention(*leaves_w[rank], is_causal=True, buffers=b).backward(local_up[rank])
+        def attention(b=bufs, local=local, local_up=local_up):
+            simulated_ulysses_attention(b, local, local_up)
 
         out[f"seq_to_head q/k/v symm.w{W}.sim"] = (lambda b=bufs, f=qkv_together: run_simulated(f, b), nbytes)
-        out[f"attention fwd+bwd symm.w{W}.sim"] = (lambda b=bufs, f=attention: run_simulated(f, b), nbytes)
+        out[f"attention fwd+bwd symm.w{W}.sim"] = (attention, nbytes)
     return out
 
 

@@ -14,6 +14,7 @@ import alltoall_ops as a2a
 from alltoall_ops.backends.symm_mem import run_simulated
 from alltoall_ops.groups import NO_GROUP
 from alltoall_ops.inspect import compiled_graphs
+from alltoall_ops.testing import simulated_ulysses_attention
 from alltoall_ops.ulysses import head_counts
 
 from .test_ulysses import _attention_inputs, _dense_gqa, _full, _shard
@@ -253,3 +254,21 @@ def test_one_rank_is_a_copy():
     assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
     with pytest.raises(ValueError, match="x: the buffers are on cpu"):
         a2a.seq_to_head(x.to("meta"), buffers=bufs)
+
+
+def test_simulated_attention_phase_by_phase():
+    """testing.simulated_ulysses_attention (what the GPU tests and benchmark run on simulated ranks)
+    against dense attention, GQA."""
+    W, B, S, D = 2, 2, 8, 3
+    q, k, v = (_full(140 + i, (B, S, h, D)) for i, h in enumerate((4, 2, 2)))
+    upstream = _full(143, (B, S, 4, D))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = _dense_gqa(*full, causal_window=S)
+    ref_grads = torch.autograd.grad(ref, full, upstream)
+    bufs = a2a.UlyssesBuffers.simulated(W, MAX_BYTES, device="cpu")
+    local = [[_shard(t, 1, r, W).contiguous() for t in (q, k, v)] for r in range(W)]
+    results = simulated_ulysses_attention(bufs, local, [_shard(upstream, 1, r, W).contiguous() for r in range(W)])
+    for rank, (out, grads) in enumerate(results):
+        torch.testing.assert_close(out, _shard(ref, 1, rank, W), rtol=1e-12, atol=1e-12)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, _shard(r, 1, rank, W), rtol=1e-12, atol=1e-12)
