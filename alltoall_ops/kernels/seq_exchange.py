@@ -46,11 +46,15 @@ _HEADER_WORDS, _HEADER_BYTES, _STAGE_START = (tl.constexpr(n) for n in (HEADER_W
 
 @triton.jit
 def _stage_ptr(segment, parity, slot_bytes, offset_bytes, ELEMENT: tl.constexpr):
-    """The stage slot ``parity`` of the segment at address ``segment``, ``offset_bytes`` in."""
-    return (segment + _STAGE_START + parity * slot_bytes + offset_bytes).to(tl.pointer_type(ELEMENT))
+    """The stage slot ``parity`` of the segment at address ``segment``, ``offset_bytes`` in (256-byte
+    aligned: segments are, and so are the slots and the tensors in them)."""
+    return tl.multiple_of((segment + _STAGE_START + parity * slot_bytes + offset_bytes).to(tl.pointer_type(ELEMENT)),
+                          16)
 
 
-@triton.jit(do_not_specialize=["rank", "slot_bytes", "offset_bytes", "P", "D1", "M", "D2", "Q", "off", "n",
+# NB: Q (the row length) stays specialised: its divisibility by 16 is what lets Triton vectorise the
+# rows' loads and stores; the other sizes are not, so that shapes do not each compile a kernel.
+@triton.jit(do_not_specialize=["rank", "slot_bytes", "offset_bytes", "P", "D1", "M", "D2", "off", "n",
                                "k0", "k1", "k2", "k3", "k4", "k5", "k6"])
 def _post_kernel(x_ptr, table_ptr, calls_ptr, rank, slot_bytes, offset_bytes, P, D1, M, D2, Q, off, n,
                  k0, k1, k2, k3, k4, k5, k6,
@@ -86,7 +90,7 @@ def _post_kernel(x_ptr, table_ptr, calls_ptr, rank, slot_bytes, offset_bytes, P,
             tl.store(stage + at, tl.load(x_ptr + at, mask=mask), mask=mask)
 
 
-@triton.jit(do_not_specialize=["rank", "slot_bytes", "offset_bytes", "P", "M", "Q", "n", "off", "L", "base",
+@triton.jit(do_not_specialize=["rank", "slot_bytes", "offset_bytes", "P", "M", "n", "off", "L", "base",
                                "extra", "total"])
 def _gather_kernel(x_ptr, out_ptr, table_ptr, call_ptr, failed_ptr, headers_ptr, rank, slot_bytes, offset_bytes,
                    P, M, Q, n, off, L, base, extra, total,
