@@ -450,24 +450,30 @@ def host_us(fn: Callable[[], object], n: int = 20, warmup: int = 1) -> float:
     return us
 
 
-def simulated_ulysses_attention(buffers: list, qkv: list, upstream: list, is_causal: bool = True) -> list:
+def simulated_ulysses_attention(buffers: list, qkv: list, upstream: list, is_causal: bool = True,
+                                stream: Any = None) -> list:
     """``ulysses_attention`` forward and backward on simulated ranks (``UlyssesBuffers.simulated``),
     phase by phase: every exchange in the ranks' threads, each rank's attention and its backward in
     this thread. (PyTorch's autograd engine runs every backward on a CUDA device in one device
     thread, where simulated ranks' exchanges would wait for each other forever.) The same
     exchanges and attention as the op: q, k, v in one exchange, o back, o's gradient, then q, k and
     v's gradients in one. qkv[r]: rank r's (q, k, v), (B, S/W, heads, D), k and v with heads
-    divisible by W; upstream[r]: the gradient of its output. Returns per rank
+    divisible by W; upstream[r]: the gradient of its output; stream: the ranks' stream (a
+    capturing one: the whole step in one CUDA graph). Returns per rank
     ``(out, (grad_q, grad_k, grad_v))``."""
     from .backends.symm_mem import run_simulated
     from .ulysses import _sdpa, symm_head_to_seq_op, symm_seq_to_head_op
 
     heads = [t.shape[2] for t in qkv[0]]
-    gathered = run_simulated(lambda r, b: symm_seq_to_head_op(list(qkv[r]), b, 1, 2, []), buffers)
+
+    def exchange(fn: Callable) -> list:
+        return run_simulated(fn, buffers, stream=stream)
+
+    gathered = exchange(lambda r, b: symm_seq_to_head_op(list(qkv[r]), b, 1, 2, []))
     leaves = [[t.requires_grad_() for t in ts] for ts in gathered]
     local = [_sdpa(*ts, "bshd", is_causal, None) for ts in leaves]
-    outs = run_simulated(lambda r, b: symm_head_to_seq_op([local[r].detach()], b, 1, 2, heads[:1], [])[0], buffers)
-    grad_local = run_simulated(lambda r, b: symm_seq_to_head_op([upstream[r]], b, 1, 2, [])[0], buffers)
+    outs = exchange(lambda r, b: symm_head_to_seq_op([local[r].detach()], b, 1, 2, heads[:1], [])[0])
+    grad_local = exchange(lambda r, b: symm_seq_to_head_op([upstream[r]], b, 1, 2, [])[0])
     local_grads = [torch.autograd.grad(o, ts, g) for o, ts, g in zip(local, leaves, grad_local)]
-    grads = run_simulated(lambda r, b: symm_head_to_seq_op(list(local_grads[r]), b, 1, 2, heads, []), buffers)
+    grads = exchange(lambda r, b: symm_head_to_seq_op(list(local_grads[r]), b, 1, 2, heads, []))
     return list(zip(outs, grads))

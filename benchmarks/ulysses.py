@@ -13,7 +13,10 @@ Rows (per shape):
     each tensor into (W, ...) pieces, ``all_to_all_single``, permute back (3 copies a tensor);
   - ``collective.w1``: ours on the same group (one rank: a copy of each tensor);
   - ``symm.wW.sim``: ours through ``UlyssesBuffers.simulated`` (W ranks on this GPU, one thread
-    each; the time covers every rank's exchange, W times one rank's bytes);
+    each; the time covers every rank's exchange, W times one rank's bytes, and every rank's host
+    work, one after another in this process); ``.graph``: the same captured in one CUDA graph and
+    replayed (``bench.Captured``): the device's time alone, what W processes each issuing their
+    own rank's work would approach;
   - ``copy floor``: one ``copy_`` of the bytes every rank posts (all ranks' q, k and v: one read
     and one write of each byte), the least any exchange can move them in; ``/ floor`` divides by it.
 - ``attention fwd+bwd``: ``ulysses_attention`` (causal SDPA, bf16) forward and backward with the
@@ -24,7 +27,8 @@ W = 1 rows run the same attention work on one rank; simulated rows split it over
 one after another on the one GPU, so their time is the whole group's work; they run
 ``ulysses_attention``'s exchanges and attention phase by phase
 (``testing.simulated_ulysses_attention``: PyTorch's autograd engine runs CUDA backwards on one
-device thread, where the simulated ranks' threads would wait for each other). What only NVLink can
+device thread, where the simulated ranks' threads would wait for each other); ``.graph``: the
+whole step captured in one CUDA graph and replayed. What only NVLink can
 show (the link's bandwidth, the barrier's latency across GPUs) is not here. Each round times every
 row once, in a fresh order; a row reports the median over rounds (CUDA events,
 ``triton.testing.do_bench`` medians) and its spread. Writes ``ulysses_{gpu,smoke}.json`` / ``.md``.
@@ -46,6 +50,8 @@ import alltoall_ops as a2a
 from alltoall_ops.backends.symm_mem import run_simulated
 from alltoall_ops.testing import simulated_ulysses_attention, timer
 from alltoall_ops.ulysses import symm_seq_to_head_op
+
+from .bench import Captured
 
 SHAPES = {"4096": (1, 4096, 32, 128), "32768": (1, 32768, 32, 128)}
 SMOKE_SHAPES = {"4096": (1, 8, 4, 8)}
@@ -117,11 +123,16 @@ def cases(shape: tuple, device: torch.device, worlds: list[int]) -> dict[str, tu
         def qkv_together(rank, b, local=local):  # the one exchange of ulysses_attention's forward
             return symm_seq_to_head_op(local[rank], b, 1, 2, [])
 
-        def attention(b=bufs, local=local, local_up=local_up):
-            simulated_ulysses_attention(b, local, local_up)
+        def attention(b=bufs, local=local, local_up=local_up, stream=None):
+            return simulated_ulysses_attention(b, local, local_up, stream=stream)
 
         out[f"seq_to_head q/k/v symm.w{W}.sim"] = (lambda b=bufs, f=qkv_together: run_simulated(f, b), nbytes)
+        graph = Captured(lambda stream, b=bufs, f=qkv_together: run_simulated(f, b, stream=stream),
+                         device.type == "cuda", relaxed=True)
+        out[f"seq_to_head q/k/v symm.w{W}.sim.graph"] = (graph.replay, nbytes)
         out[f"attention fwd+bwd symm.w{W}.sim"] = (attention, nbytes)
+        graph = Captured(lambda stream, f=attention: f(stream=stream), device.type == "cuda", relaxed=True)
+        out[f"attention fwd+bwd symm.w{W}.sim.graph"] = (graph.replay, nbytes)
     return out
 
 
