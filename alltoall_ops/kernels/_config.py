@@ -106,7 +106,7 @@ GPU_BLOCKS: dict[str, tuple[int, int, int]] = {
     "topk_reduce": (2, 1024, 8),
     "pull_rows": (4, 2048, 8),
     "weight_grad": (1, 4096, 8),
-    "seq_pieces": (32, 1024, 4),  # Ulysses rows of Q = D elements: 32 rows of 256 B (bf16, D = 128)
+    "seq_pieces": (2, 2048, 8),  # Ulysses rows: a rank's heads of a position (h * D elements)
 }
 """(BLOCK_R, BLOCK_H for 2-byte elements, num_warps) of each kernel on a GPU; measured on one H200
 with ``tools/tune_kernels.py`` (docs/benchmarks.md has the sweep). Wider elements get
@@ -117,7 +117,7 @@ BUDGET_BLOCKS: dict[str, tuple[int, int, int]] = {
     "topk_reduce": (8, 2048, 32),
     "pull_rows": (32, 2048, 32),
     "weight_grad": (8, 2048, 16),
-    "seq_pieces": (64, 1024, 16),
+    "seq_pieces": (8, 2048, 16),
 }
 """The same under an SM budget (``max_programs``): one program per SM, so each program holds an
 SM's worth of bytes in flight (32-128 KB a step, 32 warps) instead of a small tile among many on

@@ -14,6 +14,12 @@ stride + send position``, -1: no row), the row's index in its source's rows, and
 bits of one value of the accumulation dtype, 0 without a scale)."""
 
 
+SEQ_HEADER_WORDS = 8
+"""int64 words of a Ulysses exchange's header in a UlyssesBuffers segment (``kernels/seq_exchange.py``)."""
+SEQ_STAGE_START = 256
+"""Byte offset of the first stage slot in a UlyssesBuffers segment, past its two header slots."""
+
+
 class Region(NamedTuple):
     """A contiguous (rows, columns) array of ``dtype`` named by its address: ``table[index]``
     (an int64 on the device) holds its base. Kernels reach the symm_mem buffers this way, so that

@@ -11,15 +11,19 @@ and ``L`` along split; this rank (``rank``) takes split positions ``[off, off + 
 
 Reference semantics, with ``stage[q]`` rank q's posted tensor and CAT_FIRST (cat is D1)::
 
-    post:    stage[rank] = x, but the rows whose split index is in [off, off + n) (read from x)
+    post:    stage[rank] = x, but its split positions [off, off + n) (its gather reads them from x)
     gather:  for q in range(W): for p, i, m, j in P x c_q x M x n:
                  out[p, coff_q + i, m, j] = (x if q == rank else stage[q])[p, i, m, off + j]
 
+A program moves rows: for each (p, i, m), the whole range along D2 with its Q elements, contiguous
+in source and output.
+
 (split first: the same with D1 and D2 swapped). Segment layout: two header slots of
-``HEADER_WORDS`` int64 at byte 0 and ``HEADER_BYTES``, two stage slots of ``slot_bytes`` from
-``STAGE_START``; an exchange with call number c (the barrier's) uses slot c % 2. One barrier per
-exchange is enough: a rank posts into slot (c + 1) % 2 only after barrier c, which every peer
-reached after its gather of exchange c - 1, the last reader of that slot.
+``SEQ_HEADER_WORDS`` int64 at bytes 0 and 64, two stage slots of ``slot_bytes`` from
+``SEQ_STAGE_START`` (``kernels/region.py``); an exchange with call number c (the barrier's) uses
+slot c % 2. One barrier per exchange is enough: a rank posts into slot (c + 1) % 2 only after
+barrier c, which every peer reached after its gather of exchange c - 1, the last reader of that
+slot.
 
 Headers: ``post`` writes this rank's header (the exchange's key, with the call number as word 1);
 ``gather`` compares every rank's with its own before it reads that rank's rows, reads nothing
@@ -36,12 +40,10 @@ import triton
 import triton.language as tl
 
 from ._config import LAUNCH_LOCK, assert_options, launch, program_grid, row_blocks
+from .region import SEQ_HEADER_WORDS, SEQ_STAGE_START
 
-HEADER_WORDS = 8
-HEADER_BYTES = HEADER_WORDS * 8
-STAGE_START = 256
-"""Byte offset of stage slot 0 in a segment (past the two header slots)."""
-_HEADER_WORDS, _HEADER_BYTES, _STAGE_START = (tl.constexpr(n) for n in (HEADER_WORDS, HEADER_BYTES, STAGE_START))
+_HEADER_WORDS, _HEADER_BYTES, _STAGE_START = (tl.constexpr(n) for n in (SEQ_HEADER_WORDS, 8 * SEQ_HEADER_WORDS,
+                                                                          SEQ_STAGE_START))
 
 
 @triton.jit
@@ -52,7 +54,8 @@ def _stage_ptr(segment, parity, slot_bytes, offset_bytes, ELEMENT: tl.constexpr)
                           16)
 
 
-# NB: Q (the row length) stays specialised: its divisibility by 16 is what lets Triton vectorise the
+# NB: a row is a whole range along D2 with Q: D2 * Q (or n * Q, c_q * Q) contiguous elements in
+# source and output. Q stays specialised: its divisibility by 16 is what lets Triton vectorise the
 # rows' loads and stores; the other sizes are not, so that shapes do not each compile a kernel.
 @triton.jit(do_not_specialize=["rank", "slot_bytes", "offset_bytes", "P", "D1", "M", "D2", "off", "n",
                                "k0", "k1", "k2", "k3", "k4", "k5", "k6"])
@@ -75,18 +78,21 @@ def _post_kernel(x_ptr, table_ptr, calls_ptr, rank, slot_bytes, offset_bytes, P,
             tl.store(header + 6, k5)
             tl.store(header + 7, k6)
     stage = _stage_ptr(segment, parity, slot_bytes, offset_bytes, x_ptr.dtype.element_ty)
-    n_rows = P * D1 * M * D2
+    n_rows = P * D1 * M  # rows (p, i, m) of D2 * Q contiguous elements
+    run = D2 * Q
     for block in range(pid, tl.cdiv(n_rows, BLOCK_R), programs):
         o_r = (block * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-        if SPLIT_FIRST:
-            split = (o_r // (M * D2)) % D1
-        else:
-            split = o_r % D2
-        m_r = (o_r < n_rows) & ((split < off) | (split >= off + n))  # this rank's piece stays in x
-        for c in range(tl.program_id(1) * BLOCK_Q, Q, tl.num_programs(1) * BLOCK_Q):
+        m_r = o_r < n_rows
+        if SPLIT_FIRST:  # a row is this rank's piece, or not
+            split = (o_r // M) % D1
+            m_r = m_r & ((split < off) | (split >= off + n))
+        for c in range(tl.program_id(1) * BLOCK_Q, run, tl.num_programs(1) * BLOCK_Q):
             o_q = c + tl.arange(0, BLOCK_Q)
-            mask = m_r[:, None] & (o_q < Q)[None, :]
-            at = o_r[:, None] * Q + o_q[None, :]
+            m_q = o_q < run
+            if not SPLIT_FIRST:  # this rank's piece: columns [off * Q, (off + n) * Q) of every row
+                m_q = m_q & ((o_q < off * Q) | (o_q >= (off + n) * Q))
+            mask = m_r[:, None] & m_q[None, :]
+            at = o_r[:, None] * run + o_q[None, :]
             tl.store(stage + at, tl.load(x_ptr + at, mask=mask), mask=mask)
 
 
@@ -112,37 +118,37 @@ def _gather_kernel(x_ptr, out_ptr, table_ptr, call_ptr, failed_ptr, headers_ptr,
                                        "(dtype, dims, shapes, ulysses_attention arguments) or are out of step")
     c_q = base + (q < extra).to(tl.int32)  # positions of rank q's tensor along cat
     coff = q * base + tl.minimum(q, extra)  # ... and where they start in the output
-    n_rows = tl.where(differs != 0, 0, P * c_q * M * n)
     if q == rank:
         src = x_ptr
     else:
         src = _stage_ptr(segment, parity, slot_bytes, offset_bytes, x_ptr.dtype.element_ty)
+    # rows (p, i, m) of the run along D2 (a whole D2 range, contiguous in source and output)
+    if CAT_FIRST:  # i along cat (c_q); the run: split positions [off, off + n)
+        n_rows = tl.where(differs != 0, 0, P * c_q * M)
+        run = n * Q
+    else:  # i along split (n); the run: all c_q cat positions
+        n_rows = tl.where(differs != 0, 0, P * n * M)
+        run = c_q * Q
     for block in range(pid, tl.cdiv(n_rows, BLOCK_R), programs):
         o_r = (block * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
         m_r = o_r < n_rows
-        if CAT_FIRST:  # rows (p, i, m, j): i along cat (c_q), j along split (n)
-            j = o_r % n
-            t = o_r // n
-            m = t % M
-            t = t // M
+        m = o_r % M
+        t = o_r // M
+        if CAT_FIRST:
             i = t % c_q
             p = t // c_q
-            src_row = ((p * c_q + i) * M + m) * L + off + j
-            out_row = ((p * total + coff + i) * M + m) * n + j
-        else:  # rows (p, j, m, i)
-            i = o_r % c_q
-            t = o_r // c_q
-            m = t % M
-            t = t // M
-            j = t % n
+            src_at = ((p * c_q + i) * M + m) * L * Q + off * Q
+            out_at = ((p * total + coff + i) * M + m) * run
+        else:
+            i = t % n
             p = t // n
-            src_row = ((p * L + off + j) * M + m) * c_q + i
-            out_row = ((p * n + j) * M + m) * total + coff + i
-        for c in range(0, Q, BLOCK_Q):
+            src_at = ((p * L + off + i) * M + m) * run
+            out_at = ((p * n + i) * M + m) * total * Q + coff * Q
+        for c in range(0, run, BLOCK_Q):
             o_q = c + tl.arange(0, BLOCK_Q)
-            mask = m_r[:, None] & (o_q < Q)[None, :]
-            rows = tl.load(src + src_row[:, None] * Q + o_q[None, :], mask=mask)
-            tl.store(out_ptr + out_row[:, None] * Q + o_q[None, :], rows, mask=mask)
+            mask = m_r[:, None] & (o_q < run)[None, :]
+            rows = tl.load(src + src_at[:, None] + o_q[None, :], mask=mask)
+            tl.store(out_ptr + out_at[:, None] + o_q[None, :], rows, mask=mask)
 
 
 def canonical(shape: Sequence[int], split_dim: int, cat_dim: int) -> tuple[int, int, int, int, int]:
@@ -165,10 +171,10 @@ def post_pieces(x: torch.Tensor, table: torch.Tensor, calls_1: torch.Tensor, *, 
     but the rows of its own piece (split positions ``own = (off, n)``), and with ``header`` (the
     exchange's key, 7 ints) write the header of that slot. table: (1, W) int64 segment addresses."""
     P, D1, M, D2, Q = canonical(x.shape, split_dim, cat_dim)
-    rows = P * D1 * M * D2
-    blocks = row_blocks("seq_pieces", rows, Q, x.element_size(), max_programs)
-    grid = program_grid(*blocks.grid(rows, Q), max_programs)
-    key = list(header) if header is not None else [0] * (HEADER_WORDS - 1)
+    rows, run = P * D1 * M, D2 * Q
+    blocks = row_blocks("seq_pieces", rows, run, x.element_size(), max_programs)
+    grid = program_grid(*blocks.grid(rows, run), max_programs)
+    key = list(header) if header is not None else [0] * (SEQ_HEADER_WORDS - 1)
     with LAUNCH_LOCK:
         launch(_post_kernel, x)[(max(grid[0], 1), grid[1])](
             x, table, calls_1, rank, slot_bytes, offset_bytes, P, D1, M, D2, Q, own[0], own[1], *key,
@@ -189,8 +195,9 @@ def gather_pieces(x: torch.Tensor, out: torch.Tensor, table: torch.Tensor, call_
     P, _, M, _, Q = canonical(out.shape, split_dim, cat_dim)
     total = out.shape[cat_dim]
     base, extra = cat_counts
-    rows = P * (base + (extra > 0)) * M * own[1]
-    blocks = row_blocks("seq_pieces", rows, Q, x.element_size(), max_programs)
+    most = base + (extra > 0)  # the most cat positions of a rank
+    rows, run = (P * most * M, own[1] * Q) if cat_dim < split_dim else (P * own[1] * M, most * Q)
+    blocks = row_blocks("seq_pieces", rows, run, x.element_size(), max_programs)
     row_programs = program_grid(blocks.grid(rows, 1)[0], 1, None if max_programs is None else
                                 max(1, max_programs // W))[0]
     with LAUNCH_LOCK:

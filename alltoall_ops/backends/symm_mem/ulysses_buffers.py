@@ -14,7 +14,7 @@ from ..._compat import register_value_type
 from ...comm import get_timeout
 from ...groups import resolve_group
 from ...kernels.loader import check_kernels_run_on
-from ...kernels.seq_exchange import STAGE_START
+from ...kernels.region import SEQ_STAGE_START
 from ...layout import round_up
 from ...validation import positive_int
 from .buffers import PeerBuffers, _default_device
@@ -118,7 +118,7 @@ def _checked_sizes(max_bytes: Any, num_sms: Any) -> tuple[int, Optional[int]]:
 
 
 def _segment_bytes(max_bytes: int) -> int:
-    return STAGE_START + 2 * round_up(max_bytes, PIECE_ALIGN)
+    return SEQ_STAGE_START + 2 * round_up(max_bytes, PIECE_ALIGN)
 
 
 register_value_type(UlyssesBuffers, constant_members=("rank", "world_size", "group_name", "max_bytes", "device",
