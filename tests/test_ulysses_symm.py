@@ -113,6 +113,8 @@ def run_errors(rank, world_size):
         "dtype": _outcome(lambda: a2a.seq_to_head(x.float() if rank == 0 else x, buffers=bufs)),
         "capacity": _outcome(lambda: a2a.seq_to_head(big, buffers=bufs)),
         "one too big": _outcome(lambda: a2a.seq_to_head(one_big, buffers=bufs)),
+        "out of step": _outcome(lambda: a2a.seq_to_head(x, buffers=bufs) if rank == 0 else
+                                a2a.head_to_seq(_full(84, (2, 2 * W, 2, 4)), buffers=bufs)),
         "type": _outcome(lambda: a2a.seq_to_head(x, buffers="bufs")),
         "group": _outcome(lambda: a2a.seq_to_head(x, group=NO_GROUP, buffers=bufs)),
     }
@@ -203,6 +205,7 @@ def test_errors_on_every_rank(pool2):
         assert o["dtype"][0] == "GroupMismatchError" and "disagree on dtype" in o["dtype"][1], o["dtype"]
         assert o["capacity"][0] == "CapacityError" and "UlyssesBuffers hold 65536" in o["capacity"][1]
         assert o["one too big"][0] == "GroupMismatchError", o["one too big"]
+        assert o["out of step"][0] == "GroupMismatchError" and "out of step" in o["out of step"][1], o["out of step"]
         assert o["type"][0] == "TypeError" and "UlyssesBuffers" in o["type"][1]
         assert o["group"][0] == "ValueError" and "group" in o["group"][1]
     # every rank names the same disagreement (after where it is: "... (rank r of W): ...")
