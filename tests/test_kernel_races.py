@@ -4,8 +4,9 @@ The interpreter runs programs one after another, so a kernel that races on a GPU
 the right result here; the race check records every launch's loads and stores instead. First
 the check itself can fail (a tag read and reset without a barrier, the copy-out bug that dropped
 rows on the H200 under an SM budget; programs overlapping); then a whole simulated symm_mem step
-(W = 2, plain and fp8, budgets 1, 3 and none, overflow='drop', forward and backward) and the
-local backend launch no kernel with a race.
+(W = 2, plain and fp8, budgets 1, 3 and none, overflow='drop', forward and backward), the
+local backend and the Ulysses exchange over UlyssesBuffers (W = 2 and 3, uneven heads, budgets)
+launch no kernel with a race.
 """
 
 from __future__ import annotations
@@ -120,3 +121,27 @@ def test_a_program_may_rewrite_its_own_addresses_after_a_barrier():
     with record_races() as races:
         _store_twice_across_a_barrier[(2,)](x, BLOCK=4)
     assert races == [] and torch.equal(x, torch.arange(1, 9, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("num_sms", [1, 3, None])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ulysses_exchange_has_no_race(world_size, num_sms):
+    """seq_to_head of q, k, v (uneven heads, head dim before the sequence too) and head_to_seq back
+    over simulated UlyssesBuffers: no race in the post or gather kernels, under SM budgets."""
+    from alltoall_ops.ulysses import symm_head_to_seq_op, symm_seq_to_head_op
+
+    bufs = a2a.UlyssesBuffers.simulated(world_size, 1 << 16, device="cpu", num_sms=num_sms)
+    heads = 2 * world_size + 1
+    xs = [[torch.randn(2, 3, heads, 4, generator=torch.Generator().manual_seed(10 * r + i)) for i in range(3)]
+          for r in range(world_size)]
+
+    def rank(r, b):
+        ys = symm_seq_to_head_op(xs[r], b, 1, 2, [])
+        back = symm_head_to_seq_op(ys, b, 1, 2, [heads] * 3, [])
+        t = symm_seq_to_head_op([xs[r][0].transpose(1, 2).contiguous()], b, 2, 1, [])[0]
+        return back, t
+
+    with record_races() as races:
+        results = run_simulated(rank, bufs)
+    assert races == [], "\n".join(map(str, races))
+    assert all(torch.equal(a, x) for r, (back, _) in enumerate(results) for a, x in zip(back, xs[r]))
