@@ -14,8 +14,9 @@ import alltoall_ops as a2a
 from alltoall_ops.backends.symm_mem import run_simulated
 from alltoall_ops.groups import NO_GROUP
 from alltoall_ops.inspect import compiled_graphs
-from alltoall_ops.testing import simulated_ulysses_attention
-from alltoall_ops.ulysses import head_counts
+from alltoall_ops.testing import bytes_written, simulated_ulysses_attention
+from alltoall_ops.ulysses import head_counts, symm_seq_to_head_op
+
 
 from .test_ulysses import _attention_inputs, _dense_gqa, _full, _shard
 
@@ -275,3 +276,19 @@ def test_simulated_attention_phase_by_phase():
         torch.testing.assert_close(out, _shard(ref, 1, rank, W), rtol=1e-12, atol=1e-12)
         for g, r in zip(grads, ref_grads):
             torch.testing.assert_close(g, _shard(r, 1, rank, W), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_bytes_written_are_the_design_floor(world_size):
+    """A q/k/v exchange writes (W - 1) / W of every rank's bytes into its stage (all but its own
+    piece) and each output once: 1.5x the payload at W = 2, 1.75x at W = 4 (kernels counted in
+    Triton's interpreter), plus the headers: one written per rank, W read back per gather."""
+    W = world_size
+    bufs = a2a.UlyssesBuffers.simulated(W, MAX_BYTES, device="cpu")
+    xs = [[_full(150 + 3 * r + i, (2, 3, 2 * W, 4)) for i in range(3)] for r in range(W)]
+    payload = sum(t.numel() * t.element_size() for ts in xs for t in ts)
+    with bytes_written() as written:
+        run_simulated(lambda r, b: symm_seq_to_head_op(xs[r], b, 1, 2, []), bufs)
+    header = 64
+    assert written["_post_kernel"] == payload * (W - 1) // W + W * header
+    assert written["_gather_kernel"] == payload + W * 3 * W * header
