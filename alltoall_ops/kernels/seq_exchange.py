@@ -33,6 +33,7 @@ from a rank whose header differs, copies all W headers out, and sets ``failed``;
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -154,22 +155,15 @@ def _gather_kernel(x_ptr, out_ptr, table_ptr, call_ptr, failed_ptr, headers_ptr,
 def canonical(shape: Sequence[int], split_dim: int, cat_dim: int) -> tuple[int, int, int, int, int]:
     """``(P, D1, M, D2, Q)`` of a tensor of ``shape`` around its split and cat dims."""
     d1, d2 = sorted((split_dim, cat_dim))
-
-    def prod(dims: Sequence[int]) -> int:
-        out = 1
-        for n in dims:
-            out *= n
-        return out
-
-    return prod(shape[:d1]), shape[d1], prod(shape[d1 + 1:d2]), shape[d2], prod(shape[d2 + 1:])
+    return math.prod(shape[:d1]), shape[d1], math.prod(shape[d1 + 1:d2]), shape[d2], math.prod(shape[d2 + 1:])
 
 
 def post_pieces(x: torch.Tensor, table: torch.Tensor, calls_1: torch.Tensor, *, rank: int, slot_bytes: int,
                 offset_bytes: int, split_dim: int, cat_dim: int, own: tuple[int, int],
                 header: Optional[Sequence[int]], max_programs: Optional[int] = None) -> None:
     """Copy x (contiguous) into this rank's stage slot ``(calls_1 + 1) % 2`` at ``offset_bytes``,
-    but the rows of its own piece (split positions ``own = (off, n)``), and with ``header`` (the
-    exchange's key, 7 ints) write the header of that slot. table: (1, W) int64 segment addresses."""
+    but its own piece (split positions ``own = (off, n)``), and with ``header`` (the exchange's
+    key, 7 ints) write the header of that slot. table: (1, W) int64 segment addresses."""
     P, D1, M, D2, Q = canonical(x.shape, split_dim, cat_dim)
     rows, run = P * D1 * M, D2 * Q
     blocks = row_blocks("seq_pieces", rows, run, x.element_size(), max_programs)
@@ -189,8 +183,9 @@ def gather_pieces(x: torch.Tensor, out: torch.Tensor, table: torch.Tensor, call_
     """Fill ``out`` (contiguous) with this rank's piece of every rank's posted tensor, rank q's
     at cat positions ``[coff_q, coff_q + c_q)`` (``cat_counts = (base, extra)``), this rank's own
     read from x. own: (off, n) split positions taken; source_split: L, the sources' split extent.
-    call_1: the exchange's call number (its slot); failed_1 (1,) int32 |= 1 and headers_W8 (W, 8)
-    int64 = every rank's header, when some rank's header differs from this rank's."""
+    call_1: the exchange's call number (its slot); headers_W8 (W, 8) int64: every rank's header;
+    failed_1 (1,) int32 |= 1 when some rank's header differs from this rank's (nothing is read
+    from that rank)."""
     W = table.shape[-1]
     P, _, M, _, Q = canonical(out.shape, split_dim, cat_dim)
     total = out.shape[cat_dim]
