@@ -179,11 +179,8 @@ def _plan(op: str, xs: Sequence[torch.Tensor], group_name: str, seq_dim: int, he
     shapes = (xs[0].shape, xs[0].dtype) if len(xs) == 1 else tuple((x.shape, x.dtype) for x in xs)
     args = (op, seq_dim, head_dim, shapes, None if num_heads is None else tuple(num_heads), tuple(attention))
     if buffers is not None:
-        plan = buffers.plans.get(args)
-        if plan is None:
-            plan = buffers.plans[args] = _make_plan(op, xs, LOCAL, seq_dim, head_dim, num_heads, attention,
-                                                    (buffers.world_size, buffers.rank))
-        return plan
+        return exchange.cached_plan(group_name, args, _make_plan, op, xs, LOCAL, seq_dim, head_dim, num_heads,
+                                    attention, (buffers.world_size, buffers.rank), plans=buffers.plans)
     return exchange.cached_plan(group_name, args, _make_plan, op, xs, group_name, seq_dim, head_dim, num_heads,
                                 attention)
 
@@ -432,11 +429,13 @@ symm_seq_to_head_op.register_autograd(_symm_seq_to_head_backward, setup_context=
 symm_head_to_seq_op.register_autograd(_symm_head_to_seq_backward, setup_context=_symm_head_to_seq_setup)
 
 
-def _group_or_buffers(fn: str, group: Any, buffers: Any, x: torch.Tensor) -> Group:
+def _group_or_buffers(fn: str, group: Any, buffers: Any, x: torch.Tensor) -> tuple[Group, str]:
     """The group of a call: ``group``'s, or with ``buffers`` (UlyssesBuffers) theirs (``group``
-    then None or theirs, x on their device)."""
+    then None or theirs, x on their device); and the group name its checks run on (debug mode's
+    agreement: process groups only, LOCAL with buffers)."""
     if buffers is None:
-        return communication_group(resolve_group(group))
+        grp = communication_group(resolve_group(group))
+        return grp, grp.name
     if not isinstance(buffers, UlyssesBuffers):
         raise TypeError(f"{fn}: buffers: expected alltoall_ops.UlyssesBuffers, got {type(buffers).__name__}")
     if group is not None and resolve_group(group).name != buffers.group_name:
@@ -444,7 +443,7 @@ def _group_or_buffers(fn: str, group: Any, buffers: Any, x: torch.Tensor) -> Gro
                          f"{resolve_group(group).name!r}; pass group=None or the buffers' group")
     if isinstance(x, torch.Tensor) and x.device != buffers.device:
         raise ValueError(f"{fn}: x: the buffers are on {buffers.device}, got a tensor on {x.device}")
-    return Group(buffers.group_name, buffers.rank, buffers.world_size)
+    return Group(buffers.group_name, buffers.rank, buffers.world_size), LOCAL
 
 
 # --------------------------------------------------------------------------------------------
@@ -470,8 +469,7 @@ def seq_to_head(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: 
 
     Returns a new tensor; :func:`head_to_seq` with the same dims (and ``num_heads=Hh`` when W
     does not divide Hh) is its inverse."""
-    grp = _group_or_buffers("seq_to_head", group, buffers, x)
-    checks = grp.name if buffers is None else LOCAL  # (debug mode's agreement: process groups only)
+    grp, checks = _group_or_buffers("seq_to_head", group, buffers, x)
     seq_dim, head_dim, _ = _checked("seq_to_head", checks, _check_args, "seq_to_head", x, grp.size, grp.rank,
                                     seq_dim, head_dim)
     if buffers is not None:
@@ -488,8 +486,7 @@ def head_to_seq(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: 
     :func:`seq_to_head` splits them). Default: W times x's heads, right only when W divides Hh;
     with an uneven split pass it on every rank (a rank whose x does not hold its share raises; ranks
     that take different totals send pieces of other sizes: see the module docstring)."""
-    grp = _group_or_buffers("head_to_seq", group, buffers, x)
-    checks = grp.name if buffers is None else LOCAL
+    grp, checks = _group_or_buffers("head_to_seq", group, buffers, x)
     seq_dim, head_dim, num_heads = _checked("head_to_seq", checks, _check_args, "head_to_seq", x, grp.size,
                                             grp.rank, seq_dim, head_dim, num_heads)
     if buffers is not None:
@@ -583,8 +580,7 @@ def ulysses_attention(
     (q, k, v in one), in their group, with no host sync; size them with
     ``UlyssesBuffers.bytes_for([q.shape, k.shape, v.shape], q.dtype, W)`` (GQA with fewer kv heads
     than ranks: k and v with W heads, as they move)."""
-    grp = _group_or_buffers("ulysses_attention", group, buffers, q)
-    checks = grp.name if buffers is None else LOCAL
+    grp, checks = _group_or_buffers("ulysses_attention", group, buffers, q)
     _checked("seq_to_head", checks, _check_qkv, q, k, v, grp.size, layout, attn_fn, is_causal, scale)
     seq_dim, head_dim = LAYOUTS[layout], 2
     heads, kv_heads = q.shape[head_dim], k.shape[head_dim]

@@ -25,8 +25,11 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from . import comm
-from .errors import GroupMismatchError
+from .backends.symm_mem.ulysses_buffers import PIECE_ALIGN
+from .errors import CapacityError, GroupMismatchError
 from .groups import LOCAL, process_group
+from .kernels import loader
+from .layout import round_up
 
 FIELDS = ("op", "exchange", "ulysses_attention arguments", "dtype", "ndim", "seq_dim", "head_dim", "shape")
 """The header at the start of every piece of an exchange, one int64 each (``shape``: a
@@ -83,17 +86,21 @@ def _same_group(group_name: str) -> None:
             del _plans[args]
 
 
-def cached_plan(group_name: str, args: tuple, make: Callable[..., "Plan"], *make_args: Any) -> "Plan":
+def cached_plan(group_name: str, args: tuple, make: Callable[..., "Plan"], *make_args: Any,
+                plans: Optional[dict] = None) -> "Plan":
     """The plan of ``args`` on ``group_name``: ``make(*make_args)`` once per distinct arguments
     (the same arguments pass the same checks and move the same sizes), so an exchange's host work
-    is a lookup."""
-    _same_group(group_name)
-    plan = _plans.get((group_name, args))
+    is a lookup. plans: the cache of a UlyssesBuffers (its own group; by default the process
+    groups' cache, forgotten when a group name names another group)."""
+    if plans is None:
+        _same_group(group_name)
+        plans = _plans
+    plan = plans.get((group_name, args))
     if plan is None:
         plan = make(*make_args)
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
-        _plans[(group_name, args)] = plan
+        if len(plans) >= _MAX_PLANS:
+            plans.clear()
+        plans[(group_name, args)] = plan
     return plan
 
 
@@ -429,9 +436,6 @@ def _posted_bytes(plan: Plan, W: int, itemsize: int) -> tuple[list[int], int]:
     """Each tensor's byte offset in a stage slot, and the bytes of the slot used: tensor i takes
     its bytes on the rank that posts the most of it (head_to_seq: the rank with the most heads),
     rounded up to ``PIECE_ALIGN``, so that every rank computes the same offsets."""
-    from .backends.symm_mem.ulysses_buffers import PIECE_ALIGN
-    from .layout import round_up
-
     offsets, total = [], 0
     for shape in plan.shapes:
         full = list(shape)
@@ -452,9 +456,6 @@ def symm_exchange(op: str, xs: Sequence[torch.Tensor], bufs: Any, plan: Plan, ou
     :func:`_check_headers` names it); on CUDA a device-side assert. A stage too small for the
     exchange: CapacityError on every rank, after the headers (so that ranks whose shapes differ
     raise the mismatch instead)."""
-    from .errors import CapacityError
-    from .kernels import loader
-
     W, rank = bufs.world_size, bufs.rank
     if W == 1:
         return [x.clone(memory_format=torch.contiguous_format) for x in xs]

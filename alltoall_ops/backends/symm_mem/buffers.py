@@ -15,11 +15,11 @@ from ... import fp8, layout
 from ..._compat import OpaqueBase, register_value_type
 from ...payload import PLAIN, Format, format_of
 from ...comm import get_timeout
-from ...groups import Group, resolve_group
+from ...groups import resolve_group
 from ...kernels.loader import check_kernels_run_on
 from ...kernels.region import TAG_COLUMNS
 from ...validation import check_num_experts, positive_int
-from .segments import _Segments, address_table, make_segments, setup_gather, simulated_segments
+from .segments import _Segments, address_table, check_same_sizes, make_segments, simulated_segments
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +254,8 @@ class SymmBuffers(PeerBuffers):
                            num_sms)
         check_kernels_run_on(device)
         if grp.size > 1:
-            _check_same_config(cfg, grp)
+            check_same_sizes("SymmBuffers", "W, T_max, H, K, E, alignment, C, overflow, dtype, device type, "
+                             "payload dtype", cfg.shared, grp.name)
         _, nbytes = cfg.region_offsets()
         if allocator == "symmetric" and device.type != "cuda":
             raise ValueError("allocator='symmetric' (torch symmetric memory) needs a cuda device")
@@ -383,16 +384,6 @@ def check_payload(bufs: SymmBuffers, fmt: Format) -> None:
         f"{own.name} dispatches only: pass payload_dtype={bufs.payload_dtype} (or x=(values, scales)), "
         f"or use buffers created without payload_dtype"
     )
-
-
-def _check_same_config(cfg: _Config, grp: Group) -> None:
-    """Every rank must create its buffers with the same sizes (one all-gather, at set-up)."""
-    configs = setup_gather(grp.name, cfg.shared)
-    if any(c != configs[0] for c in configs):
-        raise ValueError(
-            "SymmBuffers: every rank must pass the same sizes; got (W, T_max, H, K, E, alignment, "
-            f"C, overflow, dtype, device type, payload dtype) = {configs}"
-        )
 
 
 def run_simulated(fn: Callable[[int, SymmBuffers], Any], buffers: Sequence[SymmBuffers],

@@ -56,6 +56,14 @@ def setup_gather(group_name: str, obj: Any) -> list:
     return out
 
 
+def check_same_sizes(kind: str, fields: str, sizes: tuple, group_name: str) -> None:
+    """Every rank must create its ``kind`` buffers with the same ``sizes`` (named by ``fields``):
+    one exchange at set-up (:func:`setup_gather`); a difference raises ValueError on every rank."""
+    by_rank = setup_gather(group_name, sizes)
+    if any(s != by_rank[0] for s in by_rank):
+        raise ValueError(f"{kind}: every rank must pass the same sizes; got ({fields}) = {by_rank} (by rank)")
+
+
 def address_table(addresses: list[int], device: torch.device) -> torch.Tensor:
     """Device addresses as a (1, n) int64 tensor: what kernels index (``table[0, i]``) and compiled
     code holds as a constant (see ``SymmBuffers.tables``)."""

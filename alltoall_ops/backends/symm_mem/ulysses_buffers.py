@@ -18,7 +18,7 @@ from ...kernels.region import SEQ_STAGE_START
 from ...layout import round_up
 from ...validation import positive_int
 from .buffers import PeerBuffers, _default_device
-from .segments import _Segments, address_table, make_segments, setup_gather, simulated_segments
+from .segments import _Segments, address_table, check_same_sizes, make_segments, simulated_segments
 
 PIECE_ALIGN = 256
 """Byte alignment of each tensor of an exchange in a stage slot."""
@@ -59,10 +59,7 @@ class UlyssesBuffers(PeerBuffers):
         max_bytes, num_sms = _checked_sizes(max_bytes, num_sms)
         check_kernels_run_on(device)
         if grp.size > 1:
-            sizes = setup_gather(grp.name, (max_bytes, device.type))
-            if any(s != sizes[0] for s in sizes):
-                raise ValueError(f"UlyssesBuffers: every rank must pass the same max_bytes and device type; got "
-                                 f"{sizes} (by rank)")
+            check_same_sizes("UlyssesBuffers", "max_bytes, device type", (max_bytes, device.type), grp.name)
         timeout = get_timeout() if timeout is None else timeout
         segments = make_segments(_segment_bytes(max_bytes), grp, device, timeout)
         self._setup(grp.rank, grp.size, grp.name, max_bytes, device, num_sms, segments)
