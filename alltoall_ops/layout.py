@@ -27,6 +27,7 @@ import torch
 from ._compat import call, custom_op
 from .errors import RoutingError
 from .kernels import loader
+from .validation import BAD_IDS
 
 IntOrTensor = TypeVar("IntOrTensor", int, torch.Tensor)
 
@@ -140,9 +141,9 @@ class RowPlan:
 
 def plan_rows(topk_idx: torch.Tensor, num_experts: int, expert_alignment: int) -> RowPlan:
     """Where every slot of ``topk_idx`` (T, K) lands among one rank's C expert-major rows, on the
-    device with static shapes (no host sync). One op (``alltoall_ops::plan_rows``): on CUDA two
-    memsets and two kernel launches (``kernels/routing_plan.py``), a stable sort elsewhere and
-    above ``kernels.routing_plan.MAX_SLOTS`` slots."""
+    device with static shapes (no host sync). One op (``alltoall_ops::plan_rows``): on CUDA the
+    kernels of ``kernels/routing_plan.py`` (one launch up to its ``ONE_PROGRAM_SLOTS`` slots),
+    which also assert that no id is bad; a stable sort elsewhere and above its ``MAX_SLOTS``."""
     row_src, row, meta = call(plan_rows_op, topk_idx, num_experts, expert_alignment)
     return RowPlan(row_src, row, meta[0, :num_experts], meta[0, num_experts : num_experts + STATUS_COLUMNS])
 
@@ -154,15 +155,14 @@ def _plan_rows(
     tokens per expert, the status, and 1 where no id is bad (0 else)."""
     C = local_capacity(topk_idx.numel(), num_experts, expert_alignment)
     if loader.use_kernels(topk_idx) and topk_idx.numel() <= loader.load().routing_plan.MAX_SLOTS:
-        planned = loader.load().plan_rows(topk_idx, num_experts, expert_alignment, C)
+        on_cuda = topk_idx.device.type == "cuda"
+        planned = loader.load().plan_rows(topk_idx, num_experts, expert_alignment, C, assert_valid=on_cuda)
+        if on_cuda:  # the kernel's own device-side assert: no launch of its own
+            return planned
     else:
         planned = _plan_rows_torch(topk_idx, num_experts, expert_alignment, C)
     check_status(planned[2][0, num_experts:], num_experts)
     return planned
-
-
-BAD_IDS = "alltoall_ops.dispatch: topk_idx holds expert ids outside [-1, num_experts)"
-"""The device-side assert's message on CUDA (torch takes fewer than 255 characters)."""
 
 
 def check_status(status_ok: torch.Tensor, num_experts: int) -> None:

@@ -68,6 +68,11 @@ def positive_int(name: str, value, maximum: Optional[int] = None) -> int:
     return number
 
 
+BAD_IDS = "alltoall_ops.dispatch: topk_idx holds expert ids outside [-1, num_experts)"
+"""The message of the device-side assert that a bad expert id raises on CUDA, found on the device
+by the routing plan (torch takes fewer than 255 characters)."""
+
+
 def check_topk_idx(topk_idx: torch.Tensor, x: Optional[torch.Tensor] = None) -> None:
     """Raise unless ``topk_idx`` is a 2-D integer tensor (T, K); with ``x`` (T, H), unless it
     also has x's T rows, K >= 1 columns and x's device."""

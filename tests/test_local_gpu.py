@@ -5,11 +5,14 @@ graph capture (by hand and under ``mode="reduce-overhead"``) replayed on new rou
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import alltoall_ops as a2a
-from alltoall_ops import layout
+from alltoall_ops import layout, validation
 from alltoall_ops.moe import MoE
 from alltoall_ops.testing import HostTraffic, routing
 
@@ -25,6 +28,24 @@ def test_plan_rows_kernels_equal_the_torch_reference(T, K, E, alignment):
     want = layout._plan_rows_torch(idx, E, alignment, C)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("T, how", [(16, "eager"), (16, "compiled"), (1024, "eager")])  # 1024: the two kernels
+def test_a_bad_id_is_the_plan_kernels_own_device_assert(T, how):
+    """No assert launch of its own: the plan kernel asserts that no id is bad (a subprocess: the
+    CUDA context dies with it)."""
+    rows = "lambda x, idx: a2a.dispatch(x, idx, num_experts=4, backend='local')[0]"
+    code = (
+        "import torch, alltoall_ops as a2a\n"
+        f"x = torch.randn({T}, 8, device='cuda'); idx = torch.zeros({T}, 2, dtype=torch.int64, device='cuda')\n"
+        "idx[1, 0] = 7\n"
+        f"({rows} if {how == 'eager'} else torch.compile({rows}, fullgraph=True))(x, idx)\n"
+        "torch.cuda.synchronize()\n"
+        "print('NO ERROR')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert "NO ERROR" not in out.stdout and out.returncode != 0, (out.stdout, out.stderr[-800:])
+    assert "device-side assert" in out.stderr and validation.BAD_IDS in out.stderr, out.stderr[-1500:]
 
 
 def _layer_step(layer, x, grad_y):

@@ -12,7 +12,8 @@ Kernels (bf16, H = 7168, K = 8, E = 256, fresh random top-k routing):
 - ``weight_grad``: reads grad_y (T, H) and (T*K, H) rows; bytes (T + T*K) * H * 2.
 - ``plan_slots`` (the layout: routing -> order, positions, counts), checked against its torch
   implementation, timed eagerly and replayed from a CUDA graph (device time), against torch's
-  path (a stable sort and some 20 small ops); swept over slots per program and warps.
+  path (a stable sort and some 20 small ops): the one-program plan by warps, the two kernels
+  by slots per program and warps (``--layout-tokens``; ``ONE_PROGRAM_SLOTS`` is chosen from it).
 Baselines: ``torch.index_select`` of the same rows, and the plain copy behind the floor. The
 winners go into ``alltoall_ops/kernels/_config.py:GPU_BLOCKS`` by hand.
 """
@@ -65,26 +66,27 @@ def graph_us(fn) -> float:
 
 
 def sweep_layout(T: int) -> None:
+    """plan_slots at T tokens: the one-program plan (a sort in registers; by warps) and the
+    memset and two kernels (by slots per program and warps), each checked against torch's path."""
     dev = torch.device("cuda")
     _, topk_idx = torch.randn(T, E, device=dev).topk(K, dim=-1)
     topk_idx[::5, 0] = -1  # some dropped slots
     want = layout._plan_routing_torch(topk_idx, E, 1)
-    got = routing.plan_slots(topk_idx, E, 1)
-    assert all(torch.equal(g, w) for g, w in zip(got, want)), "plan_slots != torch plan_routing"
     torch_path = lambda: layout._plan_routing_torch(topk_idx, E, 1)  # noqa: E731
     print(f"layout T = {T} (N = {T * K}): torch path eager {median_us(torch_path):.1f} us, "
           f"graph {graph_us(torch_path):.1f} us")
-    results = []
-    for block_s, warps in itertools.product([64, 128, 256], [4, 8]):  # 512 and more: minutes of ptxas
-        routing.GPU_BLOCK_S, routing.GPU_NUM_WARPS = block_s, warps
+    chosen = routing.ONE_PROGRAM_SLOTS, routing.GPU_BLOCK_S, routing.GPU_NUM_WARPS
+    results = []  # NB: block sizes of 512 and more take minutes of ptxas
+    configs = [(1 << 30, 0, w) for w in (4, 8)] + [(0, b, w) for b, w in itertools.product([64, 128, 256], [8])]
+    for one_program, block_s, warps in configs:
+        routing.ONE_PROGRAM_SLOTS, routing.GPU_BLOCK_S, routing.GPU_NUM_WARPS = one_program, block_s or chosen[1], warps
         fn = lambda: routing.plan_slots(topk_idx, E, 1)  # noqa: E731
-        assert all(torch.equal(g, w) for g, w in zip(fn(), want)), f"plan_slots != torch at {block_s}"
-        results.append((graph_us(fn), median_us(fn), block_s, warps))
-        print(f"    ({block_s}, {warps}): graph {results[-1][0]:.1f} us", flush=True)
-    results.sort()
-    for g, eager, block_s, warps in results[:4]:
-        print(f"  plan_slots {block_s:>5} slots per program, {warps} warps: graph {g:6.1f} us, eager {eager:6.1f} us")
-    routing.GPU_BLOCK_S, routing.GPU_NUM_WARPS = results[0][2], results[0][3]
+        name = f"one program, {warps:2} warps" if one_program else f"two kernels, {block_s:3} slots, {warps} warps"
+        assert all(torch.equal(g, w) for g, w in zip(fn(), want)), f"plan_slots != torch: {name}"
+        results.append((graph_us(fn), median_us(fn), name))
+    routing.ONE_PROGRAM_SLOTS, routing.GPU_BLOCK_S, routing.GPU_NUM_WARPS = chosen
+    for g, eager, name in sorted(results):
+        print(f"  plan_slots {name}: graph {g:6.1f} us, eager {eager:6.1f} us")
 
 
 def copy_bandwidth(dev: torch.device) -> float:
@@ -141,11 +143,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--top", type=int, default=6)
+    parser.add_argument("--layout-tokens", type=int, nargs="+", default=[32, 128, 256, 512, 8192])
     parser.add_argument("--layout-only", action="store_true", help="only the plan_slots sweep")
     args = parser.parse_args()
     bandwidth = copy_bandwidth(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write)")
-    for T in (128, 8192):
+    for T in args.layout_tokens:
         sweep_layout(T)
     if args.layout_only:
         return

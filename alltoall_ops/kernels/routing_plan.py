@@ -20,7 +20,8 @@ bad (``layout.plan_rows``'s contract). The counts
 are integers, so the atomics give the same result in any order: deterministic. Each program of
 ``slot_positions`` sums the count rows of the blocks before it in (BLOCK_P, NB) tiles, writes its
 buckets' first positions to a scratch row and reads them back per slot (a gather), and ranks its
-slots with (BLOCK_S, BLOCK_J) comparisons.
+slots with (BLOCK_S, BLOCK_J) comparisons. Up to ``ONE_PROGRAM_SLOTS`` slots, one program does
+it all in one launch: a histogram of the buckets, then one sort of the keys (bucket, slot).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import LAUNCH_LOCK, launch, interpreting, program_grid
+from ..validation import BAD_IDS
+from ._config import LAUNCH_LOCK, assert_options, launch, interpreting, program_grid
 
 GPU_BLOCK_S = 256
 """Most slots per program on a GPU; small N takes fewer (at least 64), for more programs. Swept
@@ -39,12 +41,12 @@ with ``tools/tune_kernels.py`` on the H200 (E = 256): N = 1024 best at 64 (12.4 
 graph; 256: 22 us), N = 65536 at 256 (52 us; 128: 62 us); 512 and more spill registers."""
 GPU_NUM_WARPS = 8
 ONE_PROGRAM_SLOTS = 1024
-"""Most slots N planned by one program in one launch (``_plan_in_one_program_kernel``) where the
-host is the bottleneck: eager launches outside a CUDA graph capture. On the H200 (E = 256) one
-program saves a launch, a memset and 45-50 us of host time but takes 26 / 48 us of GPU time at
-N = 512 / 1024 against 12.6 / 13.0 us for the two kernels, so graphs, compiled code (which may
-be captured) and more slots take the two kernels."""
-ONE_PROGRAM_BLOCK_S = 256
+"""Most slots N planned by one program in one launch (``_plan_in_one_program_kernel``: a
+histogram and one sort in registers), eager or compiled, in a CUDA graph or not. On the H200
+(E = 256, 8 warps, in CUDA graphs; ``tools/tune_kernels.py --layout-only``) it takes 4.1 / 9.7 us
+at N = 256 / 1024 against 8.8 / 9.1 us for the memset and two kernels, and saves two launches
+and an allocation; at N = 2048 / 4096 it takes 21 / 60 us against 11 / 19."""
+_BAD_IDS = tl.constexpr(BAD_IDS)
 MAX_SLOTS = 131072
 """Most slots N that ``plan_routing`` gives these kernels. Each program sums the counts of every
 block before it, so their work grows with N**2 / BLOCK_S: on the H200, in a CUDA graph, 52.7 us
@@ -84,7 +86,7 @@ def _slot_positions_kernel(
     idx_ptr, counts_ptr, scratch_ptr, position_ptr, order_ptr, send_meta_ptr,
     N, E, e, W, num_blocks, alignment, C,
     NB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_W: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_W: tl.constexpr, ROWS: tl.constexpr, ASSERT_VALID: tl.constexpr,
 ):
     for i_b in range(tl.program_id(0), num_blocks, tl.num_programs(0)):  # blocks of slots (an SM budget: several)
         o_s = i_b * BLOCK_S + tl.arange(0, BLOCK_S)  # [BS] slots
@@ -133,65 +135,55 @@ def _slot_positions_kernel(
             tl.store(p_row, b_zero + tl.load(p_status), mask=m_w)
             tl.store(p_row + 1, b_zero + tl.load(p_status + 1) - 1, mask=m_w)
             tl.store(p_row + 2, b_zero + tl.load(p_status + 2) - 1, mask=m_w)
-            if ROWS:  # one rank: its routing is valid (no bad ids), for a device-side assert
-                tl.store(send_meta_ptr + e + 3, (tl.load(p_status) == 0).to(tl.int64))
+            if ROWS:  # one rank: its routing is valid (no bad ids)
+                n_bad = tl.load(p_status)
+                tl.store(send_meta_ptr + e + 3, (n_bad == 0).to(tl.int64))
+                if ASSERT_VALID:
+                    tl.device_assert(n_bad == 0, _BAD_IDS)
 
 
 @triton.jit
 def _plan_in_one_program_kernel(
     idx_ptr, scratch_ptr, position_ptr, order_ptr, send_meta_ptr,
     N, E, e, W, alignment, C, n_fill,
-    NB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_W: tl.constexpr, ROWS: tl.constexpr,
+    NP: tl.constexpr, NB: tl.constexpr, BLOCK_W: tl.constexpr, ROWS: tl.constexpr, ASSERT_VALID: tl.constexpr,
 ):
-    """Both kernels' work in one program, for few slots (``ONE_PROGRAM_SLOTS``): the totals and
-    the status in registers (no counts to zero first), then the blocks in order, each placed
-    after the buckets' totals so far. Bin NB - 1 (> E) holds the lanes past N."""
+    """Both kernels' work in one program, for few slots (``ONE_PROGRAM_SLOTS``, NP >= N a power
+    of 2): the totals by a histogram, the send order by one sort of the keys (bucket, slot) in
+    registers, so no counts to zero first and no slot compared with another. Bin NB - 1 (> E)
+    holds the lanes past N, which sort last. ROWS: each slot's row is its place in the sort
+    shifted by the padding of the groups before its own."""
+    o_s = tl.arange(0, NP)  # the slots; after the sort, the places in send order
+    m_s = o_s < N
+    b_idx = tl.load(idx_ptr + o_s, mask=m_s, other=-1).to(tl.int64)
+    b_valid = (b_idx >= 0) & (b_idx < E)
+    b_bucket = tl.where(m_s, tl.where(b_valid, b_idx, E), NB - 1).to(tl.int32)
     o_g = tl.arange(0, NB)
-    b_total = tl.zeros([NB], dtype=tl.int32)
-    n_bad = tl.full([], 0, tl.int64)
-    lowest = tl.full([], -1, tl.int64)
-    highest = tl.full([], -1, tl.int64)
-    for i_s in range(0, N, BLOCK_S):  # the totals per bucket, and the status
-        o_s = i_s + tl.arange(0, BLOCK_S)
-        m_s = o_s < N
-        b_idx = tl.load(idx_ptr + o_s, mask=m_s, other=-1).to(tl.int64)
-        b_valid = (b_idx >= 0) & (b_idx < E)
-        b_total += tl.histogram(tl.where(m_s, tl.where(b_valid, b_idx, E), NB - 1).to(tl.int32), NB)
-        n_bad += tl.sum((m_s & ~b_valid & (b_idx != -1)).to(tl.int64), axis=0)
-        lowest = tl.minimum(lowest, tl.min(b_idx, axis=0))  # masked lanes hold -1
-        highest = tl.maximum(highest, tl.max(b_idx, axis=0))
+    b_total = tl.histogram(b_bucket, NB)  # [NB]
+    n_bad = tl.sum((m_s & ~b_valid & (b_idx != -1)).to(tl.int64), axis=0)
+    lowest = tl.minimum(tl.min(b_idx, axis=0), -1)  # masked lanes hold -1
+    highest = tl.maximum(tl.max(b_idx, axis=0), -1)
+    b_key = tl.sort(b_bucket * NP + o_s)  # [NP] stable by slot: the slot is the key's low part
+    b_slot = (b_key % NP).to(tl.int64)
+    b_sorted_bucket = b_key // NP
+    b_place = o_s.to(tl.int64)
     if ROWS:  # expert groups padded to the alignment; rows no slot fills read -1
-        b_total = tl.where(o_g < E, (b_total + alignment - 1) // alignment * alignment, b_total)
-        for i_f in range(0, n_fill, BLOCK_S):
-            o_f = i_f + tl.arange(0, BLOCK_S)
-            tl.store(order_ptr + o_f, tl.full([BLOCK_S], -1, tl.int64), mask=o_f < n_fill)
-        tl.debug_barrier()  # the fill lands before any thread places a slot over it
-    b_next = tl.cumsum(b_total, axis=0) - b_total  # [NB] the next free position of each bucket
-    for i_s in range(0, N, BLOCK_S):
-        o_s = i_s + tl.arange(0, BLOCK_S)
-        m_s = o_s < N
-        b_idx = tl.load(idx_ptr + o_s, mask=m_s, other=-1)
-        b_bucket = tl.where(m_s, tl.where((b_idx >= 0) & (b_idx < E), b_idx, E), NB - 1).to(tl.int32)
-        # NB: through memory, since a register tensor cannot be indexed by another (as in
-        # _slot_positions_kernel); barriers on both sides, as the row is rewritten per block.
-        tl.store(scratch_ptr + o_g, b_next)
+        b_padded = tl.where(o_g < E, (b_total + alignment - 1) // alignment * alignment, b_total)
+        # NB: through memory, since a register tensor cannot be indexed by another; the fill and
+        # the shifts land before any thread places a slot (the barrier)
+        tl.store(scratch_ptr + o_g, tl.cumsum(b_padded, axis=0) - b_padded - (tl.cumsum(b_total, axis=0) - b_total))
+        for i_f in range(0, n_fill, NP):
+            o_f = i_f + o_s
+            tl.store(order_ptr + o_f, tl.full([NP], -1, tl.int64), mask=o_f < n_fill)
         tl.debug_barrier()
-        b_pos = tl.load(scratch_ptr + b_bucket, mask=m_s, other=0)
-        tl.debug_barrier()
-        for j in tl.static_range(0, BLOCK_S, BLOCK_J):  # earlier slots of this block, same bucket
-            o_j = i_s + j + tl.arange(0, BLOCK_J)
-            b_jdx = tl.load(idx_ptr + o_j, mask=o_j < N, other=-1)
-            b_jbucket = tl.where((b_jdx >= 0) & (b_jdx < E), b_jdx, E).to(tl.int32)
-            b_same = (b_bucket[:, None] == b_jbucket[None, :]) & (o_j[None, :] < o_s[:, None])  # [BS, BJ]
-            b_pos += tl.sum(b_same.to(tl.int32), axis=1)
-        if ROWS:  # a dropped slot has no row (C)
-            m_row = m_s & (b_bucket < E)
-            tl.store(position_ptr + o_s, tl.where(m_row, b_pos.to(tl.int64), C), mask=m_s)
-            tl.store(order_ptr + b_pos, o_s.to(tl.int64), mask=m_row)
-        else:
-            tl.store(position_ptr + o_s, b_pos.to(tl.int64), mask=m_s)
-            tl.store(order_ptr + b_pos, o_s.to(tl.int64), mask=m_s)
-        b_next += tl.histogram(b_bucket, NB)
+        b_row = b_place + tl.load(scratch_ptr + b_sorted_bucket, mask=m_s, other=0)
+        m_row = m_s & (b_sorted_bucket < E)
+        tl.store(position_ptr + b_slot, tl.where(m_row, b_row, C), mask=m_s)  # a dropped slot has no row (C)
+        tl.store(order_ptr + b_row, b_slot, mask=m_row)
+        b_total = b_padded
+    else:
+        tl.store(position_ptr + b_slot, b_place, mask=m_s)
+        tl.store(order_ptr + o_s, b_slot, mask=m_s)
     m_valid = o_g < E  # counts of every local expert of every rank, and the status columns
     tl.store(send_meta_ptr + (o_g // e) * (e + 3) + o_g % e, b_total.to(tl.int64), mask=m_valid)
     o_w = tl.arange(0, BLOCK_W)
@@ -201,17 +193,19 @@ def _plan_in_one_program_kernel(
     tl.store(p_row, b_zero + n_bad, mask=m_w)
     tl.store(p_row + 1, b_zero + lowest, mask=m_w)
     tl.store(p_row + 2, b_zero + highest, mask=m_w)
-    if ROWS:  # one rank: its routing is valid (no bad ids), for a device-side assert
+    if ROWS:  # one rank: its routing is valid (no bad ids)
         tl.store(send_meta_ptr + e + 3, (n_bad == 0).to(tl.int64))
+        if ASSERT_VALID:
+            tl.device_assert(n_bad == 0, _BAD_IDS)
 
 
 def plan_slots(
     topk_idx: torch.Tensor, num_experts: int, world_size: int, max_programs: Optional[int] = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_idx (T, K) integer expert ids -> order (N,), position (T, K), send_meta
-    (W, e + 3), all int64, as ``layout.plan_routing`` defines them: a memset and two kernel
-    launches, no sort and no host sync. ``max_programs``: at most that many programs a launch,
-    each striding over blocks of slots (an SM budget)."""
+    (W, e + 3), all int64, as ``layout.plan_routing`` defines them: one launch up to
+    ``ONE_PROGRAM_SLOTS`` slots, else a memset and two; no host sync. ``max_programs``: at most
+    that many programs a launch, each striding over blocks of slots (an SM budget)."""
     T, K = topk_idx.shape
     order = torch.empty(T * K, dtype=torch.int64, device=topk_idx.device)
     position, send_meta = _launch(topk_idx, num_experts, world_size, order, 1, False, max_programs)
@@ -219,29 +213,23 @@ def plan_slots(
 
 
 def plan_rows(
-    topk_idx: torch.Tensor, num_experts: int, expert_alignment: int, num_rows: int
+    topk_idx: torch.Tensor, num_experts: int, expert_alignment: int, num_rows: int, assert_valid: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One rank's expert-major rows, as ``layout.plan_rows`` defines them: topk_idx (T, K) ->
     row_src (C = num_rows,) slot of each row (-1: none), row (T, K) row of each slot (C: none),
-    meta (1, E + 4) padded rows per expert, the status and 1 where no id is bad. A memset and two
-    kernel launches."""
+    meta (1, E + 4) padded rows per expert, the status and 1 where no id is bad. Launches as
+    ``plan_slots``'. assert_valid (CUDA): a bad id is also a device-side assert
+    (``layout.BAD_IDS``) of the kernel itself."""
     row_src = torch.empty(num_rows, dtype=torch.int64, device=topk_idx.device)
-    row, meta = _launch(topk_idx, num_experts, 1, row_src, expert_alignment, True)
+    row, meta = _launch(topk_idx, num_experts, 1, row_src, expert_alignment, True, assert_valid=assert_valid)
     return row_src, row, meta
 
 
-def _host_bound(t: torch.Tensor) -> bool:
-    """Whether a launch on ``t`` is eager work outside a CUDA graph capture (Triton's interpreter
-    included), where host time, not GPU time, bounds a small plan."""
-    if type(t) is not torch.Tensor:  # traced into compiled code
-        return False
-    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
-
-
 def _launch(topk_idx: torch.Tensor, num_experts: int, world_size: int, order: torch.Tensor, alignment: int,
-            rows: bool, max_programs: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both kernels: position (T, K) and send_meta (W, e + 3; rows: (1, E + 4)), ``order`` written in
-    place (rows: -1 first)."""
+            rows: bool, max_programs: Optional[int] = None, assert_valid: bool = False,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan's kernels: position (T, K) and send_meta (W, e + 3; rows: (1, E + 4)), ``order``
+    written in place (rows: -1 first)."""
     T, K = topk_idx.shape
     N, E, W = T * K, num_experts, world_size
     e = E // W
@@ -250,15 +238,16 @@ def _launch(topk_idx: torch.Tensor, num_experts: int, world_size: int, order: to
     position = torch.empty(N, dtype=torch.int64, device=dev)
     send_meta = torch.empty(W, e + 3 + rows, dtype=torch.int64, device=dev)
     num_warps = 1 if interpreting() else GPU_NUM_WARPS
-    if N <= ONE_PROGRAM_SLOTS and _host_bound(idx):
-        NB = triton.next_power_of_2(E + 2)
-        scratch = torch.empty(NB, dtype=torch.int32, device=dev)
-        block_s = min(ONE_PROGRAM_BLOCK_S, triton.next_power_of_2(max(N, 1)))
+    assert_valid = assert_valid and rows and dev.type == "cuda"
+    checks = dict(ASSERT_VALID=assert_valid, **(assert_options(idx) if assert_valid else {}))
+    NP, NB = triton.next_power_of_2(max(N, 16)), triton.next_power_of_2(E + 2)
+    if N <= ONE_PROGRAM_SLOTS and NP * NB < 2**31:  # NB: the sort's keys are int32
+        scratch = torch.empty(NB if rows else 0, dtype=torch.int64, device=dev)
         with LAUNCH_LOCK:
             launch(_plan_in_one_program_kernel, idx)[(1,)](
                 idx, scratch, position, order, send_meta, N, E, e, W, alignment, order.numel(),
-                order.numel() if rows else 0, NB=NB, BLOCK_S=block_s, BLOCK_J=min(block_s, 64),
-                BLOCK_W=triton.next_power_of_2(W), ROWS=rows, num_warps=num_warps,
+                order.numel() if rows else 0, NP=NP, NB=NB, BLOCK_W=triton.next_power_of_2(W), ROWS=rows,
+                num_warps=num_warps, **checks,
             )
         return position.view(T, K), send_meta
     if interpreting():
@@ -276,6 +265,6 @@ def _launch(topk_idx: torch.Tensor, num_experts: int, world_size: int, order: to
         launch(_slot_positions_kernel, idx)[grid](
             idx, counts, scratch, position, order, send_meta, N, E, e, W, B, alignment, order.numel(),
             NB=NB, BLOCK_S=block_s, BLOCK_J=min(block_s, 64), BLOCK_P=max(1, min(16, 8192 // NB)),
-            BLOCK_W=triton.next_power_of_2(W), ROWS=rows, num_warps=num_warps,
+            BLOCK_W=triton.next_power_of_2(W), ROWS=rows, num_warps=num_warps, **checks,
         )
     return position.view(T, K), send_meta
