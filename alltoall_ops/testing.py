@@ -477,3 +477,19 @@ def simulated_ulysses_attention(buffers: list, qkv: list, upstream: list, is_cau
     local_grads = [torch.autograd.grad(o, ts, g) for o, ts, g in zip(local, leaves, grad_local)]
     grads = exchange(lambda r, b: symm_head_to_seq_op(list(local_grads[r]), b, 1, 2, heads, []))
     return list(zip(outs, grads))
+
+
+def simulated_errors(fn: Callable[[int, Any], object], buffers: list) -> list:
+    """Run ``fn(rank, buffers[rank])`` on simulated ranks (``run_simulated``) and return what each
+    rank raised, by rank: ``(type name, message)``, or None where it returned (so that the test sees
+    every rank's error, where ``run_simulated`` re-raises the first)."""
+    from .backends.symm_mem import run_simulated
+
+    def caught(rank: int, b: Any) -> Any:
+        try:
+            fn(rank, b)
+        except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+            return type(exc).__name__, str(exc)
+        return None
+
+    return run_simulated(caught, buffers)

@@ -386,12 +386,14 @@ def _all_to_all(op: str, group_name: str, received: torch.Tensor, send: torch.Te
 
 
 def _check_headers(op: str, group_name: str, headers: torch.Tensor, header: torch.Tensor,
-                   described: Callable[[], dict]) -> None:
+                   described: Callable[[], dict], bufs: Any = None) -> None:
     """``headers`` (W, PREFIX_BYTES) uint8: the header that came with each rank's piece; ``header``
     this rank's ((PREFIX_BYTES,), or (W, PREFIX_BYTES) of it). On CPU tensors (or in debug mode) a
     host compare, and a difference raises GroupMismatchError on every rank alike (all hold the same
     W headers, and each sees one unlike its own); on CUDA ``torch._assert_async``, no host sync.
-    ``described()``: this rank's value of each field, for the message."""
+    ``described()``: this rank's value of each field, for the message, which the ranks exchange
+    through their process group, or with ``bufs`` (UlyssesBuffers) through the buffers' own host
+    channel (simulated ranks have no process group)."""
     if headers.is_cuda and not comm.debug():
         torch._assert_async(torch.all(headers == header),
                             f"alltoall_ops.{op}: the ranks disagree on x's dtype, dims or shape, on ulysses_attention's"
@@ -400,7 +402,11 @@ def _check_headers(op: str, group_name: str, headers: torch.Tensor, header: torc
     if torch.equal(headers, header if header.ndim == 2 else header.expand_as(headers)):
         return
     rows = headers.contiguous().view(torch.int64).tolist()  # (the failure path only)
-    where = comm.where(op, process_group(group_name))
+    if bufs is None:
+        where, gather = comm.where(op, process_group(group_name)), lambda obj: comm.gather_objects(op, group_name, obj)
+    else:
+        where = f"alltoall_ops.{op} (symm_mem, rank {bufs.rank} of {bufs.world_size})"
+        gather = bufs._segments.gather_objects
     strangers = [r for r, row in enumerate(rows) if not 0 <= row[0] - _MAGIC < len(_OPS)]
     if strangers:
         raise GroupMismatchError(f"{where}: ranks {strangers} sent no seq_to_head / head_to_seq piece: the ranks are "
@@ -413,7 +419,7 @@ def _check_headers(op: str, group_name: str, headers: torch.Tensor, header: torc
                                  "ops in the same order")
     field = next(FIELDS[i] for i in range(2, HEADER_LEN) if len({row[i] for row in rows}) > 1)
     mine = described()
-    values = comm.gather_objects(op, group_name, mine[field])
+    values = gather(mine[field])
     listed = ", ".join(f"rank {r} has {value}" for r, value in enumerate(values))
     hint = shape_hint(mine["head_dim"]) if op == "head_to_seq" and field == "shape" else ""
     raise GroupMismatchError(f"{where}: the ranks disagree on {field}: {listed}; every rank must pass the same{hint}")
@@ -452,8 +458,9 @@ def symm_exchange(op: str, xs: Sequence[torch.Tensor], bufs: Any, plan: Plan, ou
     one barrier (stamped with the op and the buffers' call number), ``gather`` this rank's piece of
     every rank's x into fresh outputs of ``out_shapes``. cat_counts[i]: (base, extra) of tensor i's
     positions along the cat dim per rank (``kernels.seq_exchange``). The headers are compared on the
-    device: on CPU tensors a difference raises GroupMismatchError on every rank (as
-    :func:`_check_headers` names it); on CUDA a device-side assert. A stage too small for the
+    device: on CPU tensors (and on CUDA in debug mode, ``ALLTOALL_OPS_DEBUG=1``, outside a CUDA
+    graph capture: a host read) a difference raises GroupMismatchError on every rank (as
+    :func:`_check_headers` names it); else on CUDA a device-side assert. A stage too small for the
     exchange: CapacityError on every rank, after the headers (so that ranks whose shapes differ
     raise the mismatch instead)."""
     W, rank = bufs.world_size, bufs.rank
@@ -474,16 +481,18 @@ def symm_exchange(op: str, xs: Sequence[torch.Tensor], bufs: Any, plan: Plan, ou
     segments.barrier(_SYMM_OPS[op], call_1, advance=True)
     failed_1 = torch.zeros(1, dtype=torch.int32, device=xs[0].device)
     headers_W8 = torch.empty(W, HEADER_LEN, dtype=torch.int64, device=xs[0].device)
+    # NB: named on the host on the CPU, and in debug mode outside a capture (a host read)
+    named = not xs[0].is_cuda or (comm.debug() and not torch.cuda.is_current_stream_capturing())
     outs = []
     for i, x in enumerate(xs):
         out = torch.empty(out_shapes[i] if fits else [0] * x.ndim, dtype=x.dtype, device=x.device)
         k.gather_pieces(x, out if fits else x.narrow(0, 0, 0), bufs.table, call_1, failed_1, headers_W8,
                         offset_bytes=offsets[i], own=own[i], source_split=x.shape[plan.split_dim],
-                        cat_counts=cat_counts[i], max_programs=bufs.num_sms, **common)
+                        cat_counts=cat_counts[i], max_programs=bufs.num_sms, assert_checks=not named, **common)
         outs.append(out)
-    if xs[0].device.type == "cpu" and int(failed_1):
+    if named and int(failed_1):
         headers = headers_W8.view(torch.uint8).view(W, PREFIX_BYTES)
-        _check_headers(op, bufs.group_name, headers, headers[rank], described)
+        _check_headers(op, bufs.group_name, headers, headers[rank], described, bufs)
     if not fits:
         raise CapacityError(f"alltoall_ops.{op} (symm_mem): the exchange posts {needed} bytes per rank, but the "
                             f"UlyssesBuffers hold {bufs.max_bytes}; create them with max_bytes >= {needed} "

@@ -17,7 +17,7 @@ import torch
 
 import alltoall_ops as a2a
 from alltoall_ops.backends.symm_mem import run_simulated
-from alltoall_ops.testing import simulated_ulysses_attention
+from alltoall_ops.testing import debug_mode, simulated_errors, simulated_ulysses_attention
 
 pytestmark = pytest.mark.gpu
 
@@ -115,3 +115,15 @@ def test_ranks_that_disagree_trap():
     assert "NO ERROR" not in out.stdout and out.returncode != 0, (out.stdout, out.stderr[-800:])
     assert "queued without a host sync" in out.stdout, out.stderr[-800:]
     assert "the ranks disagree on the exchange" in out.stderr, out.stderr[-1500:]
+
+
+def test_debug_mode_names_the_disagreement_on_every_rank():
+    """ALLTOALL_OPS_DEBUG=1: the gather asserts nothing; the headers are compared on the host and
+    every rank raises the named error (the CUDA context lives on)."""
+    bufs = a2a.UlyssesBuffers.simulated(2, 1 << 20)
+    xs = [torch.randn(1, 8 + 8 * r, 4, 16, device="cuda") for r in range(2)]
+    with debug_mode():
+        errors = simulated_errors(lambda r, b: a2a.seq_to_head(xs[r], buffers=b), bufs)
+    assert [e[0] for e in errors] == ["GroupMismatchError"] * 2, errors
+    assert all("disagree on shape: rank 0 has (1, 8, 4, 16), rank 1 has (1, 16, 4, 16)" in e[1] for e in errors)
+    torch.cuda.synchronize()

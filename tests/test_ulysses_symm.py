@@ -14,7 +14,7 @@ import alltoall_ops as a2a
 from alltoall_ops.backends.symm_mem import run_simulated
 from alltoall_ops.groups import NO_GROUP
 from alltoall_ops.inspect import compiled_graphs
-from alltoall_ops.testing import bytes_written, simulated_ulysses_attention
+from alltoall_ops.testing import bytes_written, simulated_errors, simulated_ulysses_attention
 from alltoall_ops.ulysses import head_counts, symm_seq_to_head_op
 
 
@@ -242,6 +242,17 @@ def test_simulated_peers_match_reference(world_size):
         assert torch.equal(y, _shard(full, 2, rank, W))
         assert torch.equal(z, 3 * _shard(full, 1, rank, W))
         assert torch.equal(grad, torch.full_like(grad, 3.0))
+
+
+def test_simulated_ranks_name_a_disagreement():
+    """Simulated ranks have no process group: the headers' difference is named through the
+    buffers' own host channel, on every rank."""
+    bufs = a2a.UlyssesBuffers.simulated(2, MAX_BYTES, device="cpu")
+    xs = [_full(121 + r, (1, 2 + 2 * r, 4, 3)) for r in range(2)]
+    errors = simulated_errors(lambda r, b: a2a.seq_to_head(xs[r], buffers=b), bufs)
+    assert [e[0] for e in errors] == ["GroupMismatchError"] * 2, errors
+    assert all("(symm_mem, rank" in e[1] and "disagree on shape: rank 0 has (1, 2, 4, 3), rank 1 has (1, 4, 4, 3)"
+               in e[1] for e in errors), errors
 
 
 def test_bytes_for_fits_attention():

@@ -28,7 +28,8 @@ slot.
 Headers: ``post`` writes this rank's header (the exchange's key, with the call number as word 1);
 ``gather`` compares every rank's with its own before it reads that rank's rows, reads nothing
 from a rank whose header differs, copies all W headers out, and sets ``failed``; with
-``ASSERT_CHECKS`` (CUDA) a device-side assert fires instead of a silent flag.
+``ASSERT_CHECKS`` (CUDA, unless debug mode names the difference on the host) a device-side
+assert fires too.
 """
 
 from __future__ import annotations
@@ -179,13 +180,14 @@ def post_pieces(x: torch.Tensor, table: torch.Tensor, calls_1: torch.Tensor, *, 
 def gather_pieces(x: torch.Tensor, out: torch.Tensor, table: torch.Tensor, call_1: torch.Tensor,
                   failed_1: torch.Tensor, headers_W8: torch.Tensor, *, rank: int, slot_bytes: int, offset_bytes: int,
                   split_dim: int, cat_dim: int, own: tuple[int, int], source_split: int,
-                  cat_counts: tuple[int, int], max_programs: Optional[int] = None) -> None:
+                  cat_counts: tuple[int, int], max_programs: Optional[int] = None, assert_checks: bool = True) -> None:
     """Fill ``out`` (contiguous) with this rank's piece of every rank's posted tensor, rank q's
     at cat positions ``[coff_q, coff_q + c_q)`` (``cat_counts = (base, extra)``), this rank's own
     read from x. own: (off, n) split positions taken; source_split: L, the sources' split extent.
     call_1: the exchange's call number (its slot); headers_W8 (W, 8) int64: every rank's header;
     failed_1 (1,) int32 |= 1 when some rank's header differs from this rank's (nothing is read
-    from that rank)."""
+    from that rank); assert_checks (CUDA): that is also a device-side assert (without: the caller
+    reads failed_1)."""
     W = table.shape[-1]
     P, _, M, _, Q = canonical(out.shape, split_dim, cat_dim)
     total = out.shape[cat_dim]
@@ -199,5 +201,5 @@ def gather_pieces(x: torch.Tensor, out: torch.Tensor, table: torch.Tensor, call_
         launch(_gather_kernel, x)[(max(row_programs, 1), W)](
             x, out, table, call_1, failed_1, headers_W8, rank, slot_bytes, offset_bytes, P, M, Q, own[1], own[0],
             source_split, base, extra, total, CAT_FIRST=cat_dim < split_dim,
-            ASSERT_CHECKS=x.is_cuda, BLOCK_R=blocks.BLOCK_R, BLOCK_Q=blocks.BLOCK_H, num_warps=blocks.num_warps,
-            **assert_options(x))
+            ASSERT_CHECKS=x.is_cuda and assert_checks, BLOCK_R=blocks.BLOCK_R, BLOCK_Q=blocks.BLOCK_H,
+            num_warps=blocks.num_warps, **(assert_options(x) if assert_checks else {}))
