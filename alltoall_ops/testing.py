@@ -26,7 +26,7 @@ import queue
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -479,17 +479,19 @@ def simulated_ulysses_attention(buffers: list, qkv: list, upstream: list, is_cau
     return list(zip(outs, grads))
 
 
+def raised(fn: Callable[[], object]) -> Optional[tuple[str, str]]:
+    """What ``fn()`` raised, as ``(type name, message)``, or None where it returned."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - what was raised is the result
+        return type(exc).__name__, str(exc)
+    return None
+
+
 def simulated_errors(fn: Callable[[int, Any], object], buffers: list) -> list:
     """Run ``fn(rank, buffers[rank])`` on simulated ranks (``run_simulated``) and return what each
-    rank raised, by rank: ``(type name, message)``, or None where it returned (so that the test sees
-    every rank's error, where ``run_simulated`` re-raises the first)."""
+    rank raised, by rank (:func:`raised`), so that a test sees every rank's error where
+    ``run_simulated`` re-raises the first."""
     from .backends.symm_mem import run_simulated
 
-    def caught(rank: int, b: Any) -> Any:
-        try:
-            fn(rank, b)
-        except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
-            return type(exc).__name__, str(exc)
-        return None
-
-    return run_simulated(caught, buffers)
+    return run_simulated(lambda rank, b: raised(lambda: fn(rank, b)), buffers)

@@ -134,11 +134,23 @@ def _check_args(
     return seq_dim, head_dim, num_heads
 
 
-def _checked(op: str, group_name: str, check: Callable, *args):
-    """``check(*args)``. In debug mode, on a group, through ``comm.checked``: a rank whose checks
-    fail takes its error into the op's agreement, where its peers wait, so they raise too. By
-    default no agreement runs: such a rank raises at once, its peers at the library's deadline."""
-    if group_name == LOCAL or is_compiling() or not comm.debug():
+def _checked(op: str, group_name: str, check: Callable, *args, buffers: Optional[UlyssesBuffers] = None):
+    """``check(*args)``, the checks of the exchange ``op``. With ``buffers`` (of several ranks), a
+    TypeError / ValueError it raises is told to the peers first, through the buffers
+    (``exchange.symm_tell_peers``): their exchange raises PeerInputError at once. On a group, in
+    debug mode, through ``comm.checked``: a rank whose checks fail takes its error into the op's
+    agreement, where its peers wait, so they raise too; by default no agreement runs there: such a
+    rank raises at once, its peers at the library's deadline. Under torch.compile the checks run at
+    trace time, where nothing is told."""
+    if is_compiling():
+        return check(*args)
+    if buffers is not None:
+        try:
+            return check(*args)
+        except (TypeError, ValueError) as exc:
+            exchange.symm_tell_peers(op, buffers, exc)
+            raise
+    if group_name == LOCAL or not comm.debug():
         return check(*args)
     return comm.checked(op, group_name, check, *args)
 
@@ -471,7 +483,7 @@ def seq_to_head(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: 
     does not divide Hh) is its inverse."""
     grp, checks = _group_or_buffers("seq_to_head", group, buffers, x)
     seq_dim, head_dim, _ = _checked("seq_to_head", checks, _check_args, "seq_to_head", x, grp.size, grp.rank,
-                                    seq_dim, head_dim)
+                                    seq_dim, head_dim, buffers=buffers)
     if buffers is not None:
         return call(symm_seq_to_head_op, [x], buffers, seq_dim, head_dim, [], differentiable=(x,))[0]
     return call(seq_to_head_op, [x], grp.name, seq_dim, head_dim, [], False, differentiable=(x,))[0]
@@ -488,7 +500,7 @@ def head_to_seq(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: 
     that take different totals send pieces of other sizes: see the module docstring)."""
     grp, checks = _group_or_buffers("head_to_seq", group, buffers, x)
     seq_dim, head_dim, num_heads = _checked("head_to_seq", checks, _check_args, "head_to_seq", x, grp.size,
-                                            grp.rank, seq_dim, head_dim, num_heads)
+                                            grp.rank, seq_dim, head_dim, num_heads, buffers=buffers)
     if buffers is not None:
         return call(symm_head_to_seq_op, [x], buffers, seq_dim, head_dim, [num_heads], [], differentiable=(x,))[0]
     return call(head_to_seq_op, [x], grp.name, seq_dim, head_dim, [num_heads], [], False, differentiable=(x,))[0]
@@ -581,7 +593,7 @@ def ulysses_attention(
     ``UlyssesBuffers.bytes_for([q.shape, k.shape, v.shape], q.dtype, W)`` (GQA with fewer kv heads
     than ranks: k and v with W heads, as they move)."""
     grp, checks = _group_or_buffers("ulysses_attention", group, buffers, q)
-    _checked("seq_to_head", checks, _check_qkv, q, k, v, grp.size, layout, attn_fn, is_causal, scale)
+    _checked("seq_to_head", checks, _check_qkv, q, k, v, grp.size, layout, attn_fn, is_causal, scale, buffers=buffers)
     seq_dim, head_dim = LAYOUTS[layout], 2
     heads, kv_heads = q.shape[head_dim], k.shape[head_dim]
     attention = attention_args(q, k, v, layout, is_causal, scale, attn_fn) if grp.name != LOCAL else []
@@ -595,7 +607,7 @@ def ulysses_attention(
         q, k, v = call(seq_to_head_op, [q, k, v], grp.name, seq_dim, head_dim, attention, False,  # one exchange
                        differentiable=(q, k, v))
     out = attn_fn(q, k, v) if attn_fn is not None else _sdpa(q, k, v, layout, is_causal, scale)
-    _checked("head_to_seq", checks, _check_attn_out, out, q, v, layout)
+    _checked("head_to_seq", checks, _check_attn_out, out, q, v, layout, buffers=buffers)
     if buffers is not None:
         return call(symm_head_to_seq_op, [out], buffers, seq_dim, head_dim, [heads], attention,
                     differentiable=(out,))[0]

@@ -26,7 +26,7 @@ import torch
 
 from . import comm
 from .backends.symm_mem.ulysses_buffers import PIECE_ALIGN
-from .errors import CapacityError, GroupMismatchError
+from .errors import CapacityError, CollectiveError, GroupMismatchError, PeerInputError
 from .groups import LOCAL, process_group
 from .kernels import loader
 from .layout import round_up
@@ -39,6 +39,7 @@ HEADER_LEN = len(FIELDS)
 PREFIX_BYTES = 8 * HEADER_LEN
 """Bytes of the header at the start of every piece of an exchange."""
 _MAGIC = 0x554C5953 << 8  # "ULYS": a piece of this module's exchanges (op code in the low bits)
+_REJECTED = -1  # the dtype code of a header that says its rank rejected its arguments (symm_tell_peers)
 _OPS = ("seq_to_head", "head_to_seq")
 _exchanges: collections.Counter = collections.Counter()  # group name -> exchanges so far
 
@@ -407,6 +408,11 @@ def _check_headers(op: str, group_name: str, headers: torch.Tensor, header: torc
     else:
         where = f"alltoall_ops.{op} (symm_mem, rank {bufs.rank} of {bufs.world_size})"
         gather = bufs._segments.gather_objects
+    rejected = [r for r, row in enumerate(rows) if row[FIELDS.index("dtype")] == _REJECTED]
+    if rejected:  # those ranks posted no pieces: their own checks failed (symm_tell_peers)
+        messages = gather(None)  # every rank takes this path, the rejecting ones in symm_tell_peers
+        raise PeerInputError(f"{where}: rank {rejected[0]} rejected its arguments: "
+                             f"{messages[rejected[0]] or 'see its error'}")
     strangers = [r for r, row in enumerate(rows) if not 0 <= row[0] - _MAGIC < len(_OPS)]
     if strangers:
         raise GroupMismatchError(f"{where}: ranks {strangers} sent no seq_to_head / head_to_seq piece: the ranks are "
@@ -481,8 +487,7 @@ def symm_exchange(op: str, xs: Sequence[torch.Tensor], bufs: Any, plan: Plan, ou
     segments.barrier(_SYMM_OPS[op], call_1, advance=True)
     failed_1 = torch.zeros(1, dtype=torch.int32, device=xs[0].device)
     headers_W8 = torch.empty(W, HEADER_LEN, dtype=torch.int64, device=xs[0].device)
-    # NB: named on the host on the CPU, and in debug mode outside a capture (a host read)
-    named = not xs[0].is_cuda or (comm.debug() and not torch.cuda.is_current_stream_capturing())
+    named = _named_on_host(xs[0].device)
     outs = []
     for i, x in enumerate(xs):
         out = torch.empty(out_shapes[i] if fits else [0] * x.ndim, dtype=x.dtype, device=x.device)
@@ -498,3 +503,32 @@ def symm_exchange(op: str, xs: Sequence[torch.Tensor], bufs: Any, plan: Plan, ou
                             f"UlyssesBuffers hold {bufs.max_bytes}; create them with max_bytes >= {needed} "
                             "(UlyssesBuffers.bytes_for)")
     return outs
+
+
+def _named_on_host(device: torch.device) -> bool:
+    """Whether a symm exchange's headers are compared on the host, to name a difference: on the
+    CPU, and on CUDA in debug mode outside a CUDA graph capture (a host read); else the gather's
+    device-side assert. The same on every rank."""
+    return device.type != "cuda" or (comm.debug() and not torch.cuda.is_current_stream_capturing())
+
+
+def symm_tell_peers(op: str, bufs: Any, error: BaseException) -> None:
+    """The failure channel of UlyssesBuffers: this rank's own checks of ``op`` failed before its
+    post, so it posts a header that says so (no pieces) and passes the exchange's barrier; its
+    peers' exchange, which compares that header, then raises PeerInputError with ``error``'s
+    message (where headers are compared on the host: the message through the buffers' host
+    channel) or traps (CUDA: the gather's device-side assert), instead of waiting for this rank
+    until the deadline. Returns; the caller raises ``error``."""
+    if bufs.world_size == 1:
+        return
+    k, segments, dev = loader.load(), bufs._segments, bufs.device
+    header = (_MAGIC + _OPS.index(op), 0, _REJECTED, 0, 0, 0, 0)
+    try:
+        k.post_pieces(torch.empty(0, 1, device=dev), bufs.table, segments.calls_1, rank=bufs.rank,
+                      slot_bytes=bufs.slot_bytes, offset_bytes=0, split_dim=1, cat_dim=0, own=(0, 0), header=header,
+                      max_programs=bufs.num_sms)
+        segments.barrier(_SYMM_OPS[op], torch.empty(1, dtype=torch.int64, device=dev), advance=True)
+        if _named_on_host(dev):  # the peers' _check_headers gathers every rank's message
+            segments.gather_objects(f"{type(error).__name__}: {error}")
+    except CollectiveError:
+        pass  # peers later than the deadline (not told); this rank raises its own error

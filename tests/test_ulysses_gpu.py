@@ -119,11 +119,16 @@ def test_ranks_that_disagree_trap():
 
 def test_debug_mode_names_the_disagreement_on_every_rank():
     """ALLTOALL_OPS_DEBUG=1: the gather asserts nothing; the headers are compared on the host and
-    every rank raises the named error (the CUDA context lives on)."""
+    every rank raises the named error (the CUDA context lives on), a rank's rejection of its
+    arguments included."""
     bufs = a2a.UlyssesBuffers.simulated(2, 1 << 20)
     xs = [torch.randn(1, 8 + 8 * r, 4, 16, device="cuda") for r in range(2)]
     with debug_mode():
         errors = simulated_errors(lambda r, b: a2a.seq_to_head(xs[r], buffers=b), bufs)
     assert [e[0] for e in errors] == ["GroupMismatchError"] * 2, errors
     assert all("disagree on shape: rank 0 has (1, 8, 4, 16), rank 1 has (1, 16, 4, 16)" in e[1] for e in errors)
-    torch.cuda.synchronize()
+    with debug_mode():  # a rank that rejects its arguments before its post: its peer is told
+        errors = simulated_errors(lambda r, b: a2a.seq_to_head(xs[0], seq_dim=2 if r else 1, buffers=b), bufs)
+    assert [e[0] for e in errors] == ["PeerInputError", "ValueError"], errors
+    outs = run_simulated(lambda r, b: a2a.seq_to_head(xs[0], buffers=b), bufs)  # still in step
+    assert all(torch.equal(o, _chunk(torch.cat([xs[0]] * 2, 1), 2, r, 2)) for r, o in enumerate(outs))

@@ -14,7 +14,7 @@ import alltoall_ops as a2a
 from alltoall_ops.backends.symm_mem import run_simulated
 from alltoall_ops.groups import NO_GROUP
 from alltoall_ops.inspect import compiled_graphs
-from alltoall_ops.testing import bytes_written, simulated_errors, simulated_ulysses_attention
+from alltoall_ops.testing import bytes_written, raised, simulated_errors, simulated_ulysses_attention
 from alltoall_ops.ulysses import head_counts, symm_seq_to_head_op
 
 
@@ -93,14 +93,6 @@ def run_attention(rank, world_size, heads_q, heads_kv, layout, is_causal):
         torch.testing.assert_close(g, _shard(to_layout(r), seq, rank, W), rtol=1e-12, atol=1e-12)
 
 
-def _outcome(fn):
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test compares what each rank raised
-        return type(exc).__name__, str(exc)
-    return None
-
-
 def run_errors(rank, world_size):
     """What each rank raises when the ranks' pieces differ, or the stage is too small; then an
     exchange in step still works (the buffers stay usable)."""
@@ -110,14 +102,18 @@ def run_errors(rank, world_size):
     big = _full(82, (2, MAX_BYTES // 8, W, 2))  # 2 * MAX_BYTES / 8 * W * 2 elements of 8 bytes: too many
     one_big = _full(83, (2, 2 if rank else MAX_BYTES // 8, W, 2))
     outcomes = {
-        "shape": _outcome(lambda: a2a.seq_to_head(longer, buffers=bufs)),
-        "dtype": _outcome(lambda: a2a.seq_to_head(x.float() if rank == 0 else x, buffers=bufs)),
-        "capacity": _outcome(lambda: a2a.seq_to_head(big, buffers=bufs)),
-        "one too big": _outcome(lambda: a2a.seq_to_head(one_big, buffers=bufs)),
-        "out of step": _outcome(lambda: a2a.seq_to_head(x, buffers=bufs) if rank == 0 else
+        "shape": raised(lambda: a2a.seq_to_head(longer, buffers=bufs)),
+        "dtype": raised(lambda: a2a.seq_to_head(x.float() if rank == 0 else x, buffers=bufs)),
+        "capacity": raised(lambda: a2a.seq_to_head(big, buffers=bufs)),
+        "one too big": raised(lambda: a2a.seq_to_head(one_big, buffers=bufs)),
+        "out of step": raised(lambda: a2a.seq_to_head(x, buffers=bufs) if rank == 0 else
                                 a2a.head_to_seq(_full(84, (2, 2 * W, 2, 4)), buffers=bufs)),
-        "type": _outcome(lambda: a2a.seq_to_head(x, buffers="bufs")),
-        "group": _outcome(lambda: a2a.seq_to_head(x, group=NO_GROUP, buffers=bufs)),
+        "type": raised(lambda: a2a.seq_to_head(x, buffers="bufs")),
+        "group": raised(lambda: a2a.seq_to_head(x, group=NO_GROUP, buffers=bufs)),
+        # the last rank's own check fails before its post: it tells its peers through the buffers
+        "rejected": raised(lambda: a2a.seq_to_head(x, seq_dim=2 if rank == W - 1 else 1, buffers=bufs)),
+        "attn_fn": raised(lambda: a2a.ulysses_attention(
+            x, x, x, attn_fn=lambda q, k, v: q[:, :1] if rank == W - 1 else q, buffers=bufs)),
     }
     after = a2a.seq_to_head(x, buffers=bufs)
     assert torch.equal(after, a2a.seq_to_head(x))
@@ -209,6 +205,12 @@ def test_errors_on_every_rank(pool2):
         assert o["out of step"][0] == "GroupMismatchError" and "out of step" in o["out of step"][1], o["out of step"]
         assert o["type"][0] == "TypeError" and "UlyssesBuffers" in o["type"][1]
         assert o["group"][0] == "ValueError" and "group" in o["group"][1]
+    *peers, last = outcomes
+    assert last["rejected"][0] == "ValueError" and last["attn_fn"][0] == "ValueError", last
+    for o in peers:  # at once (a wait for the last rank until the deadline: CollectiveTimeout)
+        assert o["rejected"][0] == "PeerInputError" and f"rank {len(peers)} rejected its arguments: " \
+            f"{last['rejected'][0]}: {last['rejected'][1]}" in o["rejected"][1], o["rejected"]
+        assert o["attn_fn"][0] == "PeerInputError" and "attn_fn: expected an output" in o["attn_fn"][1], o["attn_fn"]
     # every rank names the same disagreement (after where it is: "... (rank r of W): ...")
     assert len({o["shape"][1].split("): ", 1)[1] for o in outcomes}) == 1
 
@@ -253,6 +255,22 @@ def test_simulated_ranks_name_a_disagreement():
     assert [e[0] for e in errors] == ["GroupMismatchError"] * 2, errors
     assert all("(symm_mem, rank" in e[1] and "disagree on shape: rank 0 has (1, 2, 4, 3), rank 1 has (1, 4, 4, 3)"
                in e[1] for e in errors), errors
+
+
+def test_simulated_rank_that_rejects_its_arguments_tells_its_peers():
+    """A rank whose own check fails posts a header that says so: its peers raise PeerInputError
+    with its message at once (a wait until the 30 s deadline would be a CollectiveTimeout); the
+    buffers stay in step."""
+    bufs = a2a.UlyssesBuffers.simulated(3, MAX_BYTES, device="cpu", timeout=30.0)
+    x, wide = _full(122, (1, 3, 1, 2)), _full(123, (1, 3, 2, 2))
+    errors = simulated_errors(lambda r, b: a2a.head_to_seq(wide if r == 1 else x, num_heads=3, buffers=b), bufs)
+    assert errors[1][0] == "ValueError" and "x: expected rank 1's share" in errors[1][1], errors
+    for r in (0, 2):
+        assert errors[r][0] == "PeerInputError" and f"rank 1 rejected its arguments: ValueError: {errors[1][1]}" \
+            in errors[r][1], errors[r]
+    outs = run_simulated(lambda r, b: a2a.head_to_seq(x, num_heads=3, buffers=b), bufs)
+    for r, out in enumerate(outs):  # rank r: position r of every rank's one head
+        assert torch.equal(out, x[:, r:r + 1].expand(1, 1, 3, 2)), r
 
 
 def test_bytes_for_fits_attention():
