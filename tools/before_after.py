@@ -155,7 +155,7 @@ def layer_cases(trees: dict, add: Callable, dev: str) -> None:
                 add(f"MoE {shape} T={T} {op} {label}{suffix} {tag}".strip(), step)
 
 
-def run(before: pathlib.Path, rounds: int, out: str | None, profiled: list[str]) -> None:
+def run(before: pathlib.Path, rounds: int, out: str | None, profiled: list[str], only: str = "all") -> None:
     if rounds < 1:
         raise SystemExit(f"--rounds: expected at least 1, got {rounds}")
     sys.path.insert(0, str(before))
@@ -164,8 +164,10 @@ def run(before: pathlib.Path, rounds: int, out: str | None, profiled: list[str])
     trees = {"before": old, "after": alltoall_ops}
     cases: dict[str, Callable] = {}
     dev = "cuda"
-    op_cases(trees, cases.__setitem__, dev)
-    layer_cases(trees, cases.__setitem__, dev)
+    if only in ("all", "ops"):
+        op_cases(trees, cases.__setitem__, dev)
+    if only in ("all", "layers"):
+        layer_cases(trees, cases.__setitem__, dev)
     samples: dict[str, list] = {name: [] for name in cases}
     for done in range(1, rounds + 1):
         for name, step in cases.items():
@@ -219,11 +221,13 @@ def main(argv=None) -> None:
     r.add_argument("--rounds", type=int, default=3)
     r.add_argument("--out", default=None)
     r.add_argument("--profile", nargs="*", default=[], help="cases (row names) to profile on the host")
+    r.add_argument("--only", choices=("all", "ops", "layers"), default="all",
+                   help="dispatch and combine alone, or the whole layers")
     args = parser.parse_args(argv)
     if args.command == "prepare":
         prepare(args.rev, args.into)
     else:
-        run(args.before, args.rounds, args.out, args.profile)
+        run(args.before, args.rounds, args.out, args.profile, args.only)
 
 
 if __name__ == "__main__":
