@@ -35,11 +35,12 @@ def test_a_bad_id_is_the_plan_kernels_own_device_assert(T, how):
     """No assert launch of its own: the plan kernel asserts that no id is bad (a subprocess: the
     CUDA context dies with it)."""
     rows = "lambda x, idx: a2a.dispatch(x, idx, num_experts=4, backend='local')[0]"
+    call = f"({rows})" if how == "eager" else f"torch.compile({rows}, fullgraph=True)"
     code = (
         "import torch, alltoall_ops as a2a\n"
         f"x = torch.randn({T}, 8, device='cuda'); idx = torch.zeros({T}, 2, dtype=torch.int64, device='cuda')\n"
         "idx[1, 0] = 7\n"
-        f"({rows} if {how == 'eager'} else torch.compile({rows}, fullgraph=True))(x, idx)\n"
+        f"{call}(x, idx)\n"
         "torch.cuda.synchronize()\n"
         "print('NO ERROR')\n"
     )
