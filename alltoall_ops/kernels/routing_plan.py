@@ -219,7 +219,7 @@ def plan_rows(
     row_src (C = num_rows,) slot of each row (-1: none), row (T, K) row of each slot (C: none),
     meta (1, E + 4) padded rows per expert, the status and 1 where no id is bad. Launches as
     ``plan_slots``'. assert_valid (CUDA): a bad id is also a device-side assert
-    (``layout.BAD_IDS``) of the kernel itself."""
+    (``validation.BAD_IDS``) of the kernel itself."""
     row_src = torch.empty(num_rows, dtype=torch.int64, device=topk_idx.device)
     row, meta = _launch(topk_idx, num_experts, 1, row_src, expert_alignment, True, assert_valid=assert_valid)
     return row_src, row, meta
