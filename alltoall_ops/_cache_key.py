@@ -15,6 +15,11 @@ caches (and of PGO's profiles and the autotune cache). Importing the package app
 import, so an unchanged install keeps its warm cache and any change to the package's code misses
 it. A tag assigned after the import replaces it: append to it instead
 (``torch.compiler.config.cache_key_tag += "|mine"``).
+
+The ranks of a node share that cache directory, and a graph's key does not see the rank: where
+an op's fake outputs depend on it (``seq_to_head`` / ``head_to_seq`` over a process group with
+heads that W does not divide), rank 1 loaded rank 0's compiled graph and failed its size
+assertions. Such fakes call :func:`key_on_rank`, which adds the process's rank to the tag.
 """
 
 from __future__ import annotations
@@ -47,6 +52,21 @@ def with_tag(current: str) -> str:
     place of another copy's (a reload) and at most once."""
     parts = [p for p in current.split("|") if p and not re.fullmatch(re.escape(PREFIX) + "[0-9a-f]+", p)]
     return "|".join([*parts, TAG])
+
+
+RANK_PREFIX = "rank="
+
+
+def key_on_rank(rank: int) -> None:
+    """From now on, key this process's compiled graphs on its ``rank`` too (``rank=<r>`` in
+    ``torch.compiler.config.cache_key_tag``, once): called by fake impls whose output shapes
+    depend on the rank, while the graph is traced, before its cache key is computed."""
+    import torch.compiler.config as cconfig
+
+    part = f"{RANK_PREFIX}{rank}"
+    parts = [p for p in cconfig.cache_key_tag.split("|") if p and not p.startswith(RANK_PREFIX)]
+    if part not in cconfig.cache_key_tag.split("|"):
+        cconfig.cache_key_tag = "|".join([*parts, part])
 
 
 def install() -> None:

@@ -196,6 +196,20 @@ def pending_on(obj: Any) -> bool:
     return any(any(a is obj for a in pending.reads) for pending in PendingExchange.started)
 
 
+def check_nothing_pending(buffers: Any, entry: str) -> None:
+    """Raise unless every exchange started on ``buffers`` (symm_mem's, an opaque argument of their
+    ops) with ``async_op=True`` was waited for, before an exchange ``entry`` on the current stream:
+    it would not run after the pending one (their barriers would meet out of order, and the two
+    would share the buffers' memory). Eager code only; every rank of an SPMD program raises alike,
+    before any communication."""
+    if not is_compiling() and pending_on(buffers):
+        raise RuntimeError(
+            f"alltoall_ops.{entry} (symm_mem): an exchange on these buffers was started with async_op=True and "
+            "not waited for; wait for its outputs (alltoall_ops.wait or wait_add) before the next exchange on the "
+            "same buffers that is not started with async_op=True (a dispatch: before any)"
+        )
+
+
 def pending_exchanges() -> int:
     """Started exchanges (and other functional collectives) not waited for yet, in this process:
     one each, however many outputs it is registered under."""

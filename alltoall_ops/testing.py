@@ -469,13 +469,13 @@ def simulated_ulysses_attention(buffers: list, qkv: list, upstream: list, is_cau
     def exchange(fn: Callable) -> list:
         return run_simulated(fn, buffers, stream=stream)
 
-    gathered = exchange(lambda r, b: symm_seq_to_head_op(list(qkv[r]), b, 1, 2, []))
+    gathered = exchange(lambda r, b: symm_seq_to_head_op(list(qkv[r]), b, 1, 2, [], False))
     leaves = [[t.requires_grad_() for t in ts] for ts in gathered]
     local = [_sdpa(*ts, "bshd", is_causal, None) for ts in leaves]
-    outs = exchange(lambda r, b: symm_head_to_seq_op([local[r].detach()], b, 1, 2, heads[:1], [])[0])
-    grad_local = exchange(lambda r, b: symm_seq_to_head_op([upstream[r]], b, 1, 2, [])[0])
+    outs = exchange(lambda r, b: symm_head_to_seq_op([local[r].detach()], b, 1, 2, heads[:1], [], False)[0])
+    grad_local = exchange(lambda r, b: symm_seq_to_head_op([upstream[r]], b, 1, 2, [], False)[0])
     local_grads = [torch.autograd.grad(o, ts, g) for o, ts, g in zip(local, leaves, grad_local)]
-    grads = exchange(lambda r, b: symm_head_to_seq_op(list(local_grads[r]), b, 1, 2, heads, []))
+    grads = exchange(lambda r, b: symm_head_to_seq_op(list(local_grads[r]), b, 1, 2, heads, [], False))
     return list(zip(outs, grads))
 
 

@@ -45,14 +45,15 @@ import struct
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
-from . import comm, ulysses_exchange as exchange
+from . import _cache_key, comm, overlap, ulysses_exchange as exchange
 from ._compat import call, input_grads, is_compiling
 from .backends.symm_mem.ulysses_buffers import UlyssesBuffers
 from .errors import GroupMismatchError
 from .groups import LOCAL, Group, communication_group, process_group, resolve_group
 from .comm import comm_op
-from .validation import as_int
+from .validation import as_int, check_bool
 
 def _group_size(group_name: str) -> int:
     return 1 if group_name == LOCAL else process_group(group_name).size()
@@ -60,6 +61,15 @@ def _group_size(group_name: str) -> int:
 
 def _group_rank(group_name: str) -> int:
     return 0 if group_name == LOCAL else process_group(group_name).rank()
+
+
+def _traced_rank(group_name: str) -> int:
+    """:func:`_group_rank` for a fake impl, whose output shapes then depend on it: the disk caches
+    of compiled graphs are keyed on the rank from now on (``_cache_key.key_on_rank``)."""
+    rank = _group_rank(group_name)
+    if group_name != LOCAL:
+        _cache_key.key_on_rank(dist.get_rank())
+    return rank
 
 
 def head_counts(num_heads: int, world_size: int) -> list[int]:
@@ -282,13 +292,15 @@ def _head_to_seq_shapes(xs: Sequence[torch.Tensor], W: int, seq_dim: int, head_d
 
 
 @comm_op("seq_to_head", schema="(Tensor[] xs, str group_name, int seq_dim, int head_dim, SymInt[] attention, "
-                               "bool agreed_sizes) -> Tensor[]")
+                               "bool agreed_sizes, bool async_op) -> Tensor[]")
+@overlap.startable
 def seq_to_head_op(xs: list[torch.Tensor], group_name: str, seq_dim: int, head_dim: int, attention: list[int],
-                   agreed_sizes: bool) -> list[torch.Tensor]:
+                   agreed_sizes: bool, async_op: bool) -> list[torch.Tensor]:
     """Each (.., S/W at seq_dim, .., Hh_i at head_dim, ..) -> (.., S, .., h_r of Hh_i, ..), all in
     one exchange (one dtype and ndim); dims >= 0. attention: :func:`attention_args` of a
     ulysses_attention, [] otherwise (checked in the header). agreed_sizes: the sizes follow from
-    an exchange the group agreed on (see :func:`_exchange`)."""
+    an exchange the group agreed on (see :func:`_exchange`). async_op: started on the
+    communication stream, pending until ``overlap.wait`` (``overlap.startable``)."""
     plan = _plan("seq_to_head", xs, group_name, seq_dim, head_dim, None, attention)
     _debug_agreement("seq_to_head", xs, group_name, plan)
     return exchange.exchange("seq_to_head", xs, group_name, plan, agreed_sizes, _described(xs, plan, attention))
@@ -318,25 +330,27 @@ def _head_to_seq_outputs(xs: Sequence[torch.Tensor], W: int, rank: int, seq_dim:
 
 
 @seq_to_head_op.register_fake
-def _(xs, group_name, seq_dim, head_dim, attention, agreed_sizes):
-    shapes = _seq_to_head_outputs(xs, _group_size(group_name), _group_rank(group_name), seq_dim, head_dim)
+def _(xs, group_name, seq_dim, head_dim, attention, agreed_sizes, async_op):
+    shapes = _seq_to_head_outputs(xs, _group_size(group_name), _traced_rank(group_name), seq_dim, head_dim)
     return [x.new_empty(shape) for x, shape in zip(xs, shapes)]
 
 
 @comm_op("head_to_seq", schema="(Tensor[] xs, str group_name, int seq_dim, int head_dim, SymInt[] num_heads, "
-                               "SymInt[] attention, bool agreed_sizes) -> Tensor[]")
+                               "SymInt[] attention, bool agreed_sizes, bool async_op) -> Tensor[]")
+@overlap.startable
 def head_to_seq_op(xs: list[torch.Tensor], group_name: str, seq_dim: int, head_dim: int, num_heads: list[int],
-                   attention: list[int], agreed_sizes: bool) -> list[torch.Tensor]:
+                   attention: list[int], agreed_sizes: bool, async_op: bool) -> list[torch.Tensor]:
     """Each (.., S at seq_dim, .., h_r at head_dim, ..) -> (.., S/W, .., num_heads[i], ..), all in
-    one exchange; dims >= 0."""
+    one exchange; dims >= 0. async_op: as :func:`seq_to_head_op`'s."""
     plan = _plan("head_to_seq", xs, group_name, seq_dim, head_dim, num_heads, attention)
     _debug_agreement("head_to_seq", xs, group_name, plan)
     return exchange.exchange("head_to_seq", xs, group_name, plan, agreed_sizes, _described(xs, plan, attention))
 
 
 @head_to_seq_op.register_fake
-def _(xs, group_name, seq_dim, head_dim, num_heads, attention, agreed_sizes):
-    shapes = _head_to_seq_outputs(xs, _group_size(group_name), _group_rank(group_name), seq_dim, head_dim, num_heads)
+def _(xs, group_name, seq_dim, head_dim, num_heads, attention, agreed_sizes, async_op):
+    shapes = _head_to_seq_outputs(xs, _group_size(group_name), _traced_rank(group_name), seq_dim, head_dim,
+                                  num_heads)
     return [x.new_empty(shape) for x, shape in zip(xs, shapes)]
 
 
@@ -347,28 +361,32 @@ def _no_grad(ints: Sequence[int]) -> Optional[list]:
 
 
 def _seq_to_head_setup(ctx, inputs, output):
-    xs, ctx.group_name, ctx.seq_dim, ctx.head_dim, ctx.attention, _ = inputs
+    xs, ctx.group_name, ctx.seq_dim, ctx.head_dim, ctx.attention, _, async_op = inputs
     attention = ctx.attention
     ctx.num_heads = [x.shape[ctx.head_dim] for x in xs]
     ctx.no_grads = {"attention": _no_grad(attention)}
+    overlap.save_for_backward(ctx, output, async_op)  # NB: an async start is waited for in the backward
 
 
 def _head_to_seq_setup(ctx, inputs, output):
-    _, ctx.group_name, ctx.seq_dim, ctx.head_dim, num_heads, attention, _ = inputs
+    _, ctx.group_name, ctx.seq_dim, ctx.head_dim, num_heads, attention, _, async_op = inputs
     ctx.no_grads = {"num_heads": _no_grad(num_heads), "attention": _no_grad(attention)}
+    overlap.save_for_backward(ctx, output, async_op)
 
 
 # NB: the backward of an all-to-all is the all-to-all back: one exchange for every gradient. The
 # gradients have the shapes of the outputs (autograd holds them to it), whose sizes the forward
 # agreed on: agreed_sizes, no exchange of headers first (the header in the pieces still checks them).
 def _seq_to_head_backward(ctx, grads):
+    overlap.saved_tensors(ctx)  # the forward's exchange, if started, is done
     grad_xs = head_to_seq_op(list(grads), ctx.group_name, ctx.seq_dim, ctx.head_dim, ctx.num_heads, ctx.attention,
-                             True)
+                             True, False)
     return input_grads(seq_to_head_op, xs=grad_xs, **ctx.no_grads)
 
 
 def _head_to_seq_backward(ctx, grads):
-    grad_xs = seq_to_head_op(list(grads), ctx.group_name, ctx.seq_dim, ctx.head_dim, [], True)
+    overlap.saved_tensors(ctx)
+    grad_xs = seq_to_head_op(list(grads), ctx.group_name, ctx.seq_dim, ctx.head_dim, [], True, False)
     return input_grads(head_to_seq_op, xs=grad_xs, **ctx.no_grads)
 
 
@@ -382,9 +400,11 @@ head_to_seq_op.register_autograd(_head_to_seq_backward, setup_context=_head_to_s
 
 
 @comm_op("symm_seq_to_head")
+@overlap.startable
 def symm_seq_to_head_op(xs: list[torch.Tensor], buffers: UlyssesBuffers, seq_dim: int, head_dim: int,
-                        attention: list[int]) -> list[torch.Tensor]:
-    """:func:`seq_to_head_op` through ``buffers``."""
+                        attention: list[int], async_op: bool) -> list[torch.Tensor]:
+    """:func:`seq_to_head_op` through ``buffers`` (async_op: their exchanges then run one after
+    another on the communication stream)."""
     W, rank = buffers.world_size, buffers.rank
     plan = _plan("seq_to_head", xs, buffers.group_name, seq_dim, head_dim, None, attention, buffers)
     shapes = _seq_to_head_outputs(xs, W, rank, seq_dim, head_dim)
@@ -394,14 +414,15 @@ def symm_seq_to_head_op(xs: list[torch.Tensor], buffers: UlyssesBuffers, seq_dim
 
 
 @symm_seq_to_head_op.register_fake
-def _(xs, buffers, seq_dim, head_dim, attention):
+def _(xs, buffers, seq_dim, head_dim, attention, async_op):
     shapes = _seq_to_head_outputs(xs, buffers.world_size, buffers.rank, seq_dim, head_dim)
     return [x.new_empty(shape) for x, shape in zip(xs, shapes)]
 
 
 @comm_op("symm_head_to_seq")
+@overlap.startable
 def symm_head_to_seq_op(xs: list[torch.Tensor], buffers: UlyssesBuffers, seq_dim: int, head_dim: int,
-                        num_heads: list[int], attention: list[int]) -> list[torch.Tensor]:
+                        num_heads: list[int], attention: list[int], async_op: bool) -> list[torch.Tensor]:
     """:func:`head_to_seq_op` through ``buffers``."""
     W, rank = buffers.world_size, buffers.rank
     plan = _plan("head_to_seq", xs, buffers.group_name, seq_dim, head_dim, num_heads, attention, buffers)
@@ -412,27 +433,32 @@ def symm_head_to_seq_op(xs: list[torch.Tensor], buffers: UlyssesBuffers, seq_dim
 
 
 @symm_head_to_seq_op.register_fake
-def _(xs, buffers, seq_dim, head_dim, num_heads, attention):
+def _(xs, buffers, seq_dim, head_dim, num_heads, attention, async_op):
     shapes = _head_to_seq_outputs(xs, buffers.world_size, buffers.rank, seq_dim, head_dim, num_heads)
     return [x.new_empty(shape) for x, shape in zip(xs, shapes)]
 
 
 def _symm_seq_to_head_setup(ctx, inputs, output):
-    xs, ctx.buffers, ctx.seq_dim, ctx.head_dim, ctx.attention = inputs
+    xs, ctx.buffers, ctx.seq_dim, ctx.head_dim, ctx.attention, async_op = inputs
     ctx.num_heads = [x.shape[ctx.head_dim] for x in xs]
+    overlap.save_for_backward(ctx, output, async_op)
 
 
 def _symm_head_to_seq_setup(ctx, inputs, output):
-    _, ctx.buffers, ctx.seq_dim, ctx.head_dim, ctx.num_heads, ctx.attention = inputs
+    _, ctx.buffers, ctx.seq_dim, ctx.head_dim, ctx.num_heads, ctx.attention, async_op = inputs
+    overlap.save_for_backward(ctx, output, async_op)
 
 
 def _symm_seq_to_head_backward(ctx, grads):
-    grad_xs = symm_head_to_seq_op(list(grads), ctx.buffers, ctx.seq_dim, ctx.head_dim, ctx.num_heads, ctx.attention)
+    overlap.saved_tensors(ctx)
+    grad_xs = symm_head_to_seq_op(list(grads), ctx.buffers, ctx.seq_dim, ctx.head_dim, ctx.num_heads, ctx.attention,
+                                  False)
     return input_grads(symm_seq_to_head_op, xs=grad_xs, attention=_no_grad(ctx.attention))
 
 
 def _symm_head_to_seq_backward(ctx, grads):
-    grad_xs = symm_seq_to_head_op(list(grads), ctx.buffers, ctx.seq_dim, ctx.head_dim, ctx.attention)
+    overlap.saved_tensors(ctx)
+    grad_xs = symm_seq_to_head_op(list(grads), ctx.buffers, ctx.seq_dim, ctx.head_dim, ctx.attention, False)
     return input_grads(symm_head_to_seq_op, xs=grad_xs, num_heads=_no_grad(ctx.num_heads),
                        attention=_no_grad(ctx.attention))
 
@@ -463,7 +489,7 @@ def _group_or_buffers(fn: str, group: Any, buffers: Any, x: torch.Tensor) -> tup
 
 
 def seq_to_head(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: int = 2, *,
-                buffers: Optional[UlyssesBuffers] = None) -> torch.Tensor:
+                buffers: Optional[UlyssesBuffers] = None, async_op: bool = False) -> torch.Tensor:
     """Sequence shard -> head shard: (B, S/W, Hh, D) -> (B, S, h_r, D) with the default dims.
 
     Rank r's output holds the full sequence (rank 0's chunk first) for its heads
@@ -478,19 +504,38 @@ def seq_to_head(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: 
         seq_dim, head_dim: the sequence and head dims of ``x`` (different).
         buffers: :class:`UlyssesBuffers` (backend symm_mem): the exchange runs as kernels over
             them, in their group (``group``: None or theirs), with no host sync.
+        async_op: start the exchange on a communication stream and return at once: the output
+            is ready after :func:`alltoall_ops.wait` on it, and work queued meanwhile (k and v's
+            projections while q moves) runs beside it (CUDA; in place on the CPU). Exchanges on
+            the same ``buffers`` run in the order they start; one not started with async_op
+            first needs the wait (RuntimeError otherwise). The backward runs at once.
 
     Returns a new tensor; :func:`head_to_seq` with the same dims (and ``num_heads=Hh`` when W
     does not divide Hh) is its inverse."""
-    grp, checks = _group_or_buffers("seq_to_head", group, buffers, x)
-    seq_dim, head_dim, _ = _checked("seq_to_head", checks, _check_args, "seq_to_head", x, grp.size, grp.rank,
-                                    seq_dim, head_dim, buffers=buffers)
+    return _exchange_one("seq_to_head", x, group, buffers, async_op, seq_dim, head_dim)
+
+
+def _exchange_one(op: str, x: torch.Tensor, group: Any, buffers: Optional[UlyssesBuffers], async_op: bool,
+                  seq_dim: int, head_dim: int, num_heads: Optional[int] = None) -> torch.Tensor:
+    """The public seq_to_head / head_to_seq of one tensor: checks, then the op of the group or of
+    the buffers, sync or started (``async_op``)."""
+    grp, checks = _group_or_buffers(op, group, buffers, x)
+    async_op = check_bool("async_op", async_op)
+    if buffers is not None and not async_op:
+        overlap.check_nothing_pending(buffers, op)
+    seq_dim, head_dim, num_heads = _checked(op, checks, _check_args, op, x, grp.size, grp.rank, seq_dim, head_dim,
+                                            num_heads, buffers=buffers)
+    heads = [] if op == "seq_to_head" else [[num_heads]]  # head_to_seq's num_heads argument
     if buffers is not None:
-        return call(symm_seq_to_head_op, [x], buffers, seq_dim, head_dim, [], differentiable=(x,))[0]
-    return call(seq_to_head_op, [x], grp.name, seq_dim, head_dim, [], False, differentiable=(x,))[0]
+        fn = symm_seq_to_head_op if op == "seq_to_head" else symm_head_to_seq_op
+        return call(fn, [x], buffers, seq_dim, head_dim, *heads, [], async_op=async_op, differentiable=(x,))[0]
+    fn = seq_to_head_op if op == "seq_to_head" else head_to_seq_op  # agreed_sizes False: the caller's sizes
+    return call(fn, [x], grp.name, seq_dim, head_dim, *heads, [], False, async_op=async_op, differentiable=(x,))[0]
 
 
 def head_to_seq(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: int = 2, *,
-                num_heads: Optional[int] = None, buffers: Optional[UlyssesBuffers] = None) -> torch.Tensor:
+                num_heads: Optional[int] = None, buffers: Optional[UlyssesBuffers] = None,
+                async_op: bool = False) -> torch.Tensor:
     """Head shard -> sequence shard: (B, S, h_r, D) -> (B, S/W, Hh, D); the inverse of
     :func:`seq_to_head`. S must be divisible by W; other arguments as for :func:`seq_to_head`.
 
@@ -498,12 +543,7 @@ def head_to_seq(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: 
     :func:`seq_to_head` splits them). Default: W times x's heads, right only when W divides Hh;
     with an uneven split pass it on every rank (a rank whose x does not hold its share raises; ranks
     that take different totals send pieces of other sizes: see the module docstring)."""
-    grp, checks = _group_or_buffers("head_to_seq", group, buffers, x)
-    seq_dim, head_dim, num_heads = _checked("head_to_seq", checks, _check_args, "head_to_seq", x, grp.size,
-                                            grp.rank, seq_dim, head_dim, num_heads, buffers=buffers)
-    if buffers is not None:
-        return call(symm_head_to_seq_op, [x], buffers, seq_dim, head_dim, [num_heads], [], differentiable=(x,))[0]
-    return call(head_to_seq_op, [x], grp.name, seq_dim, head_dim, [num_heads], [], False, differentiable=(x,))[0]
+    return _exchange_one("head_to_seq", x, group, buffers, async_op, seq_dim, head_dim, num_heads)
 
 
 LAYOUTS = {"bshd": 1, "sbhd": 0}
@@ -602,17 +642,19 @@ def ulysses_attention(
         k, v = (t.repeat_interleave(grp.size // kv_heads, dim=head_dim) for t in (k, v))
     # Hq not divisible by W (then kv heads == q heads): q, k and v split alike, unevenly
     if buffers is not None:
-        q, k, v = call(symm_seq_to_head_op, [q, k, v], buffers, seq_dim, head_dim, attention, differentiable=(q, k, v))
+        q, k, v = call(symm_seq_to_head_op, [q, k, v], buffers, seq_dim, head_dim, attention, False,
+                       differentiable=(q, k, v))
     else:
-        q, k, v = call(seq_to_head_op, [q, k, v], grp.name, seq_dim, head_dim, attention, False,  # one exchange
+        q, k, v = call(seq_to_head_op, [q, k, v], grp.name, seq_dim, head_dim, attention, False, False,  # one exchange
                        differentiable=(q, k, v))
     out = attn_fn(q, k, v) if attn_fn is not None else _sdpa(q, k, v, layout, is_causal, scale)
     _checked("head_to_seq", checks, _check_attn_out, out, q, v, layout, buffers=buffers)
     if buffers is not None:
-        return call(symm_head_to_seq_op, [out], buffers, seq_dim, head_dim, [heads], attention,
+        return call(symm_head_to_seq_op, [out], buffers, seq_dim, head_dim, [heads], attention, False,
                     differentiable=(out,))[0]
     # NB: o's sizes follow from q, k, v's, which their exchange agreed on
-    return call(head_to_seq_op, [out], grp.name, seq_dim, head_dim, [heads], attention, True, differentiable=(out,))[0]
+    return call(head_to_seq_op, [out], grp.name, seq_dim, head_dim, [heads], attention, True, False,
+                differentiable=(out,))[0]
 
 
 def _check_attn_out(out: Any, q: torch.Tensor, v: torch.Tensor, layout: str) -> None:

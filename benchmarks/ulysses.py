@@ -121,7 +121,7 @@ def cases(shape: tuple, device: torch.device, worlds: list[int]) -> dict[str, tu
         local_up = [upstream.narrow(1, r * (S // W), S // W).contiguous() for r in range(W)]
 
         def qkv_together(rank, b, local=local):  # the one exchange of ulysses_attention's forward
-            return symm_seq_to_head_op(local[rank], b, 1, 2, [])
+            return symm_seq_to_head_op(local[rank], b, 1, 2, [], False)
 
         def attention(b=bufs, local=local, local_up=local_up, stream=None):
             return simulated_ulysses_attention(b, local, local_up, stream=stream)

@@ -136,9 +136,9 @@ def test_ulysses_exchange_has_no_race(world_size, num_sms):
           for r in range(world_size)]
 
     def rank(r, b):
-        ys = symm_seq_to_head_op(xs[r], b, 1, 2, [])
-        back = symm_head_to_seq_op(ys, b, 1, 2, [heads] * 3, [])
-        t = symm_seq_to_head_op([xs[r][0].transpose(1, 2).contiguous()], b, 2, 1, [])[0]
+        ys = symm_seq_to_head_op(xs[r], b, 1, 2, [], False)
+        back = symm_head_to_seq_op(ys, b, 1, 2, [heads] * 3, [], False)
+        t = symm_seq_to_head_op([xs[r][0].transpose(1, 2).contiguous()], b, 2, 1, [], False)[0]
         return back, t
 
     with record_races() as races:

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import alltoall_ops as a2a
+from alltoall_ops import overlap
 from alltoall_ops.backends.symm_mem import run_simulated
 from alltoall_ops.groups import NO_GROUP
 from alltoall_ops.inspect import compiled_graphs
@@ -120,6 +121,37 @@ def run_errors(rank, world_size):
     return outcomes
 
 
+def run_async(rank, world_size):
+    """async_op=True, through the buffers and the process group, eager and compiled (fullgraph):
+    the started exchange and its wait give the sync results and gradients; through the buffers a
+    sync exchange while a start is pending raises on every rank, before any communication."""
+    W, bufs = world_size, _buffers(world_size)
+    x = _full(140 + rank, (2, 3, 2 * W + 1, 4))
+
+    def step(x, buffers, async_op):
+        y = a2a.seq_to_head(x, buffers=buffers, async_op=async_op)
+        other = x.amax()  # work queued between the start and the wait (exact, compiled too)
+        y = a2a.wait(y) * 2
+        z = a2a.wait(a2a.head_to_seq(y, num_heads=x.shape[2], buffers=buffers, async_op=async_op))
+        return z + other
+
+    compiled = torch.compile(step, fullgraph=True)
+    for buffers in (bufs, None):
+        results = []
+        for fn, async_op in ((step, False), (step, True), (compiled, True)):
+            x_in = x.clone().requires_grad_()
+            z = fn(x_in, buffers, async_op)
+            (grad,) = torch.autograd.grad(z, x_in, torch.ones_like(z))
+            results.append((z.detach(), grad))
+        for z, grad in results[1:]:
+            assert torch.equal(z, results[0][0]) and torch.equal(grad, results[0][1])
+        assert torch.equal(results[0][0], 2 * x + x.amax())
+    pending = a2a.seq_to_head(x, buffers=bufs, async_op=True)
+    refused = raised(lambda: a2a.seq_to_head(x, buffers=bufs))
+    assert torch.equal(a2a.wait(pending), a2a.seq_to_head(x, buffers=bufs)) and not overlap.pending_exchanges()
+    return refused
+
+
 def run_compiled(rank, world_size):
     """Two exchanges and attention through the buffers under torch.compile(fullgraph=True): no graph
     break, one node per exchange, the eager results and gradients; then other values, no recompile."""
@@ -158,10 +190,10 @@ def run_opcheck(rank, world_size):
     bufs = _buffers(world_size)
     x = _full(100 + rank, (2, 3, 2 * world_size + 1, 4)).requires_grad_()
     torch.library.opcheck(OPS.symm_seq_to_head.default, ([x, x.detach()[..., :2].clone().requires_grad_()], bufs,
-                                                         1, 2, []))
+                                                         1, 2, [], False))
     n = 2 * world_size + 1
     h = _shard(_full(110, (2, 2 * world_size, n, 4)), 2, rank, world_size).clone().requires_grad_()
-    torch.library.opcheck(OPS.symm_head_to_seq.default, ([h], bufs, 1, 2, [n], []))
+    torch.library.opcheck(OPS.symm_head_to_seq.default, ([h], bufs, 1, 2, [n], [], False))
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,6 +245,11 @@ def test_errors_on_every_rank(pool2):
         assert o["attn_fn"][0] == "PeerInputError" and "attn_fn: expected an output" in o["attn_fn"][1], o["attn_fn"]
     # every rank names the same disagreement (after where it is: "... (rank r of W): ...")
     assert len({o["shape"][1].split("): ", 1)[1] for o in outcomes}) == 1
+
+
+def test_async_equals_sync(pool2):
+    for refused in pool2.run(run_async):
+        assert refused[0] == "RuntimeError" and "started with async_op=True and not waited for" in refused[1]
 
 
 def test_compiled_one_node_per_exchange(pool2):
@@ -317,7 +354,7 @@ def test_bytes_written_are_the_design_floor(world_size):
     xs = [[_full(150 + 3 * r + i, (2, 3, 2 * W, 4)) for i in range(3)] for r in range(W)]
     payload = sum(t.numel() * t.element_size() for ts in xs for t in ts)
     with bytes_written() as written:
-        run_simulated(lambda r, b: symm_seq_to_head_op(xs[r], b, 1, 2, []), bufs)
+        run_simulated(lambda r, b: symm_seq_to_head_op(xs[r], b, 1, 2, [], False), bufs)
     header = 64
     assert written["_post_kernel"] == payload * (W - 1) // W + W * header
     assert written["_gather_kernel"] == payload + W * 3 * W * header

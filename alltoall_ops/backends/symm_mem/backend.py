@@ -73,26 +73,13 @@ class SymmMemHandle(DispatchHandle):
         """y (T, H); rows of expert_out that dispatch did not fill (padding, rows past
         tokens_per_expert.sum()) are ignored."""
         if not async_op:  # NB: an async start queues after a pending one on the communication stream
-            _check_nothing_pending(self.buffers, "combine")
+            overlap.check_nothing_pending(self.buffers, "combine")
         self.check_combine_everywhere(expert_out_CH, topk_weights_TK)  # without debug mode, a rank that
         # raises here leaves its peers in the op's barrier until the deadline
         y_TH, _ = call(symm_combine_op, expert_out_CH=expert_out_CH, weights_TK=topk_weights_TK,
                        row_src_C=self.row_src_C, **self.slots.kwargs(), save_returned=save_returned(topk_weights_TK),
                        async_op=async_op, differentiable=(expert_out_CH, topk_weights_TK))
         return y_TH
-
-
-def _check_nothing_pending(bufs: SymmBuffers, entry: str) -> None:
-    """Raise unless every exchange started on ``bufs`` with ``async_op=True`` was waited for: an
-    exchange on the current stream would not run after it (their barriers would meet out of
-    order, and a dispatch's stage is the rows region a pending combine reduces). Eager code
-    only; every rank of an SPMD program raises alike, before any communication."""
-    if not is_compiling() and overlap.pending_on(bufs):
-        raise RuntimeError(
-            f"alltoall_ops.{entry} (symm_mem): an exchange on these buffers was started with async_op=True and "
-            "not waited for; wait for its outputs (alltoall_ops.wait or wait_add) before the next dispatch or "
-            "combine on the same buffers"
-        )
 
 
 _AUTO_BUFFERS: dict[tuple, SymmBuffers] = {}
@@ -211,7 +198,7 @@ class SymmMemBackend(Backend):
         bufs = buffers
         if bufs is None:
             bufs = cached_buffers(x_TH, topk_idx_TK, num_experts, group, expert_alignment, payload)
-        _check_nothing_pending(bufs, "dispatch")  # NB: even an async dispatch exchanges the metadata in place
+        overlap.check_nothing_pending(bufs, "dispatch")  # NB: even an async dispatch exchanges the metadata in place
         E = bufs.num_experts
         plan = layout.plan_routing(topk_idx_TK, E, bufs.world_size, bufs.num_sms)
         meta_WL, slot_dst_N, row_slot_C, tokens_per_expert_e, num_routed_1, dropped_W = call(
