@@ -633,6 +633,8 @@ def ulysses_attention(
     ``UlyssesBuffers.bytes_for([q.shape, k.shape, v.shape], q.dtype, W)`` (GQA with fewer kv heads
     than ranks: k and v with W heads, as they move)."""
     grp, checks = _group_or_buffers("ulysses_attention", group, buffers, q)
+    if buffers is not None:
+        overlap.check_nothing_pending(buffers, "ulysses_attention")
     _checked("seq_to_head", checks, _check_qkv, q, k, v, grp.size, layout, attn_fn, is_causal, scale, buffers=buffers)
     seq_dim, head_dim = LAYOUTS[layout], 2
     heads, kv_heads = q.shape[head_dim], k.shape[head_dim]

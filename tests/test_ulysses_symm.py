@@ -147,7 +147,8 @@ def run_async(rank, world_size):
             assert torch.equal(z, results[0][0]) and torch.equal(grad, results[0][1])
         assert torch.equal(results[0][0], 2 * x + x.amax())
     pending = a2a.seq_to_head(x, buffers=bufs, async_op=True)
-    refused = raised(lambda: a2a.seq_to_head(x, buffers=bufs))
+    refused = [raised(lambda: a2a.seq_to_head(x, buffers=bufs)),
+               raised(lambda: a2a.ulysses_attention(x, x, x, buffers=bufs))]
     assert torch.equal(a2a.wait(pending), a2a.seq_to_head(x, buffers=bufs)) and not overlap.pending_exchanges()
     return refused
 
@@ -248,8 +249,8 @@ def test_errors_on_every_rank(pool2):
 
 
 def test_async_equals_sync(pool2):
-    for refused in pool2.run(run_async):
-        assert refused[0] == "RuntimeError" and "started with async_op=True and not waited for" in refused[1]
+    for refused in pool2.run(run_async):  # seq_to_head, ulysses_attention
+        assert all(r[0] == "RuntimeError" and "started with async_op=True and not waited for" in r[1] for r in refused)
 
 
 def test_compiled_one_node_per_exchange(pool2):
