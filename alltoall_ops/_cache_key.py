@@ -28,6 +28,7 @@ import hashlib
 import logging
 import re
 from pathlib import Path
+from typing import Callable
 
 PREFIX = "alltoall_ops="
 
@@ -47,11 +48,16 @@ TAG = PREFIX + source_hash()
 """This copy's part of ``torch.compiler.config.cache_key_tag``."""
 
 
+def _appended(current: str, part: str, replaces: Callable[[str], bool]) -> str:
+    """``current`` (a ``|``-separated cache-key tag) with ``part`` appended in place of the parts
+    ``replaces`` matches."""
+    return "|".join([*(p for p in current.split("|") if p and not replaces(p)), part])
+
+
 def with_tag(current: str) -> str:
     """``current`` (a cache-key tag) with this copy's :data:`TAG` appended (``|``-separated), in
     place of another copy's (a reload) and at most once."""
-    parts = [p for p in current.split("|") if p and not re.fullmatch(re.escape(PREFIX) + "[0-9a-f]+", p)]
-    return "|".join([*parts, TAG])
+    return _appended(current, TAG, lambda p: re.fullmatch(re.escape(PREFIX) + "[0-9a-f]+", p) is not None)
 
 
 RANK_PREFIX = "rank="
@@ -64,9 +70,8 @@ def key_on_rank(rank: int) -> None:
     import torch.compiler.config as cconfig
 
     part = f"{RANK_PREFIX}{rank}"
-    parts = [p for p in cconfig.cache_key_tag.split("|") if p and not p.startswith(RANK_PREFIX)]
-    if part not in cconfig.cache_key_tag.split("|"):
-        cconfig.cache_key_tag = "|".join([*parts, part])
+    if part not in cconfig.cache_key_tag.split("|"):  # NB: once, so that a later "|mine" stays after it
+        cconfig.cache_key_tag = _appended(cconfig.cache_key_tag, part, lambda p: p.startswith(RANK_PREFIX))
 
 
 def install() -> None:

@@ -405,12 +405,9 @@ def symm_seq_to_head_op(xs: list[torch.Tensor], buffers: UlyssesBuffers, seq_dim
                         attention: list[int], async_op: bool) -> list[torch.Tensor]:
     """:func:`seq_to_head_op` through ``buffers`` (async_op: their exchanges then run one after
     another on the communication stream)."""
-    W, rank = buffers.world_size, buffers.rank
     plan = _plan("seq_to_head", xs, buffers.group_name, seq_dim, head_dim, None, attention, buffers)
-    shapes = _seq_to_head_outputs(xs, W, rank, seq_dim, head_dim)
     cat_counts = [(x.shape[plan.seq_dim], 0) for x in xs]  # every rank's chunk of the sequence
-    return exchange.symm_exchange("seq_to_head", xs, buffers, plan, shapes, cat_counts,
-                                  _described(xs, plan, attention))
+    return exchange.symm_exchange("seq_to_head", xs, buffers, plan, cat_counts, _described(xs, plan, attention))
 
 
 @symm_seq_to_head_op.register_fake
@@ -424,12 +421,10 @@ def _(xs, buffers, seq_dim, head_dim, attention, async_op):
 def symm_head_to_seq_op(xs: list[torch.Tensor], buffers: UlyssesBuffers, seq_dim: int, head_dim: int,
                         num_heads: list[int], attention: list[int], async_op: bool) -> list[torch.Tensor]:
     """:func:`head_to_seq_op` through ``buffers``."""
-    W, rank = buffers.world_size, buffers.rank
     plan = _plan("head_to_seq", xs, buffers.group_name, seq_dim, head_dim, num_heads, attention, buffers)
-    shapes = _head_to_seq_outputs(xs, W, rank, seq_dim, head_dim, num_heads)
+    W = buffers.world_size
     cat_counts = [(n // W, n % W) for n in num_heads]  # every rank's heads (head_counts)
-    return exchange.symm_exchange("head_to_seq", xs, buffers, plan, shapes, cat_counts,
-                                  _described(xs, plan, attention))
+    return exchange.symm_exchange("head_to_seq", xs, buffers, plan, cat_counts, _described(xs, plan, attention))
 
 
 @symm_head_to_seq_op.register_fake
@@ -467,10 +462,11 @@ symm_seq_to_head_op.register_autograd(_symm_seq_to_head_backward, setup_context=
 symm_head_to_seq_op.register_autograd(_symm_head_to_seq_backward, setup_context=_symm_head_to_seq_setup)
 
 
-def _group_or_buffers(fn: str, group: Any, buffers: Any, x: torch.Tensor) -> tuple[Group, str]:
+def _group_or_buffers(fn: str, group: Any, buffers: Any, x: torch.Tensor, starts: bool = False) -> tuple[Group, str]:
     """The group of a call: ``group``'s, or with ``buffers`` (UlyssesBuffers) theirs (``group``
-    then None or theirs, x on their device); and the group name its checks run on (debug mode's
-    agreement: process groups only, LOCAL with buffers)."""
+    then None or theirs, x on their device, and no exchange started on them pending unless this
+    call ``starts`` one too: ``overlap.check_nothing_pending``); and the group name its checks
+    run on (debug mode's agreement: process groups only, LOCAL with buffers)."""
     if buffers is None:
         grp = communication_group(resolve_group(group))
         return grp, grp.name
@@ -481,6 +477,8 @@ def _group_or_buffers(fn: str, group: Any, buffers: Any, x: torch.Tensor) -> tup
                          f"{resolve_group(group).name!r}; pass group=None or the buffers' group")
     if isinstance(x, torch.Tensor) and x.device != buffers.device:
         raise ValueError(f"{fn}: x: the buffers are on {buffers.device}, got a tensor on {x.device}")
+    if not starts:
+        overlap.check_nothing_pending(buffers, fn)
     return Group(buffers.group_name, buffers.rank, buffers.world_size), LOCAL
 
 
@@ -519,10 +517,8 @@ def _exchange_one(op: str, x: torch.Tensor, group: Any, buffers: Optional[Ulysse
                   seq_dim: int, head_dim: int, num_heads: Optional[int] = None) -> torch.Tensor:
     """The public seq_to_head / head_to_seq of one tensor: checks, then the op of the group or of
     the buffers, sync or started (``async_op``)."""
-    grp, checks = _group_or_buffers(op, group, buffers, x)
     async_op = check_bool("async_op", async_op)
-    if buffers is not None and not async_op:
-        overlap.check_nothing_pending(buffers, op)
+    grp, checks = _group_or_buffers(op, group, buffers, x, starts=async_op)
     seq_dim, head_dim, num_heads = _checked(op, checks, _check_args, op, x, grp.size, grp.rank, seq_dim, head_dim,
                                             num_heads, buffers=buffers)
     heads = [] if op == "seq_to_head" else [[num_heads]]  # head_to_seq's num_heads argument
@@ -633,8 +629,6 @@ def ulysses_attention(
     ``UlyssesBuffers.bytes_for([q.shape, k.shape, v.shape], q.dtype, W)`` (GQA with fewer kv heads
     than ranks: k and v with W heads, as they move)."""
     grp, checks = _group_or_buffers("ulysses_attention", group, buffers, q)
-    if buffers is not None:
-        overlap.check_nothing_pending(buffers, "ulysses_attention")
     _checked("seq_to_head", checks, _check_qkv, q, k, v, grp.size, layout, attn_fn, is_causal, scale, buffers=buffers)
     seq_dim, head_dim = LAYOUTS[layout], 2
     heads, kv_heads = q.shape[head_dim], k.shape[head_dim]

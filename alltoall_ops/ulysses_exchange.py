@@ -53,6 +53,7 @@ class Plan(NamedTuple):
     shapes: list  # the shapes every rank shares (head_to_seq: with all num_heads heads)
     send_sizes: list  # [i][r]: positions of xs[i] along split_dim for rank r
     recv_shapes: list  # [i][r]: the shape of the piece of xs[i] from rank r
+    out_shapes: list  # [i]: the shape of output i, the pieces from every rank joined along cat_dim
     key: tuple  # the header but the exchange count
     send_bytes: tuple  # [r]: bytes to rank r, header included, a multiple of 8 (padded)
     recv_bytes: tuple  # [r]: bytes from rank r, header included, a multiple of 8 (padded)
@@ -124,7 +125,10 @@ def plan(op: str, xs: Sequence[torch.Tensor], W: int, seq_dim: int, head_dim: in
     regular = (len(set(send_bytes)) == 1 and len(set(recv_bytes)) == 1 and all(len(set(s)) == 1 for s in sizes)
                and all(r == shapes_i[0] for shapes_i in recv_shapes for r in shapes_i))
     send_pieces = [[*t.shape[:split_dim], s[0], *t.shape[split_dim + 1:]] for t, s in zip(xs, sizes)]
-    return Plan(seq_dim, head_dim, split_dim, cat_dim, shapes, sizes, recv_shapes, key, send_bytes, recv_bytes,
+    out_shapes = [[*pieces[0][:cat_dim], sum(p[cat_dim] for p in pieces), *pieces[0][cat_dim + 1:]]
+                  for pieces in recv_shapes]
+    return Plan(seq_dim, head_dim, split_dim, cat_dim, shapes, sizes, recv_shapes, out_shapes, key, send_bytes,
+                recv_bytes,
                  regular, send_pieces, x.dtype, {})
 
 
@@ -222,19 +226,16 @@ class _Views(NamedTuple):
 def _views(send: torch.Tensor, received: torch.Tensor, plan: Plan) -> _Views:
     W = len(plan.send_bytes)
     send_body, received_body = send[:, PREFIX_BYTES:].view(plan.dtype), received[:, PREFIX_BYTES:].view(plan.dtype)
-    send_pieces, received_pieces, outputs, col, row = [], [], [], 0, 0
+    send_pieces, received_pieces, col, row = [], [], 0, 0
     for piece, shapes in zip(plan.send_pieces, plan.recv_shapes):
         n = math.prod(piece)
         send_pieces.append(send_body[:, col : col + n].view(W, *piece))
         m = math.prod(shapes[0])
         received_pieces.append(received_body[:, row : row + m].view(W, *shapes[0]).movedim(0, plan.cat_dim))
-        output = [*shapes[0]]
-        output[plan.cat_dim] *= W
-        outputs.append(output)
         col, row = col + n, row + m
     send_headers = send[:, :PREFIX_BYTES]
     return _Views(send, received, send_headers, send_headers.view(torch.int64)[:, 1], received[:, :PREFIX_BYTES],
-                  send_pieces, received_pieces, outputs)
+                  send_pieces, received_pieces, plan.out_shapes)
 
 
 def _held_views(group_name: str, plan: Plan) -> _Views:
@@ -458,11 +459,11 @@ def _posted_bytes(plan: Plan, W: int, itemsize: int) -> tuple[list[int], int]:
     return offsets, total
 
 
-def symm_exchange(op: str, xs: Sequence[torch.Tensor], bufs: Any, plan: Plan, out_shapes: list[list[int]],
-                  cat_counts: list[tuple[int, int]], described: Callable[[], dict]) -> list[torch.Tensor]:
+def symm_exchange(op: str, xs: Sequence[torch.Tensor], bufs: Any, plan: Plan, cat_counts: list[tuple[int, int]],
+                  described: Callable[[], dict]) -> list[torch.Tensor]:
     """:func:`exchange` through ``bufs`` (UlyssesBuffers): ``post`` each x into this rank's stage,
     one barrier (stamped with the op and the buffers' call number), ``gather`` this rank's piece of
-    every rank's x into fresh outputs of ``out_shapes``. cat_counts[i]: (base, extra) of tensor i's
+    every rank's x into fresh outputs (``plan.out_shapes``). cat_counts[i]: (base, extra) of tensor i's
     positions along the cat dim per rank (``kernels.seq_exchange``). The headers are compared on the
     device: on CPU tensors (and on CUDA in debug mode, ``ALLTOALL_OPS_DEBUG=1``, outside a CUDA
     graph capture: a host read) a difference raises GroupMismatchError on every rank (as
@@ -490,7 +491,7 @@ def symm_exchange(op: str, xs: Sequence[torch.Tensor], bufs: Any, plan: Plan, ou
     named = _named_on_host(xs[0].device)
     outs = []
     for i, x in enumerate(xs):
-        out = torch.empty(out_shapes[i] if fits else [0] * x.ndim, dtype=x.dtype, device=x.device)
+        out = torch.empty(plan.out_shapes[i] if fits else [0] * x.ndim, dtype=x.dtype, device=x.device)
         k.gather_pieces(x, out if fits else x.narrow(0, 0, 0), bufs.table, call_1, failed_1, headers_W8,
                         offset_bytes=offsets[i], own=own[i], source_split=x.shape[plan.split_dim],
                         cat_counts=cat_counts[i], max_programs=bufs.num_sms, assert_checks=not named, **common)
