@@ -42,7 +42,7 @@ rank raises at once, its peers at the deadline). See docs/design.md, "Errors and
 from __future__ import annotations
 
 import struct
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -144,10 +144,12 @@ def _check_args(
     return seq_dim, head_dim, num_heads
 
 
-def _checked(op: str, group_name: str, check: Callable, *args, buffers: Optional[UlyssesBuffers] = None):
+def _checked(op: str, group_name: str, check: Callable, *args, buffers: Optional[UlyssesBuffers] = None,
+             pending: Optional[torch.Tensor] = None):
     """``check(*args)``, the checks of the exchange ``op``. With ``buffers`` (of several ranks), a
     TypeError / ValueError it raises is told to the peers first, through the buffers
-    (``exchange.symm_tell_peers``): their exchange raises PeerInputError at once. On a group, in
+    (``exchange.symm_tell_peers``; after a wait on ``pending``, an output of an exchange started on
+    them): their exchange raises PeerInputError at once. On a group, in
     debug mode, through ``comm.checked``: a rank whose checks fail takes its error into the op's
     agreement, where its peers wait, so they raise too; by default no agreement runs there: such a
     rank raises at once, its peers at the library's deadline. Under torch.compile the checks run at
@@ -158,6 +160,8 @@ def _checked(op: str, group_name: str, check: Callable, *args, buffers: Optional
         try:
             return check(*args)
         except (TypeError, ValueError) as exc:
+            if pending is not None:
+                overlap.wait(pending)
             exchange.symm_tell_peers(op, buffers, exc)
             raise
     if group_name == LOCAL or not comm.debug():
@@ -165,13 +169,14 @@ def _checked(op: str, group_name: str, check: Callable, *args, buffers: Optional
     return comm.checked(op, group_name, check, *args)
 
 
-def attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, is_causal: bool,
-                   scale: Optional[float], attn_fn: Optional[Callable]) -> list:
+def attention_args(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], layout: str,
+                   is_causal: bool, scale: Optional[float], attn_fn: Optional[Callable]) -> list:
     """What every rank of a ``ulysses_attention`` must pass alike, as ints: layout, is_causal,
-    attn_fn given, scale's bits (-1: None), and q, k, v's shapes as passed (before GQA repetition)."""
+    attn_fn given, scale's bits (-1: None), and q, k, v's shapes as passed (before GQA repetition;
+    q's alone, k and v None, for q's exchange when it starts before the projections of k and v)."""
     bits = -1 if scale is None else struct.unpack("<q", struct.pack("<d", float(scale)))[0]
-    return [list(LAYOUTS).index(layout), int(is_causal), int(attn_fn is not None), bits, *q.shape, *k.shape,
-            *v.shape]
+    shapes = [n for t in (q, k, v) if t is not None for n in t.shape]
+    return [list(LAYOUTS).index(layout), int(is_causal), int(attn_fn is not None), bits, *shapes]
 
 
 def _attention_text(args: Sequence[int]) -> str:
@@ -179,9 +184,11 @@ def _attention_text(args: Sequence[int]) -> str:
     if not args:
         return "none (a plain call, not ulysses_attention)"
     layout, is_causal, given, bits = args[:4]
-    q, k, v = (tuple(args[4 + 4 * i: 8 + 4 * i]) for i in range(3))
+    shapes = [f"{name} {tuple(args[4 + 4 * i: 8 + 4 * i])}" for i, name in enumerate("qkv") if len(args) >= 8 + 4 * i]
+    if len(shapes) == 1:
+        shapes.append("k, v projected after q's exchange started")
     scale = None if bits == -1 else struct.unpack("<d", struct.pack("<q", bits))[0]
-    return (f"q {q}, k {k}, v {v} (layout {list(LAYOUTS)[layout]!r}, is_causal={bool(is_causal)}, scale={scale}, "
+    return (f"{', '.join(shapes)} (layout {list(LAYOUTS)[layout]!r}, is_causal={bool(is_causal)}, scale={scale}, "
             f"attn_fn {'given' if given else 'None'})")
 
 
@@ -548,10 +555,17 @@ batch-first (B, S, H, D), and seq-first (S, B, H, D) as DeepSpeed's DistributedA
 
 
 def _check_qkv(q, k, v, world_size: int, layout: str, attn_fn, is_causal: bool, scale) -> None:
+    """ulysses_attention's arguments (``k`` and ``v`` None: q and the rest alone, before the
+    projections of k and v run)."""
     if layout not in LAYOUTS:
         raise ValueError(f"ulysses_attention: layout: expected one of {tuple(LAYOUTS)}, got {layout!r}")
+    if attn_fn is not None and (is_causal or scale is not None):
+        raise ValueError("ulysses_attention: is_causal and scale apply to the default attention; with attn_fn, "
+                         "give them to your attn_fn")
     shape_doc = "(B, S/W, Hh, D)" if layout == "bshd" else "(S/W, B, Hh, D)"
     for name, t in (("q", q), ("k", k), ("v", v)):
+        if name != "q" and k is None and v is None:
+            return
         if not isinstance(t, torch.Tensor) or t.ndim != 4:
             got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"ulysses_attention: {name}: expected a 4-D tensor {shape_doc}, got {got}")
@@ -576,9 +590,6 @@ def _check_qkv(q, k, v, world_size: int, layout: str, attn_fn, is_causal: bool, 
             f"by the group size {world_size} (kv heads are split) or dividing it (kv heads are replicated), "
             f"got {heads_kv}"
         )
-    if attn_fn is not None and (is_causal or scale is not None):
-        raise ValueError("ulysses_attention: is_causal and scale apply to the default attention; with attn_fn, "
-                         "give them to your attn_fn")
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, is_causal: bool,
@@ -595,8 +606,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, is_cau
 
 def ulysses_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: Union[torch.Tensor, Callable[[], torch.Tensor]],
+    v: Union[torch.Tensor, Callable[[], torch.Tensor]],
     group: Any = None,
     is_causal: bool = False,
     scale: Optional[float] = None,
@@ -618,6 +629,14 @@ def ulysses_attention(
     ``layout``: this rank's chunk of attention over the gathered sequence (causal masking is by
     global position, since the sequence is gathered in rank order).
 
+    k, v: the tensors, or zero-argument callables that return them (their projections, e.g.
+    ``lambda: k_proj(x)``). With ``buffers`` (of several ranks) and a callable, q's exchange starts
+    first (``async_op``) and the callables run beside it on the current stream; then k and v move in
+    one exchange: two exchanges forward and two backward instead of one each, for q's exchange
+    hidden behind the projections. Otherwise the callables run first and q, k, v move in one
+    exchange (a process group: an exchange of k and v alone would first need its sizes agreed,
+    one collective more).
+
     attn_fn: the local attention, like DeepSpeed's ``local_attention``: called as
     ``attn_fn(q, k, v)`` on the full sequence and this rank's heads, in ``layout`` (q with this
     rank's share h_r of the Hq heads, possibly 0; k and v with as many, or max(Hkv/W, 1) for GQA /
@@ -629,20 +648,22 @@ def ulysses_attention(
     ``UlyssesBuffers.bytes_for([q.shape, k.shape, v.shape], q.dtype, W)`` (GQA with fewer kv heads
     than ranks: k and v with W heads, as they move)."""
     grp, checks = _group_or_buffers("ulysses_attention", group, buffers, q)
-    _checked("seq_to_head", checks, _check_qkv, q, k, v, grp.size, layout, attn_fn, is_causal, scale, buffers=buffers)
+    q_first = buffers is not None and grp.size > 1 and (callable(k) or callable(v))
+    started = None  # q's exchange, when it starts before the projections
+    if q_first:
+        _checked("seq_to_head", checks, _check_qkv, q, None, None, grp.size, layout, attn_fn, is_causal, scale,
+                 buffers=buffers)
+        q_args = attention_args(q, None, None, layout, is_causal, scale, attn_fn)
+        started = call(symm_seq_to_head_op, [q], buffers, LAYOUTS[layout], 2, q_args, async_op=True,
+                       differentiable=(q,))[0]
+    try:
+        (q, k, v), attention, heads = _gathered_qkv(q, k, v, grp, checks, layout, is_causal, scale, attn_fn, buffers,
+                                                    started)
+    except BaseException:
+        if started is not None:  # nothing left pending on the buffers (a second wait is free)
+            overlap.wait(started)
+        raise
     seq_dim, head_dim = LAYOUTS[layout], 2
-    heads, kv_heads = q.shape[head_dim], k.shape[head_dim]
-    attention = attention_args(q, k, v, layout, is_causal, scale, attn_fn) if grp.name != LOCAL else []
-    if kv_heads != heads and kv_heads < grp.size:  # GQA, fewer kv heads than ranks:
-        # every rank gets the kv head of its q heads
-        k, v = (t.repeat_interleave(grp.size // kv_heads, dim=head_dim) for t in (k, v))
-    # Hq not divisible by W (then kv heads == q heads): q, k and v split alike, unevenly
-    if buffers is not None:
-        q, k, v = call(symm_seq_to_head_op, [q, k, v], buffers, seq_dim, head_dim, attention, False,
-                       differentiable=(q, k, v))
-    else:
-        q, k, v = call(seq_to_head_op, [q, k, v], grp.name, seq_dim, head_dim, attention, False, False,  # one exchange
-                       differentiable=(q, k, v))
     out = attn_fn(q, k, v) if attn_fn is not None else _sdpa(q, k, v, layout, is_causal, scale)
     _checked("head_to_seq", checks, _check_attn_out, out, q, v, layout, buffers=buffers)
     if buffers is not None:
@@ -651,6 +672,32 @@ def ulysses_attention(
     # NB: o's sizes follow from q, k, v's, which their exchange agreed on
     return call(head_to_seq_op, [out], grp.name, seq_dim, head_dim, [heads], attention, True, False,
                 differentiable=(out,))[0]
+
+
+def _gathered_qkv(q, k, v, grp: Group, checks: str, layout: str, is_causal: bool, scale, attn_fn,
+                  buffers: Optional[UlyssesBuffers], started: Optional[torch.Tensor]) -> tuple[list, list, int]:
+    """ulysses_attention's forward exchange: k and v projected where given as callables, checked
+    with q, and the three (or k and v, after q's exchange ``started``) moved to head shards.
+    Returns the gathered (q, k, v), the header's :func:`attention_args` and q's head count Hq."""
+    k, v = (t() if callable(t) else t for t in (k, v))
+    _checked("seq_to_head", checks, _check_qkv, q, k, v, grp.size, layout, attn_fn, is_causal, scale,
+             buffers=buffers, pending=started)
+    seq_dim, head_dim = LAYOUTS[layout], 2
+    heads, kv_heads = q.shape[head_dim], k.shape[head_dim]
+    attention = attention_args(q, k, v, layout, is_causal, scale, attn_fn) if grp.name != LOCAL else []
+    if kv_heads != heads and kv_heads < grp.size:  # GQA, fewer kv heads than ranks:
+        # every rank gets the kv head of its q heads
+        k, v = (t.repeat_interleave(grp.size // kv_heads, dim=head_dim) for t in (k, v))
+    # Hq not divisible by W (then kv heads == q heads): q, k and v split alike, unevenly
+    if started is not None:  # k and v's exchange queued after q's (started too: the order of the starts)
+        k, v = call(symm_seq_to_head_op, [k, v], buffers, seq_dim, head_dim, attention, async_op=True,
+                    differentiable=(k, v))
+        return overlap.wait([started, k, v]), attention, heads
+    if buffers is not None:
+        return call(symm_seq_to_head_op, [q, k, v], buffers, seq_dim, head_dim, attention, False,
+                    differentiable=(q, k, v)), attention, heads
+    return call(seq_to_head_op, [q, k, v], grp.name, seq_dim, head_dim, attention, False, False,  # one exchange
+                differentiable=(q, k, v)), attention, heads
 
 
 def _check_attn_out(out: Any, q: torch.Tensor, v: torch.Tensor, layout: str) -> None:

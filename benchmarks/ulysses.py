@@ -22,6 +22,11 @@ Rows (per shape):
 - ``attention fwd+bwd``: ``ulysses_attention`` (causal SDPA, bf16) forward and backward with the
   same backends; ``deepspeed.w1`` runs DeepSpeed's exchange around the same SDPA. ``sdpa`` is the
   attention alone on the gathered tensors (no exchange).
+- ``projections + attention fwd``: each simulated rank projects q, k and v from its input rows
+  (three (H * D, H * D) matmuls) and runs ``ulysses_attention``'s forward: the projections first
+  and q, k, v in one exchange, or ``, q first``: k and v given as callables, so q's exchange
+  starts on the communication stream before their projections run (``.graph`` rows only; ``/``
+  divides q first by the one exchange of the same W): what starting q early hides.
 
 W = 1 rows run the same attention work on one rank; simulated rows split it over W ranks that run
 one after another on the one GPU, so their time is the whole group's work; they run
@@ -133,7 +138,30 @@ def cases(shape: tuple, device: torch.device, worlds: list[int]) -> dict[str, tu
         out[f"attention fwd+bwd symm.w{W}.sim"] = (attention, nbytes)
         graph = Captured(lambda stream, f=attention: f(stream=stream), device.type == "cuda", relaxed=True)
         out[f"attention fwd+bwd symm.w{W}.sim.graph"] = (graph.replay, nbytes)
+        for row, q_first in (("projections + attention fwd", False), ("projections + attention fwd, q first", True)):
+            step = _projected_attention(bufs, local, q_first)
+            graph = Captured(lambda stream, f=step, b=bufs: run_simulated(f, b, stream=stream), device.type == "cuda",
+                             relaxed=True)
+            out[f"{row} symm.w{W}.sim.graph"] = (graph.replay, nbytes)
     return out
+
+
+def _projected_attention(bufs: list, local: list, q_first: bool) -> Callable:
+    """A simulated rank's forward of attention from its input rows (B, S/W, H * D): q projected,
+    then k and v's projections and the exchange: the projections first and q, k, v in one exchange,
+    or (``q_first``) q's exchange started before the projections run, k and v's after them
+    (``ulysses_attention`` given callables)."""
+    B, s, H, D = local[0][0].shape
+    xs = [t[0].reshape(B, s, H * D) for t in local]  # stand-ins for the ranks' inputs
+    weights = [torch.randn(H * D, H * D, device=xs[0].device, dtype=xs[0].dtype) / (H * D) ** 0.5 for _ in range(3)]
+
+    def step(rank, b):
+        x = xs[rank]
+        q, k, v = ((lambda w=w: (x @ w).view(B, s, H, D)) for w in weights)
+        with torch.no_grad():
+            return a2a.ulysses_attention(q(), k, v, is_causal=True, buffers=b) if q_first else \
+                a2a.ulysses_attention(q(), k(), v(), is_causal=True, buffers=b)
+    return step
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,13 +194,15 @@ def main(argv: list[str] | None = None) -> int:
         for row, values in samples.items():
             us = statistics.median(values)
             ref = floor if row.startswith("seq_to_head") else base
+            if row.startswith("projections"):  # q first / the same W's one exchange
+                ref = statistics.median(samples[row.replace(", q first", "")])
             results.append(dict(shape=list(shape), row=row, us=round(us, 1), min_us=round(min(values), 1),
                                 max_us=round(max(values), 1), ratio=round(us / ref, 3),
                                 gb_s=round(rows[row][1] / us / 1e3, 1) if row.startswith("seq_to_head") else None))
     lines = [f"# Ulysses on one {'CPU (smoke)' if args.smoke else torch.cuda.get_device_name()}, bf16, "
              f"{rounds} rounds", "",
-             "| shape (B, S, H, D) | row | us (median) | min-max | / floor (exchange) or / deepspeed.w1 (attention) "
-             "| GB/s |", "|---|---|---|---|---|---|"]
+             "| shape (B, S, H, D) | row | us (median) | min-max | / floor (exchange), / deepspeed.w1 (attention), "
+             "/ one exchange (projections) | GB/s |", "|---|---|---|---|---|---|"]
     lines += [f"| {tuple(r['shape'])} | {r['row']} | {r['us']} | {r['min_us']}-{r['max_us']} | {r['ratio']:.2f}x | "
               f"{r['gb_s'] if r['gb_s'] is not None else ''} |" for r in results]
     print("\n".join(lines))

@@ -153,6 +153,78 @@ def run_async(rank, world_size):
     return refused
 
 
+def _calls(bufs: a2a.UlyssesBuffers) -> int:
+    """The exchanges (barriers) run on ``bufs`` so far: the device call counter of its segments."""
+    return int(bufs._segments.calls_1)
+
+
+def run_projections(rank, world_size):
+    """k and v given as callables (their projections of x): with the buffers q's exchange starts
+    first and k, v move in an exchange of their own (3 exchanges forward + 3 backward instead of 2 +
+    2); through a process group the callables run first (2 exchanges each way). Results and
+    gradients equal the call with tensors bit for bit, eager and compiled (fullgraph, the start of
+    q's exchange before the projections in the graph, no recompile for new values); nothing pending
+    after."""
+    W, bufs = world_size, _buffers(world_size)
+    q_full, _, _, upstream = _attention_inputs(W, 170, heads=2 * W + 1, Dqk=3, Dv=3)
+    x_full = _full(174, (2, 3 * W, 4))
+    wk, wv = _full(175, (4, 2 * W + 1, 3)), _full(176, (4, 2 * W + 1, 3))
+
+    def step(q, x, buffers, projected):
+        kx, vx = (lambda: torch.einsum("bsc,chd->bshd", x, wk)), (lambda: torch.einsum("bsc,chd->bshd", x, wv))
+        k, v = (kx, vx) if projected else (kx(), vx())
+        return a2a.ulysses_attention(q, k, v, is_causal=True, buffers=buffers)
+
+    compiled = torch.compile(step, fullgraph=True)
+    grad = _shard(upstream, 1, rank, W)
+    for buffers, exchanges in ((bufs, (4, 6, 6)), (None, None)):
+        results = []
+        for fn, projected in ((step, False), (step, True), (compiled, True)):
+            q, x = (_shard(t, 1, rank, W).clone().requires_grad_() for t in (q_full, x_full))
+            before = _calls(bufs)
+            out = fn(q, x, buffers, projected)
+            results.append((out.detach(), torch.autograd.grad(out, (q, x), grad)))
+            if exchanges is not None:
+                assert _calls(bufs) - before == exchanges[len(results) - 1]
+        (out, grads), *rest = results
+        for got, got_grads in rest:
+            torch.testing.assert_close(got, out, rtol=1e-13, atol=1e-13)
+            for g, ref in zip(got_grads, grads):
+                torch.testing.assert_close(g, ref, rtol=1e-13, atol=1e-13)
+        assert not overlap.pending_exchanges()
+    torch._dynamo.reset()
+    q, x = (_shard(t, 1, rank, W).clone().requires_grad_() for t in (q_full, x_full))
+    graphs = compiled_graphs(step, q, x, bufs, True, loss=lambda out: out.sum())
+    nodes = [str(n.target) for n in graphs.forward[0].graph.nodes if n.op == "call_function"]
+    exchanges = [i for i, t in enumerate(nodes) if "symm_seq_to_head" in t]
+    products = [i for i, t in enumerate(nodes) if "bmm" in t or "mm" in t.split(".")]
+    assert len(exchanges) == 2 and exchanges[0] < min(products) and max(products) < exchanges[1], nodes
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    compiled(q, x, bufs, True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        fresh = [_shard(_full(177 + i, t.shape[:1] + (t.shape[1] * W,) + t.shape[2:]), 1, rank, W).clone()
+                 .requires_grad_() for i, t in enumerate((q, x))]
+        torch.testing.assert_close(compiled(*fresh, bufs, True), step(*fresh, bufs, True), rtol=1e-13, atol=1e-13)
+
+
+def run_projection_errors(rank, world_size):
+    """With q's exchange started: the last rank's k projection of another shape is a ValueError there
+    and a PeerInputError on its peers (told after q's exchange is waited for); a projection that
+    raises on every rank leaves nothing pending; the buffers stay in step."""
+    W, bufs = world_size, _buffers(world_size)
+    q = _full(180 + rank, (2, 3, 2 * W, 4))
+    short = q[:, :2] if rank == W - 1 else q
+
+    def broken():
+        raise RuntimeError("projection failed")
+
+    outcomes = {"shape": raised(lambda: a2a.ulysses_attention(q, lambda: short, q, buffers=bufs)),
+                "raises": raised(lambda: a2a.ulysses_attention(q, broken, broken, buffers=bufs))}
+    assert not overlap.pending_exchanges()
+    assert torch.equal(a2a.ulysses_attention(q, lambda: q, lambda: q, buffers=bufs), a2a.ulysses_attention(q, q, q))
+    return outcomes
+
+
 def run_compiled(rank, world_size):
     """Two exchanges and attention through the buffers under torch.compile(fullgraph=True): no graph
     break, one node per exchange, the eager results and gradients; then other values, no recompile."""
@@ -251,6 +323,40 @@ def test_errors_on_every_rank(pool2):
 def test_async_equals_sync(pool2):
     for refused in pool2.run(run_async):  # seq_to_head, ulysses_attention
         assert all(r[0] == "RuntimeError" and "started with async_op=True and not waited for" in r[1] for r in refused)
+
+
+def test_projections_start_q_first(pool2):
+    pool2.run(run_projections)
+
+
+def test_projection_errors_on_every_rank(pool2):
+    *peers, last = pool2.run(run_projection_errors)
+    assert last["shape"][0] == "ValueError" and "k, v: expected the batch and sequence dims" in last["shape"][1]
+    for o in peers:
+        assert o["shape"][0] == "PeerInputError" and f"rank {len(peers)} rejected its arguments" in o["shape"][1], o
+    for o in (*peers, last):
+        assert o["raises"] == ("RuntimeError", "projection failed"), o
+
+
+@pytest.mark.parametrize("world_size, heads_q, heads_kv, layout", [(2, 4, 1, "sbhd"), (3, 3, 3, "bshd"),
+                                                                   (4, 8, 2, "bshd")])
+def test_simulated_projections_equal_tensors(world_size, heads_q, heads_kv, layout):
+    """Simulated ranks, k and v as callables (q's exchange first) against k and v as tensors, GQA
+    (kv heads replicated or split) and both layouts: forward and gradients bit for bit."""
+    W = world_size
+    bufs = a2a.UlyssesBuffers.simulated(W, MAX_BYTES, device="cpu")
+    full = [_full(190 + i, (4 * W, 2, h, 3)) for i, h in enumerate((heads_q, heads_kv, heads_kv))]
+    seq = 0 if layout == "sbhd" else 1
+
+    def body(rank, b, projected):
+        q, k, v = (_shard(t if seq == 0 else t.transpose(0, 1), seq, rank, W).clone().requires_grad_() for t in full)
+        kv = (lambda: k * 1, lambda: v * 1) if projected else (k, v)
+        out = a2a.ulysses_attention(q, *kv, layout=layout, is_causal=True, buffers=b)
+        return out.detach(), torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+    for (out, grads), (ref, ref_grads) in zip(run_simulated(lambda r, b: body(r, b, True), bufs),
+                                              run_simulated(lambda r, b: body(r, b, False), bufs)):
+        assert torch.equal(out, ref) and all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
 
 
 def test_compiled_one_node_per_exchange(pool2):
