@@ -478,24 +478,20 @@ def symm_exchange(op: str, xs: Sequence[torch.Tensor], bufs: Any, plan: Plan, ca
     offsets, needed = _posted_bytes(plan, W, xs[0].element_size())
     fits = needed <= bufs.slot_bytes
     common = dict(rank=rank, slot_bytes=bufs.slot_bytes, split_dim=plan.split_dim, cat_dim=plan.cat_dim)
-    own = []
-    for i, x in enumerate(xs):
-        start = sum(plan.send_sizes[i][:rank])
-        own.append((start, plan.send_sizes[i][rank] if fits else 0))
-        k.post_pieces(x if fits else x.narrow(0, 0, 0), bufs.table, segments.calls_1, offset_bytes=offsets[i],
-                      own=own[i], header=plan.key if i == 0 else None, max_programs=bufs.num_sms, **common)
+    own = [(sum(plan.send_sizes[i][:rank]), plan.send_sizes[i][rank] if fits else 0) for i in range(len(xs))]
+    sent = xs if fits else [x.narrow(0, 0, 0) for x in xs]
+    k.post_pieces(sent, bufs.table, segments.calls_1, offsets_bytes=offsets, owns=own, header=plan.key,
+                  max_programs=bufs.num_sms, **common)
     call_1 = torch.empty(1, dtype=torch.int64, device=xs[0].device)
     segments.barrier(_SYMM_OPS[op], call_1, advance=True)
     failed_1 = torch.zeros(1, dtype=torch.int32, device=xs[0].device)
     headers_W8 = torch.empty(W, HEADER_LEN, dtype=torch.int64, device=xs[0].device)
     named = _named_on_host(xs[0].device)
-    outs = []
-    for i, x in enumerate(xs):
-        out = torch.empty(plan.out_shapes[i] if fits else [0] * x.ndim, dtype=x.dtype, device=x.device)
-        k.gather_pieces(x, out if fits else x.narrow(0, 0, 0), bufs.table, call_1, failed_1, headers_W8,
-                        offset_bytes=offsets[i], own=own[i], source_split=x.shape[plan.split_dim],
-                        cat_counts=cat_counts[i], max_programs=bufs.num_sms, assert_checks=not named, **common)
-        outs.append(out)
+    outs = [torch.empty(shape, dtype=x.dtype, device=x.device) for x, shape in zip(xs, plan.out_shapes)] if fits \
+        else sent  # (too small: the headers only, then CapacityError)
+    k.gather_pieces(xs, outs, bufs.table, call_1, failed_1, headers_W8, offsets_bytes=offsets,
+                    owns=own, source_splits=[x.shape[plan.split_dim] for x in xs], cat_counts=cat_counts,
+                    max_programs=bufs.num_sms, assert_checks=not named, **common)
     if named and int(failed_1):
         headers = headers_W8.view(torch.uint8).view(W, PREFIX_BYTES)
         _check_headers(op, bufs.group_name, headers, headers[rank], described, bufs)
@@ -525,9 +521,9 @@ def symm_tell_peers(op: str, bufs: Any, error: BaseException) -> None:
     k, segments, dev = loader.load(), bufs._segments, bufs.device
     header = (_MAGIC + _OPS.index(op), 0, _REJECTED, 0, 0, 0, 0)
     try:
-        k.post_pieces(torch.empty(0, 1, device=dev), bufs.table, segments.calls_1, rank=bufs.rank,
-                      slot_bytes=bufs.slot_bytes, offset_bytes=0, split_dim=1, cat_dim=0, own=(0, 0), header=header,
-                      max_programs=bufs.num_sms)
+        k.post_pieces([torch.empty(0, 1, device=dev)], bufs.table, segments.calls_1, rank=bufs.rank,
+                      slot_bytes=bufs.slot_bytes, offsets_bytes=[0], split_dim=1, cat_dim=0, owns=[(0, 0)],
+                      header=header, max_programs=bufs.num_sms)
         segments.barrier(_SYMM_OPS[op], torch.empty(1, dtype=torch.int64, device=dev), advance=True)
         if _named_on_host(dev):  # the peers' _check_headers gathers every rank's message
             segments.gather_objects(f"{type(error).__name__}: {error}")

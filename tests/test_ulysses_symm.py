@@ -16,7 +16,7 @@ from alltoall_ops.backends.symm_mem import run_simulated
 from alltoall_ops.groups import NO_GROUP
 from alltoall_ops.inspect import compiled_graphs
 from alltoall_ops.testing import bytes_written, raised, simulated_errors, simulated_ulysses_attention
-from alltoall_ops.ulysses import head_counts, symm_seq_to_head_op
+from alltoall_ops.ulysses import head_counts, symm_head_to_seq_op, symm_seq_to_head_op
 
 
 from .test_ulysses import _attention_inputs, _dense_gqa, _full, _shard
@@ -390,6 +390,25 @@ def test_simulated_peers_match_reference(world_size):
         assert torch.equal(grad, torch.full_like(grad, 3.0))
 
 
+def test_more_tensors_than_a_launch_takes():
+    """Five tensors of other shapes in one exchange (launches of kernels.seq_exchange.MAX_TENSORS
+    and the rest) against each one's own exchange, both directions, uneven heads."""
+    W = 2
+    bufs = a2a.UlyssesBuffers.simulated(W, MAX_BYTES, device="cpu")
+    fulls = [_full(160 + i, (2, 2 * W, 2 * W + i, 2 + i)) for i in range(5)]
+
+    def body(rank, b):
+        xs = [_shard(t, 1, rank, W).contiguous() for t in fulls]
+        together = symm_seq_to_head_op(xs, b, 1, 2, [], False)
+        alone = [symm_seq_to_head_op([x], b, 1, 2, [], False)[0] for x in xs]
+        back = symm_head_to_seq_op(together, b, 1, 2, [t.shape[2] for t in fulls], [], False)
+        return together, alone, back, xs
+
+    for rank, (together, alone, back, xs) in enumerate(run_simulated(body, bufs)):
+        for t, a, full, z, x in zip(together, alone, fulls, back, xs):
+            assert torch.equal(t, a) and torch.equal(t, _shard(full, 2, rank, W)) and torch.equal(z, x)
+
+
 def test_simulated_ranks_name_a_disagreement():
     """Simulated ranks have no process group: the headers' difference is named through the
     buffers' own host channel, on every rank."""
@@ -455,7 +474,8 @@ def test_simulated_attention_phase_by_phase():
 def test_bytes_written_are_the_design_floor(world_size):
     """A q/k/v exchange writes (W - 1) / W of every rank's bytes into its stage (all but its own
     piece) and each output once: 1.5x the payload at W = 2, 1.75x at W = 4 (kernels counted in
-    Triton's interpreter), plus the headers: one written per rank, W read back per gather."""
+    Triton's interpreter), plus the headers: one written per rank, W read back per gather (q, k
+    and v in one post and one gather launch)."""
     W = world_size
     bufs = a2a.UlyssesBuffers.simulated(W, MAX_BYTES, device="cpu")
     xs = [[_full(150 + 3 * r + i, (2, 3, 2 * W, 4)) for i in range(3)] for r in range(W)]
@@ -464,4 +484,4 @@ def test_bytes_written_are_the_design_floor(world_size):
         run_simulated(lambda r, b: symm_seq_to_head_op(xs[r], b, 1, 2, [], False), bufs)
     header = 64
     assert written["_post_kernel"] == payload * (W - 1) // W + W * header
-    assert written["_gather_kernel"] == payload + W * 3 * W * header
+    assert written["_gather_kernel"] == payload + W * W * header

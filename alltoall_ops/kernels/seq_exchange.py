@@ -56,29 +56,18 @@ def _stage_ptr(segment, parity, slot_bytes, offset_bytes, ELEMENT: tl.constexpr)
                           16)
 
 
+MAX_TENSORS = 3
+"""Tensors one exchange moves in one post and one gather launch (q, k and v)."""
+
+
 # NB: a row is a whole range along D2 with Q: D2 * Q (or n * Q, c_q * Q) contiguous elements in
 # source and output. Q stays specialised: its divisibility by 16 is what lets Triton vectorise the
 # rows' loads and stores; the other sizes are not, so that shapes do not each compile a kernel.
-@triton.jit(do_not_specialize=["rank", "slot_bytes", "offset_bytes", "P", "D1", "M", "D2", "off", "n",
-                               "k0", "k1", "k2", "k3", "k4", "k5", "k6"])
-def _post_kernel(x_ptr, table_ptr, calls_ptr, rank, slot_bytes, offset_bytes, P, D1, M, D2, Q, off, n,
-                 k0, k1, k2, k3, k4, k5, k6,
-                 SPLIT_FIRST: tl.constexpr, WRITE_HEADER: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_Q: tl.constexpr):
+@triton.jit
+def _post_rows(x_ptr, segment, parity, slot_bytes, offset_bytes, P, D1, M, D2, off, n, Q: tl.constexpr,
+               SPLIT_FIRST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """One tensor's part of a post: this program's rows of it into the stage slot ``parity``."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
-    parity = (tl.load(calls_ptr) + 1) & 1  # the next call's slot: its barrier advances the count
-    segment = tl.load(table_ptr + rank)
-    if WRITE_HEADER:
-        if (pid == 0) & (tl.program_id(1) == 0):
-            header = (segment + parity * _HEADER_BYTES).to(tl.pointer_type(tl.int64))
-            tl.store(header + 0, k0)
-            tl.store(header + 1, tl.load(calls_ptr) + 1)
-            tl.store(header + 2, k1)
-            tl.store(header + 3, k2)
-            tl.store(header + 4, k3)
-            tl.store(header + 5, k4)
-            tl.store(header + 6, k5)
-            tl.store(header + 7, k6)
     stage = _stage_ptr(segment, parity, slot_bytes, offset_bytes, x_ptr.dtype.element_ty)
     n_rows = P * D1 * M  # rows (p, i, m) of D2 * Q contiguous elements
     run = D2 * Q
@@ -98,38 +87,55 @@ def _post_kernel(x_ptr, table_ptr, calls_ptr, rank, slot_bytes, offset_bytes, P,
             tl.store(stage + at, tl.load(x_ptr + at, mask=mask), mask=mask)
 
 
-@triton.jit(do_not_specialize=["rank", "slot_bytes", "offset_bytes", "P", "M", "n", "off", "L", "base",
-                               "extra", "total"])
-def _gather_kernel(x_ptr, out_ptr, table_ptr, call_ptr, failed_ptr, headers_ptr, rank, slot_bytes, offset_bytes,
-                   P, M, Q, n, off, L, base, extra, total,
-                   CAT_FIRST: tl.constexpr, ASSERT_CHECKS: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_Q: tl.constexpr):
-    pid, programs, q = tl.program_id(0), tl.num_programs(0), tl.program_id(1)
-    parity = tl.load(call_ptr) & 1
-    segment = tl.load(table_ptr + q)
-    words = tl.arange(0, _HEADER_WORDS)
-    mine = tl.load((tl.load(table_ptr + rank) + parity * _HEADER_BYTES).to(tl.pointer_type(tl.int64)) + words)
-    theirs = tl.load((segment + parity * _HEADER_BYTES).to(tl.pointer_type(tl.int64)) + words)
-    differs = tl.max((mine != theirs).to(tl.int32), axis=0)
-    if pid == 0:
-        tl.store(headers_ptr + q * _HEADER_WORDS + words, theirs)
-        if differs != 0:
-            tl.atomic_or(failed_ptr, 1)
-    if ASSERT_CHECKS:
-        tl.device_assert(differs == 0, "alltoall_ops Ulysses (symm_mem): the ranks disagree on the exchange "
-                                       "(dtype, dims, shapes, ulysses_attention arguments) or are out of step")
+@triton.jit(do_not_specialize=["rank", "slot_bytes", "k0", "k1", "k2", "k3", "k4", "k5", "k6",
+                               "o0", "P0", "A0", "M0", "B0", "f0", "n0", "o1", "P1", "A1", "M1", "B1", "f1", "n1",
+                               "o2", "P2", "A2", "M2", "B2", "f2", "n2"])
+def _post_kernel(table_ptr, calls_ptr, rank, slot_bytes, k0, k1, k2, k3, k4, k5, k6,
+                 x0, o0, P0, A0, M0, B0, f0, n0, x1, o1, P1, A1, M1, B1, f1, n1, x2, o2, P2, A2, M2, B2, f2, n2,
+                 Q0: tl.constexpr, Q1: tl.constexpr, Q2: tl.constexpr, TENSORS: tl.constexpr,
+                 SPLIT_FIRST: tl.constexpr, WRITE_HEADER: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_Q: tl.constexpr):
+    # tensor t: x_t, its offset in the slot o_t (bytes), its (P, D1, M, D2, Q) = (P_t, A_t, M_t,
+    # B_t, Q_t) and the split positions it keeps [f_t, f_t + n_t); the first TENSORS of them
+    parity = (tl.load(calls_ptr) + 1) & 1  # the next call's slot: its barrier advances the count
+    segment = tl.load(table_ptr + rank)
+    if WRITE_HEADER:
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            header = (segment + parity * _HEADER_BYTES).to(tl.pointer_type(tl.int64))
+            tl.store(header + 0, k0)
+            tl.store(header + 1, tl.load(calls_ptr) + 1)
+            tl.store(header + 2, k1)
+            tl.store(header + 3, k2)
+            tl.store(header + 4, k3)
+            tl.store(header + 5, k4)
+            tl.store(header + 6, k5)
+            tl.store(header + 7, k6)
+    _post_rows(x0, segment, parity, slot_bytes, o0, P0, A0, M0, B0, f0, n0, Q0, SPLIT_FIRST, BLOCK_R, BLOCK_Q)
+    if TENSORS > 1:
+        _post_rows(x1, segment, parity, slot_bytes, o1, P1, A1, M1, B1, f1, n1, Q1, SPLIT_FIRST, BLOCK_R, BLOCK_Q)
+    if TENSORS > 2:
+        _post_rows(x2, segment, parity, slot_bytes, o2, P2, A2, M2, B2, f2, n2, Q2, SPLIT_FIRST, BLOCK_R, BLOCK_Q)
+
+
+@triton.jit
+def _gather_rows(x_ptr, out_ptr, src_segment, parity, slot_bytes, offset_bytes, readable, rank, q, P, M, n, off, L,
+                 base, extra, total, Q: tl.constexpr, CAT_FIRST: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_Q: tl.constexpr):
+    """One tensor's part of a gather: this program's rows of rank q's piece (none unless
+    ``readable``: rank q's header is this rank's)."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
     c_q = base + (q < extra).to(tl.int32)  # positions of rank q's tensor along cat
     coff = q * base + tl.minimum(q, extra)  # ... and where they start in the output
     if q == rank:
         src = x_ptr
     else:
-        src = _stage_ptr(segment, parity, slot_bytes, offset_bytes, x_ptr.dtype.element_ty)
+        src = _stage_ptr(src_segment, parity, slot_bytes, offset_bytes, x_ptr.dtype.element_ty)
     # rows (p, i, m) of the run along D2 (a whole D2 range, contiguous in source and output)
     if CAT_FIRST:  # i along cat (c_q); the run: split positions [off, off + n)
-        n_rows = tl.where(differs != 0, 0, P * c_q * M)
+        n_rows = tl.where(readable, P * c_q * M, 0)
         run = n * Q
     else:  # i along split (n); the run: all c_q cat positions
-        n_rows = tl.where(differs != 0, 0, P * n * M)
+        n_rows = tl.where(readable, P * n * M, 0)
         run = c_q * Q
     for block in range(pid, tl.cdiv(n_rows, BLOCK_R), programs):
         o_r = (block * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -153,53 +159,113 @@ def _gather_kernel(x_ptr, out_ptr, table_ptr, call_ptr, failed_ptr, headers_ptr,
             tl.store(out_ptr + out_at[:, None] + o_q[None, :], rows, mask=mask)
 
 
+@triton.jit(do_not_specialize=["rank", "slot_bytes", "o0", "P0", "M0", "n0", "f0", "L0", "b0", "e0", "t0",
+                               "o1", "P1", "M1", "n1", "f1", "L1", "b1", "e1", "t1",
+                               "o2", "P2", "M2", "n2", "f2", "L2", "b2", "e2", "t2"])
+def _gather_kernel(table_ptr, call_ptr, failed_ptr, headers_ptr, rank, slot_bytes,
+                   x0, y0, o0, P0, M0, n0, f0, L0, b0, e0, t0, x1, y1, o1, P1, M1, n1, f1, L1, b1, e1, t1,
+                   x2, y2, o2, P2, M2, n2, f2, L2, b2, e2, t2,
+                   Q0: tl.constexpr, Q1: tl.constexpr, Q2: tl.constexpr, TENSORS: tl.constexpr,
+                   CAT_FIRST: tl.constexpr, ASSERT_CHECKS: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_Q: tl.constexpr):
+    # tensor t: x_t, its output y_t, its offset in the slot o_t (bytes), P_t, M_t, Q_t, the split
+    # positions taken [f_t, f_t + n_t), the sources' split extent L_t, (base, extra) = (b_t, e_t)
+    # of the cat positions per rank, the output's cat extent t_t; the first TENSORS of them
+    q = tl.program_id(1)
+    parity = tl.load(call_ptr) & 1
+    segment = tl.load(table_ptr + q)
+    words = tl.arange(0, _HEADER_WORDS)
+    mine = tl.load((tl.load(table_ptr + rank) + parity * _HEADER_BYTES).to(tl.pointer_type(tl.int64)) + words)
+    theirs = tl.load((segment + parity * _HEADER_BYTES).to(tl.pointer_type(tl.int64)) + words)
+    differs = tl.max((mine != theirs).to(tl.int32), axis=0)
+    if tl.program_id(0) == 0:
+        tl.store(headers_ptr + q * _HEADER_WORDS + words, theirs)
+        if differs != 0:
+            tl.atomic_or(failed_ptr, 1)
+    if ASSERT_CHECKS:
+        tl.device_assert(differs == 0, "alltoall_ops Ulysses (symm_mem): the ranks disagree on the exchange "
+                                       "(dtype, dims, shapes, ulysses_attention arguments) or are out of step")
+    same = differs == 0
+    _gather_rows(x0, y0, segment, parity, slot_bytes, o0, same, rank, q, P0, M0, n0, f0, L0, b0, e0, t0, Q0,
+                 CAT_FIRST, BLOCK_R, BLOCK_Q)
+    if TENSORS > 1:
+        _gather_rows(x1, y1, segment, parity, slot_bytes, o1, same, rank, q, P1, M1, n1, f1, L1, b1, e1, t1, Q1,
+                     CAT_FIRST, BLOCK_R, BLOCK_Q)
+    if TENSORS > 2:
+        _gather_rows(x2, y2, segment, parity, slot_bytes, o2, same, rank, q, P2, M2, n2, f2, L2, b2, e2, t2, Q2,
+                     CAT_FIRST, BLOCK_R, BLOCK_Q)
+
+
 def canonical(shape: Sequence[int], split_dim: int, cat_dim: int) -> tuple[int, int, int, int, int]:
     """``(P, D1, M, D2, Q)`` of a tensor of ``shape`` around its split and cat dims."""
     d1, d2 = sorted((split_dim, cat_dim))
     return math.prod(shape[:d1]), shape[d1], math.prod(shape[d1 + 1:d2]), shape[d2], math.prod(shape[d2 + 1:])
 
 
-def post_pieces(x: torch.Tensor, table: torch.Tensor, calls_1: torch.Tensor, *, rank: int, slot_bytes: int,
-                offset_bytes: int, split_dim: int, cat_dim: int, own: tuple[int, int],
-                header: Optional[Sequence[int]], max_programs: Optional[int] = None) -> None:
-    """Copy x (contiguous) into this rank's stage slot ``(calls_1 + 1) % 2`` at ``offset_bytes``,
-    but its own piece (split positions ``own = (off, n)``), and with ``header`` (the exchange's
-    key, 7 ints) write the header of that slot. table: (1, W) int64 segment addresses."""
-    P, D1, M, D2, Q = canonical(x.shape, split_dim, cat_dim)
-    rows, run = P * D1 * M, D2 * Q
-    blocks = row_blocks("seq_pieces", rows, run, x.element_size(), max_programs)
-    grid = program_grid(*blocks.grid(rows, run), max_programs)
-    key = list(header) if header is not None else [0] * (SEQ_HEADER_WORDS - 1)
-    with LAUNCH_LOCK:
-        launch(_post_kernel, x)[(max(grid[0], 1), grid[1])](
-            x, table, calls_1, rank, slot_bytes, offset_bytes, P, D1, M, D2, Q, own[0], own[1], *key,
-            SPLIT_FIRST=split_dim < cat_dim, WRITE_HEADER=header is not None, BLOCK_R=blocks.BLOCK_R,
-            BLOCK_Q=blocks.BLOCK_H, num_warps=blocks.num_warps)
+def _per_tensor(args: list[tuple]) -> tuple[list, dict]:
+    """The kernel arguments of at most MAX_TENSORS tensors (``args[t]``, Q last), padded with the
+    first's (unused: the kernel reads the first TENSORS) and flattened; and the constexprs Q0..Q2
+    and TENSORS."""
+    padded = args + [args[0]] * (MAX_TENSORS - len(args))
+    return [a for t in padded for a in t[:-1]], {**{f"Q{i}": t[-1] for i, t in enumerate(padded)},
+                                                  "TENSORS": len(args)}
 
 
-def gather_pieces(x: torch.Tensor, out: torch.Tensor, table: torch.Tensor, call_1: torch.Tensor,
-                  failed_1: torch.Tensor, headers_W8: torch.Tensor, *, rank: int, slot_bytes: int, offset_bytes: int,
-                  split_dim: int, cat_dim: int, own: tuple[int, int], source_split: int,
-                  cat_counts: tuple[int, int], max_programs: Optional[int] = None, assert_checks: bool = True) -> None:
-    """Fill ``out`` (contiguous) with this rank's piece of every rank's posted tensor, rank q's
-    at cat positions ``[coff_q, coff_q + c_q)`` (``cat_counts = (base, extra)``), this rank's own
-    read from x. own: (off, n) split positions taken; source_split: L, the sources' split extent.
-    call_1: the exchange's call number (its slot); headers_W8 (W, 8) int64: every rank's header;
-    failed_1 (1,) int32 |= 1 when some rank's header differs from this rank's (nothing is read
-    from that rank); assert_checks (CUDA): that is also a device-side assert (without: the caller
-    reads failed_1)."""
-    W = table.shape[-1]
-    P, _, M, _, Q = canonical(out.shape, split_dim, cat_dim)
-    total = out.shape[cat_dim]
-    base, extra = cat_counts
-    most = base + (extra > 0)  # the most cat positions of a rank
-    rows, run = (P * most * M, own[1] * Q) if cat_dim < split_dim else (P * own[1] * M, most * Q)
-    blocks = row_blocks("seq_pieces", rows, run, x.element_size(), max_programs)
-    row_programs = program_grid(blocks.grid(rows, 1)[0], 1, None if max_programs is None else
-                                max(1, max_programs // W))[0]
-    with LAUNCH_LOCK:
-        launch(_gather_kernel, x)[(max(row_programs, 1), W)](
-            x, out, table, call_1, failed_1, headers_W8, rank, slot_bytes, offset_bytes, P, M, Q, own[1], own[0],
-            source_split, base, extra, total, CAT_FIRST=cat_dim < split_dim,
-            ASSERT_CHECKS=x.is_cuda and assert_checks, BLOCK_R=blocks.BLOCK_R, BLOCK_Q=blocks.BLOCK_H,
-            num_warps=blocks.num_warps, **(assert_options(x) if assert_checks else {}))
+def post_pieces(xs: Sequence[torch.Tensor], table: torch.Tensor, calls_1: torch.Tensor, *, rank: int,
+                slot_bytes: int, offsets_bytes: Sequence[int], split_dim: int, cat_dim: int,
+                owns: Sequence[tuple[int, int]], header: Optional[Sequence[int]],
+                max_programs: Optional[int] = None) -> None:
+    """Copy each x of ``xs`` (contiguous, one dtype) into this rank's stage slot
+    ``(calls_1 + 1) % 2`` at its ``offsets_bytes``, but its own piece (split positions
+    ``owns[i] = (off, n)``), MAX_TENSORS a launch, and with ``header`` (the exchange's key, 7
+    ints) write the header of that slot. table: (1, W) int64 segment addresses."""
+    for first in range(0, len(xs), MAX_TENSORS):
+        chunk = slice(first, first + MAX_TENSORS)
+        shapes = [canonical(x.shape, split_dim, cat_dim) for x in xs[chunk]]
+        rows, run = max(P * D1 * M for P, D1, M, _, _ in shapes), max(D2 * Q for _, _, _, D2, Q in shapes)
+        blocks = row_blocks("seq_pieces", rows, run, xs[0].element_size(), max_programs)
+        grid = program_grid(*blocks.grid(rows, run), max_programs)
+        write_header = header is not None and first == 0
+        key = list(header) if write_header else [0] * (SEQ_HEADER_WORDS - 1)
+        tensors, constexprs = _per_tensor([(x, o, *shape[:4], *own, shape[4]) for x, o, shape, own in
+                                           zip(xs[chunk], offsets_bytes[chunk], shapes, owns[chunk])])
+        with LAUNCH_LOCK:
+            launch(_post_kernel, xs[0])[(max(grid[0], 1), grid[1])](
+                table, calls_1, rank, slot_bytes, *key, *tensors, **constexprs, SPLIT_FIRST=split_dim < cat_dim,
+                WRITE_HEADER=write_header, BLOCK_R=blocks.BLOCK_R, BLOCK_Q=blocks.BLOCK_H,
+                num_warps=blocks.num_warps)
+
+
+def gather_pieces(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], table: torch.Tensor,
+                  call_1: torch.Tensor, failed_1: torch.Tensor, headers_W8: torch.Tensor, *, rank: int,
+                  slot_bytes: int, offsets_bytes: Sequence[int], split_dim: int, cat_dim: int,
+                  owns: Sequence[tuple[int, int]], source_splits: Sequence[int],
+                  cat_counts: Sequence[tuple[int, int]], max_programs: Optional[int] = None,
+                  assert_checks: bool = True) -> None:
+    """Fill each of ``outs`` (contiguous) with this rank's piece of every rank's posted tensor of
+    ``xs`` (MAX_TENSORS a launch), rank q's at cat positions ``[coff_q, coff_q + c_q)``
+    (``cat_counts[i] = (base, extra)``), this rank's own read from x. owns[i]: (off, n) split
+    positions taken; source_splits[i]: L, the sources' split extent. call_1: the exchange's call
+    number (its slot); headers_W8 (W, 8) int64: every rank's header; failed_1 (1,) int32 |= 1 when
+    some rank's header differs from this rank's (nothing is read from that rank); assert_checks
+    (CUDA): that is also a device-side assert (without: the caller reads failed_1)."""
+    W, x = table.shape[-1], xs[0]
+    for first in range(0, len(xs), MAX_TENSORS):
+        chunk = slice(first, first + MAX_TENSORS)
+        per_tensor, rows, run = [], 0, 0
+        for x_i, out, offset, own, L, (base, extra) in zip(xs[chunk], outs[chunk], offsets_bytes[chunk],
+                                                           owns[chunk], source_splits[chunk], cat_counts[chunk]):
+            P, _, M, _, Q = canonical(out.shape, split_dim, cat_dim)
+            most = base + (extra > 0)  # the most cat positions of a rank
+            rows_i, run_i = (P * most * M, own[1] * Q) if cat_dim < split_dim else (P * own[1] * M, most * Q)
+            rows, run = max(rows, rows_i), max(run, run_i)
+            per_tensor.append((x_i, out, offset, P, M, own[1], own[0], L, base, extra, out.shape[cat_dim], Q))
+        blocks = row_blocks("seq_pieces", rows, run, x.element_size(), max_programs)
+        row_programs = program_grid(blocks.grid(rows, 1)[0], 1, None if max_programs is None else
+                                    max(1, max_programs // W))[0]
+        tensors, constexprs = _per_tensor(per_tensor)
+        with LAUNCH_LOCK:
+            launch(_gather_kernel, x)[(max(row_programs, 1), W)](
+                table, call_1, failed_1, headers_W8, rank, slot_bytes, *tensors, **constexprs,
+                CAT_FIRST=cat_dim < split_dim, ASSERT_CHECKS=x.is_cuda and assert_checks, BLOCK_R=blocks.BLOCK_R,
+                BLOCK_Q=blocks.BLOCK_H, num_warps=blocks.num_warps, **(assert_options(x) if assert_checks else {}))
