@@ -1,0 +1,27 @@
+"""The multi-GPU Ulysses check and benchmark (``benchmarks/ulysses_multigpu.py``, torchrun) in its
+dry run on two gloo CPU ranks, so that the script a 2-GPU session runs works before it gets there:
+every check passes, every row is timed and written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_ulysses_multigpu_dry_run(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "benchmarks.ulysses_multigpu", "--cpu", "--check", "--bench", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "PASS exchange" in proc.stdout and "PASS attention" in proc.stdout and "FAIL" not in proc.stdout, \
+        proc.stdout[-4000:]
+    rows = json.loads((tmp_path / "ulysses_multigpu_W2.json").read_text())["rows"]
+    assert {r["row"] for r in rows} >= {"seq_to_head q/k/v symm", "attention fwd+bwd symm",
+                                        "projections + attention fwd, q first, symm"}
+    assert all(r["us"] > 0 for r in rows)
