@@ -299,18 +299,19 @@ def _head_to_seq_shapes(xs: Sequence[torch.Tensor], W: int, seq_dim: int, head_d
 
 
 @comm_op("seq_to_head", schema="(Tensor[] xs, str group_name, int seq_dim, int head_dim, SymInt[] attention, "
-                               "bool agreed_sizes, bool async_op) -> Tensor[]")
+                               "int sizes, bool async_op) -> Tensor[]")
 @overlap.startable
 def seq_to_head_op(xs: list[torch.Tensor], group_name: str, seq_dim: int, head_dim: int, attention: list[int],
-                   agreed_sizes: bool, async_op: bool) -> list[torch.Tensor]:
+                   sizes: int, async_op: bool) -> list[torch.Tensor]:
     """Each (.., S/W at seq_dim, .., Hh_i at head_dim, ..) -> (.., S, .., h_r of Hh_i, ..), all in
     one exchange (one dtype and ndim); dims >= 0. attention: :func:`attention_args` of a
-    ulysses_attention, [] otherwise (checked in the header). agreed_sizes: the sizes follow from
-    an exchange the group agreed on (see :func:`_exchange`). async_op: started on the
+    ulysses_attention, [] otherwise (checked in the header). sizes: where the exchange's sizes
+    come from (``ulysses_exchange.CALLERS`` / ``AGREED`` / ``AFTER_PREVIOUS``, see
+    ``ulysses_exchange.exchange``). async_op: started on the
     communication stream, pending until ``overlap.wait`` (``overlap.startable``)."""
     plan = _plan("seq_to_head", xs, group_name, seq_dim, head_dim, None, attention)
     _debug_agreement("seq_to_head", xs, group_name, plan)
-    return exchange.exchange("seq_to_head", xs, group_name, plan, agreed_sizes, _described(xs, plan, attention))
+    return exchange.exchange("seq_to_head", xs, group_name, plan, sizes, _described(xs, plan, attention))
 
 
 def _seq_to_head_outputs(xs: Sequence[torch.Tensor], W: int, rank: int, seq_dim: int, head_dim: int) -> list[list]:
@@ -337,25 +338,25 @@ def _head_to_seq_outputs(xs: Sequence[torch.Tensor], W: int, rank: int, seq_dim:
 
 
 @seq_to_head_op.register_fake
-def _(xs, group_name, seq_dim, head_dim, attention, agreed_sizes, async_op):
+def _(xs, group_name, seq_dim, head_dim, attention, sizes, async_op):
     shapes = _seq_to_head_outputs(xs, _group_size(group_name), _traced_rank(group_name), seq_dim, head_dim)
     return [x.new_empty(shape) for x, shape in zip(xs, shapes)]
 
 
 @comm_op("head_to_seq", schema="(Tensor[] xs, str group_name, int seq_dim, int head_dim, SymInt[] num_heads, "
-                               "SymInt[] attention, bool agreed_sizes, bool async_op) -> Tensor[]")
+                               "SymInt[] attention, int sizes, bool async_op) -> Tensor[]")
 @overlap.startable
 def head_to_seq_op(xs: list[torch.Tensor], group_name: str, seq_dim: int, head_dim: int, num_heads: list[int],
-                   attention: list[int], agreed_sizes: bool, async_op: bool) -> list[torch.Tensor]:
+                   attention: list[int], sizes: int, async_op: bool) -> list[torch.Tensor]:
     """Each (.., S at seq_dim, .., h_r at head_dim, ..) -> (.., S/W, .., num_heads[i], ..), all in
     one exchange; dims >= 0. async_op: as :func:`seq_to_head_op`'s."""
     plan = _plan("head_to_seq", xs, group_name, seq_dim, head_dim, num_heads, attention)
     _debug_agreement("head_to_seq", xs, group_name, plan)
-    return exchange.exchange("head_to_seq", xs, group_name, plan, agreed_sizes, _described(xs, plan, attention))
+    return exchange.exchange("head_to_seq", xs, group_name, plan, sizes, _described(xs, plan, attention))
 
 
 @head_to_seq_op.register_fake
-def _(xs, group_name, seq_dim, head_dim, num_heads, attention, agreed_sizes, async_op):
+def _(xs, group_name, seq_dim, head_dim, num_heads, attention, sizes, async_op):
     shapes = _head_to_seq_outputs(xs, _group_size(group_name), _traced_rank(group_name), seq_dim, head_dim,
                                   num_heads)
     return [x.new_empty(shape) for x, shape in zip(xs, shapes)]
@@ -383,17 +384,17 @@ def _head_to_seq_setup(ctx, inputs, output):
 
 # NB: the backward of an all-to-all is the all-to-all back: one exchange for every gradient. The
 # gradients have the shapes of the outputs (autograd holds them to it), whose sizes the forward
-# agreed on: agreed_sizes, no exchange of headers first (the header in the pieces still checks them).
+# agreed on: AGREED, no exchange of headers first (the header in the pieces still checks them).
 def _seq_to_head_backward(ctx, grads):
     overlap.saved_tensors(ctx)  # the forward's exchange, if started, is done
     grad_xs = head_to_seq_op(list(grads), ctx.group_name, ctx.seq_dim, ctx.head_dim, ctx.num_heads, ctx.attention,
-                             True, False)
+                             exchange.AGREED, False)
     return input_grads(seq_to_head_op, xs=grad_xs, **ctx.no_grads)
 
 
 def _head_to_seq_backward(ctx, grads):
     overlap.saved_tensors(ctx)
-    grad_xs = seq_to_head_op(list(grads), ctx.group_name, ctx.seq_dim, ctx.head_dim, [], True, False)
+    grad_xs = seq_to_head_op(list(grads), ctx.group_name, ctx.seq_dim, ctx.head_dim, [], exchange.AGREED, False)
     return input_grads(head_to_seq_op, xs=grad_xs, **ctx.no_grads)
 
 
@@ -532,8 +533,9 @@ def _exchange_one(op: str, x: torch.Tensor, group: Any, buffers: Optional[Ulysse
     if buffers is not None:
         fn = symm_seq_to_head_op if op == "seq_to_head" else symm_head_to_seq_op
         return call(fn, [x], buffers, seq_dim, head_dim, *heads, [], async_op=async_op, differentiable=(x,))[0]
-    fn = seq_to_head_op if op == "seq_to_head" else head_to_seq_op  # agreed_sizes False: the caller's sizes
-    return call(fn, [x], grp.name, seq_dim, head_dim, *heads, [], False, async_op=async_op, differentiable=(x,))[0]
+    fn = seq_to_head_op if op == "seq_to_head" else head_to_seq_op  # the caller's sizes
+    return call(fn, [x], grp.name, seq_dim, head_dim, *heads, [], exchange.CALLERS, async_op=async_op,
+                differentiable=(x,))[0]
 
 
 def head_to_seq(x: torch.Tensor, group: Any = None, seq_dim: int = 1, head_dim: int = 2, *,
@@ -630,12 +632,10 @@ def ulysses_attention(
     global position, since the sequence is gathered in rank order).
 
     k, v: the tensors, or zero-argument callables that return them (their projections, e.g.
-    ``lambda: k_proj(x)``). With ``buffers`` (of several ranks) and a callable, q's exchange starts
-    first (``async_op``) and the callables run beside it on the current stream; then k and v move in
-    one exchange: two exchanges forward and two backward instead of one each, for q's exchange
-    hidden behind the projections. Otherwise the callables run first and q, k, v move in one
-    exchange (a process group: an exchange of k and v alone would first need its sizes agreed,
-    one collective more).
+    ``lambda: k_proj(x)``). With a callable (and several ranks), q's exchange starts first
+    (``async_op``) and the callables run beside it on the current stream; then k and v move in one
+    exchange: two exchanges forward and two backward instead of one each, for q's exchange hidden
+    behind the projections (on a GPU: on the CPU a start runs in place, so pass tensors there).
 
     attn_fn: the local attention, like DeepSpeed's ``local_attention``: called as
     ``attn_fn(q, k, v)`` on the full sequence and this rank's heads, in ``layout`` (q with this
@@ -648,14 +648,12 @@ def ulysses_attention(
     ``UlyssesBuffers.bytes_for([q.shape, k.shape, v.shape], q.dtype, W)`` (GQA with fewer kv heads
     than ranks: k and v with W heads, as they move)."""
     grp, checks = _group_or_buffers("ulysses_attention", group, buffers, q)
-    q_first = buffers is not None and grp.size > 1 and (callable(k) or callable(v))
     started = None  # q's exchange, when it starts before the projections
-    if q_first:
+    if grp.size > 1 and (callable(k) or callable(v)):
         _checked("seq_to_head", checks, _check_qkv, q, None, None, grp.size, layout, attn_fn, is_causal, scale,
                  buffers=buffers)
         q_args = attention_args(q, None, None, layout, is_causal, scale, attn_fn)
-        started = call(symm_seq_to_head_op, [q], buffers, LAYOUTS[layout], 2, q_args, async_op=True,
-                       differentiable=(q,))[0]
+        started = _qkv_exchange([q], grp, buffers, LAYOUTS[layout], q_args, exchange.CALLERS, True)[0]
     try:
         (q, k, v), attention, heads = _gathered_qkv(q, k, v, grp, checks, layout, is_causal, scale, attn_fn, buffers,
                                                     started)
@@ -670,7 +668,7 @@ def ulysses_attention(
         return call(symm_head_to_seq_op, [out], buffers, seq_dim, head_dim, [heads], attention, False,
                     differentiable=(out,))[0]
     # NB: o's sizes follow from q, k, v's, which their exchange agreed on
-    return call(head_to_seq_op, [out], grp.name, seq_dim, head_dim, [heads], attention, True, False,
+    return call(head_to_seq_op, [out], grp.name, seq_dim, head_dim, [heads], attention, exchange.AGREED, False,
                 differentiable=(out,))[0]
 
 
@@ -689,15 +687,21 @@ def _gathered_qkv(q, k, v, grp: Group, checks: str, layout: str, is_causal: bool
         # every rank gets the kv head of its q heads
         k, v = (t.repeat_interleave(grp.size // kv_heads, dim=head_dim) for t in (k, v))
     # Hq not divisible by W (then kv heads == q heads): q, k and v split alike, unevenly
-    if started is not None:  # k and v's exchange queued after q's (started too: the order of the starts)
-        k, v = call(symm_seq_to_head_op, [k, v], buffers, seq_dim, head_dim, attention, async_op=True,
-                    differentiable=(k, v))
-        return overlap.wait([started, k, v]), attention, heads
+    if started is None:  # one exchange
+        return _qkv_exchange([q, k, v], grp, buffers, seq_dim, attention, exchange.CALLERS, False), attention, heads
+    # k and v's exchange queued after q's (started too: the order of the starts), its sizes agreed
+    # through the last one after a q exchange of this key
+    k, v = _qkv_exchange([k, v], grp, buffers, seq_dim, attention, exchange.AFTER_PREVIOUS, True)
+    return overlap.wait([started, k, v]), attention, heads
+
+
+def _qkv_exchange(xs: list, grp: Group, buffers: Optional[UlyssesBuffers], seq_dim: int, attention: list,
+                  sizes: int, async_op: bool) -> list:
+    """ulysses_attention's seq_to_head of ``xs`` (q, k, v or some of them) over the group or the
+    buffers; sizes: the process group's ``ulysses_exchange`` mode (the buffers need none)."""
     if buffers is not None:
-        return call(symm_seq_to_head_op, [q, k, v], buffers, seq_dim, head_dim, attention, False,
-                    differentiable=(q, k, v)), attention, heads
-    return call(seq_to_head_op, [q, k, v], grp.name, seq_dim, head_dim, attention, False, False,  # one exchange
-                differentiable=(q, k, v)), attention, heads
+        return call(symm_seq_to_head_op, xs, buffers, seq_dim, 2, attention, async_op=async_op, differentiable=xs)
+    return call(seq_to_head_op, xs, grp.name, seq_dim, 2, attention, sizes, async_op=async_op, differentiable=xs)
 
 
 def _check_attn_out(out: Any, q: torch.Tensor, v: torch.Tensor, layout: str) -> None:

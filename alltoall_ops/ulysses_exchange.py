@@ -13,7 +13,10 @@ agree. So an exchange whose sizes the caller chose posts the sizes of the group'
 exchange (:data:`_agreed`, the same on every rank): the exchange itself when its sizes are those,
 else this rank's header in pieces of those sizes (headers alone the first time), and its own once
 every rank found every header equal to its own. Exchanges whose sizes follow from an agreed one
-(``ulysses_attention``'s o, every backward) post their own.
+(``ulysses_attention``'s o, every backward) post their own. An exchange that always follows
+another one (k and v's after q's, in ``ulysses_attention`` given projections) is agreed through
+the last exchange that followed an exchange of the same key (:data:`AFTER_PREVIOUS`), so that
+two exchanges that alternate each find their own sizes.
 """
 
 from __future__ import annotations
@@ -81,6 +84,8 @@ def _same_group(group_name: str) -> None:
         _groups[group_name] = pg
         _exchanges.pop(group_name, None)
         _agreed.pop(group_name, None)
+        _agreed_after.pop(group_name, None)
+        _previous.pop(group_name, None)
         _held.pop((group_name, "send"), None)
         _held.pop((group_name, "recv"), None)
         _headers_of.pop(group_name, None)
@@ -140,10 +145,26 @@ class _Pieces(NamedTuple):
     recv: tuple
 
 
+CALLERS, AGREED, AFTER_PREVIOUS = 0, 1, 2
+"""Where an exchange's sizes come from (the ops' ``sizes`` argument): the caller (agreed through
+the group's last agreed exchange of caller-chosen sizes, :data:`_agreed`); an exchange the group
+agreed on (posted as they are: ``ulysses_attention``'s o, every backward); the caller, in an
+exchange that always follows an exchange of one key (k and v's after q's): agreed through the
+last exchange that followed an exchange of the previous one's key (:data:`_agreed_after`)."""
+
 _agreed: dict[str, _Pieces] = {}
-"""Group name -> its last agreed exchange (of those whose sizes the caller chose): the sizes every
-rank of the group posts for the next such exchange. The same on every rank: it changes only after
-an exchange whose W headers every rank compared and found equal."""
+"""Group name -> its last agreed exchange (of those whose sizes the caller chose, CALLERS): the
+sizes every rank of the group posts for the next such exchange. The same on every rank: it changes
+only after an exchange whose W headers every rank compared and found equal."""
+
+_agreed_after: dict[str, dict[tuple, _Pieces]] = {}
+"""Group name -> {the key of an exchange -> the last agreed AFTER_PREVIOUS exchange that followed
+one of that key}. The same on every rank: every rank's previous exchange had one key (a rank in
+another one raised at its header compare, or trapped on CUDA, where the compare is queued before
+this exchange), and an entry changes only after an exchange whose headers every rank found equal."""
+
+_previous: dict[str, tuple] = {}
+"""Group name -> the key of the group's last exchange (of any sizes)."""
 
 
 _held: dict[tuple[str, str], torch.Tensor] = {}
@@ -297,7 +318,7 @@ def _unpack(received: torch.Tensor, nbytes: Sequence[int], dtype: torch.dtype,
             for i, shapes in enumerate(recv_shapes)]
 
 
-def exchange(op: str, xs: Sequence[torch.Tensor], group_name: str, plan: Plan, agreed_sizes: bool,
+def exchange(op: str, xs: Sequence[torch.Tensor], group_name: str, plan: Plan, sizes: int,
              described: Callable[[], dict]) -> list[torch.Tensor]:
     """Piece r of each ``xs[i]`` (``plan.send_sizes[i][r]`` long along the dim ``op`` splits:
     heads for seq_to_head, sequence for head_to_seq) to rank r, and for each i what arrives from
@@ -308,13 +329,14 @@ def exchange(op: str, xs: Sequence[torch.Tensor], group_name: str, plan: Plan, a
 
     The sizes of an exchange must agree between ranks before it is posted (gloo terminates a
     process that receives more bytes than it posted, and leaves the rest of a shorter piece
-    unwritten). ``agreed_sizes``: they follow from shapes an earlier exchange of the group agreed
-    on (ulysses_attention's o after q, k, v; every backward after its forward). Else they are the
-    caller's: posted as they are when they are the group's last agreed exchange's (``_agreed``,
-    the same on every rank); otherwise this rank's header first travels in pieces of the last
-    agreed sizes (headers alone before the group's first exchange), and the exchange follows with
-    its own sizes once every rank found every header equal to its own. Returns new contiguous
-    tensors."""
+    unwritten). ``sizes`` (:data:`CALLERS`, :data:`AGREED`, :data:`AFTER_PREVIOUS`): AGREED, they
+    follow from shapes an earlier exchange of the group agreed on (ulysses_attention's o after q,
+    k, v; every backward after its forward). Else they are the caller's: posted as they are when
+    they are the last agreed exchange's (``_agreed``, the group's; AFTER_PREVIOUS:
+    ``_agreed_after``, the last that followed an exchange of the previous one's key; the same on
+    every rank); otherwise this rank's header first travels in pieces of the last agreed sizes
+    (headers alone the first time), and the exchange follows with its own sizes once every rank
+    found every header equal to its own. Returns new contiguous tensors."""
     W = len(plan.send_bytes)
     if W == 1:
         return [x.clone(memory_format=torch.contiguous_format) for x in xs]  # op outputs must not alias inputs
@@ -322,8 +344,10 @@ def exchange(op: str, xs: Sequence[torch.Tensor], group_name: str, plan: Plan, a
     key, count = plan.key, _exchanges[group_name]
     _exchanges[group_name] += 1
     cpu = x.device.type == "cpu"
-    last = _agreed.get(group_name)
-    agreed = agreed_sizes or (last is not None and last.key == key)
+    slots, slot = (_agreed, group_name) if sizes != AFTER_PREVIOUS else \
+        (_agreed_after.setdefault(group_name, {}), _previous.get(group_name, ()))
+    last = slots.get(slot)
+    agreed = sizes == AGREED or (last is not None and last.key == key)
     header = None if cpu and plan.regular and agreed else _header(key, count, x.device)
     if not agreed:  # the headers first, in pieces of the sizes every rank posts
         if last is None:
@@ -332,7 +356,22 @@ def exchange(op: str, xs: Sequence[torch.Tensor], group_name: str, plan: Plan, a
         send = _buffer(last.send, x.device, header, held=(group_name, "send"))
         _all_to_all(op, group_name, received, send, last.recv, last.send)
         _check_headers(op, group_name, _headers(received, last.recv), header, described)
-        _agreed[group_name] = _Pieces(key, plan.send_bytes, plan.recv_bytes)
+        if sizes == AFTER_PREVIOUS and len(slots) >= _MAX_PLANS:
+            slots.clear()  # (every rank of the group alike)
+        slots[slot] = _Pieces(key, plan.send_bytes, plan.recv_bytes)
+    outs = _exchange_pieces(op, xs, group_name, plan, header, agreed, count, described)
+    _previous[group_name] = key
+    return outs
+
+
+def _exchange_pieces(op: str, xs: Sequence[torch.Tensor], group_name: str, plan: Plan,
+                     header: Optional[torch.Tensor], agreed: bool, count: int,
+                     described: Callable[[], dict]) -> list[torch.Tensor]:
+    """:func:`exchange`'s exchange of the pieces, in the sizes of ``plan`` that every rank posts
+    now: ``header`` (None: the held CPU send bytes hold it but for the count), checked on arrival
+    unless the headers were just compared (not ``agreed``)."""
+    W, x, key = len(plan.send_bytes), xs[0], plan.key
+    cpu = x.device.type == "cpu"
     if plan.regular:  # (W, bytes) buffers: views made once per plan (and held memory)
         if cpu:
             views = _held_views(group_name, plan)

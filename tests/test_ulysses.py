@@ -291,7 +291,7 @@ def bad_calls(world_size: int, group_name: str):
         (a2a.seq_to_head, (torch.zeros(5),), dict(seq_dim=0, head_dim=-1)),
         (a2a.ulysses_attention, (x[0], x[0], x[0]), {}),
         (a2a.ulysses_attention, (x, x, x.double()), {}),  # q, k, v move in one exchange: one dtype
-        (OPS.seq_to_head, ([x], group_name, 1, 1, [], False, False), {}),
+        (OPS.seq_to_head, ([x], group_name, 1, 1, [], 0, False), {}),
         (a2a.head_to_seq, (head_shard,), dict(num_heads=2.0)),
         (a2a.head_to_seq, (head_shard,), dict(num_heads=-1)),
     ]
@@ -300,8 +300,8 @@ def bad_calls(world_size: int, group_name: str):
         calls += [
             (a2a.head_to_seq, (all_heads,), dict(num_heads=n)),
             (a2a.head_to_seq, (odd_seq,), {}),
-            (OPS.head_to_seq, ([all_heads], group_name, 1, 2, [n], [], False, False), {}),
-            (OPS.head_to_seq, ([odd_seq], group_name, 1, 2, [2 * world_size], [], False, False), {}),
+            (OPS.head_to_seq, ([all_heads], group_name, 1, 2, [n], [], 0, False), {}),
+            (OPS.head_to_seq, ([odd_seq], group_name, 1, 2, [2 * world_size], [], 0, False), {}),
         ]
     return calls
 
@@ -378,10 +378,10 @@ def run_opcheck_uneven(rank, world_size):
     group_name, n = dist.group.WORLD.group_name, 2 * world_size + 1
     x = _full(140 + rank, (2, 3, n, 4)).requires_grad_()
     torch.library.opcheck(OPS.seq_to_head.default, ([x, x.detach()[..., :2].clone().requires_grad_()], group_name,
-                                                    1, 2, [], False, False))
+                                                    1, 2, [], 0, False))
     h = _shard(_full(150, (2, 2 * world_size, n, 4)), 2, rank, world_size).clone().requires_grad_()
     torch.library.opcheck(OPS.head_to_seq.default, ([h, h.detach()[..., :2].clone().requires_grad_()], group_name,
-                                                    1, 2, [n, n], [], False, False))
+                                                    1, 2, [n, n], [], 0, False))
 
 
 def _op_pipeline(x, v):
@@ -887,7 +887,7 @@ def test_opcheck_local(op, shape, seq_dim, head_dim, transpose):
     if transpose:
         x = x.transpose(0, -1).contiguous().transpose(0, -1)
     num_heads = ([shape[head_dim]],) if op == OPS.head_to_seq.default else ()
-    torch.library.opcheck(op, ([x.requires_grad_()], LOCAL, seq_dim, head_dim, *num_heads, [], False, False))
+    torch.library.opcheck(op, ([x.requires_grad_()], LOCAL, seq_dim, head_dim, *num_heads, [], 0, False))
 
 
 class TestCompiled(TestCase):
@@ -901,20 +901,20 @@ class TestCompiled(TestCase):
         ops_summary, attention_summary = run_compiled(0, 1)
         self.assertExpectedInline(ops_summary, """\
 forward 0:
-  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, attention=[], agreed_sizes=False, async_op=False)
-  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, attention=[], agreed_sizes=False, async_op=False)
-  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, num_heads=[2], attention=[], agreed_sizes=False, async_op=False)
+  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, attention=[], sizes=0, async_op=False)
+  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, attention=[], sizes=0, async_op=False)
+  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, num_heads=[2], attention=[], sizes=0, async_op=False)
 backward 0:
-  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, attention=[], agreed_sizes=True, async_op=False)
-  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, num_heads=[2], attention=[], agreed_sizes=True, async_op=False)
-  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, num_heads=[2], attention=[], agreed_sizes=True, async_op=False)""")  # noqa: E501 (the graph's line)
+  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, attention=[], sizes=1, async_op=False)
+  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, num_heads=[2], attention=[], sizes=1, async_op=False)
+  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, num_heads=[2], attention=[], sizes=1, async_op=False)""")  # noqa: E501 (the graph's line)
         self.assertExpectedInline(attention_summary, """\
 forward 0:
-  alltoall_ops.seq_to_head(xs=[<tensor>, <tensor>, <tensor>], group_name='', seq_dim=1, head_dim=2, attention=[], agreed_sizes=False, async_op=False)
-  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, num_heads=[2], attention=[], agreed_sizes=True, async_op=False)
+  alltoall_ops.seq_to_head(xs=[<tensor>, <tensor>, <tensor>], group_name='', seq_dim=1, head_dim=2, attention=[], sizes=0, async_op=False)
+  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, num_heads=[2], attention=[], sizes=1, async_op=False)
 backward 0:
-  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, attention=[], agreed_sizes=True, async_op=False)
-  alltoall_ops.head_to_seq(xs=[<tensor>, <tensor>, <tensor>], group_name='', seq_dim=1, head_dim=2, num_heads=[2, 2, 2], attention=[], agreed_sizes=True, async_op=False)""")  # noqa: E501 (the graph's line)
+  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='', seq_dim=1, head_dim=2, attention=[], sizes=1, async_op=False)
+  alltoall_ops.head_to_seq(xs=[<tensor>, <tensor>, <tensor>], group_name='', seq_dim=1, head_dim=2, num_heads=[2, 2, 2], attention=[], sizes=1, async_op=False)""")  # noqa: E501 (the graph's line)
 
     def test_compiled_two_ranks_uneven_heads(self):
         results = self.pool2.run(run_compiled, 5)  # 5 heads: 3 on rank 0, 2 on rank 1
@@ -925,18 +925,18 @@ backward 0:
         ops_summary, attention_summary = results[0]
         self.assertExpectedInline(ops_summary, """\
 forward 0:
-  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, attention=[], agreed_sizes=False, async_op=False)
-  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, attention=[], agreed_sizes=False, async_op=False)
-  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, num_heads=[5], attention=[], agreed_sizes=False, async_op=False)
+  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, attention=[], sizes=0, async_op=False)
+  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, attention=[], sizes=0, async_op=False)
+  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, num_heads=[5], attention=[], sizes=0, async_op=False)
 backward 0:
-  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, attention=[], agreed_sizes=True, async_op=False)
-  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, num_heads=[5], attention=[], agreed_sizes=True, async_op=False)
-  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, num_heads=[5], attention=[], agreed_sizes=True, async_op=False)""")  # noqa: E501 (the graph's line)
+  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, attention=[], sizes=1, async_op=False)
+  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, num_heads=[5], attention=[], sizes=1, async_op=False)
+  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, num_heads=[5], attention=[], sizes=1, async_op=False)""")  # noqa: E501 (the graph's line)
         self.assertExpectedInline(attention_summary, """\
 forward 0:
-  alltoall_ops.seq_to_head(xs=[<tensor>, <tensor>, <tensor>], group_name='0', seq_dim=1, head_dim=2, attention=<args>, agreed_sizes=False, async_op=False)
-  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, num_heads=[5], attention=<args>, agreed_sizes=True, async_op=False)
+  alltoall_ops.seq_to_head(xs=[<tensor>, <tensor>, <tensor>], group_name='0', seq_dim=1, head_dim=2, attention=<args>, sizes=0, async_op=False)
+  alltoall_ops.head_to_seq(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, num_heads=[5], attention=<args>, sizes=1, async_op=False)
 backward 0:
-  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, attention=[], agreed_sizes=True, async_op=False)
-  alltoall_ops.head_to_seq(xs=[<tensor>, <tensor>, <tensor>], group_name='0', seq_dim=1, head_dim=2, num_heads=[5, 5, 5], attention=<args>, agreed_sizes=True, async_op=False)""")  # noqa: E501 (the graph's line)
+  alltoall_ops.seq_to_head(xs=[<tensor>], group_name='0', seq_dim=1, head_dim=2, attention=[], sizes=1, async_op=False)
+  alltoall_ops.head_to_seq(xs=[<tensor>, <tensor>, <tensor>], group_name='0', seq_dim=1, head_dim=2, num_heads=[5, 5, 5], attention=<args>, sizes=1, async_op=False)""")  # noqa: E501 (the graph's line)
 

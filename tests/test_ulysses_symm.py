@@ -15,7 +15,7 @@ from alltoall_ops import overlap
 from alltoall_ops.backends.symm_mem import run_simulated
 from alltoall_ops.groups import NO_GROUP
 from alltoall_ops.inspect import compiled_graphs
-from alltoall_ops.testing import bytes_written, raised, simulated_errors, simulated_ulysses_attention
+from alltoall_ops.testing import HostTraffic, bytes_written, raised, simulated_errors, simulated_ulysses_attention
 from alltoall_ops.ulysses import head_counts, symm_head_to_seq_op, symm_seq_to_head_op
 
 
@@ -159,12 +159,13 @@ def _calls(bufs: a2a.UlyssesBuffers) -> int:
 
 
 def run_projections(rank, world_size):
-    """k and v given as callables (their projections of x): with the buffers q's exchange starts
-    first and k, v move in an exchange of their own (3 exchanges forward + 3 backward instead of 2 +
-    2); through a process group the callables run first (2 exchanges each way). Results and
-    gradients equal the call with tensors bit for bit, eager and compiled (fullgraph, the start of
-    q's exchange before the projections in the graph, no recompile for new values); nothing pending
-    after."""
+    """k and v given as callables (their projections of x): q's exchange starts first and k, v
+    move in an exchange of their own, through the buffers and through the process group: 3
+    exchanges forward + 3 backward instead of 2 + 2 (counted on the buffers' call counter, or as
+    all-to-alls: once agreed, no exchange of headers alone, though q's and k / v's alternate).
+    Results and gradients equal the call with tensors bit for bit, eager and compiled (fullgraph,
+    the start of q's exchange before the projections in the graph, no recompile for new values);
+    nothing pending after."""
     W, bufs = world_size, _buffers(world_size)
     q_full, _, _, upstream = _attention_inputs(W, 170, heads=2 * W + 1, Dqk=3, Dv=3)
     x_full = _full(174, (2, 3 * W, 4))
@@ -177,17 +178,20 @@ def run_projections(rank, world_size):
 
     compiled = torch.compile(step, fullgraph=True)
     grad = _shard(upstream, 1, rank, W)
-    for buffers, exchanges in ((bufs, (4, 6, 6)), (None, None)):
+    for buffers in (bufs, None):
         results = []
         for fn, projected in ((step, False), (step, True), (compiled, True)):
-            q, x = (_shard(t, 1, rank, W).clone().requires_grad_() for t in (q_full, x_full))
-            before = _calls(bufs)
-            out = fn(q, x, buffers, projected)
-            results.append((out.detach(), torch.autograd.grad(out, (q, x), grad)))
-            if exchanges is not None:
-                assert _calls(bufs) - before == exchanges[len(results) - 1]
-        (out, grads), *rest = results
-        for got, got_grads in rest:
+            for _ in range(2):  # the second call counted (the first may agree on new sizes)
+                q, x = (_shard(t, 1, rank, W).clone().requires_grad_() for t in (q_full, x_full))
+                before = _calls(bufs)
+                with HostTraffic() as traffic:
+                    out = fn(q, x, buffers, projected)
+                    grads = torch.autograd.grad(out, (q, x), grad)
+            exchanges = _calls(bufs) - before if buffers is not None else traffic.collectives["all_to_all_single"]
+            results.append((out.detach(), grads, exchanges))
+        assert [r[2] for r in results] == [4, 6, 6], (buffers is None, results)
+        (out, grads, _), *rest = results
+        for got, got_grads, _ in rest:
             torch.testing.assert_close(got, out, rtol=1e-13, atol=1e-13)
             for g, ref in zip(got_grads, grads):
                 torch.testing.assert_close(g, ref, rtol=1e-13, atol=1e-13)
@@ -223,6 +227,24 @@ def run_projection_errors(rank, world_size):
     assert not overlap.pending_exchanges()
     assert torch.equal(a2a.ulysses_attention(q, lambda: q, lambda: q, buffers=bufs), a2a.ulysses_attention(q, q, q))
     return outcomes
+
+
+def run_projection_change(rank, world_size):
+    """Through the process group, k and v as callables: after agreed calls, the last rank's v of
+    another head size is a GroupMismatchError on every rank naming the attention arguments, raised
+    in k and v's exchange (that rank's header in pieces of the sizes agreed after q's exchange: no
+    rank receives a byte more or less than it posted), with nothing left pending; then the group
+    is still in step."""
+    W = world_size
+    q = _full(185 + rank, (1, 2, 2 * W, 3))
+    v = _full(186, (1, 2, 2 * W, 5)) if rank == W - 1 else q
+    for _ in range(2):
+        a2a.ulysses_attention(q, lambda: q, lambda: q)
+    with HostTraffic() as traffic:
+        got = raised(lambda: a2a.ulysses_attention(q, lambda: q, lambda: v))
+    assert not overlap.pending_exchanges()
+    assert torch.equal(a2a.ulysses_attention(q, lambda: q, lambda: q), a2a.ulysses_attention(q, q, q))
+    return got, dict(traffic.collectives)
 
 
 def run_compiled(rank, world_size):
@@ -357,6 +379,13 @@ def test_simulated_projections_equal_tensors(world_size, heads_q, heads_kv, layo
     for (out, grads), (ref, ref_grads) in zip(run_simulated(lambda r, b: body(r, b, True), bufs),
                                               run_simulated(lambda r, b: body(r, b, False), bufs)):
         assert torch.equal(out, ref) and all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
+
+
+def test_projection_change_on_one_rank_raises_on_every_rank(pool2):
+    for (kind, message), collectives in pool2.run(run_projection_change):
+        assert kind == "GroupMismatchError" and "disagree on ulysses_attention arguments" in message, message
+        assert "v (1, 2, 4, 5)" in message and "v (1, 2, 4, 3)" in message, message
+        assert collectives == {"all_to_all_single": 2, "all_gather_object": 1}, collectives
 
 
 def test_compiled_one_node_per_exchange(pool2):
