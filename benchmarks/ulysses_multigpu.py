@@ -17,8 +17,8 @@ median over rounds of the max over ranks of its median time): ``seq_to_head q/k/
 buffers (q, k, v in one exchange, as ``ulysses_attention``'s), our collective backend, and
 DeepSpeed's permute + ``all_to_all_single`` + permute (one each), with the copy floor of the
 bytes a rank posts; ``attention fwd+bwd`` with each; ``projections + attention fwd`` (q, k, v
-projected from (B, S / W, H * D) rows) through the buffers with the projections first and one
-exchange, and with q's exchange started first (k and v as callables).
+projected from (B, S / W, H * D) rows) on each backend with the projections first and one
+exchange, and with q's exchange started first (k and v as callables; ``/`` divides by the former).
 Writes ``ulysses_multigpu_W{W}.json`` / ``.md`` under ``--out``.
 """
 
@@ -128,12 +128,12 @@ def bench_rows(shape: tuple, device, bufs: a2a.UlyssesBuffers) -> dict[str, tupl
             fn(*leaves).backward(upstream)
         return step
 
-    def projected(q_first: bool):
+    def projected(q_first: bool, buffers):
         def step():
             q, k, v = projections
             with torch.no_grad():
                 return a2a.ulysses_attention(q(), *((k, v) if q_first else (k(), v())), is_causal=True,
-                                             buffers=bufs)
+                                             buffers=buffers)
         return step
 
     return {
@@ -146,8 +146,8 @@ def bench_rows(shape: tuple, device, bufs: a2a.UlyssesBuffers) -> dict[str, tupl
             q, k, v, group, is_causal=True)), nbytes),
         "attention fwd+bwd symm": (attention_step(lambda q, k, v: a2a.ulysses_attention(
             q, k, v, is_causal=True, buffers=bufs)), nbytes),
-        "projections + attention fwd symm": (projected(False), nbytes),
-        "projections + attention fwd, q first, symm": (projected(True), nbytes),
+        **{f"projections + attention fwd{', q first,' if q_first else ''} {name}": (projected(q_first, b), nbytes)
+           for name, b in (("collective", None), ("symm", bufs)) for q_first in (False, True)},
     }
 
 
@@ -170,8 +170,8 @@ def bench(device, shapes: dict, rounds: int, out_dir: str) -> list[dict]:
         for row, values in samples.items():
             us = statistics.median(values)
             ref = floor if row.startswith("seq_to_head") else base
-            if row.startswith("projections"):
-                ref = statistics.median(samples["projections + attention fwd symm"])
+            if row.startswith("projections"):  # q first / the same backend's one exchange
+                ref = statistics.median(samples[row.replace(", q first,", "")])
             results.append(dict(W=W, shape=list(shape), row=row, us=round(us, 1), min_us=round(min(values), 1),
                                 max_us=round(max(values), 1), ratio=round(us / ref, 3)))
             say(f"W={W} {shape} {row:44s} {us:10.1f} us ({min(values):.1f}-{max(values):.1f})  {us / ref:6.2f}x")

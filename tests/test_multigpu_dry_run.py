@@ -23,5 +23,6 @@ def test_ulysses_multigpu_dry_run(tmp_path):
         proc.stdout[-4000:]
     rows = json.loads((tmp_path / "ulysses_multigpu_W2.json").read_text())["rows"]
     assert {r["row"] for r in rows} >= {"seq_to_head q/k/v symm", "attention fwd+bwd symm",
-                                        "projections + attention fwd, q first, symm"}
+                                        "projections + attention fwd, q first, symm",
+                                        "projections + attention fwd, q first, collective"}
     assert all(r["us"] > 0 for r in rows)
