@@ -50,9 +50,15 @@ class Format:
         return x_TH, None
 
     def encode_packed(self, x_TH: torch.Tensor, x_scale_TB: Optional[torch.Tensor],
-                      max_programs: Optional[int] = None) -> torch.Tensor:
-        """What travels as wire rows (T, P) uint8 (:func:`pack`), for a format with scales."""
-        return pack(*self.encode(x_TH, x_scale_TB, max_programs))
+                      max_programs: Optional[int] = None, out_TP: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """What travels as wire rows (T, P) uint8 (:func:`pack`), for a format with scales.
+        out_TP: (T, P) to write them into (symm_mem: the sender's stage), returned."""
+        values_TH, scale_TB = self.encode(x_TH, x_scale_TB, max_programs)
+        if out_TP is None:
+            return pack(values_TH, scale_TB)
+        for part, into in zip((values_TH, scale_TB), unpack(out_TP, values_TH, scale_TB)):
+            into.copy_(part)
+        return out_TP
 
     def decode(self, values_RH: torch.Tensor, scale_RB: Optional[torch.Tensor], out_dtype: Optional[torch.dtype],
                num_routed_1: Optional[torch.Tensor] = None,
@@ -89,13 +95,16 @@ class FP8Format(Format):
     def encode(self, x_TH, x_scale_TB, max_programs=None):
         return quantize_bits(x_TH, x_scale_TB, max_programs)
 
-    def encode_packed(self, x_TH, x_scale_TB, max_programs=None):
-        if x_scale_TB is not None or not loader.use_kernels(x_TH):
-            return super().encode_packed(x_TH, x_scale_TB, max_programs)
+    def encode_packed(self, x_TH, x_scale_TB, max_programs=None, out_TP=None):
+        # NB: into out_TP (symm_mem's stage) the kernel on every device, as symm_mem's other
+        # kernels (Triton's interpreter on the CPU): what the GPU does, byte for byte
+        if x_scale_TB is not None or (out_TP is None and not loader.use_kernels(x_TH)):
+            return super().encode_packed(x_TH, x_scale_TB, max_programs, out_TP)
         # NB: the kernel writes the wire rows itself: no packing copy of the payload
-        rows_TP = x_TH.new_empty(x_TH.shape[0], self.wire_bytes(x_TH.shape[1], x_TH.dtype), dtype=torch.uint8)
-        quantize_bits(x_TH, None, max_programs, out_TP=rows_TP)
-        return rows_TP
+        if out_TP is None:
+            out_TP = x_TH.new_empty(x_TH.shape[0], self.wire_bytes(x_TH.shape[1], x_TH.dtype), dtype=torch.uint8)
+        loader.load().quantize_rows(x_TH, max_programs=max_programs, out_TP=out_TP)
+        return out_TP
 
     def decode(self, values_RH, scale_RB, out_dtype, num_routed_1=None, max_programs=None):
         if out_dtype is None:

@@ -3,7 +3,7 @@ run on the exchanged metadata."""
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
@@ -222,18 +222,29 @@ def symm_dispatch_op(
         row_src_C = _post_and_pull(x_TH, scale_TK, position_TK, slot_dst_N, row_slot_C, num_routed_1, call_1,
                                    buffers, values_CH)
     else:
-        # NB: each slot moves one wire row (values' bytes, then its scales'); the pull splits
-        # the received ones into values and scale bytes, rows < n only.
-        rows_TP = fmt.encode_packed(x_TH, x_scale_TB, buffers.num_sms)
+        # NB: each slot moves one wire row (values' bytes, then its scales'), encoded where it is
+        # posted (with peers: straight into this rank's stage); the pull splits the received ones
+        # into values and scale bytes, rows < n only.
+        wire_TP = Encoded(lambda out_TP: fmt.encode_packed(x_TH, x_scale_TB, buffers.num_sms, out_TP=out_TP),
+                          (x_TH.shape[0], fmt.wire_bytes(H, x_TH.dtype)), torch.uint8)
         values_CH = x_TH.new_empty(C, H, dtype=torch.uint8)
         scale_CB = x_TH.new_empty(C, fmt.scale_columns(H), dtype=fmt.scale_dtype)
-        row_src_C = _post_and_pull(rows_TP, None, position_TK, slot_dst_N, row_slot_C, num_routed_1, call_1, buffers,
+        row_src_C = _post_and_pull(wire_TP, None, position_TK, slot_dst_N, row_slot_C, num_routed_1, call_1, buffers,
                                    values_CH, scale_CB.view(torch.uint8))
     return (*fmt.decode(values_CH, scale_CB, out_dtype, num_routed_1, buffers.num_sms), row_src_C)
 
 
+class Encoded(NamedTuple):
+    """Rows a dispatch encodes where they are posted (fp8's wire rows): ``write(out_TX)`` writes
+    the (T, X) rows of ``dtype`` into out_TX and returns it."""
+
+    write: Callable[[torch.Tensor], torch.Tensor]
+    shape: tuple[int, int]
+    dtype: torch.dtype
+
+
 def _post_and_pull(
-    rows_TX: torch.Tensor,
+    rows_TX: Union[torch.Tensor, Encoded],
     scale_TK: Optional[torch.Tensor],
     position_TK: torch.Tensor,
     slot_dst_N: torch.Tensor,
@@ -246,30 +257,39 @@ def _post_and_pull(
 ) -> torch.Tensor:
     """The body of a dispatch: entry barrier; ``post_slots``: each slot's tag (source code, source
     row, scale) into the row of its destination's tags, and (W > 1) the rows ``rows_TX`` (T, X),
-    once each, into this rank's stage (the ROWS region); barrier; ``pull_rows``: each of the
-    first num_routed rows of this rank's tags read from its sender's stage (one rank: from
-    rows_TX itself), times its scale, into ``out_CX`` (with ``tail``: its first columns, the
-    rest into tail; rows past num_routed not written). Each row is written once where it is used.
-    One rank: only the pull, by the placement's ``row_slot_C`` (no peers, no tags, no barrier).
-    Returns row_src (C,)."""
-    k, rows_TX = loader.load(), rows_TX.contiguous()  # NB: one copy of strided rows, read by both kernels
-    (T, K), C, X = position_TK.shape, buffers.capacity, rows_TX.shape[1]
-    acc = accumulation_dtype(rows_TX.dtype, *(() if scale_TK is None else (scale_TK.dtype,)))
-    row_src_C = torch.empty(C, dtype=torch.int64, device=rows_TX.device)
+    once each, into this rank's stage (the ROWS region; :class:`Encoded` rows are encoded there
+    instead, after the entry barrier); barrier; ``pull_rows``: each of the first num_routed rows
+    of this rank's tags read from its sender's stage (one rank: from rows_TX itself), times its
+    scale, into ``out_CX`` (with ``tail``: its first columns, the rest into tail; rows past
+    num_routed not written). Each row is written once where it is used. One rank: only the pull,
+    by the placement's ``row_slot_C`` (no peers, no tags, no barrier). Returns row_src (C,)."""
+    k, device = loader.load(), out_CX.device
+    (T, K), C = position_TK.shape, buffers.capacity
+    encoded = isinstance(rows_TX, Encoded)
+    if not encoded:
+        rows_TX = rows_TX.contiguous()  # NB: one copy of strided rows, read by both kernels
+    X, dtype = (rows_TX.shape[1], rows_TX.dtype)
+    acc = accumulation_dtype(dtype, *(() if scale_TK is None else (scale_TK.dtype,)))
+    row_src_C = torch.empty(C, dtype=torch.int64, device=device)
     if buffers.world_size == 1:
+        if encoded:
+            rows_TX = rows_TX.write(torch.empty(rows_TX.shape, dtype=dtype, device=device))
         k.pull_rows(None, num_routed_1, out_CX, row_src_C, rows=rows_TX, row_map=row_slot_C,
                     position=position_TK.reshape(-1), scale=scale_TK, top_k=K, acc_dtype=acc, tail=tail,
                     max_programs=buffers.num_sms)
         return row_src_C
-    if T * X * rows_TX.element_size() > buffers.rows.numel() * buffers.rows.element_size():
-        raise CapacityError(f"symm_dispatch: {T} rows of {X} {rows_TX.dtype} do not fit the buffers' stage of "
-                            f"{buffers.rows.numel() * buffers.rows.element_size()} bytes")
-    tables, token_1 = _addresses(buffers), new_token(rows_TX.device)
+    stage_bytes = buffers.rows.numel() * buffers.rows.element_size()
+    if T * X * dtype.itemsize > stage_bytes:
+        raise CapacityError(f"symm_dispatch: {T} rows of {X} {dtype} do not fit the buffers' stage of "
+                            f"{stage_bytes} bytes")
+    tables, token_1 = _addresses(buffers), new_token(device)
     # NB: peers read only symmetric memory: the rows go through this rank's stage (the ROWS region)
     buffers._segments.barrier(DISPATCH_OP, call_1, token=token_1)
+    if encoded:  # encoded into the stage now (the peers are done with it): the post writes the tags only
+        rows_TX = rows_TX.write(buffers.rows.view(-1).view(torch.uint8)[:T * X * dtype.itemsize].view(dtype).view(T, X))
     k.post_slots(rows_TX, slot_dst_N, C, tables[TAGS], position_TK.reshape(-1), rank=buffers.rank,
                  tag_base=buffers.rank * buffers.max_slots, top_k=K, scale=scale_TK,
-                 stage_table=tables[ROWS], acc_dtype=acc, token=token_1,
+                 stage_table=None if encoded else tables[ROWS], acc_dtype=acc, token=token_1,
                  max_programs=buffers.num_sms)
     buffers._segments.barrier(DISPATCH_OP, call_1, token=token_1)
     k.pull_rows(_own(buffers, tables, TAGS, (C, TAG_COLUMNS), torch.int64), num_routed_1, out_CX, row_src_C,
