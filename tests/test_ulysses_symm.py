@@ -449,6 +449,20 @@ def test_simulated_ranks_name_a_disagreement():
                in e[1] for e in errors), errors
 
 
+def test_simulated_rank_that_never_arrives_is_a_timeout():
+    """A simulated rank that skips an exchange: its peers' barrier runs out and the rank whose wait
+    ran out raises CollectiveTimeout naming it, as a real rank's would (not the thread barrier's
+    BrokenBarrierError, which the ranks waiting with it see), and run_simulated reports that one."""
+    x = _full(124, (1, 2, 2, 2))
+    bufs = a2a.UlyssesBuffers.simulated(2, MAX_BYTES, device="cpu", timeout=0.5)
+    errors = simulated_errors(lambda r, b: a2a.seq_to_head(x, buffers=b) if r == 0 else None, bufs)
+    assert errors[1] is None and errors[0][0] == "CollectiveTimeout", errors
+    assert "simulated rank 0 of 2): timed out after" in errors[0][1] and "timeout (0.5 s)" in errors[0][1], errors
+    bufs = a2a.UlyssesBuffers.simulated(3, MAX_BYTES, device="cpu", timeout=0.5)
+    with pytest.raises(RuntimeError, match=r"simulated rank \d raised CollectiveTimeout: .* timed out after"):
+        run_simulated(lambda r, b: a2a.seq_to_head(x, buffers=b) if r != 2 else None, bufs)
+
+
 def test_simulated_rank_that_rejects_its_arguments_tells_its_peers():
     """A rank whose own check fails posts a header that says so: its peers raise PeerInputError
     with its message at once (a wait until the 30 s deadline would be a CollectiveTimeout); the

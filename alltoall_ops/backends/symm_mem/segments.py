@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+import time
 import uuid
 from typing import Any, Optional
 
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from ... import comm
 from ..._compat import graph_constant
-from ...errors import CollectiveError, GroupMismatchError
+from ...errors import CollectiveError, CollectiveTimeout, GroupMismatchError
 from ...groups import Group, process_group
 from ...kernels import loader
 
@@ -214,10 +215,10 @@ class _SimulatedSegments(_Segments):
     capture works when every thread queues onto the capturing stream). Its stamps are not
     compared (that would read the device); the metadata checks compare the call numbers."""
 
-    def __init__(self, local: torch.Tensor, bases: list[int], barrier: threading.Barrier, rank: int,
+    def __init__(self, local: torch.Tensor, bases: list[int], barrier: threading.Barrier, timeout: float, rank: int,
                  board: list):
         self.local, self.bases = local, bases
-        self._barrier = barrier
+        self._barrier, self._timeout = barrier, timeout  # the barrier's own timeout
         self._rank, self._board = rank, board  # board: one slot per rank, shared by the threads
         self.calls_1 = torch.zeros(1, dtype=torch.int64, device=local.device)
 
@@ -227,14 +228,29 @@ class _SimulatedSegments(_Segments):
                 token: Optional[torch.Tensor] = None) -> None:
         if advance:
             call_1.copy_(self.calls_1.add_(1))
-        self._barrier.wait()
+        self._wait()
 
     def gather_objects(self, obj: Any) -> list:
         self._board[self._rank] = obj
-        self._barrier.wait()
+        self._wait()
         out = list(self._board)
-        self._barrier.wait()  # every thread has read the board before it is written again
+        self._wait()  # every thread has read the board before it is written again
         return out
+
+    def _wait(self) -> None:
+        """The thread barrier. The rank whose wait ran out raises CollectiveTimeout (the ranks
+        that were waiting with it see the barrier broken: BrokenBarrierError, as after
+        :meth:`abort`, which ``run_simulated`` takes for a consequence, not the cause)."""
+        started = time.monotonic()
+        try:
+            self._barrier.wait()
+        except threading.BrokenBarrierError as exc:
+            waited = time.monotonic() - started
+            if waited < self._timeout:  # NB: broken by another thread (its timeout, or abort)
+                raise
+            raise CollectiveTimeout(f"alltoall_ops.symm_mem barrier (simulated rank {self._rank} of "
+                                    f"{self._barrier.parties}): timed out after {waited:.3g} s: a peer did not "
+                                    f"arrive within the buffers' timeout ({self._timeout:g} s)") from exc
 
     def setup_barrier(self) -> None:
         pass  # all segments are set up by one thread
@@ -261,4 +277,4 @@ def simulated_segments(world_size: int, nbytes: int, device: torch.device, timeo
     bases = [t.data_ptr() for t in locals_]
     barrier = threading.Barrier(world_size, timeout=timeout)
     board: list = [None] * world_size
-    return [_SimulatedSegments(local, bases, barrier, rank, board) for rank, local in enumerate(locals_)]
+    return [_SimulatedSegments(local, bases, barrier, timeout, rank, board) for rank, local in enumerate(locals_)]
