@@ -29,6 +29,7 @@ import os
 import time
 import traceback
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -209,6 +210,21 @@ def check_compile(device, backend: str) -> str:
     return f"{backend}: inductor, 1 compilation over 3 routings, = eager"
 
 
+def captured(step: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """``step`` run once on a side stream (the warm-up capture needs), then captured in a CUDA
+    graph, every rank after a barrier (the step's exchanges wait for every rank's)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        step()
+    return graph
+
+
 def check_cuda_graph(device) -> str:
     rank, W = dist.get_rank(), dist.get_world_size()
     T, H, K, E = 96, 128, 4, 8 * W
@@ -230,15 +246,7 @@ def check_cuda_graph(device) -> str:
         out["y"], out["tpe"] = a2a.combine(routed * 2, h, weights), tpe
 
     load(0)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.synchronize()
-    dist.barrier()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        step()
+    graph = captured(step)
     for seed in (1, 2):
         load(seed)
         dist.barrier()
@@ -448,6 +456,37 @@ def bench_vdev2d(device) -> None:
             f"{received * H * 2 / us / 1e3:7.1f} GB/s (rank 0)  [e={e}]")
 
 
+def init_ranks(cpu: bool) -> torch.device:
+    """This torchrun rank's process group and device: NCCL on GPU LOCAL_RANK, or gloo on the CPU
+    (``cpu``: a dry run)."""
+    if cpu:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device, timeout=timedelta(seconds=120))
+    return device
+
+
+def run_checks(checks: list[tuple[str, Callable[[], str]]], device: torch.device) -> int:
+    """Run every check on every rank (a failure is reported and the next runs), print PASS only
+    where all ranks passed, with the check's detail or the failing rank's traceback; returns the
+    number failed."""
+    failed = 0
+    for name, fn in checks:
+        try:
+            detail, ok = fn(), 1
+        except Exception:  # report, keep going: every check runs on every rank
+            detail, ok = traceback.format_exc(limit=4), 0
+        agreed = torch.tensor([ok], device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        failed += int(agreed) == 0
+        say(f"{'PASS' if int(agreed) else 'FAIL'} {name}: {detail}")
+        if not ok:
+            print(f"rank {dist.get_rank()}: {detail}", flush=True)
+    return failed
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true")
@@ -457,14 +496,7 @@ def main(argv=None) -> int:
     parser.add_argument("--budgets", nargs="+", metavar="SMS|all", help="SM budgets of the symm_mem exchange")
     parser.add_argument("--cpu", action="store_true", help="dry run on CPU ranks (gloo, tiny shapes, no CUDA graph)")
     args = parser.parse_args(argv)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if args.cpu:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    else:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", device_id=device, timeout=timedelta(seconds=120))
+    device = init_ranks(args.cpu)
     failed = 0
     try:
         gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (dry run)"
@@ -489,18 +521,7 @@ def main(argv=None) -> int:
                 checks.append(("hierarchical", lambda: check_hierarchical(device)))
             if device.type == "cuda":
                 checks.append(("cuda graph symm_mem", lambda: check_cuda_graph(device)))
-            for name, fn in checks:
-                try:
-                    detail = fn()
-                    ok = torch.tensor([1], device=device)
-                except Exception:  # report, keep going: every check runs on every rank
-                    detail = traceback.format_exc(limit=4)
-                    ok = torch.tensor([0], device=device)
-                dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-                failed += int(ok) == 0
-                say(f"{'PASS' if int(ok) else 'FAIL'} {name}: {detail}")
-                if not int(ok):
-                    print(f"rank {dist.get_rank()}: {detail}", flush=True)
+            failed = run_checks(checks, device)
         if args.bench:
             bench(device, args.out, BENCH_SHAPES if device.type == "cuda" else ((32, 128, 2, 8), (8, 128, 2, 8)))
         if args.budgets:

@@ -91,6 +91,20 @@ def _deepspeed_attention(q, k, v, group):
     return _SeqAllToAll.apply(_sdpa(q, k, v), group, 1, 2)
 
 
+def fwd_bwd_step(qkv: list, upstream: torch.Tensor) -> Callable[[Callable], Callable[[], None]]:
+    """``attention_step(fn)``: a step that runs ``fn(q, k, v)`` (leaves copied from ``qkv``) and its
+    backward from ``upstream``."""
+    leaves = [t.clone().requires_grad_() for t in qkv]
+
+    def attention_step(fn: Callable) -> Callable[[], None]:
+        def step() -> None:
+            for t in leaves:
+                t.grad = None
+            fn(*leaves).backward(upstream)
+        return step
+    return attention_step
+
+
 def cases(shape: tuple, device: torch.device, worlds: list[int]) -> dict[str, tuple[Callable, float]]:
     """Row name -> (step, bytes moved per step: what the copy floor moves)."""
     B, S, H, D = shape
@@ -105,14 +119,7 @@ def cases(shape: tuple, device: torch.device, worlds: list[int]) -> dict[str, tu
     out["seq_to_head q/k/v copy floor"] = (lambda: floor_dst.copy_(floor_src), nbytes)
     out["seq_to_head q/k/v deepspeed.w1"] = (lambda: [_SeqAllToAll.apply(t, group, 2, 1) for t in qkv], nbytes)
     out["seq_to_head q/k/v collective.w1"] = (lambda: [a2a.seq_to_head(t, group) for t in qkv], nbytes)
-    leaves = [t.clone().requires_grad_() for t in qkv]
-
-    def attention_step(fn):
-        def step():
-            for t in leaves:
-                t.grad = None
-            fn(*leaves).backward(upstream)
-        return step
+    attention_step = fwd_bwd_step(qkv, upstream)
 
     out["attention fwd+bwd sdpa"] = (attention_step(_sdpa), nbytes)
     out["attention fwd+bwd deepspeed.w1"] = (attention_step(lambda q, k, v: _deepspeed_attention(q, k, v, group)),
@@ -138,7 +145,7 @@ def cases(shape: tuple, device: torch.device, worlds: list[int]) -> dict[str, tu
         out[f"attention fwd+bwd symm.w{W}.sim"] = (attention, nbytes)
         graph = Captured(lambda stream, f=attention: f(stream=stream), device.type == "cuda", relaxed=True)
         out[f"attention fwd+bwd symm.w{W}.sim.graph"] = (graph.replay, nbytes)
-        for row, q_first in (("projections + attention fwd", False), ("projections + attention fwd, q first", True)):
+        for row, q_first in (("projections + attention fwd", False), ("projections + attention fwd, q first,", True)):
             step = _projected_attention(bufs, local, q_first)
             graph = Captured(lambda stream, f=step, b=bufs: run_simulated(f, b, stream=stream), device.type == "cuda",
                              relaxed=True)
@@ -164,6 +171,37 @@ def _projected_attention(bufs: list, local: list, q_first: bool) -> Callable:
     return step
 
 
+def timed_rounds(rows: dict[str, Callable[[], object]], rounds: int, time_us: Callable[[Callable], float],
+                 label: str = "") -> dict[str, list[float]]:
+    """Per row, its time (``time_us(step)``) in each round: every round times every row once, in
+    an order shuffled afresh each round, seeded by the round (on every rank of a group alike)."""
+    samples: dict[str, list[float]] = {row: [] for row in rows}
+    for r in range(rounds):
+        order = list(rows)
+        random.Random(r).shuffle(order)
+        for row in order:
+            samples[row].append(time_us(rows[row]))
+            print(f"{label}round {r + 1}/{rounds} {row:44s} {samples[row][-1]:10.1f} us", flush=True)
+    return samples
+
+
+def summarized(samples: dict[str, list[float]], deepspeed: str) -> dict[str, dict]:
+    """Per row: the median over rounds (``us``), its spread, and ``ratio``, over the median of the
+    row it is judged against: an exchange row the copy floor, an attention row DeepSpeed's
+    (``attention fwd+bwd <deepspeed>``), a ``q first`` row the same backend's one exchange."""
+    medians = {row: statistics.median(values) for row, values in samples.items()}
+
+    def reference(row: str) -> str:
+        if row.startswith("seq_to_head"):
+            return "seq_to_head q/k/v copy floor"
+        if ", q first," in row:
+            return row.replace(", q first,", "")
+        return row if row.startswith("projections") else f"attention fwd+bwd {deepspeed}"
+
+    return {row: dict(us=round(medians[row], 1), min_us=round(min(values), 1), max_us=round(max(values), 1),
+                      ratio=round(medians[row] / medians[reference(row)], 3)) for row, values in samples.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="folder for ulysses_{gpu,smoke}.json / .md")
@@ -182,23 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for shape in shapes.values():
         rows = cases(shape, device, args.worlds)
-        samples: dict[str, list[float]] = {row: [] for row in rows}
-        for r in range(rounds):
-            order = list(rows)
-            random.Random(r).shuffle(order)
-            for row in order:
-                samples[row].append(time_us(rows[row][0]))
-                print(f"{shape} round {r + 1}/{rounds} {row:40s} {samples[row][-1]:10.1f} us", flush=True)
-        floor = statistics.median(samples["seq_to_head q/k/v copy floor"])
-        base = statistics.median(samples["attention fwd+bwd deepspeed.w1"])
-        for row, values in samples.items():
-            us = statistics.median(values)
-            ref = floor if row.startswith("seq_to_head") else base
-            if row.startswith("projections"):  # q first / the same W's one exchange
-                ref = statistics.median(samples[row.replace(", q first", "")])
-            results.append(dict(shape=list(shape), row=row, us=round(us, 1), min_us=round(min(values), 1),
-                                max_us=round(max(values), 1), ratio=round(us / ref, 3),
-                                gb_s=round(rows[row][1] / us / 1e3, 1) if row.startswith("seq_to_head") else None))
+        samples = timed_rounds({row: step for row, (step, _) in rows.items()}, rounds, time_us, f"{shape} ")
+        for row, s in summarized(samples, "deepspeed.w1").items():
+            results.append(dict(shape=list(shape), row=row, **s,
+                                gb_s=round(rows[row][1] / s["us"] / 1e3, 1) if row.startswith("seq_to_head") else None))
     lines = [f"# Ulysses on one {'CPU (smoke)' if args.smoke else torch.cuda.get_device_name()}, bf16, "
              f"{rounds} rounds", "",
              "| shape (B, S, H, D) | row | us (median) | min-max | / floor (exchange), / deepspeed.w1 (attention), "

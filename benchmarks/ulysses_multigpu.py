@@ -27,10 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import statistics
-import traceback
-from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -39,8 +35,8 @@ import torch.distributed as dist
 import alltoall_ops as a2a
 from alltoall_ops.ulysses import symm_seq_to_head_op
 
-from .bench_multigpu import say, time_us
-from .ulysses import SHAPES, _deepspeed_attention, _SeqAllToAll
+from .bench_multigpu import captured, init_ranks, run_checks, say, time_us
+from .ulysses import SHAPES, _deepspeed_attention, _SeqAllToAll, fwd_bwd_step, summarized, timed_rounds
 
 DRY_SHAPES = {"dry": (1, 16, 4, 8)}
 
@@ -87,15 +83,7 @@ def check_graph(device, bufs: a2a.UlyssesBuffers) -> str:
         out["y"] = a2a.seq_to_head(x, buffers=bufs)
 
     x.normal_()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.synchronize()
-    dist.barrier()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        step()
+    graph = captured(step)
     for seed in (1, 2, 3):  # three replays: both stage slots, and back to the first
         torch.manual_seed(seed * 10 + rank)
         x.normal_()
@@ -116,17 +104,10 @@ def bench_rows(shape: tuple, device, bufs: a2a.UlyssesBuffers) -> dict[str, tupl
     nbytes = 3 * qkv[0].numel() * qkv[0].element_size()
     floor_src = torch.cat([t.flatten() for t in qkv])
     floor_dst = torch.empty_like(floor_src)
-    leaves = [t.clone().requires_grad_() for t in qkv]
     x = torch.randn(B, S // W, H * D, device=device, dtype=torch.bfloat16)
     weights = [torch.randn(H * D, H * D, device=device, dtype=torch.bfloat16) / (H * D) ** 0.5 for _ in range(3)]
     projections = [lambda w=w: (x @ w).view(B, S // W, H, D) for w in weights]
-
-    def attention_step(fn):
-        def step():
-            for t in leaves:
-                t.grad = None
-            fn(*leaves).backward(upstream)
-        return step
+    attention_step = fwd_bwd_step(qkv, upstream)
 
     def projected(q_first: bool, buffers):
         def step():
@@ -159,22 +140,11 @@ def bench(device, shapes: dict, rounds: int, out_dir: str) -> list[dict]:
         bufs = a2a.UlyssesBuffers(a2a.UlyssesBuffers.bytes_for([(B, S // W, H, D)] * 3, torch.bfloat16, W),
                                   device=device)
         rows = bench_rows(shape, device, bufs)
-        samples: dict[str, list[float]] = {row: [] for row in rows}
-        for r in range(rounds):
-            order = list(rows)
-            random.Random(r).shuffle(order)  # the same order on every rank
-            for row in order:
-                samples[row].append(time_us(rows[row][0], device))
-        floor = statistics.median(samples["seq_to_head q/k/v copy floor"])
-        base = statistics.median(samples["attention fwd+bwd deepspeed"])
-        for row, values in samples.items():
-            us = statistics.median(values)
-            ref = floor if row.startswith("seq_to_head") else base
-            if row.startswith("projections"):  # q first / the same backend's one exchange
-                ref = statistics.median(samples[row.replace(", q first,", "")])
-            results.append(dict(W=W, shape=list(shape), row=row, us=round(us, 1), min_us=round(min(values), 1),
-                                max_us=round(max(values), 1), ratio=round(us / ref, 3)))
-            say(f"W={W} {shape} {row:44s} {us:10.1f} us ({min(values):.1f}-{max(values):.1f})  {us / ref:6.2f}x")
+        samples = timed_rounds({row: step for row, (step, _) in rows.items()}, rounds,
+                               lambda step: time_us(step, device), f"W={W} {shape} ")
+        for row, s in summarized(samples, "deepspeed").items():
+            results.append(dict(W=W, shape=list(shape), row=row, **s))
+            say(f"W={W} {shape} {row:44s} {s['us']:10.1f} us ({s['min_us']}-{s['max_us']})  {s['ratio']:6.2f}x")
         del bufs
     if dist.get_rank() == 0:
         gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (dry run)"
@@ -200,14 +170,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="results")
     parser.add_argument("--cpu", action="store_true", help="dry run on CPU ranks (gloo, tiny shapes, no CUDA graph)")
     args = parser.parse_args(argv)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if args.cpu:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    else:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", device_id=device, timeout=timedelta(seconds=120))
+    device = init_ranks(args.cpu)
     failed = 0
     try:
         W = dist.get_world_size()
@@ -218,17 +181,7 @@ def main(argv=None) -> int:
             checks = [("exchange", check_exchange), ("attention", check_attention)]
             if device.type == "cuda":
                 checks.append(("cuda graph", check_graph))
-            for name, fn in checks:
-                try:
-                    detail, ok = fn(device, bufs), 1
-                except Exception:  # report, keep going: every check runs on every rank
-                    detail, ok = traceback.format_exc(limit=4), 0
-                agreed = torch.tensor([ok], device=device)
-                dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-                failed += int(agreed) == 0
-                say(f"{'PASS' if int(agreed) else 'FAIL'} {name}: {detail}")
-                if not ok:
-                    print(f"rank {dist.get_rank()}: {detail}", flush=True)
+            failed = run_checks([(name, lambda fn=fn: fn(device, bufs)) for name, fn in checks], device)
         if args.bench:
             shapes = DRY_SHAPES if args.cpu else {k: SHAPES[k] for k in args.shapes}
             bench(device, shapes, 1 if args.cpu else args.rounds, args.out)
