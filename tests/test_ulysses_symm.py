@@ -232,6 +232,45 @@ def run_projection_errors(rank, world_size):
     return outcomes
 
 
+def run_projections_checkpointed(rank, world_size):
+    """q first inside activation checkpointing, over the process group and the buffers: with
+    ``sac_policy`` the backward re-runs no exchange (3 forward + 3 backward, as without
+    checkpointing); with full recompute (early stop on) it re-runs the forward's, every start
+    waited for; gradients equal the run without checkpointing bit for bit, nothing pending after."""
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    W, bufs = world_size, _buffers(world_size)
+    q_full, _, _, upstream = _attention_inputs(W, 178, heads=2 * W, Dqk=3, Dv=3)
+    x_full, wk = _full(179, (2, 3 * W, 4)), _full(180, (4, 2 * W, 3))
+
+    def block(q, x, buffers):
+        kv = lambda: torch.einsum("bsc,chd->bshd", x, wk)  # noqa: E731 (k and v alike here)
+        return a2a.ulysses_attention(q.sin(), kv, kv, is_causal=True, buffers=buffers)
+
+    sac = partial(create_selective_checkpoint_contexts, a2a.sac_policy())
+    counts = {}
+    for buffers in (bufs, None):
+        block(*(_shard(t, 1, rank, W) for t in (q_full, x_full)), buffers)  # the sizes agreed (process group)
+        results = []
+        for name, run in (("plain", block),
+                          ("sac", lambda *a: checkpoint(block, *a, use_reentrant=False, context_fn=sac)),
+                          ("full", lambda *a: checkpoint(block, *a, use_reentrant=False))):
+            q, x = (_shard(t, 1, rank, W).clone().requires_grad_() for t in (q_full, x_full))
+            before = _calls(bufs)
+            with HostTraffic() as traffic:
+                out = run(q, x, buffers)
+                grads = torch.autograd.grad(out, (q, x), _shard(upstream, 1, rank, W))
+            assert not overlap.pending_exchanges(), name
+            counts[(buffers is None, name)] = (_calls(bufs) - before if buffers is not None
+                                               else traffic.collectives["all_to_all_single"])
+            results.append((out.detach(), grads))
+        for out, grads in results[1:]:
+            assert torch.equal(out, results[0][0]) and all(torch.equal(g, r) for g, r in zip(grads, results[0][1]))
+    return counts
+
+
 def run_projection_change(rank, world_size):
     """Through the process group, k and v as callables: after agreed calls, the last rank's v of
     another head size is a GroupMismatchError on every rank naming the attention arguments, raised
@@ -382,6 +421,13 @@ def test_simulated_projections_equal_tensors(world_size, heads_q, heads_kv, layo
     for (out, grads), (ref, ref_grads) in zip(run_simulated(lambda r, b: body(r, b, True), bufs),
                                               run_simulated(lambda r, b: body(r, b, False), bufs)):
         assert torch.equal(out, ref) and all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
+
+
+def test_projections_checkpointed(pool2):
+    for counts in pool2.run(run_projections_checkpointed):
+        for pg in (False, True):
+            assert counts[(pg, "sac")] == counts[(pg, "plain")] == 6, counts
+            assert counts[(pg, "full")] == 8, counts  # the recompute re-ran the forward's q and k / v exchanges
 
 
 def test_projection_change_on_one_rank_raises_on_every_rank(pool2):
