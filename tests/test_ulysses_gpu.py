@@ -3,7 +3,8 @@ device, one thread each): seq_to_head / head_to_seq against gathered references 
 (even and uneven heads, bf16 and fp32, SM budgets), ulysses_attention forward, and forward and
 backward with GQA phase by phase (``testing.simulated_ulysses_attention``: the autograd engine runs
 CUDA backwards on one device thread, so rank threads cannot each run theirs), against dense
-attention; replay from a CUDA graph with new inputs; ranks whose pieces differ: the gather
+attention; replay from a CUDA graph with new inputs; q's exchange first (k and v as callables),
+eager and replayed, equal to the one exchange; ranks whose pieces differ: the gather
 kernel's device-side assert (a subprocess: the context dies with it). The gradients through
 autograd are the CPU suite's (tests/test_ulysses_symm.py)."""
 
@@ -98,6 +99,43 @@ def test_cuda_graph_replay_with_new_inputs(W):
         for rank, (y, z) in enumerate(outs):
             assert torch.equal(y, _chunk(full, 2, rank, W)), (seed, rank)
             assert torch.equal(z, 2 * _chunk(full, 1, rank, W)), (seed, rank)
+
+
+@pytest.mark.parametrize("W", [2, 4])
+def test_q_first_forward_equals_one_exchange(W):
+    """ulysses_attention given k and v's projections as callables (q's exchange started on the
+    communication stream first, k / v's after the projections) equals the one exchange of q, k, v
+    bit for bit, eager and replayed from a CUDA graph (forward: see the module docstring)."""
+    B, S, H, D = 1, 256 * W, 4 * W, 64
+    x = torch.randn(B, S, H * D, device="cuda", dtype=torch.bfloat16)
+    weights = [torch.randn(H * D, H * D, device="cuda", dtype=torch.bfloat16) / (H * D) ** 0.5 for _ in range(3)]
+    bufs = a2a.UlyssesBuffers.simulated(W, a2a.UlyssesBuffers.bytes_for([(B, S // W, H, D)] * 3, torch.bfloat16, W))
+    static = [_chunk(x, 1, rank, W).clone() for rank in range(W)]
+
+    def step(rank, b, q_first):
+        q, k, v = ((lambda w=w: (static[rank] @ w).view(B, S // W, H, D)) for w in weights)
+        with torch.no_grad():
+            return a2a.ulysses_attention(q(), *((k, v) if q_first else (k(), v())), is_causal=True, buffers=b)
+
+    one = run_simulated(lambda r, b: step(r, b, False), bufs)
+    first = run_simulated(lambda r, b: step(r, b, True), bufs)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(first, one))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="relaxed"):
+        outs = run_simulated(lambda r, b: step(r, b, True), bufs, stream=stream)
+    for seed in range(2):
+        torch.manual_seed(seed)
+        full = torch.randn_like(x)
+        for rank in range(W):
+            static[rank].copy_(_chunk(full, 1, rank, W))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = run_simulated(lambda r, b: step(r, b, False), bufs)
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(outs, ref)), seed
 
 
 def test_ranks_that_disagree_trap():
