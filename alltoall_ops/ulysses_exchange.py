@@ -519,11 +519,11 @@ def symm_exchange(op: str, xs: Sequence[torch.Tensor], bufs: Any, plan: Plan, ca
     common = dict(rank=rank, slot_bytes=bufs.slot_bytes, split_dim=plan.split_dim, cat_dim=plan.cat_dim)
     own = [(sum(plan.send_sizes[i][:rank]), plan.send_sizes[i][rank] if fits else 0) for i in range(len(xs))]
     sent = xs if fits else [x.narrow(0, 0, 0) for x in xs]
-    k.post_pieces(sent, bufs.table, segments.calls_1, offsets_bytes=offsets, owns=own, header=plan.key,
+    failed_1 = torch.empty(1, dtype=torch.int32, device=xs[0].device)  # (zeroed by the post)
+    k.post_pieces(sent, bufs.table, segments.calls_1, failed_1, offsets_bytes=offsets, owns=own, header=plan.key,
                   max_programs=bufs.num_sms, **common)
     call_1 = torch.empty(1, dtype=torch.int64, device=xs[0].device)
     segments.barrier(_SYMM_OPS[op], call_1, advance=True)
-    failed_1 = torch.zeros(1, dtype=torch.int32, device=xs[0].device)
     headers_W8 = torch.empty(W, HEADER_LEN, dtype=torch.int64, device=xs[0].device)
     named = _named_on_host(xs[0].device)
     outs = [torch.empty(shape, dtype=x.dtype, device=x.device) for x, shape in zip(xs, plan.out_shapes)] if fits \
@@ -560,7 +560,8 @@ def symm_tell_peers(op: str, bufs: Any, error: BaseException) -> None:
     k, segments, dev = loader.load(), bufs._segments, bufs.device
     header = (_MAGIC + _OPS.index(op), 0, _REJECTED, 0, 0, 0, 0)
     try:
-        k.post_pieces([torch.empty(0, 1, device=dev)], bufs.table, segments.calls_1, rank=bufs.rank,
+        k.post_pieces([torch.empty(0, 1, device=dev)], bufs.table, segments.calls_1,
+                      torch.empty(1, dtype=torch.int32, device=dev), rank=bufs.rank,
                       slot_bytes=bufs.slot_bytes, offsets_bytes=[0], split_dim=1, cat_dim=0, owns=[(0, 0)],
                       header=header, max_programs=bufs.num_sms)
         segments.barrier(_SYMM_OPS[op], torch.empty(1, dtype=torch.int64, device=dev), advance=True)

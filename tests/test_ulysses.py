@@ -774,8 +774,9 @@ def run_growing_exchanges(rank, world_size):
     small = torch.zeros(1, 2, 2 * world_size, 3)
     a2a.seq_to_head(small)
     plan = ulysses_exchange._headers_of[group_name]
-    held = ulysses_exchange._held[(group_name, "send")].numel()
-    a2a.seq_to_head(torch.zeros(1, 2, 2 * world_size, held))  # more bytes than held
+    held = torch.tensor([ulysses_exchange._held[(group_name, "send")].numel()])
+    dist.all_reduce(held, op=dist.ReduceOp.MAX)  # (the ranks' held bytes differ after exchanges of other sizes)
+    a2a.seq_to_head(torch.zeros(1, 2, 2 * world_size, int(held)))  # more bytes than any rank holds
     dropped = plan.held_views == {}
     _check_exchange(rank, world_size, (1, 2 * world_size, 2 * world_size, 3), 1, 2, seed=31)
     return dropped

@@ -566,8 +566,8 @@ def test_simulated_attention_phase_by_phase():
 def test_bytes_written_are_the_design_floor(world_size):
     """A q/k/v exchange writes (W - 1) / W of every rank's bytes into its stage (all but its own
     piece) and each output once: 1.5x the payload at W = 2, 1.75x at W = 4 (kernels counted in
-    Triton's interpreter), plus the headers: one written per rank, W read back per gather (q, k
-    and v in one post and one gather launch)."""
+    Triton's interpreter), plus the headers: one written per rank (with the gather's flag), W read
+    back per gather (q, k and v in one post and one gather launch)."""
     W = world_size
     bufs = a2a.UlyssesBuffers.simulated(W, MAX_BYTES, device="cpu")
     xs = [[_full(150 + 3 * r + i, (2, 3, 2 * W, 4)) for i in range(3)] for r in range(W)]
@@ -575,5 +575,5 @@ def test_bytes_written_are_the_design_floor(world_size):
     with bytes_written() as written:
         run_simulated(lambda r, b: symm_seq_to_head_op(xs[r], b, 1, 2, [], False), bufs)
     header = 64
-    assert written["_post_kernel"] == payload * (W - 1) // W + W * header
+    assert written["_post_kernel"] == payload * (W - 1) // W + W * (header + 4)  # (and the gather's int32 flag)
     assert written["_gather_kernel"] == payload + W * W * header

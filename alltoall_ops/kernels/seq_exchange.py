@@ -90,7 +90,7 @@ def _post_rows(x_ptr, segment, parity, slot_bytes, offset_bytes, P, D1, M, D2, o
 @triton.jit(do_not_specialize=["rank", "slot_bytes", "k0", "k1", "k2", "k3", "k4", "k5", "k6",
                                "o0", "P0", "A0", "M0", "B0", "f0", "n0", "o1", "P1", "A1", "M1", "B1", "f1", "n1",
                                "o2", "P2", "A2", "M2", "B2", "f2", "n2"])
-def _post_kernel(table_ptr, calls_ptr, rank, slot_bytes, k0, k1, k2, k3, k4, k5, k6,
+def _post_kernel(table_ptr, calls_ptr, failed_ptr, rank, slot_bytes, k0, k1, k2, k3, k4, k5, k6,
                  x0, o0, P0, A0, M0, B0, f0, n0, x1, o1, P1, A1, M1, B1, f1, n1, x2, o2, P2, A2, M2, B2, f2, n2,
                  Q0: tl.constexpr, Q1: tl.constexpr, Q2: tl.constexpr, TENSORS: tl.constexpr,
                  SPLIT_FIRST: tl.constexpr, WRITE_HEADER: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -101,6 +101,7 @@ def _post_kernel(table_ptr, calls_ptr, rank, slot_bytes, k0, k1, k2, k3, k4, k5,
     segment = tl.load(table_ptr + rank)
     if WRITE_HEADER:
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(failed_ptr, 0)  # the gather's flag (it runs after the barrier)
             header = (segment + parity * _HEADER_BYTES).to(tl.pointer_type(tl.int64))
             tl.store(header + 0, k0)
             tl.store(header + 1, tl.load(calls_ptr) + 1)
@@ -211,29 +212,29 @@ def _per_tensor(args: list[tuple]) -> tuple[list, dict]:
                                                   "TENSORS": len(args)}
 
 
-def post_pieces(xs: Sequence[torch.Tensor], table: torch.Tensor, calls_1: torch.Tensor, *, rank: int,
-                slot_bytes: int, offsets_bytes: Sequence[int], split_dim: int, cat_dim: int,
-                owns: Sequence[tuple[int, int]], header: Optional[Sequence[int]],
-                max_programs: Optional[int] = None) -> None:
+def post_pieces(xs: Sequence[torch.Tensor], table: torch.Tensor, calls_1: torch.Tensor, failed_1: torch.Tensor, *,
+                rank: int, slot_bytes: int, offsets_bytes: Sequence[int], split_dim: int, cat_dim: int,
+                owns: Sequence[tuple[int, int]], header: Sequence[int], max_programs: Optional[int] = None) -> None:
     """Copy each x of ``xs`` (contiguous, one dtype) into this rank's stage slot
     ``(calls_1 + 1) % 2`` at its ``offsets_bytes``, but its own piece (split positions
-    ``owns[i] = (off, n)``), MAX_TENSORS a launch, and with ``header`` (the exchange's key, 7
-    ints) write the header of that slot. table: (1, W) int64 segment addresses."""
+    ``owns[i] = (off, n)``), MAX_TENSORS a launch, write the header of that slot (``header``: the
+    exchange's key, 7 ints) and set ``failed_1`` (1,) int32 to 0 (:func:`gather_pieces`' flag).
+    table: (1, W) int64 segment addresses."""
     for first in range(0, len(xs), MAX_TENSORS):
         chunk = slice(first, first + MAX_TENSORS)
         shapes = [canonical(x.shape, split_dim, cat_dim) for x in xs[chunk]]
         rows, run = max(P * D1 * M for P, D1, M, _, _ in shapes), max(D2 * Q for _, _, _, D2, Q in shapes)
         blocks = row_blocks("seq_pieces", rows, run, xs[0].element_size(), max_programs)
         grid = program_grid(*blocks.grid(rows, run), max_programs)
-        write_header = header is not None and first == 0
+        write_header = first == 0
         key = list(header) if write_header else [0] * (SEQ_HEADER_WORDS - 1)
         tensors, constexprs = _per_tensor([(x, o, *shape[:4], *own, shape[4]) for x, o, shape, own in
                                            zip(xs[chunk], offsets_bytes[chunk], shapes, owns[chunk])])
         with LAUNCH_LOCK:
             launch(_post_kernel, xs[0])[(max(grid[0], 1), grid[1])](
-                table, calls_1, rank, slot_bytes, *key, *tensors, **constexprs, SPLIT_FIRST=split_dim < cat_dim,
-                WRITE_HEADER=write_header, BLOCK_R=blocks.BLOCK_R, BLOCK_Q=blocks.BLOCK_H,
-                num_warps=blocks.num_warps)
+                table, calls_1, failed_1, rank, slot_bytes, *key, *tensors, **constexprs,
+                SPLIT_FIRST=split_dim < cat_dim, WRITE_HEADER=write_header, BLOCK_R=blocks.BLOCK_R,
+                BLOCK_Q=blocks.BLOCK_H, num_warps=blocks.num_warps)
 
 
 def gather_pieces(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], table: torch.Tensor,
@@ -246,8 +247,9 @@ def gather_pieces(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], tabl
     ``xs`` (MAX_TENSORS a launch), rank q's at cat positions ``[coff_q, coff_q + c_q)``
     (``cat_counts[i] = (base, extra)``), this rank's own read from x. owns[i]: (off, n) split
     positions taken; source_splits[i]: L, the sources' split extent. call_1: the exchange's call
-    number (its slot); headers_W8 (W, 8) int64: every rank's header; failed_1 (1,) int32 |= 1 when
-    some rank's header differs from this rank's (nothing is read from that rank); assert_checks
+    number (its slot); headers_W8 (W, 8) int64: every rank's header; failed_1 (1,) int32 (zeroed
+    by the post) |= 1 when some rank's header differs from this rank's (nothing is read from that
+    rank); assert_checks
     (CUDA): that is also a device-side assert (without: the caller reads failed_1)."""
     W, x = table.shape[-1], xs[0]
     for first in range(0, len(xs), MAX_TENSORS):
