@@ -1,6 +1,7 @@
 """The Ulysses exchange over peer-addressable segments (``UlyssesBuffers``): each rank posts its
-tensor into its own stage, one barrier, and each rank pulls its piece of every peer's stage
-straight into its place in a fresh output (no permute copy on either side).
+tensors into its own stage, one barrier, and each rank pulls its piece of every peer's stage
+straight into its place in a fresh output (no permute copy on either side); up to
+:data:`MAX_TENSORS` tensors (q, k, v) in one post and one gather launch.
 
 Tensors are seen as 5-D: ``(P, D1, M, D2, Q)``, where D1 and D2 are the exchange's two dims
 (the earlier first): the *split* dim, whose ranges go to the ranks (seq_to_head: heads;
@@ -25,9 +26,10 @@ slot c % 2. One barrier per exchange is enough: a rank posts into slot (c + 1) %
 barrier c, which every peer reached after its gather of exchange c - 1, the last reader of that
 slot.
 
-Headers: ``post`` writes this rank's header (the exchange's key, with the call number as word 1);
-``gather`` compares every rank's with its own before it reads that rank's rows, reads nothing
-from a rank whose header differs, copies all W headers out, and sets ``failed``; with
+Headers: ``post`` writes this rank's header (the exchange's key, with the call number as word 1)
+and zeroes ``failed``; ``gather`` compares every rank's with its own before it reads that rank's
+rows, reads nothing from a rank whose header differs, copies all W headers out, and sets
+``failed``; with
 ``ASSERT_CHECKS`` (CUDA, unless debug mode names the difference on the host) a device-side
 assert fires too.
 """
