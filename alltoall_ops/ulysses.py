@@ -565,12 +565,13 @@ def _check_qkv(q, k, v, world_size: int, layout: str, attn_fn, is_causal: bool, 
         raise ValueError("ulysses_attention: is_causal and scale apply to the default attention; with attn_fn, "
                          "give them to your attn_fn")
     shape_doc = "(B, S/W, Hh, D)" if layout == "bshd" else "(S/W, B, Hh, D)"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if name != "q" and k is None and v is None:
-            return
+    q_alone = k is None and v is None
+    for name, t in (("q", q),) if q_alone else (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.ndim != 4:
             got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"ulysses_attention: {name}: expected a 4-D tensor {shape_doc}, got {got}")
+    if q_alone:
+        return
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"ulysses_attention: q, k, v: expected one dtype (they move in one exchange), got {q.dtype}, "
                          f"{k.dtype}, {v.dtype}")

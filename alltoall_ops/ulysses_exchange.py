@@ -133,8 +133,7 @@ def plan(op: str, xs: Sequence[torch.Tensor], W: int, seq_dim: int, head_dim: in
     out_shapes = [[*pieces[0][:cat_dim], sum(p[cat_dim] for p in pieces), *pieces[0][cat_dim + 1:]]
                   for pieces in recv_shapes]
     return Plan(seq_dim, head_dim, split_dim, cat_dim, shapes, sizes, recv_shapes, out_shapes, key, send_bytes,
-                recv_bytes,
-                 regular, send_pieces, x.dtype, {})
+                recv_bytes, regular, send_pieces, x.dtype, {})
 
 
 class _Pieces(NamedTuple):

@@ -268,7 +268,7 @@ def _post_and_pull(
     encoded = isinstance(rows_TX, Encoded)
     if not encoded:
         rows_TX = rows_TX.contiguous()  # NB: one copy of strided rows, read by both kernels
-    X, dtype = (rows_TX.shape[1], rows_TX.dtype)
+    X, dtype = rows_TX.shape[1], rows_TX.dtype
     acc = accumulation_dtype(dtype, *(() if scale_TK is None else (scale_TK.dtype,)))
     row_src_C = torch.empty(C, dtype=torch.int64, device=device)
     if buffers.world_size == 1:
@@ -286,7 +286,8 @@ def _post_and_pull(
     # NB: peers read only symmetric memory: the rows go through this rank's stage (the ROWS region)
     buffers._segments.barrier(DISPATCH_OP, call_1, token=token_1)
     if encoded:  # encoded into the stage now (the peers are done with it): the post writes the tags only
-        rows_TX = rows_TX.write(buffers.rows.view(-1).view(torch.uint8)[:T * X * dtype.itemsize].view(dtype).view(T, X))
+        stage_bytes_TX = buffers.rows.view(-1).view(torch.uint8)[:T * X * dtype.itemsize]  # the ROWS region's start
+        rows_TX = rows_TX.write(stage_bytes_TX.view(dtype).view(T, X))
     k.post_slots(rows_TX, slot_dst_N, C, tables[TAGS], position_TK.reshape(-1), rank=buffers.rank,
                  tag_base=buffers.rank * buffers.max_slots, top_k=K, scale=scale_TK,
                  stage_table=None if encoded else tables[ROWS], acc_dtype=acc, token=token_1,
