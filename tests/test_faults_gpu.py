@@ -1,6 +1,7 @@
 """tools/gpu_fault_check.py's checks on a CUDA GPU, one test each: the barrier kernel passes when
-every rank arrives and traps at its deadline when a peer never does (in a child process); strided
-inputs and NaN weights on dropped slots on the kernel path."""
+every rank arrives, and fails its named device-side assert at its deadline when a peer never
+does, or at once when two ranks are out of step (in child processes); strided inputs and NaN
+weights on dropped slots on the kernel path."""
 
 from __future__ import annotations
 

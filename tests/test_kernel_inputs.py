@@ -376,6 +376,32 @@ KERNELS = {  # kernel: (tensor arguments' shapes, other arguments, the tensors i
         {**_PULL_TENSORS, "stage_table_ptr": (1,), "tags_table_ptr": (1,)},
         dict(_PULL_SCALARS, world_size=1, ROW_MAP=True, STAGED=False, BLOCK_W=1),
         ["out_ptr", "row_src_ptr", "token_ptr"]),
+    # CUDA symmetric memory's ops, inlined: the barrier writes the call number (the metadata
+    # exchange's first) and the token only; the metadata put and the combine's put write peers'
+    # buffers through addresses only; the combine's reduction reads its rows by address
+    "barrier._barrier_kernel": (
+        {"pads_table_ptr": (2,), "call_in_ptr": (1,), "call_out_ptr": (1,), "counter_table_ptr": (1, 1),
+         "token_ptr": (1,)},
+        dict(rank=0, timeout_ns=10**9, op=1, advance=1, WORLD_SIZE=2),
+        ["call_out_ptr", "token_ptr"]),
+    "row_put._put_meta_kernel": (
+        {"send_meta_ptr": (2, E_ // 2 + 3), "call_ptr": (1,), "meta_table_ptr": (1, 2), "token_ptr": (1,)},
+        dict(rank=0, world_size=2, E=E_, e=E_ // 2, L=L_, n_status=3, n_slots=N_, alignment=1, failed=0,
+             col_n_slots=N_SLOTS, col_alignment=ALIGNMENT, col_failed=FAILED, col_call=CALL, BLOCK_L=32),
+        ["token_ptr"]),
+    "row_put._put_rows_kernel": (
+        {"src_ptr": (8, 16), "scale_ptr": (N_,), "dst_ptr": (N_,), "count_ptr": (1,), "rows_table_ptr": (1, 2),
+         "out_ptr": (8, 16), "token_ptr": (1,)},
+        dict(n_rows=N_, n_src=8, H=16, world_size=2, K=8, DST_STRIDE=N_, HAS_SCALE=False, ONE_OUT=False,
+             HAS_COUNT=True, ACC_DTYPE="tl.float32", BLOCK_R=2, BLOCK_H=16, BLOCK_W=2),
+        ["token_ptr"]),
+    "topk_reduce._topk_reduce_kernel": (
+        {"ret_ptr": (1, 2), "position_ptr": (8, 2), "slot_dst_ptr": (16,), "weights_ptr": (8, 2), "y_ptr": (8, 16),
+         "returned_ptr": (16, 16), "token_ptr": (1,)},
+        dict(ret_index=0, T=8, H=16, n_valid=16, RET_AT_ADDRESS=True, HAS_TOKEN=True, READ_AT_SLOT_DST=False, K=2,
+             HAS_SLOT_DST=True, HAS_WEIGHTS=True, SAVE_RETURNED=True, ACC_DTYPE="tl.float32", BLOCK_T=8,
+             BLOCK_H=16),
+        ["returned_ptr", "token_ptr", "y_ptr"]),
     "weight_grad._weight_grad_kernel": (
         {"grad_y_ptr": (8, 16), "returned_ptr": (N_, 16), "position_ptr": (8, 2), "grad_w_ptr": (8, 2)},
         dict(T=8, H=16, n_returned=N_, K=2, ACC_DTYPE="tl.float32", BLOCK_T=8, BLOCK_H=16),

@@ -1,8 +1,9 @@
 """GPU checks of the reliability fixes (issue 10), on one CUDA GPU:
 
-1. the symm_mem barrier kernel passes when every rank arrives, and traps within its deadline
-   when a peer never does (a pad flag that never clears; run in a child process, since the
-   trap leaves the CUDA context unusable);
+1. the symm_mem barrier kernel passes when every rank arrives, and fails its device-side assert
+   within its deadline when a peer never does (a pad flag that never clears), or at once when
+   two ranks' stamps differ (two streams of one GPU as two ranks); each in a child process,
+   since the assert leaves the CUDA context unusable, and the assert names the cause;
 2. the kernel path with strided inputs and NaN / inf weights on dropped slots (local backend):
    equal to the contiguous call, finite, and equal to the run with those weights set to 0.
 
@@ -34,22 +35,40 @@ def _stuck_barrier() -> None:
     torch.cuda.synchronize()
 
 
+def _out_of_step_barrier() -> None:
+    """Child: two 'ranks' on two streams of one GPU meet in one barrier with different call numbers
+    (the first launch loads the kernel; the second, on the other stream, finds it loaded)."""
+    k = loader.load()
+    pads = torch.zeros(2, 2, dtype=torch.int32, device="cuda")
+    table = torch.tensor([pads[r].data_ptr() for r in range(2)], dtype=torch.int64, device="cuda")
+    for rank, stream in enumerate(torch.cuda.Stream() for _ in range(2)):
+        with torch.cuda.stream(stream):
+            k.barrier(table, rank, 60.0, 1, torch.full((1,), 1 + rank, dtype=torch.int64, device="cuda"))
+    torch.cuda.synchronize()
+
+
+def _failed_child(flag: str) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    child = subprocess.run([sys.executable, "-m", "tools.gpu_fault_check", flag], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    return child, time.monotonic() - start
+
+
 def check_barrier() -> str:
     pad = torch.zeros(1, dtype=torch.int32, device="cuda")
     table = torch.tensor([pad.data_ptr()], dtype=torch.int64, device="cuda")
     loader.load().barrier(table, 0, 1.0, 1, torch.ones(1, dtype=torch.int64, device="cuda"))
     torch.cuda.synchronize()
     ok = int(pad) == 0
-    start = time.monotonic()
-    child = subprocess.run([sys.executable, "-m", "tools.gpu_fault_check", "--stuck-barrier"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=120)
-    waited = time.monotonic() - start
-    trapped = child.returncode != 0 and "CUDA" in child.stderr
-    seen = (f"passes when all arrive: {ok}; stuck barrier ended in {waited:.1f} s (deadline 1 s + start-up), "
-            f"exit code {child.returncode}, CUDA error reported: {trapped}; child stderr tail: "
-            f"{child.stderr.strip().splitlines()[-1:] if child.stderr else ''}")
-    assert ok and trapped, seen
-    return seen
+    seen = [f"passes when all arrive: {ok}"]
+    for flag, cause in (("--stuck-barrier", "did not arrive within"), ("--out-of-step-barrier", "out of step")):
+        child, waited = _failed_child(flag)
+        named = child.returncode != 0 and "device-side assert" in child.stderr and cause in child.stderr
+        seen.append(f"{flag[2:]}: ended in {waited:.1f} s (stuck: deadline 1 s + start-up), exit code "
+                    f"{child.returncode}, assert naming '{cause}': {named}")
+        ok = ok and named
+    assert ok, "; ".join(seen) + f"; last child's stderr tail: {child.stderr[-1500:]}"
+    return "; ".join(seen)
 
 
 def check_kernel_inputs() -> str:
@@ -88,5 +107,7 @@ def main() -> int:
 if __name__ == "__main__":
     if sys.argv[1:] == ["--stuck-barrier"]:
         _stuck_barrier()
+    elif sys.argv[1:] == ["--out-of-step-barrier"]:
+        _out_of_step_barrier()
     else:
         sys.exit(main())

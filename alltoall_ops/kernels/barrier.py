@@ -7,17 +7,24 @@ Every rank owns a pad of W int32 flags that all peers can reach. Reference seman
 
     for peer in range(W): wait until pad[peer][rank] == 0, then set it to stamp   (release)
     for peer in range(W): wait until pad[rank][peer] != 0, read it, set it to 0   (acquire)
-    if any value read != stamp: trap                                              (out of step)
+    assert every value read == stamp                                              (out of step)
 
 The release / acquire pair orders every write this rank issued before the barrier (earlier
 kernels on its stream) before every read a peer issues after it. The flags return to 0, so the
 barrier can be reused at once. Every rank reads every rank's stamp, so ranks out of step (a
-combine meeting a dispatch, or another layer's combine) all trap at the same barrier, before any
+combine meeting a dispatch, or another layer's combine) all fail the same barrier, before any
 row moves. The call number is read on the device: a CUDA graph's replays carry their own. It
 spins, so it needs all ranks' barrier kernels to run concurrently: real processes (one per GPU),
 never the Triton interpreter, whose programs run one after another; the CPU path synchronises
 through the process group instead. A rank that does not arrive within the deadline makes the
-waiting kernels trap (a CUDA error), never spin forever.
+waiting kernels fail (a CUDA error), never spin forever.
+
+Both failures are a device-side assert naming the cause (the launch takes ``assert_options``;
+inductor compiles the kernels it launches with their asserts). Nothing in the kernel is opaque to
+inductor's analysis of which arguments a kernel writes (Triton IR): the deadline's clock is a
+*pure* inline-asm read of ``%globaltimer`` whose operand is the previous reading (so it is read
+again at every turn of a spin loop, never hoisted), and the kernel writes only ``call_out`` and the
+token. So compiled code that inlines an op's barriers neither clones nor copies around them.
 """
 
 from __future__ import annotations
@@ -28,21 +35,26 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import LAUNCH_LOCK, launch, order_after
+from ._config import LAUNCH_LOCK, assert_options, launch, order_after
 from .region import or_new_token
 
 
 @triton.jit
 def _now_ns(dep):
-    """The GPU's global timer in ns (``dep``: any scalar, for the asm's operand list)."""
+    """The GPU's global timer in ns. The asm is pure (inductor's analysis of written arguments
+    skips only pure asm), so the compiler reads the timer again only for a new operand ``dep``."""
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep], dtype=tl.int64,
-                                     is_pure=False, pack=1)
+                                     is_pure=True, pack=1)
 
 
 @triton.jit
-def _trap(dep):
-    """Abort the kernel: the launch fails and the CUDA context reports an error at the next sync."""
-    tl.inline_asm_elementwise("trap;", "=r,r", [dep], dtype=tl.int32, is_pure=False, pack=1)
+def _waited(start, now, timeout_ns):
+    """The timer read again (its operand the last reading ``now``: a new value at every turn of
+    a spin loop), asserting that no more than timeout_ns passed since ``start``."""
+    now = _now_ns(now)
+    tl.device_assert(now - start <= timeout_ns,
+                     "alltoall_ops symm_mem barrier: a peer did not arrive within the buffers' timeout")
+    return now
 
 
 # NB: rank is not specialised: every rank runs the same binary. (Specialised, rank 1 got its
@@ -50,36 +62,35 @@ def _trap(dep):
 # CUDA's lazy module loading can turn into a deadlock when ranks share a process.) Nor are op
 # and advance: one binary for every barrier.
 @triton.jit(do_not_specialize=["rank", "timeout_ns", "op", "advance"])
-def _barrier_kernel(pads_table_ptr, rank, timeout_ns, op, call_ptr, counter_table_ptr, advance, token_ptr,
-                    WORLD_SIZE: tl.constexpr):
+def _barrier_kernel(pads_table_ptr, rank, timeout_ns, op, call_in_ptr, call_out_ptr, counter_table_ptr, advance,
+                    token_ptr, WORLD_SIZE: tl.constexpr):
     order_after(token_ptr)
     start = _now_ns(rank)
+    now = start
     if advance != 0:
         counter_ptr = tl.load(counter_table_ptr).to(tl.pointer_type(tl.int64))
         call = tl.load(counter_ptr) + 1
         tl.store(counter_ptr, call)
-        tl.store(call_ptr, call)
+        tl.store(call_out_ptr, call)
     else:
-        call = tl.load(call_ptr)
+        call = tl.load(call_in_ptr)
     stamp = ((call * 4 + op) & 0x7FFFFFFF).to(tl.int32)
     p_own = tl.load(pads_table_ptr + rank).to(tl.pointer_type(tl.int32))
     for peer in tl.static_range(WORLD_SIZE):
         p_peer = tl.load(pads_table_ptr + peer).to(tl.pointer_type(tl.int32))
         old = tl.atomic_cas(p_peer + rank, 0, stamp, sem="release", scope="sys")
         while old != 0:
-            if _now_ns(rank) - start > timeout_ns:
-                _trap(rank)
+            now = _waited(start, now, timeout_ns)
             old = tl.atomic_cas(p_peer + rank, 0, stamp, sem="release", scope="sys")
     mismatch = 0
     for peer in tl.static_range(WORLD_SIZE):
         seen = tl.atomic_xchg(p_own + peer, 0, sem="acquire", scope="sys")
         while seen == 0:
-            if _now_ns(rank) - start > timeout_ns:
-                _trap(rank)
+            now = _waited(start, now, timeout_ns)
             seen = tl.atomic_xchg(p_own + peer, 0, sem="acquire", scope="sys")
         mismatch |= (seen != stamp).to(tl.int32)
-    if mismatch != 0:
-        _trap(rank)
+    tl.device_assert(mismatch == 0, "alltoall_ops symm_mem barrier: the ranks are out of step (their op or call "
+                     "number differ: a combine met a dispatch, or another layer's op)")
 
 
 def barrier(pads_table: torch.Tensor, rank: int, timeout_s: float, op: int, call_1: torch.Tensor,
@@ -89,11 +100,13 @@ def barrier(pads_table: torch.Tensor, rank: int, timeout_s: float, op: int, call
     pads_table: (W,) int64 device addresses of every rank's signal pad (W int32 flags each).
     op: 1, 2 or 3, the op the barrier belongs to. call_1: (1,) int64 on the device, the call
     number; with counter ((1,) int64 holding the address of this rank's count of calls, an int64)
-    it is first set to ``count += 1``. token: as ``put_rows``'. Ranks whose (op, call) differ, or
-    past timeout_s, trap: the launch fails with a CUDA error (the context is then unusable, as
-    after any device-side fault) instead of pairing different ops or spinning forever."""
+    it is first set to ``count += 1`` (the one case where the kernel writes it). token: as
+    ``put_rows``'. Ranks whose (op, call) differ, or past timeout_s, fail a device-side assert:
+    the launch fails with a CUDA error (the context is then unusable, as after any device-side
+    fault) instead of pairing different ops or spinning forever."""
+    token = or_new_token(token, call_1.device)
     with LAUNCH_LOCK:
         launch(_barrier_kernel, pads_table)[(1,)](
-            pads_table, rank, int(timeout_s * 1e9), op, call_1, call_1 if counter is None else counter,
-            int(counter is not None), or_new_token(token, call_1.device),
-            WORLD_SIZE=pads_table.numel(), num_warps=1)
+            pads_table, rank, int(timeout_s * 1e9), op, call_1, token if counter is None else call_1,
+            call_1 if counter is None else counter, int(counter is not None), token,
+            WORLD_SIZE=pads_table.numel(), num_warps=1, **assert_options(call_1))

@@ -122,8 +122,8 @@ class PeerBuffers(OpaqueBase):
     """What every buffers type over a segment that the group's peers write shares (``SymmBuffers``,
     ``UlyssesBuffers``): an opaque value type, equal only to itself, named in compiled code by a
     key, never copied, never pickled. A subclass sets ``_segments`` and ``_config_key`` (its
-    configuration with every rank's segment address; ``_CONFIG_FIELDS`` names them) and registers
-    itself with ``register_value_type``."""
+    configuration, which ``_CONFIG_FIELDS`` names, then the addresses compiled code may hold:
+    ``_Segments.compiled_addresses``) and registers itself with ``register_value_type``."""
 
     _segments: _Segments
     _config_key: tuple
@@ -154,7 +154,7 @@ class PeerBuffers(OpaqueBase):
         bufs = _COMPILED.get(key)
         if not isinstance(bufs, cls) or bufs._config_key != config_key:
             raise RuntimeError(
-                f"compiled code names {cls.__name__} #{key} with ({cls._CONFIG_FIELDS}, segment addresses) = "
+                f"compiled code names {cls.__name__} #{key} with ({cls._CONFIG_FIELDS}, addresses) = "
                 f"{config_key}, but this process holds {'no such buffers' if bufs is None else bufs._config_key} "
                 "(code from another process's compile cache?)"
             )
@@ -308,10 +308,10 @@ class SymmBuffers(PeerBuffers):
         self._own_error: Optional[str] = None  # this rank's argument error, while it tells its peers
         # what the T * K error tells the caller to do; whoever makes the buffers for it may say it its way
         self.max_tokens_hint = "create SymmBuffers with a larger max_tokens_per_rank"
-        # NB: with every rank's segment address: compiled code with symm_mem's ops inlined holds the
-        # address tables as constants, and AOTAutograd's cache keys a graph on this repr, not on
-        # the constants (a hit in another process would run on that process's addresses).
-        self._config_key = (cfg.rank, *cfg.shared, cfg.group_name, cfg.num_sms, tuple(segments.bases))
+        # NB: with every address compiled code with symm_mem's ops inlined holds as a constant (the
+        # address tables, the barrier's pads and counter): AOTAutograd's cache keys a graph on this
+        # repr, not on the constants (a hit in another process would run on that one's addresses).
+        self._config_key = (cfg.rank, *cfg.shared, cfg.group_name, cfg.num_sms, segments.compiled_addresses())
         for field in dataclasses.fields(cfg):
             setattr(self, field.name, getattr(cfg, field.name))
         self.num_local_experts = cfg.num_experts // cfg.world_size
@@ -362,7 +362,7 @@ _COMPILED_LOCK = threading.Lock()
 
 def _load_pickled_buffers(type_name: str, fields: str, key: list) -> PeerBuffers:
     raise RuntimeError(
-        f"{type_name} cannot be unpickled (pickled: {fields}, segment addresses = {key}): they are memory that "
+        f"{type_name} cannot be unpickled (pickled: {fields}, addresses = {key}): they are memory that "
         f"the group's peers write; create them collectively with alltoall_ops.{type_name}(...) in the process "
         "that uses them"
     )

@@ -116,8 +116,8 @@ class SlotArgs(NamedTuple):
 # Compiled on CUDA (buffers whose barriers are device work), each op's body is inlined: its
 # kernels are launched by inductor's code. They reach the buffers through the address tables (graph
 # constants: ``_addresses``), and every kernel of a body sets one (1,) token, which orders
-# them as written. Only one-rank plain buffers are inlined today, where no peer waits for a
-# call whose outputs go unused; docs/design.md ("symm_mem ops in compiled graphs").
+# them as written. One rank's plain buffers, and CUDA symmetric memory with
+# ``ALLTOALL_OPS_INLINE_SYMMETRIC=1``; docs/design.md ("symm_mem ops in compiled graphs").
 
 
 def _inlined(bound: dict) -> bool:

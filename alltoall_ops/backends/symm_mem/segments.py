@@ -97,6 +97,12 @@ class _Segments:
         """Every rank's ``obj``, by rank (a host exchange, for error messages only)."""
         return [obj]
 
+    def compiled_addresses(self) -> tuple[int, ...]:
+        """The device addresses compiled code may hold as constants (of the segments, and of what
+        an inlined barrier reaches): the buffers' repr names them, which AOTAutograd's cache keys
+        a graph on (a hit in another process must not run on this one's addresses)."""
+        return tuple(self.bases)
+
 
 class _LocalSegments(_Segments):
     """One rank: plain device memory, nothing to wait for."""
@@ -168,10 +174,11 @@ class _CudaSymmetricSegments(_Segments):
     """CUDA symmetric memory (one process per GPU): ``empty`` + ``rendezvous``; barriers are a
     kernel on the signal pads."""
 
-    # NB: not inlined yet. The barrier kernel's inline PTX (the deadline's timer, the trap) stops
-    # inductor's analysis of which arguments a kernel writes, which then takes every tensor
-    # argument for written, the address tables (constants) included; docs/design.md.
-    device_ordered = False
+    @property
+    def device_ordered(self) -> bool:
+        """Barrier kernels are device work, but their ops are inlined only with
+        ``ALLTOALL_OPS_INLINE_SYMMETRIC=1`` until that path has run on NVLink (docs/gpu.md)."""
+        return os.environ.get("ALLTOALL_OPS_INLINE_SYMMETRIC", "0") == "1"
 
     def __init__(self, nbytes: int, group: Group, device: torch.device, timeout: float):
         import torch.distributed._symmetric_memory as symm_mem
@@ -198,6 +205,9 @@ class _CudaSymmetricSegments(_Segments):
                 token: Optional[torch.Tensor] = None) -> None:
         loader.load().barrier(graph_constant(self.pads_table), self._rank, self._timeout, op, call_1,
                               graph_constant(self._calls_address) if advance else None, token)
+
+    def compiled_addresses(self) -> tuple[int, ...]:
+        return (*self.bases, *self._handle.signal_pad_ptrs, self.calls_1.data_ptr())
 
     def setup_barrier(self) -> None:
         torch.cuda.synchronize(self.local.device)

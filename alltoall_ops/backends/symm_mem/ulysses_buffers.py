@@ -100,7 +100,8 @@ class UlyssesBuffers(PeerBuffers):
         self.slot_bytes = round_up(max_bytes, PIECE_ALIGN)
         self._segments = segments
         self.plans: dict = {}  # the Ulysses plans of exchanges on these buffers, by arguments
-        self._config_key = (rank, world_size, max_bytes, device.type, group_name, num_sms, tuple(segments.bases))
+        self._config_key = (rank, world_size, max_bytes, device.type, group_name, num_sms,
+                            segments.compiled_addresses())
         # (1, W) int64: every rank's segment address (immutable; the kernels reach the stages by it)
         self.table = address_table(list(segments.bases), device)
         segments.setup_barrier()
