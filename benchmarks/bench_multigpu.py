@@ -7,8 +7,9 @@
 against the plain-PyTorch reference of the gathered global view: dispatch, combine and their
 gradients; the fp8 dispatch of both (rows bit for bit, the straight-through gradient); the
 two-stage dispatch on a (2, W / 2) mesh against the flat one (W >= 4, even); Ulysses seq <->
-head, inductor compile (one compilation across routings), and a CUDA graph of the symm_mem
-dispatch + combine replayed with new routing.
+head, inductor compile (one compilation across routings; on GPUs the symm_mem ops inlined too,
+``ALLTOALL_OPS_INLINE_SYMMETRIC=1``), and a CUDA graph of the symm_mem dispatch + combine replayed
+with new routing.
 ``--bench``: dispatch and combine per rank at (T, H, K, E) = (4096, 7168, 8, 256) and the decode
 shape (128, 7168, 8, 256), bf16, for this library's collective and symm_mem backends and the plain
 ``all_to_all_single`` path (argsort, count exchange, host sync, payload all-to-all); then the
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import time
 import traceback
 from datetime import timedelta
@@ -182,32 +184,66 @@ def check_ulysses(device) -> str:
     return f"W={W} exact, inverse exact"
 
 
-def check_compile(device, backend: str) -> str:
+def check_compile(device, backend: str, inline: bool = False) -> str:
+    """A compiled (fullgraph) MoE step's output and gradients against eager's over 3 routings, one
+    compilation. ``inline`` (symm_mem on CUDA symmetric memory): with ``ALLTOALL_OPS_INLINE_SYMMETRIC=1``,
+    inductor's code of the forward and backward launches every kernel itself (no symm op called),
+    the barriers included (the launches per graph are reported), and a step after a dispatch
+    whose outputs nothing uses runs (every rank drops that dispatch alike)."""
     from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._inductor.utils import run_and_get_code
 
     rank, W = dist.get_rank(), dist.get_world_size()
     T, H, K, E = 64, 32, 2, 4 * W
     kwargs = {}
     if backend == "symm_mem":
         kwargs["buffers"] = a2a.SymmBuffers(T, H, K, E, dtype=torch.float32, device=device)
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("inductor")
-    compiled = torch.compile(moe_step, backend=counter, fullgraph=True)
-    torch.manual_seed(3)
-    expert_w = torch.randn(E // W, H, H, device=device, requires_grad=True)
-    for step in range(3):
-        torch.manual_seed(100 * step + rank)
-        x = torch.randn(T, H, device=device, requires_grad=True)
-        topk_idx, weights = routing(T, K, E, device=device, seed=10 * step + rank)
-        y = compiled(x, topk_idx, weights, expert_w, E, backend=backend, **kwargs)
-        ye = moe_step(x, topk_idx, weights, expert_w, E, backend=backend, **kwargs)
-        g = torch.autograd.grad(y.sum(), (x, expert_w))
-        ge = torch.autograd.grad(ye.sum(), (x, expert_w))
-        torch.testing.assert_close(y, ye, rtol=1e-4, atol=1e-5)
-        for a, b in zip(g, ge):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    assert counter.frame_count == 1, counter.frame_count
-    return f"{backend}: inductor, 1 compilation over 3 routings, = eager"
+    previous = os.environ.get("ALLTOALL_OPS_INLINE_SYMMETRIC")
+    os.environ["ALLTOALL_OPS_INLINE_SYMMETRIC"] = "1" if inline else "0"
+    try:
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("inductor")
+        compiled = torch.compile(moe_step, backend=counter, fullgraph=True)
+        torch.manual_seed(3)
+        expert_w = torch.randn(E // W, H, H, device=device, requires_grad=True)
+        codes = []
+        for step in range(3):
+            torch.manual_seed(100 * step + rank)
+            x = torch.randn(T, H, device=device, requires_grad=True)
+            topk_idx, weights = routing(T, K, E, device=device, seed=10 * step + rank)
+
+            def compiled_step(x=x, topk_idx=topk_idx, weights=weights):
+                y = compiled(x, topk_idx, weights, expert_w, E, backend=backend, **kwargs)
+                return y, torch.autograd.grad(y.sum(), (x, expert_w))
+
+            (y, g), codes = run_and_get_code(compiled_step) if step == 0 else (compiled_step(), codes)
+            ye = moe_step(x, topk_idx, weights, expert_w, E, backend=backend, **kwargs)
+            ge = torch.autograd.grad(ye.sum(), (x, expert_w))
+            torch.testing.assert_close(y, ye, rtol=1e-4, atol=1e-5)
+            for a, b in zip(g, ge):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert counter.frame_count == 1, counter.frame_count
+        if inline:  # a dispatch whose outputs nothing uses: dropped on every rank alike, or a peer would wait
+
+            def unused_dispatch_then_step(x, topk_idx, weights):
+                a2a.dispatch(x, topk_idx, num_experts=E, backend=backend, **kwargs)
+                return moe_step(x, topk_idx, weights, expert_w, E, backend=backend, **kwargs)
+
+            y = torch.compile(unused_dispatch_then_step, fullgraph=True)(x, topk_idx, weights)
+            torch.testing.assert_close(y, moe_step(x, topk_idx, weights, expert_w, E, backend=backend, **kwargs),
+                                       rtol=1e-4, atol=1e-5)
+    finally:
+        if previous is None:
+            os.environ.pop("ALLTOALL_OPS_INLINE_SYMMETRIC")
+        else:
+            os.environ["ALLTOALL_OPS_INLINE_SYMMETRIC"] = previous
+    if not inline:
+        return f"{backend}: inductor, 1 compilation over 3 routings, = eager"
+    called = [c for c in codes if "alltoall_ops.symm_" in c]
+    assert not called, "a symm_mem op is still called, not inlined"
+    launches = [(len(re.findall(r"\.run\(", c)), len(re.findall(r"\b_barrier_kernel_\d+\.run\(", c))) for c in codes]
+    return (f"{backend} inlined: 1 compilation over 3 routings, = eager; launches (all, barriers) in inductor's code "
+            f"per graph (forward, backward): {launches}")
 
 
 def captured(step: Callable[[], object]) -> torch.cuda.CUDAGraph:
@@ -520,6 +556,7 @@ def main(argv=None) -> int:
             if dist.get_world_size() % 2 == 0 and dist.get_world_size() >= 4:
                 checks.append(("hierarchical", lambda: check_hierarchical(device)))
             if device.type == "cuda":
+                checks.append(("compile symm_mem inlined", lambda: check_compile(device, "symm_mem", inline=True)))
                 checks.append(("cuda graph symm_mem", lambda: check_cuda_graph(device)))
             failed = run_checks(checks, device)
         if args.bench:

@@ -205,8 +205,8 @@ class SymmBuffers(PeerBuffers):
             one rank: a check of that path on a one-GPU host).
         timeout: seconds a barrier waits for its peers (default: the library's deadline,
             :func:`alltoall_ops.set_timeout`). Past it the CPU stand-in raises
-            :class:`alltoall_ops.errors.CollectiveTimeout`; the CUDA barrier kernel traps (a CUDA
-            error at the next sync; the context is then unusable).
+            :class:`alltoall_ops.errors.CollectiveTimeout`; the CUDA barrier kernel fails a device-side
+            assert (a CUDA error at the next sync; the context is then unusable).
         payload_dtype: None, or ``torch.float8_e4m3fn`` for dispatches with an fp8 payload
             (``dispatch(..., payload_dtype=torch.float8_e4m3fn)`` or ``x=(values, scales)``; H
             divisible by 128): the receive region then holds packed wire rows of

@@ -111,7 +111,7 @@ class SlotArgs(NamedTuple):
 # peers' buffers (dispatch: the tags, and its rows into its own stage), barrier (all writes
 # landed), then reads into fresh tensors (dispatch: each row pulled from its sender's stage).
 # Both barriers are stamped with the op and the call number of its metadata exchange (call_1,
-# device data): ranks out of step raise (CUDA: trap) there, before anything moves.
+# device data): ranks out of step raise (CUDA: a device-side assert) there, before anything moves.
 #
 # Compiled on CUDA (buffers whose barriers are device work), each op's body is inlined: its
 # kernels are launched by inductor's code. They reach the buffers through the address tables (graph
@@ -121,9 +121,13 @@ class SlotArgs(NamedTuple):
 
 
 def _inlined(bound: dict) -> bool:
-    """Whether a call's body is traced into compiled graphs (``_compat.custom_op(inline=...)``)."""
+    """Whether a call's body is traced into compiled graphs (``_compat.custom_op(inline=...)``).
+    Not an fp8 dispatch with peers: it encodes its rows into this rank's stage, a view of the
+    buffers' memory (a tensor, not an address a kernel loads), which compiled code must not hold."""
     buffers = bound["buffers"]
-    return buffers.device.type == "cuda" and buffers._segments.device_ordered
+    if buffers.device.type != "cuda" or not buffers._segments.device_ordered:
+        return False
+    return buffers.world_size == 1 or bound.get("payload", PLAIN.name) == PLAIN.name
 
 
 def _addresses(buffers: SymmBuffers) -> tuple[torch.Tensor, ...]:

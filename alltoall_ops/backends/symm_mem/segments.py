@@ -5,8 +5,8 @@ Every barrier carries a *stamp*, ``call * 4 + op``: the op (``META_OP``, ``DISPA
 a backward is the op it runs) and the call number of the metadata exchange it belongs to (a
 dispatch's, and so its combine's and their backwards'). Ranks whose stamps at one barrier differ
 are out of step (a combine met a dispatch, or another layer's combine): the CPU stand-in raises
-:class:`GroupMismatchError` on every rank at once; the CUDA barrier kernel traps. The call number
-is device data (``call_1``): a CUDA graph's replays carry their own.
+:class:`GroupMismatchError` on every rank at once; the CUDA barrier kernel fails a device-side
+assert. The call number is device data (``call_1``): a CUDA graph's replays carry their own.
 """
 
 from __future__ import annotations
