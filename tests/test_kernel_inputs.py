@@ -423,3 +423,38 @@ def test_compiled_code_sees_only_the_outputs_written(kernel):
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == written
+
+
+_BARRIER_PTX = """
+import sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from alltoall_ops.kernels import barrier
+
+W = int(sys.argv[1])
+pointers = ("pads_table_ptr", "call_in_ptr", "call_out_ptr", "counter_table_ptr", "token_ptr")
+signature = {name: "*i64" if name in pointers else "i64" if name == "timeout_ns" else "i32"
+             for name in barrier._barrier_kernel.arg_names if name != "WORLD_SIZE"}
+source = ASTSource(fn=barrier._barrier_kernel, signature={**signature, "WORLD_SIZE": "constexpr"},
+                   constexprs={"WORLD_SIZE": W})
+target = GPUTarget("cuda", 90, 32)
+options = triton.compiler.make_backend(target).parse_options({"debug": True, "sanitize_overflow": False,
+                                                              "num_warps": 1})
+ptx = triton.compile(source, target=target, options=options.__dict__).asm["ptx"]
+print(ptx.count("%globaltimer"), ptx.count("call.uni __assertfail") + ptx.count("call __assertfail"))
+"""
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_barrier_reads_the_clock_in_every_wait_loop(world_size):
+    # The deadline's clock is pure asm (so that inductor's analysis above passes), which the
+    # compiler may hoist out of a loop unless its operand changes there: chained on the previous
+    # reading, it is read once at the start and once in each of the 2 * W wait loops (one timer
+    # read in all would be a barrier that never times out). PTX for sm_90, built on the CPU.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _BARRIER_PTX, str(world_size)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    timer_reads, asserts = map(int, out.stdout.split())
+    assert timer_reads == 1 + 2 * world_size, out.stdout
+    assert asserts >= 1 + 2 * world_size, "the deadline's assert in every wait loop, and the stamps' after them"
