@@ -967,6 +967,32 @@ def test_compiled_code_names_buffers_with_their_addresses():
     assert a2a.SymmBuffers._compiled(a._key, a._config_key) is a
 
 
+def test_which_calls_are_inlined(monkeypatch):
+    # Compiled code inlines a symm_mem op's body only on CUDA, where the barriers are device work
+    # (one rank's plain memory; CUDA symmetric memory with ALLTOALL_OPS_INLINE_SYMMETRIC=1), and
+    # never an fp8 dispatch with peers (it encodes into a tensor of the buffers, not an address).
+    from types import SimpleNamespace
+
+    from alltoall_ops.backends.symm_mem.segments import _CudaSymmetricSegments
+
+    symmetric = object.__new__(_CudaSymmetricSegments)  # its device_ordered only: no GPU here
+
+    def inlined(device, segments, world_size, **call):
+        bufs = SimpleNamespace(device=torch.device(device), _segments=segments, world_size=world_size)
+        return symm_ops._inlined({"buffers": bufs, **call})
+
+    one_rank = SimpleNamespace(device_ordered=True)
+    assert inlined("cuda", one_rank, 1) and inlined("cuda", one_rank, 1, payload="fp8")
+    assert not inlined("cpu", one_rank, 1)
+    monkeypatch.delenv("ALLTOALL_OPS_INLINE_SYMMETRIC", raising=False)
+    assert not inlined("cuda", symmetric, 2)
+    monkeypatch.setenv("ALLTOALL_OPS_INLINE_SYMMETRIC", "1")
+    assert inlined("cuda", symmetric, 2) and inlined("cuda", symmetric, 2, payload="plain")
+    assert not inlined("cuda", symmetric, 2, payload="fp8")
+    simulated = a2a.SymmBuffers.simulated(2, 4, 8, 2, 4, dtype=torch.float32, device="cpu")[0]
+    assert not simulated._segments.device_ordered  # a thread barrier: Python between the kernels
+
+
 # --------------------------------------------------------------------------------------------
 # Bytes a dispatch writes (issue 38): each routed row once, and with peers each token once more
 
