@@ -196,11 +196,12 @@ CASES = (  # (seed, dtype, weights dtype, expert_alignment, T of rank r)
 )
 
 
-def run_against_collective(rank: int, world_size: int) -> list[int]:
+def run_against_collective(rank: int, world_size: int, allocator: str = "auto") -> list[int]:
     bufs = {
-        dtype: a2a.SymmBuffers(8, H, K, E, dtype=dtype, device="cpu", expert_alignment=3)
+        dtype: a2a.SymmBuffers(8, H, K, E, dtype=dtype, device="cpu", expert_alignment=3, allocator=allocator)
         for dtype in (torch.float64, torch.bfloat16)
     }
+    assert all(b.peer_path for b in bufs.values()), "the path with peers"
     capacities = []
     for seed, dtype, w_dtype, alignment, tokens in CASES:
         args = _inputs(seed, rank, tokens(rank), dtype, w_dtype)
@@ -222,6 +223,15 @@ def test_matches_collective(pool):
     W = pool.world_size
     results = pool.run(run_against_collective)
     assert results == [[W * 8 * K + (E // W) * 2] * len(CASES)] * W  # the capacity rule
+
+
+def test_one_rank_takes_the_path_with_peers_on_request(pool1):
+    # allocator='symmetric': one rank runs what ranks with peers run (barriers, the metadata put,
+    # tags, its stage; on the CPU the shared-memory stand-in), so that one GPU or CPU process
+    # checks that path (a GPU with its barrier kernels, inlined with ALLTOALL_OPS_INLINE_SYMMETRIC=1).
+    assert pool1.run(run_against_collective, "symmetric") == [[8 * K + E * 2] * len(CASES)]
+    with pytest.raises(ValueError, match="allocator='symmetric'.*process group"):
+        a2a.SymmBuffers(8, H, K, E, dtype=torch.float32, device="cpu", allocator="symmetric")
 
 
 # --------------------------------------------------------------------------------------------
@@ -977,18 +987,18 @@ def test_which_calls_are_inlined(monkeypatch):
 
     symmetric = object.__new__(_CudaSymmetricSegments)  # its device_ordered only: no GPU here
 
-    def inlined(device, segments, world_size, **call):
-        bufs = SimpleNamespace(device=torch.device(device), _segments=segments, world_size=world_size)
+    def inlined(device, segments, peer_path, **call):
+        bufs = SimpleNamespace(device=torch.device(device), _segments=segments, peer_path=peer_path)
         return symm_ops._inlined({"buffers": bufs, **call})
 
     one_rank = SimpleNamespace(device_ordered=True)
-    assert inlined("cuda", one_rank, 1) and inlined("cuda", one_rank, 1, payload="fp8")
-    assert not inlined("cpu", one_rank, 1)
+    assert inlined("cuda", one_rank, False) and inlined("cuda", one_rank, False, payload="fp8")
+    assert not inlined("cpu", one_rank, False)
     monkeypatch.delenv("ALLTOALL_OPS_INLINE_SYMMETRIC", raising=False)
-    assert not inlined("cuda", symmetric, 2)
+    assert not inlined("cuda", symmetric, True)
     monkeypatch.setenv("ALLTOALL_OPS_INLINE_SYMMETRIC", "1")
-    assert inlined("cuda", symmetric, 2) and inlined("cuda", symmetric, 2, payload="plain")
-    assert not inlined("cuda", symmetric, 2, payload="fp8")
+    assert inlined("cuda", symmetric, True) and inlined("cuda", symmetric, True, payload="plain")
+    assert not inlined("cuda", symmetric, True, payload="fp8")
     simulated = a2a.SymmBuffers.simulated(2, 4, 8, 2, 4, dtype=torch.float32, device="cpu")[0]
     assert not simulated._segments.device_ordered  # a thread barrier: Python between the kernels
 

@@ -380,31 +380,65 @@ def check_bf16_rounding() -> str:
 
 
 def check_symmetric_memory_one_rank() -> str:
-    """torch.distributed._symmetric_memory (empty + rendezvous, signal-pad barrier kernel) in a
-    one-rank NCCL group: the allocator of real multi-GPU runs, against the local backend."""
+    """torch.distributed._symmetric_memory (empty + rendezvous) in a one-rank NCCL group: the
+    allocator of real multi-GPU runs and the ops' path with peers (signal-pad barrier kernels,
+    the metadata put, tags, the stage), against the local backend: eager, then compiled with
+    those ops inlined (``ALLTOALL_OPS_INLINE_SYMMETRIC=1``: inductor launches every kernel,
+    barriers included), forward and backward."""
+    import re
     import tempfile
 
     import torch.distributed as dist
+    from torch._inductor.utils import run_and_get_code
 
     store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
     dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=DEVICE)
+    previous = os.environ.get("ALLTOALL_OPS_INLINE_SYMMETRIC")
     try:
         spec = _spec(50, T=40, H=128)
-        bufs = a2a.SymmBuffers(spec["T"], spec["H"], spec["K"], spec["E"], dtype=spec["dtype"], device=DEVICE,
-                               expert_alignment=spec["A"], allocator="symmetric")
-        assert type(bufs._segments).__name__ == "_CudaSymmetricSegments"
+        E, A = spec["E"], spec["A"]
+        bufs = a2a.SymmBuffers(spec["T"], spec["H"], spec["K"], E, dtype=spec["dtype"], device=DEVICE,
+                               expert_alignment=A, allocator="symmetric")
+        assert type(bufs._segments).__name__ == "_CudaSymmetricSegments" and bufs.peer_path
+
+        def forward(x, topk_idx, weights, backend, buffers):
+            routed, tpe, h = a2a.dispatch(x, topk_idx, num_experts=E, expert_alignment=A, backend=backend,
+                                          buffers=buffers)
+            return a2a.combine(routed * 2, h, weights), tpe
+
+        def step(fn, x, topk_idx, weights, backend, buffers=None):
+            x, weights = x.detach().requires_grad_(), weights.detach().requires_grad_()
+            y, tpe = fn(x, topk_idx, weights, backend, buffers)
+            return y, tpe, torch.autograd.grad(y.float().square().sum(), (x, weights))
+
+        os.environ["ALLTOALL_OPS_INLINE_SYMMETRIC"] = "1"
+        compiled = torch.compile(forward, fullgraph=True)
+        codes: list[str] = []
         for seed in (50, 51):
-            x, topk_idx, _, _ = on_device(make_inputs(_spec(seed, T=40, H=128), 0))
-            routed, tpe, h = a2a.dispatch(x, topk_idx, num_experts=spec["E"], expert_alignment=spec["A"], buffers=bufs)
-            y1 = a2a.combine(routed * 2 + 1, h)
-            ref_routed, ref_tpe, ref_h = a2a.dispatch(x, topk_idx, num_experts=spec["E"],
-                                                      expert_alignment=spec["A"], backend="local")
-            R = int(ref_tpe.sum())
-            assert torch.equal(tpe, ref_tpe) and torch.equal(routed[:R], ref_routed[:R])
-            assert torch.equal(y1, a2a.combine(ref_routed * 2 + 1, ref_h))
+            x, topk_idx, weights, _ = on_device(make_inputs(_spec(seed, T=40, H=128), 0))
+            want = step(forward, x, topk_idx, weights, "local")
+            eager = step(forward, x, topk_idx, weights, "symm_mem", bufs)
+            if seed == 50:  # the forward's and the backward's code
+                got, codes = run_and_get_code(step, compiled, x, topk_idx, weights, "symm_mem", bufs)
+            else:
+                got = step(compiled, x, topk_idx, weights, "symm_mem", bufs)
+            for name, a, b, c in zip(("y", "tokens_per_expert"), want, eager, got):
+                assert torch.equal(a, b) and torch.equal(a, c), name
+            for a, b, c in zip(want[2], eager[2], got[2]):
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(c, b, rtol=1e-5, atol=1e-5)
         torch.cuda.synchronize()
-        return f"C={bufs.capacity}: 2 routings equal to the local backend (6 barrier kernels per step)"
+        assert not [c for c in codes if "alltoall_ops.symm_" in c], "a symm_mem op is still called, not inlined"
+        barriers = [len(re.findall(r"\b_barrier_kernel_\d+\.run\(", c)) for c in codes]
+        launches = [len(re.findall(r"\.run\(", c)) for c in codes]
+        assert sum(barriers) >= 6, barriers  # the forward's: metadata, dispatch, combine, two each
+        return (f"C={bufs.capacity}: 2 routings equal to the local backend, eager and compiled with the ops "
+                f"inlined; inductor's code per graph: {launches} launches, of which barriers {barriers}")
     finally:
+        if previous is None:
+            os.environ.pop("ALLTOALL_OPS_INLINE_SYMMETRIC", None)
+        else:
+            os.environ["ALLTOALL_OPS_INLINE_SYMMETRIC"] = previous
         dist.destroy_process_group()
 
 

@@ -15,7 +15,7 @@ from ... import fp8, layout
 from ..._compat import OpaqueBase, register_value_type
 from ...payload import PLAIN, Format, format_of
 from ...comm import get_timeout
-from ...groups import resolve_group
+from ...groups import LOCAL, resolve_group
 from ...kernels.loader import check_kernels_run_on
 from ...kernels.region import TAG_COLUMNS
 from ...validation import check_num_experts, positive_int
@@ -201,8 +201,9 @@ class SymmBuffers(PeerBuffers):
         overflow: "error" (a routing that needs more than C rows on some rank raises on every
             rank) or "drop" (rows past C are not delivered, counted in ``handle.dropped_W``).
         allocator: "auto" (CUDA symmetric memory for W > 1 on cuda, a shared-memory stand-in on
-            the CPU, plain memory for one rank) or "symmetric" (torch symmetric memory even for
-            one rank: a check of that path on a one-GPU host).
+            the CPU, plain memory for one rank) or "symmetric" (that memory, and the ops' path
+            with peers: barriers, the metadata put, tags and stages, even for one rank, in a
+            process group of one: a check of that path on one GPU or CPU process).
         timeout: seconds a barrier waits for its peers (default: the library's deadline,
             :func:`alltoall_ops.set_timeout`). Past it the CPU stand-in raises
             :class:`alltoall_ops.errors.CollectiveTimeout`; the CUDA barrier kernel fails a device-side
@@ -257,11 +258,12 @@ class SymmBuffers(PeerBuffers):
             check_same_sizes("SymmBuffers", "W, T_max, H, K, E, alignment, C, overflow, dtype, device type, "
                              "payload dtype", cfg.shared, grp.name)
         _, nbytes = cfg.region_offsets()
-        if allocator == "symmetric" and device.type != "cuda":
-            raise ValueError("allocator='symmetric' (torch symmetric memory) needs a cuda device")
+        if allocator == "symmetric" and grp.name == LOCAL:
+            raise ValueError("allocator='symmetric': the memory peers can reach needs a process group, even of "
+                             "one rank; pass group= (or initialise torch.distributed)")
         timeout = get_timeout() if timeout is None else timeout
         segments = make_segments(nbytes, grp, device, timeout, symmetric=allocator == "symmetric")
-        self._setup(cfg, segments)
+        self._setup(cfg, segments, peer_path=grp.size > 1 or allocator == "symmetric")
 
     @classmethod
     def simulated(
@@ -295,16 +297,20 @@ class SymmBuffers(PeerBuffers):
         out = []
         for cfg, seg in zip(cfgs, segments):
             bufs = cls.__new__(cls)
-            bufs._setup(cfg, seg)
+            bufs._setup(cfg, seg, peer_path=world_size > 1)
             out.append(bufs)
         return out
 
     _CONFIG_FIELDS = ("rank, W, T_max, H, K, E, alignment, C, overflow, dtype, device type, payload dtype, group, "
                       "num_sms")
 
-    def _setup(self, cfg: _Config, segments: _Segments) -> None:
+    def _setup(self, cfg: _Config, segments: _Segments, peer_path: bool) -> None:
         self._cfg = cfg
         self._segments = segments
+        # whether the ops exchange through the segments as with peers (barriers, the metadata put,
+        # tags, stages): W > 1, or allocator='symmetric'; else (one rank) they read the rows where
+        # they are (the placement's row map, no barrier)
+        self.peer_path = peer_path
         self._own_error: Optional[str] = None  # this rank's argument error, while it tells its peers
         # what the T * K error tells the caller to do; whoever makes the buffers for it may say it its way
         self.max_tokens_hint = "create SymmBuffers with a larger max_tokens_per_rank"

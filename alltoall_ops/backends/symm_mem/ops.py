@@ -116,7 +116,7 @@ class SlotArgs(NamedTuple):
 # Compiled on CUDA (buffers whose barriers are device work), each op's body is inlined: its
 # kernels are launched by inductor's code. They reach the buffers through the address tables (graph
 # constants: ``_addresses``), and every kernel of a body sets one (1,) token, which orders
-# them as written. One rank's plain buffers, and CUDA symmetric memory with
+# them as written. One rank's plain buffers, and CUDA symmetric memory (the path with peers) with
 # ``ALLTOALL_OPS_INLINE_SYMMETRIC=1``; docs/design.md ("symm_mem ops in compiled graphs").
 
 
@@ -127,7 +127,7 @@ def _inlined(bound: dict) -> bool:
     buffers = bound["buffers"]
     if buffers.device.type != "cuda" or not buffers._segments.device_ordered:
         return False
-    return buffers.world_size == 1 or bound.get("payload", PLAIN.name) == PLAIN.name
+    return not buffers.peer_path or bound.get("payload", PLAIN.name) == PLAIN.name
 
 
 def _addresses(buffers: SymmBuffers) -> tuple[torch.Tensor, ...]:
@@ -157,12 +157,14 @@ def symm_exchange_meta_op(
     of step with): the dispatch and combine of this step stamp their barriers with it. Then one
     kernel (``kernels/slot_placement.py``) checks every row (raised on every rank alike, see
     ``_raise_failed_checks``) and places this rank's slots (``SymmMemHandle``): meta_WL is every
-    rank's row. One rank: no exchange; the kernel reads send_meta and this call's header, and
-    row_slot is each routed row's slot, which its dispatches read their rows by (no tags)."""
+    rank's row. "One rank" here and below: buffers without the path with peers
+    (``SymmBuffers.peer_path``; one rank unless allocator='symmetric'). One rank: no exchange;
+    the kernel reads send_meta and this call's header, and row_slot is each routed row's slot,
+    which its dispatches read their rows by (no tags)."""
     W, E, N = buffers.world_size, buffers.num_experts, topk_idx_TK.numel()
     token_1 = None
-    if W == 1:
-        meta = send_meta_WS  # the all-gather of one row is the row
+    if not buffers.peer_path:
+        meta = send_meta_WS  # one rank: the all-gather of one row is the row
     else:
         tables, token_1 = _addresses(buffers), new_token(send_meta_WS.device)
         call_1 = torch.empty(1, dtype=torch.int64, device=send_meta_WS.device)  # set by the barrier
@@ -185,8 +187,8 @@ def symm_exchange_meta_op(
 def _(send_meta_WS, topk_idx_TK, position_TK, buffers, expert_alignment, failed=False):
     W, e = buffers.world_size, buffers.num_local_experts
     new = send_meta_WS.new_empty
-    return (new(W, buffers.meta_columns), new(topk_idx_TK.numel()), new(buffers.capacity if W == 1 else 0), new(e),
-            new(1), new(W))
+    return (new(W, buffers.meta_columns), new(topk_idx_TK.numel()), new(0 if buffers.peer_path else buffers.capacity),
+            new(e), new(1), new(W))
 
 
 @comm_op("symm_dispatch", inline=_inlined)
@@ -275,7 +277,7 @@ def _post_and_pull(
     X, dtype = rows_TX.shape[1], rows_TX.dtype
     acc = accumulation_dtype(dtype, *(() if scale_TK is None else (scale_TK.dtype,)))
     row_src_C = torch.empty(C, dtype=torch.int64, device=device)
-    if buffers.world_size == 1:
+    if not buffers.peer_path:
         if encoded:
             rows_TX = rows_TX.write(torch.empty(rows_TX.shape, dtype=dtype, device=device))
         k.pull_rows(None, num_routed_1, out_CX, row_src_C, rows=rows_TX, row_map=row_slot_C,
@@ -370,7 +372,7 @@ def symm_combine_op(
     y_TH = expert_out_CH.new_empty(T, H)
     returned_NH = expert_out_CH.new_empty(T * K if save_returned else 0, H)
     acc = accumulation_dtype(expert_out_CH.dtype, *(() if weights_TK is None else (weights_TK.dtype,)))
-    if buffers.world_size == 1:
+    if not buffers.peer_path:
         # NB: one rank: every row is where the reduction reads it (slot_dst = row). Nothing moves
         # and no peer waits: no buffer to order kernels on, nothing to keep alive.
         k.topk_reduce(expert_out_CH, position_TK, slot_dst_N, weights_TK, y_TH, returned_NH if save_returned else None,
