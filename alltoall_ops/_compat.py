@@ -18,6 +18,7 @@ and every op that communicates).
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any, Callable, Iterable
 
 try:  # torch 2.11 - 2.13
@@ -178,6 +179,24 @@ def graph_constant(t: Any) -> Any:
     finally:
         fake_mode.allow_non_fake_inputs = allowed
     return FunctionalTensor.to_functional(constant)  # NB: the kernels' wrappers take functional tensors only
+
+
+_PER_TRACE: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def per_trace(key: Any, make: Callable[[], Any]) -> Any:
+    """``make()``, once per ``key`` in the graph being traced (the same value for every call with
+    ``key`` while one tracer records, e.g. in every inlined op body of one graph); a fresh
+    ``make()`` at each call outside tracing."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    mode = get_proxy_mode()
+    if mode is None:
+        return make()
+    values = _PER_TRACE.setdefault(mode.tracer, {})
+    if key not in values:
+        values[key] = make()
+    return values[key]
 
 
 def _output_node(out: Any) -> Any:

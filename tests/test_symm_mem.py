@@ -1003,6 +1003,28 @@ def test_which_calls_are_inlined(monkeypatch):
     assert not simulated._segments.device_ordered  # a thread barrier: Python between the kernels
 
 
+def test_ops_on_one_buffers_share_their_token_while_traced():
+    # Inlined, every kernel of every op on one buffers object sets one token in the graph, so
+    # inductor keeps them in program order (two independent exchanges on one buffers object must
+    # not interleave); eager ops take fresh ones (the stream orders them). Each trace its own.
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    bufs, other = (a2a.SymmBuffers(4, 8, 2, 4, dtype=torch.float32, device="cpu") for _ in range(2))
+    seen = []
+
+    def traced(x):
+        first, again, others = (symm_ops._token(b, x.device) for b in (bufs, bufs, other))
+        seen.append((first, first is again, first is others))
+        return x + 1
+
+    for _ in range(2):
+        make_fx(traced)(torch.zeros(1))
+    assert [shared for _, shared, _ in seen] == [True, True] and not any(o for _, _, o in seen)
+    assert seen[0][0] is not seen[1][0], "a token outlived its trace"
+    cpu = torch.device("cpu")
+    assert symm_ops._token(bufs, cpu) is not symm_ops._token(bufs, cpu)
+
+
 # --------------------------------------------------------------------------------------------
 # Bytes a dispatch writes (issue 38): each routed row once, and with peers each token once more
 

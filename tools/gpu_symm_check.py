@@ -427,13 +427,20 @@ def check_symmetric_memory_one_rank() -> str:
             for a, b, c in zip(want[2], eager[2], got[2]):
                 torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(c, b, rtol=1e-5, atol=1e-5)
+        # two exchanges of independent inputs on one buffers object in one graph: their kernels must
+        # not interleave (the second post would overwrite the stage the first pull reads)
+        inputs = [on_device(make_inputs(_spec(seed, T=40, H=128), 0))[:3] for seed in (52, 53)]
+        pair = torch.compile(lambda a, b: [forward(*i, "symm_mem", bufs)[0] for i in (a, b)], fullgraph=True)
+        for got, i in zip(pair(*inputs), inputs):
+            assert torch.equal(got, forward(*i, "local", None)[0]), "two exchanges on one buffers interleaved"
         torch.cuda.synchronize()
         assert not [c for c in codes if "alltoall_ops.symm_" in c], "a symm_mem op is still called, not inlined"
         barriers = [len(re.findall(r"\b_barrier_kernel_\d+\.run\(", c)) for c in codes]
         launches = [len(re.findall(r"\.run\(", c)) for c in codes]
         assert sum(barriers) >= 6, barriers  # the forward's: metadata, dispatch, combine, two each
         return (f"C={bufs.capacity}: 2 routings equal to the local backend, eager and compiled with the ops "
-                f"inlined; inductor's code per graph: {launches} launches, of which barriers {barriers}")
+                f"inlined, and two independent exchanges in one graph; inductor's code per graph (forward, "
+                f"backward): {launches} launches, of which barriers {barriers}")
     finally:
         if previous is None:
             os.environ.pop("ALLTOALL_OPS_INLINE_SYMMETRIC", None)

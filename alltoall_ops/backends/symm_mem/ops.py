@@ -8,7 +8,7 @@ from typing import Callable, NamedTuple, Optional, Union
 import torch
 
 from ... import layout, overlap
-from ..._compat import graph_constant, input_grads, inputs_as, named_inputs
+from ..._compat import graph_constant, input_grads, inputs_as, named_inputs, per_trace
 from ...comm import comm_op
 from ...errors import CapacityError, GroupMismatchError, PeerInputError, RoutingError
 from ...kernels import loader
@@ -115,8 +115,8 @@ class SlotArgs(NamedTuple):
 #
 # Compiled on CUDA (buffers whose barriers are device work), each op's body is inlined: its
 # kernels are launched by inductor's code. They reach the buffers through the address tables (graph
-# constants: ``_addresses``), and every kernel of a body sets one (1,) token, which orders
-# them as written. One rank's plain buffers, and CUDA symmetric memory (the path with peers) with
+# constants: ``_addresses``), and every kernel of a body sets a (1,) token (one per buffers
+# object in a graph: ``_token``), which orders them as written. One rank's plain buffers, and CUDA symmetric memory (the path with peers) with
 # ``ALLTOALL_OPS_INLINE_SYMMETRIC=1``; docs/design.md ("symm_mem ops in compiled graphs").
 
 
@@ -133,6 +133,15 @@ def _inlined(bound: dict) -> bool:
 def _addresses(buffers: SymmBuffers) -> tuple[torch.Tensor, ...]:
     """The buffers' address tables (1, W) of TAGS, ROWS and META, constants of compiled code."""
     return tuple(graph_constant(t) for t in buffers.tables)
+
+
+def _token(buffers: SymmBuffers, device: torch.device) -> torch.Tensor:
+    """The ordering token of an op's kernels that touch the buffers (``kernels._config.order_after``):
+    fresh in eager code, where the stream orders the ops; in a traced graph one per buffers
+    object, so that inductor keeps the kernels of every op on these buffers in program order (two
+    exchanges of independent inputs must not interleave: the second post would overwrite the stage
+    the peers of the first pull from)."""
+    return per_trace(("symm_mem token", id(buffers)), lambda: new_token(device))
 
 
 def _own(buffers: SymmBuffers, tables: tuple[torch.Tensor, ...], region: int, shape: tuple[int, int],
@@ -166,7 +175,7 @@ def symm_exchange_meta_op(
     if not buffers.peer_path:
         meta = send_meta_WS  # one rank: the all-gather of one row is the row
     else:
-        tables, token_1 = _addresses(buffers), new_token(send_meta_WS.device)
+        tables, token_1 = _addresses(buffers), _token(buffers, send_meta_WS.device)
         call_1 = torch.empty(1, dtype=torch.int64, device=send_meta_WS.device)  # set by the barrier
         buffers._segments.barrier(META_OP, call_1, advance=True, token=token_1)
         loader.load().put_meta(send_meta_WS, (N, expert_alignment, int(failed)), call_1, tables[META], buffers.rank,
@@ -288,7 +297,7 @@ def _post_and_pull(
     if T * X * dtype.itemsize > stage_bytes:
         raise CapacityError(f"symm_dispatch: {T} rows of {X} {dtype} do not fit the buffers' stage of "
                             f"{stage_bytes} bytes")
-    tables, token_1 = _addresses(buffers), new_token(device)
+    tables, token_1 = _addresses(buffers), _token(buffers, device)
     # NB: peers read only symmetric memory: the rows go through this rank's stage (the ROWS region)
     buffers._segments.barrier(DISPATCH_OP, call_1, token=token_1)
     if encoded:  # encoded into the stage now (the peers are done with it): the post writes the tags only
@@ -378,7 +387,7 @@ def symm_combine_op(
         k.topk_reduce(expert_out_CH, position_TK, slot_dst_N, weights_TK, y_TH, returned_NH if save_returned else None,
                       acc, max_programs=buffers.num_sms, read_at_slot_dst=True)
         return y_TH, returned_NH
-    tables, token_1 = _addresses(buffers), new_token(expert_out_CH.device)
+    tables, token_1 = _addresses(buffers), _token(buffers, expert_out_CH.device)
     buffers._segments.barrier(COMBINE_OP, call_1, token=token_1)
     k.put_rows(expert_out_CH, row_src_C, buffers.max_slots, tables[ROWS], count=num_routed_1, token=token_1,
                max_programs=buffers.num_sms)
