@@ -116,8 +116,9 @@ class SlotArgs(NamedTuple):
 # Compiled on CUDA (buffers whose barriers are device work), each op's body is inlined: its
 # kernels are launched by inductor's code. They reach the buffers through the address tables (graph
 # constants: ``_addresses``), and every kernel of a body sets a (1,) token (one per buffers
-# object in a graph: ``_token``), which orders them as written. One rank's plain buffers, and CUDA symmetric memory (the path with peers) with
-# ``ALLTOALL_OPS_INLINE_SYMMETRIC=1``; docs/design.md ("symm_mem ops in compiled graphs").
+# object in a graph: ``_token``), which orders them as written. Inlined: one rank's plain
+# buffers, and CUDA symmetric memory (the path with peers) with ALLTOALL_OPS_INLINE_SYMMETRIC=1;
+# docs/design.md ("symm_mem ops in compiled graphs").
 
 
 def _inlined(bound: dict) -> bool:
