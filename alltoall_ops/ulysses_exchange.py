@@ -32,17 +32,15 @@ from .backends.symm_mem.ulysses_buffers import PIECE_ALIGN
 from .errors import CapacityError, CollectiveError, GroupMismatchError, PeerInputError
 from .groups import LOCAL, process_group
 from .kernels import loader
+from .kernels.region import SEQ_HEADER_FIELDS, SEQ_REJECTED_DTYPE
 from .layout import round_up
 
-FIELDS = ("op", "exchange", "ulysses_attention arguments", "dtype", "ndim", "seq_dim", "head_dim", "shape")
-"""The header at the start of every piece of an exchange, one int64 each (``shape``: a
-fingerprint of the shape every rank shares; ``ulysses_attention arguments``: a fingerprint of
-``ulysses.attention_args``, 0 for a plain seq_to_head / head_to_seq)."""
+FIELDS = SEQ_HEADER_FIELDS
+"""The header at the start of every piece of an exchange (``kernels.region.SEQ_HEADER_FIELDS``)."""
 HEADER_LEN = len(FIELDS)
 PREFIX_BYTES = 8 * HEADER_LEN
 """Bytes of the header at the start of every piece of an exchange."""
 _MAGIC = 0x554C5953 << 8  # "ULYS": a piece of this module's exchanges (op code in the low bits)
-_REJECTED = -1  # the dtype code of a header that says its rank rejected its arguments (symm_tell_peers)
 _OPS = ("seq_to_head", "head_to_seq")
 _exchanges: collections.Counter = collections.Counter()  # group name -> exchanges so far
 
@@ -447,7 +445,7 @@ def _check_headers(op: str, group_name: str, headers: torch.Tensor, header: torc
     else:
         where = f"alltoall_ops.{op} (symm_mem, rank {bufs.rank} of {bufs.world_size})"
         gather = bufs._segments.gather_objects
-    rejected = [r for r, row in enumerate(rows) if row[FIELDS.index("dtype")] == _REJECTED]
+    rejected = [r for r, row in enumerate(rows) if row[FIELDS.index("dtype")] == SEQ_REJECTED_DTYPE]
     if rejected:  # those ranks posted no pieces: their own checks failed (symm_tell_peers)
         messages = gather(None)  # every rank takes this path, the rejecting ones in symm_tell_peers
         raise PeerInputError(f"{where}: rank {rejected[0]} rejected its arguments: "
@@ -557,7 +555,7 @@ def symm_tell_peers(op: str, bufs: Any, error: BaseException) -> None:
     if bufs.world_size == 1:
         return
     k, segments, dev = loader.load(), bufs._segments, bufs.device
-    header = (_MAGIC + _OPS.index(op), 0, _REJECTED, 0, 0, 0, 0)
+    header = (_MAGIC + _OPS.index(op), 0, SEQ_REJECTED_DTYPE, 0, 0, 0, 0)
     try:
         k.post_pieces([torch.empty(0, 1, device=dev)], bufs.table, segments.calls_1,
                       torch.empty(1, dtype=torch.int32, device=dev), rank=bufs.rank,

@@ -5,7 +5,7 @@ backward with GQA phase by phase (``testing.simulated_ulysses_attention``: the a
 CUDA backwards on one device thread, so rank threads cannot each run theirs), against dense
 attention; replay from a CUDA graph with new inputs; q's exchange first (k and v as callables),
 eager and replayed, equal to the one exchange; ranks whose pieces differ: the gather
-kernel's device-side assert (a subprocess: the context dies with it). The gradients through
+kernel's device-side assert, naming the field (a subprocess: the context dies with it). The gradients through
 autograd are the CPU suite's (tests/test_ulysses_symm.py)."""
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def test_ranks_that_disagree_trap():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert "NO ERROR" not in out.stdout and out.returncode != 0, (out.stdout, out.stderr[-800:])
     assert "queued without a host sync" in out.stdout, out.stderr[-800:]
-    assert "the ranks disagree on the exchange" in out.stderr, out.stderr[-1500:]
+    assert "the ranks disagree on the exchange: shape" in out.stderr, out.stderr[-1500:]  # the field named
 
 
 def test_debug_mode_names_the_disagreement_on_every_rank():

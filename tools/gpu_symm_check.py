@@ -304,8 +304,8 @@ def check_compile() -> str:
 
 
 def check_overflow_assert() -> str:
-    """Overflow on CUDA: the placement kernel's own device-side assert, eager and compiled (no
-    assert kernel of its own; inductor compiles the kernel with its asserts)."""
+    """Overflow on CUDA: the placement kernel's own device-side assert, naming the overflow, eager
+    and compiled (no assert kernel of its own; inductor compiles the kernel with its asserts)."""
     seen = []
     rows = "lambda x, idx, **kw: a2a.dispatch(x, idx, **kw)[0]"
     for how, call in (("eager", f"({rows})"), ("compiled", f"torch.compile({rows}, fullgraph=True)")):
@@ -321,7 +321,7 @@ def check_overflow_assert() -> str:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
         assert "NO ERROR" not in out.stdout and out.returncode != 0, (how, out.stdout, out.stderr[-800:])
         assert "device-side assert" in out.stderr, (how, out.stderr[-800:])
-        assert "a metadata check failed" in out.stderr, (how, out.stderr[-1500:])
+        assert "a metadata check failed: overflow" in out.stderr, (how, out.stderr[-1500:])
         seen.append(f"{how} {'at the sync' if 'queued without a host sync' in out.stdout else 'at a later launch'}")
     return f"overflow surfaced as the placement's device-side assert, {', '.join(seen)}"
 

@@ -14,8 +14,14 @@ stride + send position``, -1: no row), the row's index in its source's rows, and
 bits of one value of the accumulation dtype, 0 without a scale)."""
 
 
-SEQ_HEADER_WORDS = 8
-"""int64 words of a Ulysses exchange's header in a UlyssesBuffers segment (``kernels/seq_exchange.py``)."""
+SEQ_HEADER_FIELDS = ("op", "exchange", "ulysses_attention arguments", "dtype", "ndim", "seq_dim", "head_dim", "shape")
+"""The header at the start of every piece of a Ulysses exchange (``ulysses_exchange``), one int64
+each, in a UlyssesBuffers segment too (``kernels/seq_exchange.py``; there ``exchange`` is the
+device call number). ``shape``: a fingerprint of the shape every rank shares; ``ulysses_attention
+arguments``: a fingerprint of ``ulysses.attention_args``, 0 for a plain seq_to_head / head_to_seq."""
+SEQ_HEADER_WORDS = len(SEQ_HEADER_FIELDS)
+SEQ_REJECTED_DTYPE = -1
+"""The dtype word of a header that says its rank rejected its arguments (``ulysses_exchange.symm_tell_peers``)."""
 SEQ_STAGE_START = 256
 """Byte offset of the first stage slot in a UlyssesBuffers segment, past its two header slots."""
 

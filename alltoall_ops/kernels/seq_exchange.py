@@ -44,8 +44,11 @@ import triton
 import triton.language as tl
 
 from ._config import LAUNCH_LOCK, assert_options, launch, program_grid, row_blocks
-from .region import SEQ_HEADER_WORDS, SEQ_STAGE_START
+from .region import SEQ_HEADER_FIELDS, SEQ_HEADER_WORDS, SEQ_REJECTED_DTYPE, SEQ_STAGE_START
 
+_REJECTED_DTYPE = tl.constexpr(SEQ_REJECTED_DTYPE)
+_DTYPE, _ARGS, _NDIM, _SHAPE = (tl.constexpr(SEQ_HEADER_FIELDS.index(f))
+                                for f in ("dtype", "ulysses_attention arguments", "ndim", "shape"))
 _HEADER_WORDS, _HEADER_BYTES, _STAGE_START = (tl.constexpr(n) for n in (SEQ_HEADER_WORDS, 8 * SEQ_HEADER_WORDS,
                                                                           SEQ_STAGE_START))
 
@@ -121,6 +124,12 @@ def _post_kernel(table_ptr, calls_ptr, failed_ptr, rank, slot_bytes, k0, k1, k2,
 
 
 @triton.jit
+def _any_of(bad, words, first, end):
+    """1 where any of header words [first, end) differs (``bad``: [HEADER_WORDS] bool), else 0."""
+    return tl.max((bad & (words >= first) & (words < end)).to(tl.int32), axis=0)
+
+
+@triton.jit
 def _gather_rows(x_ptr, out_ptr, src_segment, parity, slot_bytes, offset_bytes, readable, rank, q, P, M, n, off, L,
                  base, extra, total, Q: tl.constexpr, CAT_FIRST: tl.constexpr, BLOCK_R: tl.constexpr,
                  BLOCK_Q: tl.constexpr):
@@ -185,9 +194,20 @@ def _gather_kernel(table_ptr, call_ptr, failed_ptr, headers_ptr, rank, slot_byte
         tl.store(headers_ptr + q * _HEADER_WORDS + words, theirs)
         if differs != 0:
             tl.atomic_or(failed_ptr, 1)
-    if ASSERT_CHECKS:
-        tl.device_assert(differs == 0, "alltoall_ops Ulysses (symm_mem): the ranks disagree on the exchange "
-                                       "(dtype, dims, shapes, ulysses_attention arguments) or are out of step")
+    if ASSERT_CHECKS:  # one assert per header field, so that the CUDA error names it (as the CPU's error)
+        bad = mine != theirs
+        tl.device_assert(tl.sum(tl.where(words == _DTYPE, theirs, 0), axis=0) != _REJECTED_DTYPE,
+                         "alltoall_ops Ulysses (symm_mem): a rank rejected its arguments (its own error says why)")
+        tl.device_assert(_any_of(bad, words, 0, _ARGS) == 0, "alltoall_ops Ulysses (symm_mem): the ranks disagree on "
+                         "the exchange: they are out of step (another op, or another call on these buffers)")
+        tl.device_assert(_any_of(bad, words, _ARGS, _ARGS + 1) == 0, "alltoall_ops Ulysses (symm_mem): the ranks "
+                         "disagree on the exchange: ulysses_attention's arguments differ")
+        tl.device_assert(_any_of(bad, words, _DTYPE, _DTYPE + 1) == 0, "alltoall_ops Ulysses (symm_mem): the ranks "
+                         "disagree on the exchange: dtype")
+        tl.device_assert(_any_of(bad, words, _NDIM, _SHAPE) == 0, "alltoall_ops Ulysses (symm_mem): the ranks "
+                         "disagree on the exchange: ndim, seq_dim or head_dim")
+        tl.device_assert(_any_of(bad, words, _SHAPE, _SHAPE + 1) == 0, "alltoall_ops Ulysses (symm_mem): the ranks "
+                         "disagree on the exchange: shape")
     same = differs == 0
     _gather_rows(x0, y0, segment, parity, slot_bytes, o0, same, rank, q, P0, M0, n0, f0, L0, b0, e0, t0, Q0,
                  CAT_FIRST, BLOCK_R, BLOCK_Q)

@@ -147,10 +147,20 @@ def _place_slots_kernel(
         if CHECK_OVERFLOW:
             failed |= overflow << 5
         tl.store(failed_checks_ptr, failed)
-        if ASSERT_CHECKS:
-            tl.device_assert(failed == 0, "alltoall_ops symm_mem: a metadata check failed (a rank rejected its "
-                             "arguments, ranks out of step or disagreeing on expert_alignment, bad expert ids, "
-                             "T * K above max_tokens_per_rank * top_k, or overflow)")
+        if ASSERT_CHECKS:  # one assert per check, so that the CUDA error names it (every rank fails alike)
+            tl.device_assert((failed & 1) == 0, "alltoall_ops symm_mem dispatch: a metadata check failed: a rank "
+                             "rejected its arguments (its own error says why)")
+            tl.device_assert((failed & 2) == 0, "alltoall_ops symm_mem dispatch: a metadata check failed: the ranks "
+                             "are out of step (their numbers of dispatches on these buffers differ)")
+            tl.device_assert((failed & 4) == 0, "alltoall_ops symm_mem dispatch: a metadata check failed: the ranks "
+                             "disagree on expert_alignment")
+            tl.device_assert((failed & 8) == 0, "alltoall_ops symm_mem dispatch: a metadata check failed: bad "
+                             "expert ids (outside [0, num_experts) and not -1) on some rank")
+            tl.device_assert((failed & 16) == 0, "alltoall_ops symm_mem dispatch: a metadata check failed: T * K "
+                             "above the buffers' max_tokens_per_rank * top_k on some rank")
+            tl.device_assert((failed & 32) == 0, "alltoall_ops symm_mem dispatch: a metadata check failed: overflow, "
+                             "a rank must receive more rows than the buffers' capacity C (create SymmBuffers with a "
+                             "larger capacity, or with overflow='drop')")
         tl.store(num_routed_ptr, num_routed)
         for s in range(WORLD_SIZE):
             for i_l in range(0, L_out, BLOCK_L):
