@@ -1,5 +1,8 @@
 """Host time of one compiled dispatch + combine step at the decode shape, by backend, and where
-it goes: torch.profiler (CPU and CUDA activities, sorted by self CPU time) and cProfile.
+it goes: torch.profiler (CPU and CUDA activities, sorted by self CPU time) and cProfile. Rows:
+symm_mem on one rank, the same rank on the path with peers (``allocator="symmetric"`` in a
+one-rank NCCL group: barrier kernels, metadata put, tags, stage) with its ops inlined
+(``ALLTOALL_OPS_INLINE_SYMMETRIC=1``), and local.
 
     PYTHONPATH=. python3 tools/compiled_profile.py     # (T, H, K, E) = (128, 7168, 8, 256), one GPU
 
@@ -10,51 +13,65 @@ reading to trust."""
 from __future__ import annotations
 
 import cProfile
+import os
 import pstats
+import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import alltoall_ops as a2a
+from alltoall_ops.groups import NO_GROUP
 
 T, H, K, E = 128, 7168, 8, 256
 
 
 def main() -> None:
+    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     weights, topk_idx = torch.randn(T, E, device="cuda").softmax(-1).topk(K, dim=-1)
-    bufs = a2a.SymmBuffers(T, H, K, E, dtype=torch.bfloat16, device="cuda")
+    one_rank = a2a.SymmBuffers(T, H, K, E, dtype=torch.bfloat16, device="cuda", group=NO_GROUP)
+    peer_path = a2a.SymmBuffers(T, H, K, E, dtype=torch.bfloat16, device="cuda", allocator="symmetric")
 
     def step(buffers, backend):
         routed, _, handle = a2a.dispatch(x, topk_idx, num_experts=E, buffers=buffers, backend=backend)
         return a2a.combine(routed, handle, weights)
 
-    for name, buffers, backend in (("symm_mem", bufs, "symm_mem"), ("local", None, "local")):
-        torch._dynamo.reset()
-        compiled = torch.compile(lambda b=buffers, be=backend: step(b, be), fullgraph=True)
-        for _ in range(5):
-            compiled()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(200):
-            compiled()
-        host = time.perf_counter() - start
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - start
-        print(f"== {name}: host {host / 200 * 1e6:.1f} us, wall {wall / 200 * 1e6:.1f} us per step")
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
+    rows = (("symm_mem", one_rank, "symm_mem"), ("symm_mem, path with peers, inlined", peer_path, "symm_mem"),
+            ("local", None, "local"))
+    os.environ["ALLTOALL_OPS_INLINE_SYMMETRIC"] = "1"  # read while each row's graph is traced
+    try:
+        for name, buffers, backend in rows:
+            torch._dynamo.reset()
+            compiled = torch.compile(lambda b=buffers, be=backend: step(b, be), fullgraph=True)
+            for _ in range(5):
                 compiled()
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(50):
-            compiled()
-        torch.cuda.synchronize()
-        profiler.disable()
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
+            start = time.perf_counter()
+            for _ in range(200):
+                compiled()
+            host = time.perf_counter() - start
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+            print(f"== {name}: host {host / 200 * 1e6:.1f} us, wall {wall / 200 * 1e6:.1f} us per step")
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    compiled()
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(50):
+                compiled()
+            torch.cuda.synchronize()
+            profiler.disable()
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
+    finally:
+        os.environ.pop("ALLTOALL_OPS_INLINE_SYMMETRIC")
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
