@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from typing import Callable
 
 import torch
@@ -24,6 +23,7 @@ import alltoall_ops as a2a
 from alltoall_ops.backends.symm_mem import run_simulated
 from alltoall_ops.groups import NO_GROUP
 from benchmarks._rounds import own_code
+from tools.before_after import timed
 
 T, H, K, E = 128, 7168, 8, 256
 HOST_STEPS = 50
@@ -66,14 +66,7 @@ def main() -> None:
                      lambda p=peers: run_simulated(lambda rank, b: step(b), p)))
     try:
         for name, ranks, run in rows:
-            for _ in range(3):
-                run()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(HOST_STEPS):
-                run()
-            host_us = (time.perf_counter() - start) / HOST_STEPS * 1e6
-            torch.cuda.synchronize()
+            _, host_us = timed(run, HOST_STEPS)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 run()
                 torch.cuda.synchronize()
