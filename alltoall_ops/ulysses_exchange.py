@@ -292,24 +292,22 @@ def _pack(send: torch.Tensor, xs: Sequence[torch.Tensor], split_dim: int, sizes:
             col += n
 
 
-def _unpack(received: torch.Tensor, nbytes: Sequence[int], dtype: torch.dtype,
-            recv_shapes: list[list[list[int]]], cat_dim: int) -> list[torch.Tensor]:
-    """The outputs: for each i, the pieces of shape ``recv_shapes[i][r]`` from ranks r = 0..W-1
-    (after each piece's header in ``received``) concatenated along ``cat_dim``: new tensors, one
-    copy each (the permute)."""
+def _unpack(received: torch.Tensor, plan: Plan) -> list[torch.Tensor]:
+    """The outputs of ``plan`` (``plan.out_shapes``): for each i, the pieces of shape
+    ``plan.recv_shapes[i][r]`` from ranks r = 0..W-1 (after each piece's header in ``received``)
+    concatenated along the cat dim: new tensors, one copy each (the permute)."""
+    recv_shapes, cat_dim = plan.recv_shapes, plan.cat_dim
     numel = [[math.prod(s) for s in shapes] for shapes in recv_shapes]  # [i][r]
     if received.ndim == 2 and all(s == shapes[0] for shapes in recv_shapes for s in shapes):
-        body, col, outs = received[:, PREFIX_BYTES:].view(dtype), 0, []  # (W, sum over i of numel[i][0])
-        for n, shapes in zip(numel, recv_shapes):
+        body, col, outs = received[:, PREFIX_BYTES:].view(plan.dtype), 0, []  # (W, sum over i of numel[i][0])
+        for n, shapes, shape in zip(numel, recv_shapes, plan.out_shapes):
             piece = body[:, col : col + n[0]].view(len(shapes), *shapes[0]).movedim(0, cat_dim)  # (.., W, s, ..)
-            shape = list(shapes[0])
-            shape[cat_dim] *= len(shapes)
             out = piece.new_empty(shape)
             out.view(piece.shape).copy_(piece)
             outs.append(out)
             col += n[0]
         return outs
-    bodies = _bodies(received, nbytes, dtype)
+    bodies = _bodies(received, plan.recv_bytes, plan.dtype)
     rows = [body[: sum(n[r] for n in numel)].split([n[r] for n in numel]) for r, body in enumerate(bodies)]  # [r][i]
     return [torch.cat([rows[r][i].view(shapes[r]) for r in range(len(shapes))], dim=cat_dim)
             for i, shapes in enumerate(recv_shapes)]
@@ -397,7 +395,7 @@ def _exchange_pieces(op: str, xs: Sequence[torch.Tensor], group_name: str, plan:
     _all_to_all(op, group_name, received, send, plan.recv_bytes, plan.send_bytes)
     if agreed:  # (else every header was just compared)
         _check_headers(op, group_name, _headers(received, plan.recv_bytes), header, described)
-    return _unpack(received, plan.recv_bytes, x.dtype, plan.recv_shapes, plan.cat_dim)
+    return _unpack(received, plan)
 
 
 def _header(key: tuple, count: int, device: torch.device) -> torch.Tensor:
