@@ -189,13 +189,13 @@ def _gather_kernel(table_ptr, call_ptr, failed_ptr, headers_ptr, rank, slot_byte
     words = tl.arange(0, _HEADER_WORDS)
     mine = tl.load((tl.load(table_ptr + rank) + parity * _HEADER_BYTES).to(tl.pointer_type(tl.int64)) + words)
     theirs = tl.load((segment + parity * _HEADER_BYTES).to(tl.pointer_type(tl.int64)) + words)
-    differs = tl.max((mine != theirs).to(tl.int32), axis=0)
+    bad = mine != theirs  # [HEADER_WORDS]
+    differs = tl.max(bad.to(tl.int32), axis=0)
     if tl.program_id(0) == 0:
         tl.store(headers_ptr + q * _HEADER_WORDS + words, theirs)
         if differs != 0:
             tl.atomic_or(failed_ptr, 1)
     if ASSERT_CHECKS:  # one assert per header field, so that the CUDA error names it (as the CPU's error)
-        bad = mine != theirs
         tl.device_assert(tl.sum(tl.where(words == _DTYPE, theirs, 0), axis=0) != _REJECTED_DTYPE,
                          "alltoall_ops Ulysses (symm_mem): a rank rejected its arguments (its own error says why)")
         tl.device_assert(_any_of(bad, words, 0, _ARGS) == 0, "alltoall_ops Ulysses (symm_mem): the ranks disagree on "
