@@ -307,18 +307,31 @@ class HostTraffic:
 
 
 @contextlib.contextmanager
-def debug_mode(enabled: bool = True) -> Iterator[None]:
-    """``ALLTOALL_OPS_DEBUG=1`` (``enabled``) or ``0`` inside the block (see
-    ``alltoall_ops.comm.debug``), restored after."""
-    before = os.environ.get("ALLTOALL_OPS_DEBUG")
-    os.environ["ALLTOALL_OPS_DEBUG"] = "1" if enabled else "0"
+def _switch(variable: str, enabled: bool) -> Iterator[None]:
+    """The environment's ``variable`` set to "1" (``enabled``) or "0" inside the block, restored after."""
+    before = os.environ.get(variable)
+    os.environ[variable] = "1" if enabled else "0"
     try:
         yield
     finally:
         if before is None:
-            del os.environ["ALLTOALL_OPS_DEBUG"]
+            del os.environ[variable]
         else:
-            os.environ["ALLTOALL_OPS_DEBUG"] = before
+            os.environ[variable] = before
+
+
+def debug_mode(enabled: bool = True) -> contextlib.AbstractContextManager:
+    """``ALLTOALL_OPS_DEBUG=1`` (``enabled``) or ``0`` inside the block (see
+    ``alltoall_ops.comm.debug``), restored after."""
+    return _switch("ALLTOALL_OPS_DEBUG", enabled)
+
+
+def inline_symmetric(enabled: bool = True) -> contextlib.AbstractContextManager:
+    """``ALLTOALL_OPS_INLINE_SYMMETRIC=1`` (``enabled``) or ``0`` inside the block, restored after:
+    graphs traced inside inline symm_mem's ops on CUDA symmetric memory (or keep them calls)."""
+    from .backends.symm_mem.segments import INLINE_SYMMETRIC
+
+    return _switch(INLINE_SYMMETRIC, enabled)
 
 
 @contextlib.contextmanager

@@ -40,7 +40,7 @@ import alltoall_ops as a2a
 from alltoall_ops import fp8
 from alltoall_ops.payload import pack
 from alltoall_ops.reference import reference_combine, reference_dispatch
-from alltoall_ops.testing import moe_step, routing
+from alltoall_ops.testing import inline_symmetric, moe_step, routing
 
 BENCH_SHAPES = ((4096, 7168, 8, 256), (128, 7168, 8, 256))
 
@@ -198,9 +198,7 @@ def check_compile(device, backend: str, inline: bool = False) -> str:
     kwargs = {}
     if backend == "symm_mem":
         kwargs["buffers"] = a2a.SymmBuffers(T, H, K, E, dtype=torch.float32, device=device)
-    previous = os.environ.get("ALLTOALL_OPS_INLINE_SYMMETRIC")
-    os.environ["ALLTOALL_OPS_INLINE_SYMMETRIC"] = "1" if inline else "0"
-    try:
+    with inline_symmetric(inline):
         torch._dynamo.reset()
         counter = CompileCounterWithBackend("inductor")
         compiled = torch.compile(moe_step, backend=counter, fullgraph=True)
@@ -232,11 +230,6 @@ def check_compile(device, backend: str, inline: bool = False) -> str:
             y = torch.compile(unused_dispatch_then_step, fullgraph=True)(x, topk_idx, weights)
             torch.testing.assert_close(y, moe_step(x, topk_idx, weights, expert_w, E, backend=backend, **kwargs),
                                        rtol=1e-4, atol=1e-5)
-    finally:
-        if previous is None:
-            os.environ.pop("ALLTOALL_OPS_INLINE_SYMMETRIC")
-        else:
-            os.environ["ALLTOALL_OPS_INLINE_SYMMETRIC"] = previous
     if not inline:
         return f"{backend}: inductor, 1 compilation over 3 routings, = eager"
     called = [c for c in codes if "alltoall_ops.symm_" in c]

@@ -24,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import alltoall_ops as a2a
 from alltoall_ops.groups import NO_GROUP
+from alltoall_ops.testing import inline_symmetric
 
 T, H, K, E = 128, 7168, 8, 256
 
@@ -42,35 +43,34 @@ def main() -> None:
 
     rows = (("symm_mem", one_rank, "symm_mem"), ("symm_mem, path with peers, inlined", peer_path, "symm_mem"),
             ("local", None, "local"))
-    os.environ["ALLTOALL_OPS_INLINE_SYMMETRIC"] = "1"  # read while each row's graph is traced
     try:
-        for name, buffers, backend in rows:
-            torch._dynamo.reset()
-            compiled = torch.compile(lambda b=buffers, be=backend: step(b, be), fullgraph=True)
-            for _ in range(5):
-                compiled()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(200):
-                compiled()
-            host = time.perf_counter() - start
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - start
-            print(f"== {name}: host {host / 200 * 1e6:.1f} us, wall {wall / 200 * 1e6:.1f} us per step")
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(10):
+        with inline_symmetric():  # read while each row's graph is traced
+            for name, buffers, backend in rows:
+                torch._dynamo.reset()
+                compiled = torch.compile(lambda b=buffers, be=backend: step(b, be), fullgraph=True)
+                for _ in range(5):
                     compiled()
                 torch.cuda.synchronize()
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
-            profiler = cProfile.Profile()
-            profiler.enable()
-            for _ in range(50):
-                compiled()
-            torch.cuda.synchronize()
-            profiler.disable()
-            pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
+                start = time.perf_counter()
+                for _ in range(200):
+                    compiled()
+                host = time.perf_counter() - start
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - start
+                print(f"== {name}: host {host / 200 * 1e6:.1f} us, wall {wall / 200 * 1e6:.1f} us per step")
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for _ in range(10):
+                        compiled()
+                    torch.cuda.synchronize()
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+                profiler = cProfile.Profile()
+                profiler.enable()
+                for _ in range(50):
+                    compiled()
+                torch.cuda.synchronize()
+                profiler.disable()
+                pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
     finally:
-        os.environ.pop("ALLTOALL_OPS_INLINE_SYMMETRIC")
         dist.destroy_process_group()
 
 

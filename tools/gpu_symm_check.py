@@ -37,7 +37,7 @@ from alltoall_ops.backends import symm_mem
 from alltoall_ops.backends.symm_mem import ops as symm_ops
 from alltoall_ops.kernels import loader
 from alltoall_ops.rows import weight_grad_op
-from alltoall_ops.testing import DistributedPool, timer
+from alltoall_ops.testing import DistributedPool, inline_symmetric, timer
 
 DEVICE = torch.device(os.environ.get("GPU_SYMM_DEVICE", "cuda:0"))  # "cpu": a dry run (interpreter)
 ROWS: list[tuple[str, str, str]] = []
@@ -393,59 +393,54 @@ def check_symmetric_memory_one_rank() -> str:
 
     store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
     dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=DEVICE)
-    previous = os.environ.get("ALLTOALL_OPS_INLINE_SYMMETRIC")
     try:
-        spec = _spec(50, T=40, H=128)
-        E, A = spec["E"], spec["A"]
-        bufs = a2a.SymmBuffers(spec["T"], spec["H"], spec["K"], E, dtype=spec["dtype"], device=DEVICE,
-                               expert_alignment=A, allocator="symmetric")
-        assert type(bufs._segments).__name__ == "_CudaSymmetricSegments" and bufs.peer_path
+        with inline_symmetric():  # read while the graphs are traced
+            spec = _spec(50, T=40, H=128)
+            E, A = spec["E"], spec["A"]
+            bufs = a2a.SymmBuffers(spec["T"], spec["H"], spec["K"], E, dtype=spec["dtype"], device=DEVICE,
+                                   expert_alignment=A, allocator="symmetric")
+            assert type(bufs._segments).__name__ == "_CudaSymmetricSegments" and bufs.peer_path
 
-        def forward(x, topk_idx, weights, backend, buffers):
-            routed, tpe, h = a2a.dispatch(x, topk_idx, num_experts=E, expert_alignment=A, backend=backend,
-                                          buffers=buffers)
-            return a2a.combine(routed * 2, h, weights), tpe
+            def forward(x, topk_idx, weights, backend, buffers):
+                routed, tpe, h = a2a.dispatch(x, topk_idx, num_experts=E, expert_alignment=A, backend=backend,
+                                              buffers=buffers)
+                return a2a.combine(routed * 2, h, weights), tpe
 
-        def step(fn, x, topk_idx, weights, backend, buffers=None):
-            x, weights = x.detach().requires_grad_(), weights.detach().requires_grad_()
-            y, tpe = fn(x, topk_idx, weights, backend, buffers)
-            return y, tpe, torch.autograd.grad(y.float().square().sum(), (x, weights))
+            def step(fn, x, topk_idx, weights, backend, buffers=None):
+                x, weights = x.detach().requires_grad_(), weights.detach().requires_grad_()
+                y, tpe = fn(x, topk_idx, weights, backend, buffers)
+                return y, tpe, torch.autograd.grad(y.float().square().sum(), (x, weights))
 
-        os.environ["ALLTOALL_OPS_INLINE_SYMMETRIC"] = "1"
-        compiled = torch.compile(forward, fullgraph=True)
-        codes: list[str] = []
-        for seed in (50, 51):
-            x, topk_idx, weights, _ = on_device(make_inputs(_spec(seed, T=40, H=128), 0))
-            want = step(forward, x, topk_idx, weights, "local")
-            eager = step(forward, x, topk_idx, weights, "symm_mem", bufs)
-            if seed == 50:  # the forward's and the backward's code
-                got, codes = run_and_get_code(step, compiled, x, topk_idx, weights, "symm_mem", bufs)
-            else:
-                got = step(compiled, x, topk_idx, weights, "symm_mem", bufs)
-            for name, a, b, c in zip(("y", "tokens_per_expert"), want, eager, got):
-                assert torch.equal(a, b) and torch.equal(a, c), name
-            for a, b, c in zip(want[2], eager[2], got[2]):
-                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-                torch.testing.assert_close(c, b, rtol=1e-5, atol=1e-5)
-        # two exchanges of independent inputs on one buffers object in one graph: their kernels must
-        # not interleave (the second post would overwrite the stage the first pull reads)
-        inputs = [on_device(make_inputs(_spec(seed, T=40, H=128), 0))[:3] for seed in (52, 53)]
-        pair = torch.compile(lambda a, b: [forward(*i, "symm_mem", bufs)[0] for i in (a, b)], fullgraph=True)
-        for got, i in zip(pair(*inputs), inputs):
-            assert torch.equal(got, forward(*i, "local", None)[0]), "two exchanges on one buffers interleaved"
-        torch.cuda.synchronize()
-        assert not [c for c in codes if "alltoall_ops.symm_" in c], "a symm_mem op is still called, not inlined"
-        barriers = [len(re.findall(r"\b_barrier_kernel_\d+\.run\(", c)) for c in codes]
-        launches = [len(re.findall(r"\.run\(", c)) for c in codes]
-        assert sum(barriers) >= 6, barriers  # the forward's: metadata, dispatch, combine, two each
-        return (f"C={bufs.capacity}: 2 routings equal to the local backend, eager and compiled with the ops "
-                f"inlined, and two independent exchanges in one graph; inductor's code per graph (forward, "
-                f"backward): {launches} launches, of which barriers {barriers}")
+            compiled = torch.compile(forward, fullgraph=True)
+            codes: list[str] = []
+            for seed in (50, 51):
+                x, topk_idx, weights, _ = on_device(make_inputs(_spec(seed, T=40, H=128), 0))
+                want = step(forward, x, topk_idx, weights, "local")
+                eager = step(forward, x, topk_idx, weights, "symm_mem", bufs)
+                if seed == 50:  # the forward's and the backward's code
+                    got, codes = run_and_get_code(step, compiled, x, topk_idx, weights, "symm_mem", bufs)
+                else:
+                    got = step(compiled, x, topk_idx, weights, "symm_mem", bufs)
+                for name, a, b, c in zip(("y", "tokens_per_expert"), want, eager, got):
+                    assert torch.equal(a, b) and torch.equal(a, c), name
+                for a, b, c in zip(want[2], eager[2], got[2]):
+                    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+                    torch.testing.assert_close(c, b, rtol=1e-5, atol=1e-5)
+            # two exchanges of independent inputs on one buffers object in one graph: their kernels must
+            # not interleave (the second post would overwrite the stage the first pull reads)
+            inputs = [on_device(make_inputs(_spec(seed, T=40, H=128), 0))[:3] for seed in (52, 53)]
+            pair = torch.compile(lambda a, b: [forward(*i, "symm_mem", bufs)[0] for i in (a, b)], fullgraph=True)
+            for got, i in zip(pair(*inputs), inputs):
+                assert torch.equal(got, forward(*i, "local", None)[0]), "two exchanges on one buffers interleaved"
+            torch.cuda.synchronize()
+            assert not [c for c in codes if "alltoall_ops.symm_" in c], "a symm_mem op is still called, not inlined"
+            barriers = [len(re.findall(r"\b_barrier_kernel_\d+\.run\(", c)) for c in codes]
+            launches = [len(re.findall(r"\.run\(", c)) for c in codes]
+            assert sum(barriers) >= 6, barriers  # the forward's: metadata, dispatch, combine, two each
+            return (f"C={bufs.capacity}: 2 routings equal to the local backend, eager and compiled with the ops "
+                    f"inlined, and two independent exchanges in one graph; inductor's code per graph (forward, "
+                    f"backward): {launches} launches, of which barriers {barriers}")
     finally:
-        if previous is None:
-            os.environ.pop("ALLTOALL_OPS_INLINE_SYMMETRIC", None)
-        else:
-            os.environ["ALLTOALL_OPS_INLINE_SYMMETRIC"] = previous
         dist.destroy_process_group()
 
 

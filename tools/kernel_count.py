@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 import alltoall_ops as a2a
 from alltoall_ops.backends.symm_mem import run_simulated
 from alltoall_ops.groups import NO_GROUP
+from alltoall_ops.testing import inline_symmetric
 from benchmarks._rounds import own_code
 from tools.before_after import timed
 
@@ -46,11 +47,8 @@ def main() -> None:
         fn = torch.compile(own_code(lambda: step(buffers), name), fullgraph=True)
 
         def run():  # the variable is read while the graph is traced, at the first call
-            os.environ["ALLTOALL_OPS_INLINE_SYMMETRIC"] = "1" if inline else "0"
-            try:
+            with inline_symmetric(inline):
                 return fn()
-            finally:
-                os.environ.pop("ALLTOALL_OPS_INLINE_SYMMETRIC")
 
         return run
 

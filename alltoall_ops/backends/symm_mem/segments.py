@@ -27,6 +27,10 @@ from ...errors import CollectiveError, CollectiveTimeout, GroupMismatchError
 from ...groups import Group, process_group
 from ...kernels import loader
 
+INLINE_SYMMETRIC = "ALLTOALL_OPS_INLINE_SYMMETRIC"
+"""The environment variable that, set to 1 while a graph is traced, inlines symm_mem's ops on CUDA
+symmetric memory (``_CudaSymmetricSegments.device_ordered``)."""
+
 META_OP, DISPATCH_OP, COMBINE_OP = 1, 2, 3
 """Barrier op codes: the metadata exchange, a dispatch's row put, a combine's row put."""
 _OP_NAMES = {META_OP: "a dispatch's metadata exchange", DISPATCH_OP: "a dispatch's rows (or a combine's backward)",
@@ -178,7 +182,7 @@ class _CudaSymmetricSegments(_Segments):
     def device_ordered(self) -> bool:
         """Barrier kernels are device work, but their ops are inlined only with
         ``ALLTOALL_OPS_INLINE_SYMMETRIC=1`` until that path has run on NVLink (docs/gpu.md)."""
-        return os.environ.get("ALLTOALL_OPS_INLINE_SYMMETRIC", "0") == "1"
+        return os.environ.get(INLINE_SYMMETRIC, "0") == "1"
 
     def __init__(self, nbytes: int, group: Group, device: torch.device, timeout: float):
         import torch.distributed._symmetric_memory as symm_mem
