@@ -382,7 +382,7 @@ KERNELS = {  # kernel: (tensor arguments' shapes, other arguments, the tensors i
     "barrier._barrier_kernel": (
         {"pads_table_ptr": (2,), "call_in_ptr": (1,), "call_out_ptr": (1,), "counter_table_ptr": (1, 1),
          "token_ptr": (1,)},
-        dict(rank=0, timeout_ns=10**9, op=1, advance=1, WORLD_SIZE=2),
+        dict(rank=0, timeout_ms=1000, op=1, advance=1, WORLD_SIZE=2),
         ["call_out_ptr", "token_ptr"]),
     "row_put._put_meta_kernel": (
         {"send_meta_ptr": (2, E_ // 2 + 3), "call_ptr": (1,), "meta_table_ptr": (1, 2), "token_ptr": (1,)},
@@ -433,7 +433,7 @@ from alltoall_ops.kernels import barrier
 
 W = int(sys.argv[1])
 pointers = ("pads_table_ptr", "call_in_ptr", "call_out_ptr", "counter_table_ptr", "token_ptr")
-signature = {name: "*i64" if name in pointers else "i64" if name == "timeout_ns" else "i32"
+signature = {name: "*i64" if name in pointers else "i32"
              for name in barrier._barrier_kernel.arg_names if name != "WORLD_SIZE"}
 source = ASTSource(fn=barrier._barrier_kernel, signature={**signature, "WORLD_SIZE": "constexpr"},
                    constexprs={"WORLD_SIZE": W})
@@ -443,6 +443,19 @@ options = triton.compiler.make_backend(target).parse_options({"debug": True, "sa
 ptx = triton.compile(source, target=target, options=options.__dict__).asm["ptx"]
 print(ptx.count("%globaltimer"), ptx.count("call.uni __assertfail") + ptx.count("call __assertfail"))
 """
+
+
+def test_barrier_deadline_is_an_int32_of_milliseconds():
+    # Inductor (torch 2.11) fails to compile a graph that passes a user kernel a Python int of 32
+    # bits or more ('int' object has no attribute 'xreplace'): the default 600 s in ns did, on
+    # the H200. Every deadline set_timeout takes reaches the kernel below 2**31, rounded up.
+    from alltoall_ops.comm import MAX_TIMEOUT_S
+    from alltoall_ops.kernels.barrier import MAX_DEVICE_TIMEOUT_MS, _device_timeout_ms
+
+    assert MAX_DEVICE_TIMEOUT_MS == 2**31 - 1
+    assert _device_timeout_ms(600.0) == 600_000
+    assert _device_timeout_ms(0.0001) == 1 and _device_timeout_ms(2.0005) == 2001
+    assert _device_timeout_ms(MAX_TIMEOUT_S) == MAX_DEVICE_TIMEOUT_MS
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

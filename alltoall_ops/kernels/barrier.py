@@ -29,6 +29,7 @@ token. So compiled code that inlines an op's barriers neither clones nor copies 
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -50,7 +51,7 @@ def _now_ns(dep):
 @triton.jit
 def _waited(start, now, timeout_ns):
     """The timer read again (its operand the last reading ``now``: a new value at every turn of
-    a spin loop), asserting that no more than timeout_ns passed since ``start``."""
+    a spin loop), asserting that no more than timeout_ns (int64) passed since ``start``."""
     now = _now_ns(now)
     tl.device_assert(now - start <= timeout_ns,
                      "alltoall_ops symm_mem barrier: a peer did not arrive within the buffers' timeout")
@@ -61,10 +62,11 @@ def _waited(start, now, timeout_ns):
 # own kernel; its first launch loaded a module while rank 0's barrier spun on the device, which
 # CUDA's lazy module loading can turn into a deadlock when ranks share a process.) Nor are op
 # and advance: one binary for every barrier.
-@triton.jit(do_not_specialize=["rank", "timeout_ns", "op", "advance"])
-def _barrier_kernel(pads_table_ptr, rank, timeout_ns, op, call_in_ptr, call_out_ptr, counter_table_ptr, advance,
+@triton.jit(do_not_specialize=["rank", "timeout_ms", "op", "advance"])
+def _barrier_kernel(pads_table_ptr, rank, timeout_ms, op, call_in_ptr, call_out_ptr, counter_table_ptr, advance,
                     token_ptr, WORLD_SIZE: tl.constexpr):
     order_after(token_ptr)
+    timeout_ns = timeout_ms.to(tl.int64) * 1_000_000
     start = _now_ns(rank)
     now = start
     if advance != 0:
@@ -93,6 +95,17 @@ def _barrier_kernel(pads_table_ptr, rank, timeout_ns, op, call_in_ptr, call_out_
                      "number differ: a combine met a dispatch, or another layer's op)")
 
 
+MAX_DEVICE_TIMEOUT_MS = 2**31 - 1
+"""The longest deadline a barrier kernel keeps (about 24.8 days): its argument is an int32 of
+milliseconds, since inductor (torch 2.11) cannot pass a Python int of 32 bits or more to a user
+kernel. Longer timeouts are cut to it."""
+
+
+def _device_timeout_ms(timeout_s: float) -> int:
+    """timeout_s in whole milliseconds, rounded up, at most MAX_DEVICE_TIMEOUT_MS."""
+    return min(math.ceil(timeout_s * 1e3), MAX_DEVICE_TIMEOUT_MS)
+
+
 def barrier(pads_table: torch.Tensor, rank: int, timeout_s: float, op: int, call_1: torch.Tensor,
             counter: Optional[torch.Tensor] = None, token: Optional[torch.Tensor] = None) -> None:
     """Wait on the current stream until every rank of the pads' group reaches this barrier.
@@ -107,6 +120,6 @@ def barrier(pads_table: torch.Tensor, rank: int, timeout_s: float, op: int, call
     token = or_new_token(token, call_1.device)
     with LAUNCH_LOCK:
         launch(_barrier_kernel, pads_table)[(1,)](
-            pads_table, rank, int(timeout_s * 1e9), op, call_1, token if counter is None else call_1,
+            pads_table, rank, _device_timeout_ms(timeout_s), op, call_1, token if counter is None else call_1,
             call_1 if counter is None else counter, int(counter is not None), token,
             WORLD_SIZE=pads_table.numel(), num_warps=1, **assert_options(call_1))
