@@ -977,6 +977,28 @@ def test_compiled_code_names_buffers_with_their_addresses():
     assert a2a.SymmBuffers._compiled(a._key, a._config_key) is a
 
 
+def test_compiled_code_names_whether_the_ops_were_inlined(monkeypatch):
+    # ALLTOALL_OPS_INLINE_SYMMETRIC is read while AOTAutograd traces, after the compile caches
+    # computed their key from the graph dynamo made (where the buffers are their repr): on the
+    # H200 a graph traced with the ops opaque was served from the cache to a trace that asked
+    # for them inlined. The switch is part of the buffers' repr and pickle.
+    import pickle
+
+    from alltoall_ops.backends.symm_mem.segments import _CudaSymmetricSegments
+
+    bufs = a2a.SymmBuffers(4, 8, 2, 4, dtype=torch.float32, device="cpu")
+    reprs, pickles = [], []
+    for inline in (False, True):
+        monkeypatch.setattr(type(bufs._segments), "device_ordered", inline, raising=False)
+        with a2a.testing.inline_symmetric(inline):
+            assert object.__new__(_CudaSymmetricSegments).device_ordered is inline
+        reprs.append(bufs.__fx_repr__()[0])
+        pickles.append(pickle.dumps(bufs))
+        assert reprs[-1].endswith(f"inlined={inline})")
+        assert a2a.SymmBuffers._compiled(bufs._key, bufs._config_key, inlined=inline) is bufs
+    assert reprs[0] != reprs[1] and pickles[0] != pickles[1]
+
+
 def test_which_calls_are_inlined(monkeypatch):
     # Compiled code inlines a symm_mem op's body only on CUDA, where the barriers are device work
     # (one rank's plain memory; CUDA symmetric memory with ALLTOALL_OPS_INLINE_SYMMETRIC=1), and

@@ -146,11 +146,15 @@ class PeerBuffers(OpaqueBase):
                 self._key = len(_COMPILED)
                 _COMPILED[self._key] = self
         name = type(self).__name__
-        return f"{name}._compiled({self._key}, {self._config_key!r})", {name: type(self)}
+        return (f"{name}._compiled({self._key}, {self._config_key!r}, inlined={self._segments.device_ordered})",
+                {name: type(self)})
 
     @classmethod
-    def _compiled(cls, key: int, config_key: tuple) -> "PeerBuffers":
-        """The buffers that compiled code names (see ``__fx_repr__``)."""
+    def _compiled(cls, key: int, config_key: tuple, inlined: bool = False) -> "PeerBuffers":
+        """The buffers that compiled code names (see ``__fx_repr__``). ``inlined``: whether their
+        ops were inlined when the code was traced (``ALLTOALL_OPS_INLINE_SYMMETRIC`` is read
+        then, after the compile caches computed their key from this repr): only part of the key,
+        so that a graph traced with the switch off is never served with it on, or the reverse."""
         bufs = _COMPILED.get(key)
         if not isinstance(bufs, cls) or bufs._config_key != config_key:
             raise RuntimeError(
@@ -175,7 +179,8 @@ class PeerBuffers(OpaqueBase):
     # configuration, never the memory; a loaded copy would be memory no peer writes, so loading
     # raises.
     def __reduce__(self) -> tuple:
-        return _load_pickled_buffers, (type(self).__name__, self._CONFIG_FIELDS, list(self._config_key))
+        return _load_pickled_buffers, (type(self).__name__, self._CONFIG_FIELDS,
+                                       [*self._config_key, self._segments.device_ordered])
 
 
 class SymmBuffers(PeerBuffers):
@@ -368,7 +373,7 @@ _COMPILED_LOCK = threading.Lock()
 
 def _load_pickled_buffers(type_name: str, fields: str, key: list) -> PeerBuffers:
     raise RuntimeError(
-        f"{type_name} cannot be unpickled (pickled: {fields}, addresses = {key}): they are memory that "
+        f"{type_name} cannot be unpickled (pickled: {fields}, addresses, inlined = {key}): they are memory that "
         f"the group's peers write; create them collectively with alltoall_ops.{type_name}(...) in the process "
         "that uses them"
     )
