@@ -66,7 +66,7 @@ def _waited(start, now, timeout_ns):
 def _barrier_kernel(pads_table_ptr, rank, timeout_ms, op, call_in_ptr, call_out_ptr, counter_table_ptr, advance,
                     token_ptr, WORLD_SIZE: tl.constexpr):
     order_after(token_ptr)
-    timeout_ns = timeout_ms.to(tl.int64) * 1_000_000
+    timeout_ns = tl.cast(timeout_ms, tl.int64) * 1_000_000  # NB: a Python int where torch 2.11 specializes it
     start = _now_ns(rank)
     now = start
     if advance != 0:
