@@ -348,6 +348,23 @@ _PULL_TENSORS = {"rows_ptr": (8, 16), "row_map_ptr": (N_,), "position_ptr": (N_,
                  "token_ptr": (1,)}
 _PULL_SCALARS = dict(tags_index=0, n_rows=N_, X=16, X_OUT=16, K=8, SRC_STRIDE=N_, HAS_SCALE=True,
                      ACC_DTYPE="tl.float32", HAS_TAIL=False, BLOCK_R=2, BLOCK_H=16)
+# The barrier fused into a kernel that writes peers' memory (kernels/barrier.py's Epilogue): it
+# writes the count of done programs through an address only
+_EPILOGUE_TENSORS = {"pads_table_ptr": (2,), "counters_ptr": (1, 2), "barrier_call_ptr": (1,)}
+_NO_EPILOGUE = dict(barrier_rank=0, timeout_ms=0, barrier_op=0, BARRIER=False, WORLD_SIZE=1)
+_EPILOGUE = dict(barrier_rank=0, timeout_ms=1000, barrier_op=2, BARRIER=True, WORLD_SIZE=2)
+_POST_TENSORS = {"src_ptr": (8, 16), "scale_ptr": (N_,), "dst_ptr": (N_,), "tag_index_ptr": (N_,),
+                 "stage_table_ptr": (1, 2), "tags_table_ptr": (1, 2), "token_ptr": (1,), **_EPILOGUE_TENSORS}
+_POST_SCALARS = dict(n_slots=N_, n_src=8, X=16, world_size=2, rank=0, tag_base=0, K=8, DST_STRIDE=N_, HAS_SCALE=True,
+                     STAGE=True, ACC_DTYPE="tl.float32", BLOCK_R=2, BLOCK_H=16, BLOCK_S=N_, BLOCK_W=2)
+_META_TENSORS = {"send_meta_ptr": (2, E_ // 2 + 3), "call_ptr": (1,), "meta_table_ptr": (1, 2), "token_ptr": (1,),
+                 **_EPILOGUE_TENSORS}
+_META_SCALARS = dict(rank=0, world_size=2, E=E_, e=E_ // 2, L=L_, n_status=3, n_slots=N_, alignment=1, failed=0,
+                     col_n_slots=N_SLOTS, col_alignment=ALIGNMENT, col_failed=FAILED, col_call=CALL, BLOCK_L=32)
+_PUT_TENSORS = {"src_ptr": (8, 16), "scale_ptr": (N_,), "dst_ptr": (N_,), "count_ptr": (1,), "rows_table_ptr": (1, 2),
+                "out_ptr": (8, 16), "token_ptr": (1,), **_EPILOGUE_TENSORS}
+_PUT_SCALARS = dict(n_rows=N_, n_src=8, H=16, world_size=2, K=8, DST_STRIDE=N_, HAS_SCALE=False, ONE_OUT=False,
+                    HAS_COUNT=True, ACC_DTYPE="tl.float32", BLOCK_R=2, BLOCK_H=16, BLOCK_W=2)
 KERNELS = {  # kernel: (tensor arguments' shapes, other arguments, the tensors it writes)
     "slot_placement._place_slots_kernel": (
         {"meta_ptr": (1, E_ + 3), "meta_table_ptr": (1, 1), "idx_ptr": (N_,), "position_ptr": (N_,),
@@ -362,12 +379,8 @@ KERNELS = {  # kernel: (tensor arguments' shapes, other arguments, the tensors i
         ["dropped_ptr", "failed_checks_ptr", "meta_out_ptr", "num_routed_ptr", "row_slot_ptr", "scratch_ptr",
          "slot_dst_ptr", "token_ptr", "tokens_ptr"]),
     # the dispatch's two halves write the buffers through addresses only: inductor sees the token
-    "row_put._post_slots_kernel": (
-        {"src_ptr": (8, 16), "scale_ptr": (N_,), "dst_ptr": (N_,), "tag_index_ptr": (N_,), "stage_table_ptr": (1, 2),
-         "tags_table_ptr": (1, 2), "token_ptr": (1,)},
-        dict(n_slots=N_, n_src=8, X=16, world_size=2, rank=0, tag_base=0, K=8, DST_STRIDE=N_, HAS_SCALE=True,
-             STAGE=True, ACC_DTYPE="tl.float32", BLOCK_R=2, BLOCK_H=16, BLOCK_S=N_, BLOCK_W=2),
-        ["token_ptr"]),
+    "row_put._post_slots_kernel": (_POST_TENSORS, dict(_POST_SCALARS, **_NO_EPILOGUE), ["token_ptr"]),
+    "row_put._post_slots_kernel[barrier after]": (_POST_TENSORS, dict(_POST_SCALARS, **_EPILOGUE), ["token_ptr"]),
     "row_put._pull_rows_kernel": (
         {**_PULL_TENSORS, "stage_table_ptr": (1, 2), "tags_table_ptr": (1, 2)},
         dict(_PULL_SCALARS, world_size=2, ROW_MAP=False, STAGED=True, BLOCK_W=2),
@@ -380,21 +393,15 @@ KERNELS = {  # kernel: (tensor arguments' shapes, other arguments, the tensors i
     # exchange's first) and the token only; the metadata put and the combine's put write peers'
     # buffers through addresses only; the combine's reduction reads its rows by address
     "barrier._barrier_kernel": (
-        {"pads_table_ptr": (2,), "call_in_ptr": (1,), "call_out_ptr": (1,), "counter_table_ptr": (1, 1),
+        {"pads_table_ptr": (2,), "call_in_ptr": (1,), "call_out_ptr": (1,), "counters_ptr": (1, 2),
          "token_ptr": (1,)},
         dict(rank=0, timeout_ms=1000, op=1, advance=1, WORLD_SIZE=2),
         ["call_out_ptr", "token_ptr"]),
-    "row_put._put_meta_kernel": (
-        {"send_meta_ptr": (2, E_ // 2 + 3), "call_ptr": (1,), "meta_table_ptr": (1, 2), "token_ptr": (1,)},
-        dict(rank=0, world_size=2, E=E_, e=E_ // 2, L=L_, n_status=3, n_slots=N_, alignment=1, failed=0,
-             col_n_slots=N_SLOTS, col_alignment=ALIGNMENT, col_failed=FAILED, col_call=CALL, BLOCK_L=32),
-        ["token_ptr"]),
-    "row_put._put_rows_kernel": (
-        {"src_ptr": (8, 16), "scale_ptr": (N_,), "dst_ptr": (N_,), "count_ptr": (1,), "rows_table_ptr": (1, 2),
-         "out_ptr": (8, 16), "token_ptr": (1,)},
-        dict(n_rows=N_, n_src=8, H=16, world_size=2, K=8, DST_STRIDE=N_, HAS_SCALE=False, ONE_OUT=False,
-             HAS_COUNT=True, ACC_DTYPE="tl.float32", BLOCK_R=2, BLOCK_H=16, BLOCK_W=2),
-        ["token_ptr"]),
+    "row_put._put_meta_kernel": (_META_TENSORS, dict(_META_SCALARS, **_NO_EPILOGUE), ["token_ptr"]),
+    "row_put._put_meta_kernel[barriers before and after]": (  # the first sets the call number
+        _META_TENSORS, dict(_META_SCALARS, **_EPILOGUE), ["call_ptr", "token_ptr"]),
+    "row_put._put_rows_kernel": (_PUT_TENSORS, dict(_PUT_SCALARS, **_NO_EPILOGUE), ["token_ptr"]),
+    "row_put._put_rows_kernel[barrier after]": (_PUT_TENSORS, dict(_PUT_SCALARS, **_EPILOGUE), ["token_ptr"]),
     "topk_reduce._topk_reduce_kernel": (
         {"ret_ptr": (1, 2), "position_ptr": (8, 2), "slot_dst_ptr": (16,), "weights_ptr": (8, 2), "y_ptr": (8, 16),
          "returned_ptr": (16, 16), "token_ptr": (1,)},
@@ -456,23 +463,34 @@ def test_kernels_compile_with_every_scalar_a_constant(kernel):
 
 
 _BARRIER_PTX = """
-import sys, triton
+import json, sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from alltoall_ops.kernels import barrier
+from alltoall_ops.kernels import barrier, row_put
 
-W = int(sys.argv[1])
-pointers = ("pads_table_ptr", "call_in_ptr", "call_out_ptr", "counter_table_ptr", "token_ptr")
-signature = {name: "*i64" if name in pointers else "i32"
-             for name in barrier._barrier_kernel.arg_names if name != "WORLD_SIZE"}
-source = ASTSource(fn=barrier._barrier_kernel, signature={**signature, "WORLD_SIZE": "constexpr"},
-                   constexprs={"WORLD_SIZE": W})
+kernel, W, constexprs = json.loads(sys.argv[1])
+kernel = {"barrier": barrier._barrier_kernel, "put_meta": row_put._put_meta_kernel,
+          "put_rows": row_put._put_rows_kernel, "post_slots": row_put._post_slots_kernel}[kernel]
+constexprs = {**{k: getattr(triton.language, v[3:]) if str(v).startswith("tl.") else v for k, v in constexprs.items()},
+              "WORLD_SIZE": W}
+signature = {name: "constexpr" if name in constexprs else "*i64" if name.endswith("_ptr") else "i32"
+             for name in kernel.arg_names}
+source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
 target = GPUTarget("cuda", 90, 32)
 options = triton.compiler.make_backend(target).parse_options({"debug": True, "sanitize_overflow": False,
-                                                              "num_warps": 1})
+                                                              "num_warps": 4})
 ptx = triton.compile(source, target=target, options=options.__dict__).asm["ptx"]
 print(ptx.count("%globaltimer"), ptx.count("call.uni __assertfail") + ptx.count("call __assertfail"))
 """
+
+_FUSED = {  # kernel: (its constexprs with the barrier, barriers in it)
+    "barrier": ({}, 1),
+    "put_meta": (dict(BLOCK_L=32, BARRIER=True), 2),
+    "put_rows": (dict(K=8, DST_STRIDE=64, HAS_SCALE=False, ONE_OUT=False, HAS_COUNT=True, ACC_DTYPE="tl.float32",
+                      BLOCK_R=2, BLOCK_H=16, BLOCK_W=2, BARRIER=True), 1),
+    "post_slots": (dict(K=8, DST_STRIDE=64, HAS_SCALE=True, STAGE=True, ACC_DTYPE="tl.float32", BLOCK_R=2,
+                        BLOCK_H=16, BLOCK_S=64, BLOCK_W=2, BARRIER=True), 1),
+}
 
 
 def test_barrier_deadline_is_an_int32_of_milliseconds():
@@ -488,16 +506,19 @@ def test_barrier_deadline_is_an_int32_of_milliseconds():
     assert _device_timeout_ms(MAX_TIMEOUT_S) == MAX_DEVICE_TIMEOUT_MS
 
 
+@pytest.mark.parametrize("kernel", sorted(_FUSED))
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_barrier_reads_the_clock_in_every_wait_loop(world_size):
+def test_barrier_reads_the_clock_in_every_wait_loop(kernel, world_size):
     # The deadline's clock is pure asm (so that inductor's analysis above passes), which the
     # compiler may hoist out of a loop unless its operand changes there: chained on the previous
-    # reading, it is read once at the start and once in each of the 2 * W wait loops (one timer
-    # read in all would be a barrier that never times out). PTX for sm_90, built on the CPU.
+    # reading, it is read once at the start of a barrier and once in each of its 2 * W wait loops
+    # (one timer read in all would be a barrier that never times out), in the barrier kernel and
+    # in the kernels that fuse barriers. PTX for sm_90, built on the CPU.
+    constexprs, barriers = _FUSED[kernel]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _BARRIER_PTX, str(world_size)], env=env, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", _BARRIER_PTX, json.dumps([kernel, world_size, constexprs])], env=env,
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     timer_reads, asserts = map(int, out.stdout.split())
-    assert timer_reads == 1 + 2 * world_size, out.stdout
-    assert asserts >= 1 + 2 * world_size, "the deadline's assert in every wait loop, and the stamps' after them"
+    assert timer_reads == barriers * (1 + 2 * world_size), out.stdout
+    assert asserts >= barriers * (1 + 2 * world_size), "the deadline's assert in every wait loop, and the stamps'"

@@ -436,7 +436,8 @@ def check_symmetric_memory_one_rank() -> str:
             assert not [c for c in codes if "alltoall_ops.symm_" in c], "a symm_mem op is still called, not inlined"
             barriers = [len(re.findall(r"\b_barrier_kernel_\d+\.run\(", c)) for c in codes]
             launches = [len(re.findall(r"\.run\(", c)) for c in codes]
-            assert sum(barriers) >= 6, barriers  # the forward's: metadata, dispatch, combine, two each
+            # the forward's: the dispatch's and the combine's first (the others are fused into the kernels)
+            assert sum(barriers) >= 2, barriers
             return (f"C={bufs.capacity}: 2 routings equal to the local backend, eager and compiled with the ops "
                     f"inlined, and two independent exchanges in one graph; inductor's code per graph (forward, "
                     f"backward): {launches} launches, of which barriers {barriers}")

@@ -30,7 +30,7 @@ token. So compiled code that inlines an op's barriers neither clones nor copies 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -58,24 +58,16 @@ def _waited(start, now, timeout_ns):
     return now
 
 
-# NB: rank is not specialised: every rank runs the same binary. (Specialised, rank 1 got its
-# own kernel; its first launch loaded a module while rank 0's barrier spun on the device, which
-# CUDA's lazy module loading can turn into a deadlock when ranks share a process.) Nor are op
-# and advance: one binary for every barrier.
-@triton.jit(do_not_specialize=["rank", "timeout_ms", "op", "advance"])
-def _barrier_kernel(pads_table_ptr, rank, timeout_ms, op, call_in_ptr, call_out_ptr, counter_table_ptr, advance,
-                    token_ptr, WORLD_SIZE: tl.constexpr):
-    order_after(token_ptr)
+@triton.jit
+def arrive_and_wait(pads_table_ptr, rank, timeout_ms, call, op, after, WORLD_SIZE: tl.constexpr):
+    """The barrier itself (one program): this rank's stamp of (call, op) into every rank's pad
+    (release, system scope), then every rank's stamp out of its own (acquire), asserting that all
+    are equal and that all arrive within timeout_ms of the clock's first reading, whose operand is
+    ``after`` (two barriers in one kernel need different ones, or they share that reading). A
+    kernel that fuses it orders its other threads' work around it with ``tl.debug_barrier``."""
     timeout_ns = tl.cast(timeout_ms, tl.int64) * 1_000_000  # NB: a Python int where torch 2.11 specializes it
-    start = _now_ns(rank)
+    start = _now_ns(after)
     now = start
-    if advance != 0:
-        counter_ptr = tl.load(counter_table_ptr).to(tl.pointer_type(tl.int64))
-        call = tl.load(counter_ptr) + 1
-        tl.store(counter_ptr, call)
-        tl.store(call_out_ptr, call)
-    else:
-        call = tl.load(call_in_ptr)
     stamp = ((call * 4 + op) & 0x7FFFFFFF).to(tl.int32)
     p_own = tl.load(pads_table_ptr + rank).to(tl.pointer_type(tl.int32))
     for peer in tl.static_range(WORLD_SIZE):
@@ -93,6 +85,48 @@ def _barrier_kernel(pads_table_ptr, rank, timeout_ms, op, call_in_ptr, call_out_
         mismatch |= (seen != stamp).to(tl.int32)
     tl.device_assert(mismatch == 0, "alltoall_ops symm_mem barrier: the ranks are out of step (their op or call "
                      "number differ: a combine met a dispatch, or another layer's op)")
+
+
+@triton.jit
+def advance_call(counters_ptr, call_out_ptr):
+    """This rank's next call number: its count of calls (at address ``counters_ptr[0]``) + 1,
+    stored back and into ``call_out`` (1,). One program."""
+    count_ptr = tl.load(counters_ptr).to(tl.pointer_type(tl.int64))
+    call = tl.load(count_ptr) + 1
+    tl.store(count_ptr, call)
+    tl.store(call_out_ptr, call)
+    return call
+
+
+@triton.jit
+def last_program_arrives(pads_table_ptr, counters_ptr, rank, timeout_ms, call_ptr, op, WORLD_SIZE: tl.constexpr):
+    """The barrier after a kernel's writes into peers' memory, as its epilogue: every program
+    counts itself done (acquire-release, system scope, once all its threads' writes are issued),
+    and the last one resets the count (at address ``counters_ptr[1]``) and runs the barrier.
+    Release is cumulative, so the barrier's release orders every program's writes before the
+    peers' reads; no program waits for another (no residency assumption)."""
+    tl.debug_barrier()
+    done_ptr = tl.load(counters_ptr + 1).to(tl.pointer_type(tl.int64))
+    n_programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+    done_before = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="sys")
+    if done_before == n_programs - 1:
+        tl.store(done_ptr, 0)  # NB: read again only by a later kernel on this stream
+        arrive_and_wait(pads_table_ptr, rank, timeout_ms, tl.load(call_ptr), op, done_before, WORLD_SIZE)
+
+
+# NB: rank is not specialised: every rank runs the same binary. (Specialised, rank 1 got its
+# own kernel; its first launch loaded a module while rank 0's barrier spun on the device, which
+# CUDA's lazy module loading can turn into a deadlock when ranks share a process.) Nor are op
+# and advance: one binary for every barrier.
+@triton.jit(do_not_specialize=["rank", "timeout_ms", "op", "advance"])
+def _barrier_kernel(pads_table_ptr, rank, timeout_ms, op, call_in_ptr, call_out_ptr, counters_ptr, advance,
+                    token_ptr, WORLD_SIZE: tl.constexpr):
+    order_after(token_ptr)
+    if advance != 0:
+        call = advance_call(counters_ptr, call_out_ptr)
+    else:
+        call = tl.load(call_in_ptr)
+    arrive_and_wait(pads_table_ptr, rank, timeout_ms, call, op, rank, WORLD_SIZE)
 
 
 MAX_DEVICE_TIMEOUT_MS = 2**31 - 1
@@ -123,3 +157,30 @@ def barrier(pads_table: torch.Tensor, rank: int, timeout_s: float, op: int, call
             pads_table, rank, _device_timeout_ms(timeout_s), op, call_1, token if counter is None else call_1,
             call_1 if counter is None else counter, int(counter is not None), token,
             WORLD_SIZE=pads_table.numel(), num_warps=1, **assert_options(call_1))
+
+
+class Epilogue(NamedTuple):
+    """The barrier after a kernel that writes peers' memory, fused into that kernel
+    (``last_program_arrives``; with ``put_meta``, the barrier before it as well): one launch
+    fewer per barrier. pads_table (W,) as ``barrier``'s; counters (2,) int64, the addresses of
+    this rank's count of calls and of its count of done programs (int64, zero between kernels);
+    the barrier's op, and call_1 (1,), its call number (``put_meta`` sets it)."""
+
+    pads_table: torch.Tensor
+    counters: torch.Tensor
+    rank: int
+    timeout_s: float
+    op: int
+    call_1: torch.Tensor
+
+
+def epilogue_args(epilogue: Optional[Epilogue], like: torch.Tensor) -> dict:
+    """A fusing kernel's arguments for ``epilogue``, launch options included (its asserts), or
+    without one ``BARRIER`` False and ``like`` in place of its tensors."""
+    if epilogue is None:
+        return dict(pads_table_ptr=like, counters_ptr=like, barrier_call_ptr=like, barrier_rank=0, timeout_ms=0,
+                    barrier_op=0, BARRIER=False, WORLD_SIZE=1)
+    return dict(pads_table_ptr=epilogue.pads_table, counters_ptr=epilogue.counters, barrier_call_ptr=epilogue.call_1,
+                barrier_rank=epilogue.rank, timeout_ms=_device_timeout_ms(epilogue.timeout_s), barrier_op=epilogue.op,
+                BARRIER=True, WORLD_SIZE=epilogue.pads_table.numel(), **assert_options(epilogue.call_1))
+

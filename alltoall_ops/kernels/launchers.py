@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from . import routing_plan
 from ._config import interpreting, row_blocks
-from .barrier import barrier
+from .barrier import Epilogue, barrier
 from .dispatch_layout import dispatch_layout
 from .quantize import dequantize_rows, quantize_rows
 from .row_gather import gather_rows
@@ -17,7 +17,7 @@ from .topk_reduce import topk_reduce
 from .weight_grad import weight_grad
 
 __all__ = [
-    "barrier", "dispatch_layout", "gather_pieces", "gather_rows", "interpreting", "place_slots", "plan_rows",
-    "plan_slots", "post_pieces", "post_slots", "pull_rows", "put_meta", "put_rows", "dequantize_rows", "quantize_rows",
-    "routing_plan", "row_blocks", "topk_reduce", "weight_grad",
+    "Epilogue", "barrier", "dispatch_layout", "gather_pieces", "gather_rows", "interpreting", "place_slots",
+    "plan_rows", "plan_slots", "post_pieces", "post_slots", "pull_rows", "put_meta", "put_rows", "dequantize_rows",
+    "quantize_rows", "routing_plan", "row_blocks", "topk_reduce", "weight_grad",
 ]

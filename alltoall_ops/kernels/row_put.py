@@ -47,6 +47,7 @@ import triton.language as tl
 
 from ._config import (LAUNCH_LOCK, cast_rne, launch, order_after, program_grid, require_contiguous, row_blocks,
                       tl_acc_dtype, upcast)
+from .barrier import Epilogue, advance_call, arrive_and_wait, barrier, epilogue_args, last_program_arrives
 from .region import TAG_COLUMNS, Region, or_new_token
 
 
@@ -65,9 +66,10 @@ def _select(b_index, b_table, o_w):
 def _put_rows_kernel(
     src_ptr, scale_ptr, dst_ptr, count_ptr, rows_table_ptr, out_ptr, token_ptr,
     n_rows, n_src, H, world_size,
+    pads_table_ptr, counters_ptr, barrier_call_ptr, barrier_rank, timeout_ms, barrier_op,
     K: tl.constexpr, DST_STRIDE: tl.constexpr, HAS_SCALE: tl.constexpr, ONE_OUT: tl.constexpr,
     HAS_COUNT: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_W: tl.constexpr,
+    BLOCK_W: tl.constexpr, BARRIER: tl.constexpr, WORLD_SIZE: tl.constexpr,
 ):
     order_after(token_ptr)
     n_todo = n_rows
@@ -112,6 +114,9 @@ def _put_rows_kernel(
                 b_x = cast_rne(upcast(b_x, ACC_DTYPE) * b_scale[:, None], src_ptr.dtype.element_ty)
             tl.store(p_row[:, None] + o_h[None, :], b_x, mask=m)
         b_dst = b_dst_next
+    if BARRIER:
+        last_program_arrives(pads_table_ptr, counters_ptr, barrier_rank, timeout_ms, barrier_call_ptr, barrier_op,
+                             WORLD_SIZE)
 
 
 def put_rows(
@@ -127,6 +132,7 @@ def put_rows(
     count: Optional[torch.Tensor] = None,
     token: Optional[torch.Tensor] = None,
     max_programs: Optional[int] = None,
+    epilogue: Optional[Epilogue] = None,
 ) -> None:
     """Write row ``i // top_k`` of ``src`` (rows, H) to the destination code ``dst[i]`` for every
     i < n, times ``scale.flat[i]`` when given; neighbouring i of one source row share its read.
@@ -139,10 +145,13 @@ def put_rows(
     rows, so a mostly empty capacity C costs no launch of a program per row. ``token``: a (1,)
     int64 the kernel sets to 0 (``_config.order_after``; default: a fresh one). ``max_programs``: at
     most that many programs in all (an SM budget, ``_config.program_grid``), striding the same way.
-    top_k and dst_stride are compile-time constants of the kernel: one compilation per (K, C)."""
+    top_k and dst_stride are compile-time constants of the kernel: one compilation per (K, C).
+    ``epilogue``: the barrier after the writes, run by the kernel's last program."""
     n, H = dst.numel(), src.shape[1]
     if n == 0 or H == 0:
-        if token is not None:
+        if epilogue is not None:  # nothing to write, still a barrier
+            barrier(epilogue.pads_table, epilogue.rank, epilogue.timeout_s, epilogue.op, epilogue.call_1, token=token)
+        elif token is not None:
             token.zero_()
         return
     if (out is None) == (rows_table is None):
@@ -162,7 +171,7 @@ def put_rows(
             or_new_token(token, dst.device), n, src.shape[0], H, world_size, K=top_k, DST_STRIDE=dst_stride,
             HAS_SCALE=scale is not None, ONE_OUT=out is not None, HAS_COUNT=count is not None,
             ACC_DTYPE=tl_acc_dtype(acc_dtype), BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H,
-            BLOCK_W=triton.next_power_of_2(world_size), num_warps=blocks.num_warps,
+            BLOCK_W=triton.next_power_of_2(world_size), num_warps=blocks.num_warps, **epilogue_args(epilogue, dst),
         )
 
 
@@ -170,9 +179,14 @@ def put_rows(
 def _put_meta_kernel(
     send_meta_ptr, call_ptr, meta_table_ptr, token_ptr, rank, world_size, E, e, L, n_status,
     n_slots, alignment, failed, col_n_slots, col_alignment, col_failed, col_call,
-    BLOCK_L: tl.constexpr,
+    pads_table_ptr, counters_ptr, barrier_call_ptr, barrier_rank, timeout_ms, barrier_op,
+    BLOCK_L: tl.constexpr, BARRIER: tl.constexpr, WORLD_SIZE: tl.constexpr,
 ):
     order_after(token_ptr)
+    if BARRIER:  # one program: the barrier before the puts (the peers are done with the rows), advancing the call
+        arrive_and_wait(pads_table_ptr, barrier_rank, timeout_ms, advance_call(counters_ptr, call_ptr), barrier_op,
+                        barrier_rank, WORLD_SIZE)
+        tl.debug_barrier()
     for i_peer in range(tl.program_id(0), world_size, tl.num_programs(0)):
         p_meta = tl.load(meta_table_ptr + i_peer).to(tl.pointer_type(tl.int64))
         for i_l in range(0, L, BLOCK_L):
@@ -186,26 +200,33 @@ def _put_meta_kernel(
             b_row = tl.where(o_l == E + col_failed, failed, b_row)
             b_row = tl.where(o_l == E + col_call, tl.load(call_ptr), b_row)
             tl.store(p_meta + rank * L + o_l, b_row, mask=o_l < L)
+    if BARRIER:
+        last_program_arrives(pads_table_ptr, counters_ptr, barrier_rank, timeout_ms, barrier_call_ptr, barrier_op,
+                             WORLD_SIZE)
 
 
 def put_meta(send_meta: torch.Tensor, header: tuple[int, int, int], call_1: torch.Tensor, meta_table: torch.Tensor,
              rank: int, num_experts: int, meta_columns: int, columns: tuple[int, int, int, int],
-             token: Optional[torch.Tensor] = None, max_programs: Optional[int] = None) -> None:
+             token: Optional[torch.Tensor] = None, max_programs: Optional[int] = None,
+             epilogue: Optional[Epilogue] = None) -> None:
     """This rank's metadata row into row ``rank`` of every rank's (W, L = meta_columns) int64
     metadata buffer, assembled on the way: column g < E the count of expert g (``send_meta``, the
     routing plan's (W, e + status), row g // e, column g % e), then the status (its first row's
     last columns), then the header: ``header`` = (n_slots, alignment, failed) and the call
     number ``call_1`` (1,) at the offsets ``columns`` = (n_slots, alignment, failed, call) past
     E; other columns 0. A program per peer, or at most ``max_programs`` striding over them (an
-    SM budget). token: as put_rows'."""
+    SM budget). token: as put_rows'. ``epilogue`` (its call_1 is call_1): the barrier before
+    the puts, which sets call_1 to this rank's next call number, and the one after them, both in
+    one program."""
     W, E = meta_table.numel(), num_experts
     send_meta, meta_table = send_meta.contiguous(), meta_table.contiguous()
     e = E // send_meta.shape[0]
-    grid = program_grid(W, 1, max_programs)[:1]
+    grid = (1,) if epilogue is not None else program_grid(W, 1, max_programs)[:1]
     with LAUNCH_LOCK:
         launch(_put_meta_kernel, send_meta)[grid](
             send_meta, call_1, meta_table, or_new_token(token, send_meta.device), rank, W, E, e, meta_columns,
             send_meta.shape[1] - e, *header, *columns, BLOCK_L=triton.next_power_of_2(max(1, min(meta_columns, 1024))),
+            **epilogue_args(epilogue, call_1),
         )
 
 
@@ -218,9 +239,10 @@ _SLOTS_PER_BLOCK = 1024
 def _post_slots_kernel(
     src_ptr, scale_ptr, dst_ptr, tag_index_ptr, stage_table_ptr, tags_table_ptr, token_ptr,
     n_slots, n_src, X, world_size, rank, tag_base,
+    pads_table_ptr, counters_ptr, barrier_call_ptr, barrier_rank, timeout_ms, barrier_op,
     K: tl.constexpr, DST_STRIDE: tl.constexpr, HAS_SCALE: tl.constexpr, STAGE: tl.constexpr,
     ACC_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_W: tl.constexpr,
+    BLOCK_W: tl.constexpr, BARRIER: tl.constexpr, WORLD_SIZE: tl.constexpr,
 ):
     order_after(token_ptr)
     if STAGE:  # this rank's rows, once each, into its own stage, where the receivers read them
@@ -254,6 +276,9 @@ def _post_slots_kernel(
             tl.store(p_tag + 1, o_s // K, mask=m_s)
             tl.store(p_tag + 2, b_bits, mask=m_s)
             tl.store(p_tag, b_code, mask=m_s)
+    if BARRIER:
+        last_program_arrives(pads_table_ptr, counters_ptr, barrier_rank, timeout_ms, barrier_call_ptr, barrier_op,
+                             WORLD_SIZE)
 
 
 def post_slots(
@@ -271,6 +296,7 @@ def post_slots(
     acc_dtype: torch.dtype = torch.float32,
     token: Optional[torch.Tensor] = None,
     max_programs: Optional[int] = None,
+    epilogue: Optional[Epilogue] = None,
 ) -> None:
     """The sender's half of a pulled exchange: for every slot i < N = ``dst.numel()`` with a
     destination code ``dst[i] = peer * dst_stride + row`` (-1: none), the tag of that row of
@@ -279,7 +305,7 @@ def post_slots(
     ``scale.flat[i]`` in ``acc_dtype`` or 0). With ``stage_table`` ((W,) base addresses of every
     rank's stage, 16-byte aligned), this rank's ``rows`` (n, X) are also copied into its own
     stage, once each, where ``pull_rows`` of the receivers reads them (without it they read
-    ``rows`` itself: one rank). token, max_programs: as put_rows'."""
+    ``rows`` itself: one rank). token, max_programs, epilogue: as put_rows'."""
     n_src, X = rows.shape
     N = dst.numel()
     rows, dst, scale, tag_index, tags_table = (
@@ -298,7 +324,7 @@ def post_slots(
             N, n_src, X, world_size, rank, tag_base, K=top_k, DST_STRIDE=dst_stride, HAS_SCALE=scale is not None,
             STAGE=stage_table is not None, ACC_DTYPE=tl_acc_dtype(acc_dtype), BLOCK_R=blocks.BLOCK_R,
             BLOCK_H=blocks.BLOCK_H, BLOCK_S=_SLOTS_PER_BLOCK,
-            BLOCK_W=triton.next_power_of_2(world_size), num_warps=blocks.num_warps,
+            BLOCK_W=triton.next_power_of_2(world_size), num_warps=blocks.num_warps, **epilogue_args(epilogue, dst),
         )
 
 

@@ -112,6 +112,9 @@ class SlotArgs(NamedTuple):
 # landed), then reads into fresh tensors (dispatch: each row pulled from its sender's stage).
 # Both barriers are stamped with the op and the call number of its metadata exchange (call_1,
 # device data): ranks out of step raise (CUDA: a device-side assert) there, before anything moves.
+# On CUDA symmetric memory the barrier after the writes is the writing kernel's epilogue (its
+# last program runs it), and the metadata exchange's two barriers and put are one program
+# (``_Segments.barrier_after``): 2 launches for the exchange, 3 for a dispatch or a combine.
 #
 # Compiled on CUDA (buffers whose barriers are device work), each op's body is inlined: its
 # kernels are launched by inductor's code. They reach the buffers through the address tables (graph
@@ -177,11 +180,11 @@ def symm_exchange_meta_op(
         meta = send_meta_WS  # one rank: the all-gather of one row is the row
     else:
         tables, token_1 = _addresses(buffers), _token(buffers, send_meta_WS.device)
-        call_1 = torch.empty(1, dtype=torch.int64, device=send_meta_WS.device)  # set by the barrier
-        buffers._segments.barrier(META_OP, call_1, advance=True, token=token_1)
-        loader.load().put_meta(send_meta_WS, (N, expert_alignment, int(failed)), call_1, tables[META], buffers.rank,
-                               E, buffers.meta_columns, HEADER_COLUMNS, token=token_1, max_programs=buffers.num_sms)
-        buffers._segments.barrier(META_OP, call_1, token=token_1)
+        call_1 = torch.empty(1, dtype=torch.int64, device=send_meta_WS.device)  # set by the barrier before
+        with buffers._segments.barrier_after(META_OP, call_1, token_1, before=True) as epilogue:
+            loader.load().put_meta(send_meta_WS, (N, expert_alignment, int(failed)), call_1, tables[META],
+                                   buffers.rank, E, buffers.meta_columns, HEADER_COLUMNS, token=token_1,
+                                   max_programs=buffers.num_sms, epilogue=epilogue)
         meta = _own(buffers, tables, META, (W, buffers.meta_columns), torch.int64)
     p = loader.load().place_slots(
         meta, topk_idx_TK, position_TK, num_experts=E, world_size=W, rank=buffers.rank,
@@ -304,11 +307,11 @@ def _post_and_pull(
     if encoded:  # encoded into the stage now (the peers are done with it): the post writes the tags only
         stage_bytes_TX = buffers.rows.view(-1).view(torch.uint8)[:T * X * dtype.itemsize]  # the ROWS region's start
         rows_TX = rows_TX.write(stage_bytes_TX.view(dtype).view(T, X))
-    k.post_slots(rows_TX, slot_dst_N, C, tables[TAGS], position_TK.reshape(-1), rank=buffers.rank,
-                 tag_base=buffers.rank * buffers.max_slots, top_k=K, scale=scale_TK,
-                 stage_table=None if encoded else tables[ROWS], acc_dtype=acc, token=token_1,
-                 max_programs=buffers.num_sms)
-    buffers._segments.barrier(DISPATCH_OP, call_1, token=token_1)
+    with buffers._segments.barrier_after(DISPATCH_OP, call_1, token_1) as epilogue:
+        k.post_slots(rows_TX, slot_dst_N, C, tables[TAGS], position_TK.reshape(-1), rank=buffers.rank,
+                     tag_base=buffers.rank * buffers.max_slots, top_k=K, scale=scale_TK,
+                     stage_table=None if encoded else tables[ROWS], acc_dtype=acc, token=token_1,
+                     max_programs=buffers.num_sms, epilogue=epilogue)
     k.pull_rows(_own(buffers, tables, TAGS, (C, TAG_COLUMNS), torch.int64), num_routed_1, out_CX, row_src_C,
                 stage_table=tables[ROWS], src_stride=buffers.max_slots, scaled=scale_TK is not None, acc_dtype=acc,
                 tail=tail, token=token_1, max_programs=buffers.num_sms)
@@ -390,9 +393,9 @@ def symm_combine_op(
         return y_TH, returned_NH
     tables, token_1 = _addresses(buffers), _token(buffers, expert_out_CH.device)
     buffers._segments.barrier(COMBINE_OP, call_1, token=token_1)
-    k.put_rows(expert_out_CH, row_src_C, buffers.max_slots, tables[ROWS], count=num_routed_1, token=token_1,
-               max_programs=buffers.num_sms)
-    buffers._segments.barrier(COMBINE_OP, call_1, token=token_1)
+    with buffers._segments.barrier_after(COMBINE_OP, call_1, token_1) as epilogue:
+        k.put_rows(expert_out_CH, row_src_C, buffers.max_slots, tables[ROWS], count=num_routed_1, token=token_1,
+                   max_programs=buffers.num_sms, epilogue=epilogue)
     k.topk_reduce(
         _own(buffers, tables, ROWS, (buffers.max_slots, H), expert_out_CH.dtype), position_TK, slot_dst_N, weights_TK,
         y_TH, returned_NH if save_returned else None, acc, max_programs=buffers.num_sms, token=token_1,

@@ -11,12 +11,13 @@ assert. The call number is device data (``call_1``): a CUDA graph's replays carr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import threading
 import time
 import uuid
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -93,6 +94,18 @@ class _Segments:
         metadata exchange) first set to this rank's next call number on the segments. One rank
         has no peers: nothing to wait for or compare, call_1 is left as it is. token: the op's
         ordering token (``kernels._config.order_after``), which a barrier kernel sets."""
+
+    @contextlib.contextmanager
+    def barrier_after(self, op: int, call_1: torch.Tensor, token: Optional[torch.Tensor] = None,
+                      before: bool = False) -> Iterator[Optional[Any]]:
+        """The barrier after the kernel the block launches, which writes peers' memory (and with
+        ``before``, the metadata exchange's, one advancing the call before it): barriers here,
+        around the block, which gets None; or fused into that kernel (CUDA symmetric memory), which
+        then gets their ``kernels.barrier.Epilogue``."""
+        if before:
+            self.barrier(op, call_1, advance=True, token=token)
+        yield None
+        self.barrier(op, call_1, token=token)
 
     def setup_barrier(self) -> None:
         """A host-level barrier for set-up, before any op runs."""
@@ -202,16 +215,23 @@ class _CudaSymmetricSegments(_Segments):
         self.bases = list(self._handle.buffer_ptrs)
         self.pads_table = address_table(list(self._handle.signal_pad_ptrs), device)
         self.calls_1 = torch.zeros(1, dtype=torch.int64, device=device)
-        # NB: compiled code holds the addresses (immutable) as constants, never the counter itself
-        self._calls_address = address_table([self.calls_1.data_ptr()], device)
+        self._done_1 = torch.zeros(1, dtype=torch.int64, device=device)  # a fused barrier's done programs
+        # NB: compiled code holds the addresses (immutable) as constants, never the counters themselves
+        self._counters = address_table([self.calls_1.data_ptr(), self._done_1.data_ptr()], device)
 
     def barrier(self, op: int, call_1: torch.Tensor, advance: bool = False,
                 token: Optional[torch.Tensor] = None) -> None:
         loader.load().barrier(graph_constant(self.pads_table), self._rank, self._timeout, op, call_1,
-                              graph_constant(self._calls_address) if advance else None, token)
+                              graph_constant(self._counters) if advance else None, token)
+
+    @contextlib.contextmanager
+    def barrier_after(self, op: int, call_1: torch.Tensor, token: Optional[torch.Tensor] = None,
+                      before: bool = False) -> Iterator[Optional[Any]]:
+        yield loader.load().Epilogue(graph_constant(self.pads_table), graph_constant(self._counters), self._rank,
+                                     self._timeout, op, call_1)
 
     def compiled_addresses(self) -> tuple[int, ...]:
-        return (*self.bases, *self._handle.signal_pad_ptrs, self.calls_1.data_ptr())
+        return (*self.bases, *self._handle.signal_pad_ptrs, self.calls_1.data_ptr(), self._done_1.data_ptr())
 
     def setup_barrier(self) -> None:
         torch.cuda.synchronize(self.local.device)
