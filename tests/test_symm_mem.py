@@ -228,7 +228,7 @@ def test_matches_collective(pool):
 def test_one_rank_takes_the_path_with_peers_on_request(pool1):
     # allocator='symmetric': one rank runs what ranks with peers run (barriers, the metadata put,
     # tags, its stage; on the CPU the shared-memory stand-in), so that one GPU or CPU process
-    # checks that path (a GPU with its barrier kernels, inlined with ALLTOALL_OPS_INLINE_SYMMETRIC=1).
+    # checks that path (a GPU with its barrier kernels, inlined unless ALLTOALL_OPS_INLINE_SYMMETRIC=0).
     assert pool1.run(run_against_collective, "symmetric") == [[8 * K + E * 2] * len(CASES)]
     with pytest.raises(ValueError, match="allocator='symmetric'.*process group"):
         a2a.SymmBuffers(8, H, K, E, dtype=torch.float32, device="cpu", allocator="symmetric")
@@ -517,7 +517,7 @@ class TestCompiled(TestCase):
         self.assertExpectedInline(summary, """\
 forward 0:
   alltoall_ops.symm_exchange_meta(buffers=<constant SymmBuffers>, expert_alignment=2)
-  alltoall_ops.symm_dispatch(scale_TK=None, buffers=<constant SymmBuffers>)
+  alltoall_ops.symm_dispatch(scale_TK=None, buffers=<constant SymmBuffers>, after_meta=True)
   alltoall_ops.symm_combine(weights_TK=<tensor>, buffers=<constant SymmBuffers>, save_returned=True)
 backward 0:
   alltoall_ops.symm_dispatch(scale_TK=<tensor>, buffers=<constant SymmBuffers>)
@@ -792,6 +792,37 @@ def test_rows_past_n_are_not_written_and_never_read(pool2, unwritten_as_nan):
     assert min(unwritten_as_nan) > 0  # every copy-out, forward and backward, left rows unwritten
 
 
+def test_barriers_of_a_step(monkeypatch):
+    # The barriers a training step meets, in order, as (op, advancing the call number), on two
+    # simulated ranks: the forward dispatch has no entry barrier of its own (its metadata
+    # exchange's closing barrier is it); the combine and both backward exchanges have theirs.
+    # CUDA symmetric memory runs the same sequence, the closing ones as the writers' epilogues.
+    from alltoall_ops.backends.symm_mem.segments import COMBINE_OP, DISPATCH_OP, META_OP, _SimulatedSegments
+
+    met = {0: [], 1: []}
+    barrier = _SimulatedSegments.barrier
+
+    def recording(self, op, call_1, advance=False, token=None):
+        met[self._rank].append((op, advance))
+        barrier(self, op, call_1, advance, token)
+
+    monkeypatch.setattr(_SimulatedSegments, "barrier", recording)
+    buffers = a2a.SymmBuffers.simulated(2, 5, H, K, E, dtype=torch.float64, device="cpu")
+
+    def rank_fn(rank, bufs):
+        x, topk_idx, weights, grad_y = _inputs(3, rank, 5, torch.float64, torch.float64)
+        routed, _, handle = a2a.dispatch(x.requires_grad_(), topk_idx, num_experts=E, buffers=bufs)
+        y = a2a.combine(_expert(routed), handle, weights)
+        forward = list(met[rank])
+        torch.autograd.grad(y, x, grad_y)
+        return forward, met[rank][len(forward):]
+
+    exchange = [(META_OP, True), (META_OP, False)]
+    forward = [*exchange, (DISPATCH_OP, False), (COMBINE_OP, False), (COMBINE_OP, False)]
+    backward = [(DISPATCH_OP, False)] * 2 + [(COMBINE_OP, False)] * 2  # the combine's adjoint, then the dispatch's
+    assert symm_mem.run_simulated(rank_fn, buffers) == [(forward, backward)] * 2
+
+
 def test_simulated_rank_error_breaks_the_others_barriers():
     buffers = a2a.SymmBuffers.simulated(2, 3, H, K, E, dtype=torch.float32, device="cpu", timeout=30)
 
@@ -1001,7 +1032,7 @@ def test_compiled_code_names_whether_the_ops_were_inlined(monkeypatch):
 
 def test_which_calls_are_inlined(monkeypatch):
     # Compiled code inlines a symm_mem op's body only on CUDA, where the barriers are device work
-    # (one rank's plain memory; CUDA symmetric memory with ALLTOALL_OPS_INLINE_SYMMETRIC=1), and
+    # (one rank's plain memory; CUDA symmetric memory unless ALLTOALL_OPS_INLINE_SYMMETRIC=0), and
     # never an fp8 dispatch with peers (it encodes into a tensor of the buffers, not an address).
     from types import SimpleNamespace
 
@@ -1016,11 +1047,13 @@ def test_which_calls_are_inlined(monkeypatch):
     one_rank = SimpleNamespace(device_ordered=True)
     assert inlined("cuda", one_rank, False) and inlined("cuda", one_rank, False, payload="fp8")
     assert not inlined("cpu", one_rank, False)
-    monkeypatch.delenv("ALLTOALL_OPS_INLINE_SYMMETRIC", raising=False)
+    monkeypatch.setenv("ALLTOALL_OPS_INLINE_SYMMETRIC", "0")
     assert not inlined("cuda", symmetric, True)
-    monkeypatch.setenv("ALLTOALL_OPS_INLINE_SYMMETRIC", "1")
+    monkeypatch.delenv("ALLTOALL_OPS_INLINE_SYMMETRIC")  # the default
     assert inlined("cuda", symmetric, True) and inlined("cuda", symmetric, True, payload="plain")
     assert not inlined("cuda", symmetric, True, payload="fp8")
+    monkeypatch.setenv("ALLTOALL_OPS_INLINE_SYMMETRIC", "1")
+    assert inlined("cuda", symmetric, True)
     simulated = a2a.SymmBuffers.simulated(2, 4, 8, 2, 4, dtype=torch.float32, device="cpu")[0]
     assert not simulated._segments.device_ordered  # a thread barrier: Python between the kernels
 

@@ -161,10 +161,11 @@ def barrier(pads_table: torch.Tensor, rank: int, timeout_s: float, op: int, call
 
 class Epilogue(NamedTuple):
     """The barrier after a kernel that writes peers' memory, fused into that kernel
-    (``last_program_arrives``; with ``put_meta``, the barrier before it as well): one launch
-    fewer per barrier. pads_table (W,) as ``barrier``'s; counters (2,) int64, the addresses of
-    this rank's count of calls and of its count of done programs (int64, zero between kernels);
-    the barrier's op, and call_1 (1,), its call number (``put_meta`` sets it)."""
+    (``last_program_arrives``): one launch fewer per barrier. pads_table (W,) as ``barrier``'s;
+    counters (2,) int64, the addresses of this rank's count of calls and of its count of done
+    programs (int64, zero between kernels); the barrier's op, and call_1 (1,), its call number.
+    ``advance_before``: the barrier before the writes too, which sets call_1 to this rank's next
+    call number: a one-program kernel only (``put_meta``), which the other kernels refuse."""
 
     pads_table: torch.Tensor
     counters: torch.Tensor
@@ -172,11 +173,16 @@ class Epilogue(NamedTuple):
     timeout_s: float
     op: int
     call_1: torch.Tensor
+    advance_before: bool = False
 
 
-def epilogue_args(epilogue: Optional[Epilogue], like: torch.Tensor) -> dict:
+def epilogue_args(epilogue: Optional[Epilogue], like: torch.Tensor, one_program: bool = False) -> dict:
     """A fusing kernel's arguments for ``epilogue``, launch options included (its asserts), or
-    without one ``BARRIER`` False and ``like`` in place of its tensors."""
+    without one ``BARRIER`` False and ``like`` in place of its tensors. one_program: the kernel
+    runs both barriers in one program (``Epilogue.advance_before`` must say so)."""
+    if epilogue is not None and epilogue.advance_before != one_program:
+        raise ValueError(f"epilogue: advance_before={epilogue.advance_before} in a kernel that "
+                         f"{'is' if one_program else 'is not'} one program (put_meta is; post_slots and put_rows are not)")
     if epilogue is None:
         return dict(pads_table_ptr=like, counters_ptr=like, barrier_call_ptr=like, barrier_rank=0, timeout_ms=0,
                     barrier_op=0, BARRIER=False, WORLD_SIZE=1)

@@ -215,9 +215,9 @@ def put_meta(send_meta: torch.Tensor, header: tuple[int, int, int], call_1: torc
     last columns), then the header: ``header`` = (n_slots, alignment, failed) and the call
     number ``call_1`` (1,) at the offsets ``columns`` = (n_slots, alignment, failed, call) past
     E; other columns 0. A program per peer, or at most ``max_programs`` striding over them (an
-    SM budget). token: as put_rows'. ``epilogue`` (its call_1 is call_1): the barrier before
-    the puts, which sets call_1 to this rank's next call number, and the one after them, both in
-    one program."""
+    SM budget). token: as put_rows'. ``epilogue`` (its call_1 is call_1, ``advance_before``
+    set): the barrier before the puts, which sets call_1 to this rank's next call number, and
+    the one after them, both in one program."""
     W, E = meta_table.numel(), num_experts
     send_meta, meta_table = send_meta.contiguous(), meta_table.contiguous()
     e = E // send_meta.shape[0]
@@ -226,7 +226,7 @@ def put_meta(send_meta: torch.Tensor, header: tuple[int, int, int], call_1: torc
         launch(_put_meta_kernel, send_meta)[grid](
             send_meta, call_1, meta_table, or_new_token(token, send_meta.device), rank, W, E, e, meta_columns,
             send_meta.shape[1] - e, *header, *columns, BLOCK_L=triton.next_power_of_2(max(1, min(meta_columns, 1024))),
-            **epilogue_args(epilogue, call_1),
+            **epilogue_args(epilogue, call_1, one_program=True),
         )
 
 

@@ -181,7 +181,7 @@ def symm_exchange_meta_op(
     else:
         tables, token_1 = _addresses(buffers), _token(buffers, send_meta_WS.device)
         call_1 = torch.empty(1, dtype=torch.int64, device=send_meta_WS.device)  # set by the barrier before
-        with buffers._segments.barrier_after(META_OP, call_1, token_1, before=True) as epilogue:
+        with buffers._segments.barrier_after(META_OP, call_1, token_1, advance_before=True) as epilogue:
             loader.load().put_meta(send_meta_WS, (N, expert_alignment, int(failed)), call_1, tables[META],
                                    buffers.rank, E, buffers.meta_columns, HEADER_COLUMNS, token=token_1,
                                    max_programs=buffers.num_sms, epilogue=epilogue)
@@ -219,6 +219,7 @@ def symm_dispatch_op(
     payload: str = "plain",
     out_dtype: Optional[torch.dtype] = None,
     async_op: bool = False,
+    after_meta: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(T, H) rows -> routed (C, H), routed_scale (C, B), row_src (C,) int64.
 
@@ -232,14 +233,17 @@ def symm_dispatch_op(
     rows' format, as the collective ``dispatch`` op's; a format with scales needs buffers created
     for it (``payload_dtype``): each token's packed wire row (``payload.pack``, P bytes) is what
     moves, and the receiver's pull splits it into values and scales. async_op: the barriers and
-    kernels on the communication stream, pending until ``overlap.wait``."""
+    kernels on the communication stream, pending until ``overlap.wait``. after_meta: the
+    metadata exchange of call_1 is the last exchange on the buffers before this one (a forward
+    dispatch): its closing barrier, which every peer reaches only after its last read of this
+    rank's stage and of its own tags, is the entry barrier (one launch fewer)."""
     fmt, C, H = FORMATS[payload], buffers.capacity, x_TH.shape[1]
     if fmt is not PLAIN:  # plain rows fit any buffers' stage (with fp8: combine's backward)
         check_payload(buffers, fmt)
     if fmt is PLAIN:
         values_CH, scale_CB = x_TH.new_empty(C, H), None
         row_src_C = _post_and_pull(x_TH, scale_TK, position_TK, slot_dst_N, row_slot_C, num_routed_1, call_1,
-                                   buffers, values_CH)
+                                   buffers, values_CH, after_meta=after_meta)
     else:
         # NB: each slot moves one wire row (values' bytes, then its scales'), encoded where it is
         # posted (with peers: straight into this rank's stage); the pull splits the received ones
@@ -249,7 +253,7 @@ def symm_dispatch_op(
         values_CH = x_TH.new_empty(C, H, dtype=torch.uint8)
         scale_CB = x_TH.new_empty(C, fmt.scale_columns(H), dtype=fmt.scale_dtype)
         row_src_C = _post_and_pull(wire_TP, None, position_TK, slot_dst_N, row_slot_C, num_routed_1, call_1, buffers,
-                                   values_CH, scale_CB.view(torch.uint8))
+                                   values_CH, scale_CB.view(torch.uint8), after_meta=after_meta)
     return (*fmt.decode(values_CH, scale_CB, out_dtype, num_routed_1, buffers.num_sms), row_src_C)
 
 
@@ -273,8 +277,9 @@ def _post_and_pull(
     buffers: SymmBuffers,
     out_CX: torch.Tensor,
     tail: Optional[torch.Tensor] = None,
+    after_meta: bool = False,
 ) -> torch.Tensor:
-    """The body of a dispatch: entry barrier; ``post_slots``: each slot's tag (source code, source
+    """The body of a dispatch: entry barrier (``after_meta``: the metadata exchange's); ``post_slots``: each slot's tag (source code, source
     row, scale) into the row of its destination's tags, and (W > 1) the rows ``rows_TX`` (T, X),
     once each, into this rank's stage (the ROWS region; :class:`Encoded` rows are encoded there
     instead, after the entry barrier); barrier; ``pull_rows``: each of the first num_routed rows
@@ -303,7 +308,8 @@ def _post_and_pull(
                             f"{stage_bytes} bytes")
     tables, token_1 = _addresses(buffers), _token(buffers, device)
     # NB: peers read only symmetric memory: the rows go through this rank's stage (the ROWS region)
-    buffers._segments.barrier(DISPATCH_OP, call_1, token=token_1)
+    if not after_meta:
+        buffers._segments.barrier(DISPATCH_OP, call_1, token=token_1)
     if encoded:  # encoded into the stage now (the peers are done with it): the post writes the tags only
         stage_bytes_TX = buffers.rows.view(-1).view(torch.uint8)[:T * X * dtype.itemsize]  # the ROWS region's start
         rows_TX = rows_TX.write(stage_bytes_TX.view(dtype).view(T, X))
@@ -320,7 +326,7 @@ def _post_and_pull(
 
 @symm_dispatch_op.register_fake
 def _(x_TH, scale_TK, position_TK, slot_dst_N, row_slot_C, num_routed_1, call_1, buffers, x_scale_TB=None,
-      payload="plain", out_dtype=None, async_op=False):
+      payload="plain", out_dtype=None, async_op=False, after_meta=False):
     # NB: fixed capacity C, so no data-dependent size: the graph never waits for the counts.
     fmt, C = FORMATS[payload], buffers.capacity
     if fmt is not PLAIN:

@@ -29,8 +29,8 @@ from ...groups import Group, process_group
 from ...kernels import loader
 
 INLINE_SYMMETRIC = "ALLTOALL_OPS_INLINE_SYMMETRIC"
-"""The environment variable that, set to 1 while a graph is traced, inlines symm_mem's ops on CUDA
-symmetric memory (``_CudaSymmetricSegments.device_ordered``)."""
+"""The environment variable that, set to 0 while a graph is traced, keeps symm_mem's ops on CUDA
+symmetric memory opaque calls (``_CudaSymmetricSegments.device_ordered``; inlined by default)."""
 
 META_OP, DISPATCH_OP, COMBINE_OP = 1, 2, 3
 """Barrier op codes: the metadata exchange, a dispatch's row put, a combine's row put."""
@@ -97,12 +97,13 @@ class _Segments:
 
     @contextlib.contextmanager
     def barrier_after(self, op: int, call_1: torch.Tensor, token: Optional[torch.Tensor] = None,
-                      before: bool = False) -> Iterator[Optional[Any]]:
+                      advance_before: bool = False) -> Iterator[Optional[Any]]:
         """The barrier after the kernel the block launches, which writes peers' memory (and with
-        ``before``, the metadata exchange's, one advancing the call before it): barriers here,
-        around the block, which gets None; or fused into that kernel (CUDA symmetric memory), which
-        then gets their ``kernels.barrier.Epilogue``."""
-        if before:
+        ``advance_before``, the metadata exchange's, one advancing the call before it): barriers
+        here, around the block, which gets None; or fused into that kernel (CUDA symmetric memory),
+        which then gets their ``kernels.barrier.Epilogue`` (a one-program kernel with
+        ``advance_before``: ``put_meta``)."""
+        if advance_before:
             self.barrier(op, call_1, advance=True, token=token)
         yield None
         self.barrier(op, call_1, token=token)
@@ -193,9 +194,9 @@ class _CudaSymmetricSegments(_Segments):
 
     @property
     def device_ordered(self) -> bool:
-        """Barrier kernels are device work, but their ops are inlined only with
-        ``ALLTOALL_OPS_INLINE_SYMMETRIC=1`` until that path has run on NVLink (docs/gpu.md)."""
-        return os.environ.get(INLINE_SYMMETRIC, "0") == "1"
+        """Barrier kernels are device work: their ops are inlined, unless
+        ``ALLTOALL_OPS_INLINE_SYMMETRIC=0`` (each op one opaque call; docs/gpu.md)."""
+        return os.environ.get(INLINE_SYMMETRIC, "1") != "0"
 
     def __init__(self, nbytes: int, group: Group, device: torch.device, timeout: float):
         import torch.distributed._symmetric_memory as symm_mem
@@ -226,9 +227,9 @@ class _CudaSymmetricSegments(_Segments):
 
     @contextlib.contextmanager
     def barrier_after(self, op: int, call_1: torch.Tensor, token: Optional[torch.Tensor] = None,
-                      before: bool = False) -> Iterator[Optional[Any]]:
+                      advance_before: bool = False) -> Iterator[Optional[Any]]:
         yield loader.load().Epilogue(graph_constant(self.pads_table), graph_constant(self._counters), self._rank,
-                                     self._timeout, op, call_1)
+                                     self._timeout, op, call_1, advance_before=advance_before)
 
     def compiled_addresses(self) -> tuple[int, ...]:
         return (*self.bases, *self._handle.signal_pad_ptrs, self.calls_1.data_ptr(), self._done_1.data_ptr())
