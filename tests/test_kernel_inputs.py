@@ -522,3 +522,17 @@ def test_barrier_reads_the_clock_in_every_wait_loop(kernel, world_size):
     timer_reads, asserts = map(int, out.stdout.split())
     assert timer_reads == barriers * (1 + 2 * world_size), out.stdout
     assert asserts >= barriers * (1 + 2 * world_size), "the deadline's assert in every wait loop, and the stamps'"
+
+
+@pytest.mark.parametrize("advance_before", [False, True])
+def test_only_a_one_program_kernel_takes_the_barrier_before(advance_before):
+    # Epilogue.advance_before puts the barrier before the writes into the kernel too: only a
+    # one-program kernel (put_meta) can run it for every program; the others refuse it, and
+    # put_meta refuses an epilogue without it (its kernel runs both barriers).
+    from alltoall_ops.kernels.barrier import Epilogue, epilogue_args
+
+    t = torch.zeros(2, dtype=torch.int64)
+    epilogue = Epilogue(t, t.view(1, 2), 0, 1.0, 1, t[:1], advance_before=advance_before)
+    assert epilogue_args(epilogue, t, one_program=advance_before)["BARRIER"]
+    with pytest.raises(ValueError, match=f"advance_before={advance_before} in a kernel that"):
+        epilogue_args(epilogue, t, one_program=not advance_before)

@@ -182,7 +182,8 @@ def epilogue_args(epilogue: Optional[Epilogue], like: torch.Tensor, one_program:
     runs both barriers in one program (``Epilogue.advance_before`` must say so)."""
     if epilogue is not None and epilogue.advance_before != one_program:
         raise ValueError(f"epilogue: advance_before={epilogue.advance_before} in a kernel that "
-                         f"{'is' if one_program else 'is not'} one program (put_meta is; post_slots and put_rows are not)")
+                         f"{'is' if one_program else 'is not'} one program "
+                         "(put_meta is; post_slots and put_rows are not)")
     if epilogue is None:
         return dict(pads_table_ptr=like, counters_ptr=like, barrier_call_ptr=like, barrier_rank=0, timeout_ms=0,
                     barrier_op=0, BARRIER=False, WORLD_SIZE=1)

@@ -279,8 +279,9 @@ def _post_and_pull(
     tail: Optional[torch.Tensor] = None,
     after_meta: bool = False,
 ) -> torch.Tensor:
-    """The body of a dispatch: entry barrier (``after_meta``: the metadata exchange's); ``post_slots``: each slot's tag (source code, source
-    row, scale) into the row of its destination's tags, and (W > 1) the rows ``rows_TX`` (T, X),
+    """The body of a dispatch: entry barrier (``after_meta``: the metadata exchange's);
+    ``post_slots``: each slot's tag (source code, source row, scale) into the row of its
+    destination's tags, and (W > 1) the rows ``rows_TX`` (T, X),
     once each, into this rank's stage (the ROWS region; :class:`Encoded` rows are encoded there
     instead, after the entry barrier); barrier; ``pull_rows``: each of the first num_routed rows
     of this rank's tags read from its sender's stage (one rank: from rows_TX itself), times its
