@@ -335,6 +335,27 @@ def inline_symmetric(enabled: bool = True) -> contextlib.AbstractContextManager:
 
 
 @contextlib.contextmanager
+def one_rank_group(device: torch.device) -> Iterator[None]:
+    """A default process group of this one process inside the block (NCCL with ``device`` on
+    CUDA, gloo on the CPU), destroyed after: what a one-GPU tool or benchmark needs for the
+    process-group paths (``all_to_all_single``, ``SymmBuffers(allocator="symmetric")``). An
+    existing default group is used as it is, and left alone."""
+    if dist.is_initialized():
+        yield
+        return
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=torch.device("cuda", index))
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
 def deadline(seconds: float, late: bool = False) -> Iterator[None]:
     """The library's deadline (:func:`alltoall_ops.set_timeout`) set to ``seconds`` inside the
     block, restored after. ``late``: this rank enters the block 1.5 x ``seconds`` late, so that

@@ -38,12 +38,10 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import socket
 
 import torch
-import torch.distributed as dist
 
-from alltoall_ops.testing import host_us, timer
+from alltoall_ops.testing import host_us, one_rank_group, timer
 from benchmarks._rounds import interleave, own_code, profile, ratio_cells, summarize
 from benchmarks._table import save_step_table
 from examples.train_hf_moe import build_config, next_token_loss, tokens
@@ -108,64 +106,61 @@ def main(argv: list[str] | None = None) -> int:
     unknown = wanted - set(names)
     if unknown:
         raise SystemExit(f"unknown rows {sorted(unknown)}: rows are {names}")
-    with socket.socket() as s:  # a group of one rank on a free port
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    mesh = init_device_mesh(device.type, (1,))
-    B, S = shape["batch"], shape["seq"]
-    a2a_hf.register(max_tokens_per_rank=B * S)
-    config, cls = build_config(args.model, vocab=shape["vocab"], hidden=shape["hidden"], ffn=shape["ffn"],
-                               head_dim=shape["head_dim"])
-    config._experts_implementation = "grouped_mm" if cuda else "batched_mm"
-    torch.manual_seed(0)
-    base = cls(config).to(device, dtype)
-    ids = tokens(0, B, S, config.vocab_size).to(device)
-    time_us = timer(device)
-    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
-    steps, info, want = {}, {}, None
-    torch._dynamo.reset()
-    for name in IMPLEMENTATIONS:
-        if not wanted & {name, f"{name}.compile"}:
-            continue
-        model = install(copy.deepcopy(base), name, mesh)  # one model for the eager and the compiled row
-        train_step(model, forward_of(model), ids)  # eager first: symm_mem makes its buffers here
-        for compiled in (False, True):
-            row = f"{name}.compile" if compiled else name
-            if row not in wanted:
+    with one_rank_group(device):
+        mesh = init_device_mesh(device.type, (1,))
+        B, S = shape["batch"], shape["seq"]
+        a2a_hf.register(max_tokens_per_rank=B * S)
+        config, cls = build_config(args.model, vocab=shape["vocab"], hidden=shape["hidden"], ffn=shape["ffn"],
+                                   head_dim=shape["head_dim"])
+        config._experts_implementation = "grouped_mm" if cuda else "batched_mm"
+        torch.manual_seed(0)
+        base = cls(config).to(device, dtype)
+        ids = tokens(0, B, S, config.vocab_size).to(device)
+        time_us = timer(device)
+        tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
+        steps, info, want = {}, {}, None
+        torch._dynamo.reset()
+        for name in IMPLEMENTATIONS:
+            if not wanted & {name, f"{name}.compile"}:
                 continue
-            # each compiled row through a code object of its own: no row runs on (or checks the
-            # guards of) another row's cache entries, and no dynamo reset is needed between rows
-            counters.clear()
-            forward = torch.compile(own_code(forward_of(model), row)) if compiled else forward_of(model)
-            loss = train_step(model, forward, ids)  # compiles
-            graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
-            if want is None:
-                want = loss, grads(model)
-            torch.testing.assert_close(loss, want[0], **tol)
-            for g, w in zip(grads(model), want[1]):
-                torch.testing.assert_close(g, w, **tol)
-            steps[row] = functools.partial(train_step, model, forward, ids)
-            info[row] = dict(graphs=graphs, graph_breaks=breaks)
-            print(f"{row:30s} checked against plain: {graphs} graphs, {breaks} graph breaks", flush=True)
-    samples = interleave(steps, args.rounds, time_us, functools.partial(host_us, n=10))
-    stats = summarize(samples, lambda row: "plain.compile" if row.endswith(".compile") else "plain")
-    rows = [dict(row=row, **info[row], **stats[row]) for row in steps]
-    device_name = torch.cuda.get_device_name() if cuda else "CPU"
-    what = (f"{args.model}, 2 layers, H={shape['hidden']}, F={shape['ffn']}, 8 experts, top-2, "
-            f"T={B * S} tokens a step, {dtype}, {device_name}, torch {torch.__version__}")
-    lines = [f"# One training step of a transformers model, EP = 1 ({what})", "",
-             f"Medians over {args.rounds} rounds (every row once a round, a fresh order each round); vs plain: "
-             "each round's step time over that round's plain row (eager or compiled), median and range over rounds.",
-             "", "| row | step (us) | host (us) | vs plain | vs plain, min-max | graphs | graph breaks |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['row']} | {r['step_us']:.1f} | {r['host_us']:.1f} | {ratio_cells(r)} "
-                     f"| {r['graphs']} | {r['graph_breaks']} |")
-    save_step_table(args.out, "hf_step", what, rows, lines, rounds=args.rounds)
-    for row in args.profile:
-        profile(row, steps[row])
-    dist.destroy_process_group()
+            model = install(copy.deepcopy(base), name, mesh)  # one model for the eager and the compiled row
+            train_step(model, forward_of(model), ids)  # eager first: symm_mem makes its buffers here
+            for compiled in (False, True):
+                row = f"{name}.compile" if compiled else name
+                if row not in wanted:
+                    continue
+                # each compiled row through a code object of its own: no row runs on (or checks the
+                # guards of) another row's cache entries, and no dynamo reset is needed between rows
+                counters.clear()
+                forward = torch.compile(own_code(forward_of(model), row)) if compiled else forward_of(model)
+                loss = train_step(model, forward, ids)  # compiles
+                graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+                if want is None:
+                    want = loss, grads(model)
+                torch.testing.assert_close(loss, want[0], **tol)
+                for g, w in zip(grads(model), want[1]):
+                    torch.testing.assert_close(g, w, **tol)
+                steps[row] = functools.partial(train_step, model, forward, ids)
+                info[row] = dict(graphs=graphs, graph_breaks=breaks)
+                print(f"{row:30s} checked against plain: {graphs} graphs, {breaks} graph breaks", flush=True)
+        samples = interleave(steps, args.rounds, time_us, functools.partial(host_us, n=10))
+        stats = summarize(samples, lambda row: "plain.compile" if row.endswith(".compile") else "plain")
+        rows = [dict(row=row, **info[row], **stats[row]) for row in steps]
+        device_name = torch.cuda.get_device_name() if cuda else "CPU"
+        what = (f"{args.model}, 2 layers, H={shape['hidden']}, F={shape['ffn']}, 8 experts, top-2, "
+                f"T={B * S} tokens a step, {dtype}, {device_name}, torch {torch.__version__}")
+        lines = [f"# One training step of a transformers model, EP = 1 ({what})", "",
+                 f"Medians over {args.rounds} rounds (every row once a round, a fresh order each round); vs plain: "
+                 "each round's step time over that round's plain row (eager or compiled), median and range "
+                 "over rounds.",
+                 "", "| row | step (us) | host (us) | vs plain | vs plain, min-max | graphs | graph breaks |",
+                 "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['row']} | {r['step_us']:.1f} | {r['host_us']:.1f} | {ratio_cells(r)} "
+                         f"| {r['graphs']} | {r['graph_breaks']} |")
+        save_step_table(args.out, "hf_step", what, rows, lines, rounds=args.rounds)
+        for row in args.profile:
+            profile(row, steps[row])
     return 0
 
 

@@ -12,6 +12,9 @@ combine only:
   weighted rows: what a user writes by hand, with no host sync (the row count is T * K).
 - ``local``: ``alltoall_ops.moe.MoE`` with ``backend="local"`` (no host sync; C = T * K rows).
 - ``symm``: ``backend="symm_mem"`` with ``SymmBuffers`` (no host sync; capacity C = T * K).
+- ``symm_peers``: the same over buffers that take the path with peers against themselves
+  (``allocator="symmetric"`` in a one-rank group: barrier kernels, metadata put, tags, stage), what
+  every rank of a multi-GPU run launches; on the CPU the shared-memory stand-in.
 
 Suffixes: ``.compile`` (fullgraph), ``.compile.graph`` (``mode="reduce-overhead"``, CUDA graph
 trees), ``.compile.cudagraph`` (the compiled forward captured by hand with ``torch.cuda.graph``
@@ -36,8 +39,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import alltoall_ops as a2a
+from alltoall_ops.groups import NO_GROUP
 from alltoall_ops.moe import MoE
-from alltoall_ops.testing import host_us, timer
+from alltoall_ops.testing import host_us, one_rank_group, timer
 
 from .bench import Captured
 
@@ -72,7 +76,7 @@ def kernels_outside_graphs(step: Callable[[], object]) -> tuple[int, int]:
     return graphs, kernels
 
 
-LAYERS = ("plain", "local", "symm")
+LAYERS = ("plain", "local", "symm", "symm_peers")
 
 
 def run_shape(name: str, shape, device: torch.device, backend: str, time_us, rows: list, notes: list,
@@ -80,15 +84,19 @@ def run_shape(name: str, shape, device: torch.device, backend: str, time_us, row
     T, H, F, E, K = shape
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(T + H)
-    local = MoE(H, F, E, K, backend="local", device=device, dtype=dtype)
-    bufs = a2a.SymmBuffers(T, H, K, E, dtype=dtype, device=device)
-    symm = MoE(H, F, E, K, backend="symm_mem", buffers=bufs, device=device, dtype=dtype)
-    symm.load_state_dict(local.state_dict())
+    local = MoE(H, F, E, K, backend="local", group=NO_GROUP, device=device, dtype=dtype)
+    layers = {"plain": (local, lambda x_: plain_forward(local, x_)), "local": (local, local)}
+    # NB: only symm_peers' buffers take the one-rank process group (the others: no group at all)
+    for label, group, allocator in (("symm", NO_GROUP, "auto"), ("symm_peers", None, "symmetric")):
+        if label in wanted:
+            bufs = a2a.SymmBuffers(T, H, K, E, dtype=dtype, device=device, group=group, allocator=allocator)
+            symm = MoE(H, F, E, K, backend="symm_mem", buffers=bufs, group=group, device=device, dtype=dtype)
+            symm.load_state_dict(local.state_dict())
+            layers[label] = (symm, symm)
+    layers = {label: layer for label, layer in layers.items() if label in wanted}
     x = torch.randn(T, H, device=device, dtype=dtype)
     grad_y = torch.randn(T, H, device=device, dtype=dtype)
     training = name.startswith("train")
-    layers = {"plain": (local, lambda x_: plain_forward(local, x_)), "local": (local, local), "symm": (symm, symm)}
-    layers = {label: layer for label, layer in layers.items() if label in wanted}
     reference: dict = {}  # op -> the eager plain layer's result
 
     for label, (module, fn) in layers.items():
@@ -180,9 +188,10 @@ def main(argv=None) -> int:
     shapes = SMOKE_SHAPES if device.type == "cpu" else MOE_SHAPES
     rows: list = []
     notes: list = []
-    for name in args.shapes:
-        run_shape(name, shapes[name], device, backend, timer(device), rows, notes, tuple(args.layers))
-        torch._dynamo.reset()
+    with one_rank_group(device):  # the process group symm_peers' buffers take
+        for name in args.shapes:
+            run_shape(name, shapes[name], device, backend, timer(device), rows, notes, tuple(args.layers))
+            torch._dynamo.reset()
     text = markdown(rows, notes)
     print(text)
     if args.out:

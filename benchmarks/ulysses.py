@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 import alltoall_ops as a2a
 from alltoall_ops.backends.symm_mem import run_simulated
-from alltoall_ops.testing import simulated_ulysses_attention, timer
+from alltoall_ops.testing import one_rank_group, simulated_ulysses_attention, timer
 from alltoall_ops.ulysses import symm_seq_to_head_op
 
 from .bench import Captured
@@ -211,33 +211,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (times mean nothing)")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.smoke else "cuda")
-    if not dist.is_initialized():
-        gpu = {} if args.smoke else {"device_id": torch.device("cuda", torch.cuda.current_device())}
-        dist.init_process_group("gloo" if args.smoke else "nccl", store=dist.HashStore(), rank=0, world_size=1, **gpu)
-    shapes = SMOKE_SHAPES if args.smoke else {k: SHAPES[k] for k in args.shapes}
-    rounds = 1 if args.smoke else args.rounds
-    time_us = timer(device)
-    results = []
-    for shape in shapes.values():
-        rows = cases(shape, device, args.worlds)
-        samples = timed_rounds({row: step for row, (step, _) in rows.items()}, rounds, time_us, f"{shape} ")
-        for row, s in summarized(samples, "deepspeed.w1").items():
-            results.append(dict(shape=list(shape), row=row, **s,
-                                gb_s=round(rows[row][1] / s["us"] / 1e3, 1) if row.startswith("seq_to_head") else None))
-    lines = [f"# Ulysses on one {'CPU (smoke)' if args.smoke else torch.cuda.get_device_name()}, bf16, "
-             f"{rounds} rounds", "",
-             "| shape (B, S, H, D) | row | us (median) | min-max | / floor (exchange), / deepspeed.w1 (attention), "
-             "/ one exchange (projections) | GB/s |", "|---|---|---|---|---|---|"]
-    lines += [f"| {tuple(r['shape'])} | {r['row']} | {r['us']} | {r['min_us']}-{r['max_us']} | {r['ratio']:.2f}x | "
-              f"{r['gb_s'] if r['gb_s'] is not None else ''} |" for r in results]
-    print("\n".join(lines))
-    if args.out:
-        tag = "smoke" if args.smoke else "gpu"
-        with open(os.path.join(args.out, f"ulysses_{tag}.json"), "w") as f:
-            json.dump(results, f, indent=1)
-        with open(os.path.join(args.out, f"ulysses_{tag}.md"), "w") as f:
-            f.write("\n".join(lines) + "\n")
-    dist.destroy_process_group()
+    with one_rank_group(device):
+        shapes = SMOKE_SHAPES if args.smoke else {k: SHAPES[k] for k in args.shapes}
+        rounds = 1 if args.smoke else args.rounds
+        time_us = timer(device)
+        results = []
+        for shape in shapes.values():
+            rows = cases(shape, device, args.worlds)
+            samples = timed_rounds({row: step for row, (step, _) in rows.items()}, rounds, time_us, f"{shape} ")
+            for row, s in summarized(samples, "deepspeed.w1").items():
+                gb_s = round(rows[row][1] / s["us"] / 1e3, 1) if row.startswith("seq_to_head") else None
+                results.append(dict(shape=list(shape), row=row, **s, gb_s=gb_s))
+        lines = [f"# Ulysses on one {'CPU (smoke)' if args.smoke else torch.cuda.get_device_name()}, bf16, "
+                 f"{rounds} rounds", "",
+                 "| shape (B, S, H, D) | row | us (median) | min-max | / floor (exchange), / deepspeed.w1 (attention), "
+                 "/ one exchange (projections) | GB/s |", "|---|---|---|---|---|---|"]
+        lines += [f"| {tuple(r['shape'])} | {r['row']} | {r['us']} | {r['min_us']}-{r['max_us']} | {r['ratio']:.2f}x | "
+                  f"{r['gb_s'] if r['gb_s'] is not None else ''} |" for r in results]
+        print("\n".join(lines))
+        if args.out:
+            tag = "smoke" if args.smoke else "gpu"
+            with open(os.path.join(args.out, f"ulysses_{tag}.json"), "w") as f:
+                json.dump(results, f, indent=1)
+            with open(os.path.join(args.out, f"ulysses_{tag}.md"), "w") as f:
+                f.write("\n".join(lines) + "\n")
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from alltoall_ops import testing
 from tools import gpu_check
 
 pytestmark = pytest.mark.gpu
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def one_rank_group():
-    with gpu_check.one_rank_group():
+    with testing.one_rank_group(gpu_check.DEVICE):
         yield
 
 

@@ -13,37 +13,32 @@ reading to trust."""
 from __future__ import annotations
 
 import cProfile
-import os
 import pstats
-import tempfile
 import time
 
 import torch
-import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import alltoall_ops as a2a
 from alltoall_ops.groups import NO_GROUP
-from alltoall_ops.testing import inline_symmetric
+from alltoall_ops.testing import inline_symmetric, one_rank_group
 
 T, H, K, E = 128, 7168, 8, 256
 
 
 def main() -> None:
-    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
-    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    weights, topk_idx = torch.randn(T, E, device="cuda").softmax(-1).topk(K, dim=-1)
-    one_rank = a2a.SymmBuffers(T, H, K, E, dtype=torch.bfloat16, device="cuda", group=NO_GROUP)
-    peer_path = a2a.SymmBuffers(T, H, K, E, dtype=torch.bfloat16, device="cuda", allocator="symmetric")
+    with one_rank_group(torch.device("cuda", 0)):
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        weights, topk_idx = torch.randn(T, E, device="cuda").softmax(-1).topk(K, dim=-1)
+        one_rank = a2a.SymmBuffers(T, H, K, E, dtype=torch.bfloat16, device="cuda", group=NO_GROUP)
+        peer_path = a2a.SymmBuffers(T, H, K, E, dtype=torch.bfloat16, device="cuda", allocator="symmetric")
 
-    def step(buffers, backend):
-        routed, _, handle = a2a.dispatch(x, topk_idx, num_experts=E, buffers=buffers, backend=backend)
-        return a2a.combine(routed, handle, weights)
+        def step(buffers, backend):
+            routed, _, handle = a2a.dispatch(x, topk_idx, num_experts=E, buffers=buffers, backend=backend)
+            return a2a.combine(routed, handle, weights)
 
-    rows = (("symm_mem", one_rank, "symm_mem"), ("symm_mem, path with peers, inlined", peer_path, "symm_mem"),
-            ("local", None, "local"))
-    try:
+        rows = (("symm_mem", one_rank, "symm_mem"), ("symm_mem, path with peers, inlined", peer_path, "symm_mem"),
+                ("local", None, "local"))
         with inline_symmetric():  # read while each row's graph is traced
             for name, buffers, backend in rows:
                 torch._dynamo.reset()
@@ -70,8 +65,6 @@ def main() -> None:
                 torch.cuda.synchronize()
                 profiler.disable()
                 pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
-    finally:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

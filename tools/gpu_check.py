@@ -9,18 +9,15 @@ the collective backend over a one-rank NCCL group, Ulysses, and the SAC comm-op 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
-from typing import Iterator
 
 import torch
-import torch.distributed as dist
 
 import alltoall_ops as a2a
 from alltoall_ops import layout
 from alltoall_ops.inspect import compiled_graphs
-from alltoall_ops.testing import moe_step
+from alltoall_ops.testing import moe_step, one_rank_group
 from tools.checks import run_checks
 
 DEVICE = torch.device(os.environ.get("GPU_CHECK_DEVICE", "cuda:0"))  # "cpu": a dry run here
@@ -171,24 +168,10 @@ def ulysses_cuda():
     return "attention wrapper == sdpa, compiled ok"
 
 
-@contextlib.contextmanager
-def one_rank_group() -> Iterator[None]:
-    """The default process group the checks run in: one rank, NCCL on cuda (gloo for a dry run)."""
-    store = dist.FileStore(f"/tmp/gpu_check_store_{os.getpid()}", 1)
-    if DEVICE.type == "cuda":
-        dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=DEVICE)
-    else:
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def main() -> int:
     name = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu"
     print(f"torch {torch.__version__}, {name}", flush=True)
-    with one_rank_group():
+    with one_rank_group(DEVICE):  # NCCL on cuda (gloo for a dry run)
         return run_checks(CHECKS)
 
 

@@ -37,7 +37,7 @@ from alltoall_ops.backends import symm_mem
 from alltoall_ops.backends.symm_mem import ops as symm_ops
 from alltoall_ops.kernels import loader
 from alltoall_ops.rows import weight_grad_op
-from alltoall_ops.testing import DistributedPool, inline_symmetric, timer
+from alltoall_ops.testing import DistributedPool, inline_symmetric, one_rank_group, timer
 
 DEVICE = torch.device(os.environ.get("GPU_SYMM_DEVICE", "cuda:0"))  # "cpu": a dry run (interpreter)
 ROWS: list[tuple[str, str, str]] = []
@@ -386,15 +386,11 @@ def check_symmetric_memory_one_rank() -> str:
     those ops inlined (``ALLTOALL_OPS_INLINE_SYMMETRIC=1``: inductor launches every kernel,
     barriers included), forward and backward."""
     import re
-    import tempfile
 
-    import torch.distributed as dist
     from torch._inductor.utils import run_and_get_code
 
-    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=DEVICE)
-    try:
-        with inline_symmetric():  # read while the graphs are traced
+    with one_rank_group(DEVICE):
+        with inline_symmetric():  # read while the graphs are traced (the default; explicit here)
             spec = _spec(50, T=40, H=128)
             E, A = spec["E"], spec["A"]
             bufs = a2a.SymmBuffers(spec["T"], spec["H"], spec["K"], E, dtype=spec["dtype"], device=DEVICE,
@@ -436,13 +432,13 @@ def check_symmetric_memory_one_rank() -> str:
             assert not [c for c in codes if "alltoall_ops.symm_" in c], "a symm_mem op is still called, not inlined"
             barriers = [len(re.findall(r"\b_barrier_kernel_\d+\.run\(", c)) for c in codes]
             launches = [len(re.findall(r"\.run\(", c)) for c in codes]
-            # the forward's: the dispatch's and the combine's first (the others are fused into the kernels)
-            assert sum(barriers) >= 2, barriers
+            # barrier kernels of their own: the forward's combine; the backward's dispatch and combine (the
+            # closing barriers are fused into the kernels that write, the forward dispatch's entry is the
+            # metadata exchange's)
+            assert sorted(barriers) == [1, 2], barriers
             return (f"C={bufs.capacity}: 2 routings equal to the local backend, eager and compiled with the ops "
                     f"inlined, and two independent exchanges in one graph; inductor's code per graph (forward, "
                     f"backward): {launches} launches, of which barriers {barriers}")
-    finally:
-        dist.destroy_process_group()
 
 
 def check_timing() -> str:

@@ -11,18 +11,15 @@ barrier), per rank.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import alltoall_ops as a2a
 from alltoall_ops.backends.symm_mem import run_simulated
 from alltoall_ops.groups import NO_GROUP
-from alltoall_ops.testing import inline_symmetric
+from alltoall_ops.testing import inline_symmetric, one_rank_group
 from benchmarks._rounds import own_code
 from tools.before_after import timed
 
@@ -31,35 +28,34 @@ HOST_STEPS = 50
 
 
 def main() -> None:
-    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
-    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    weights, topk_idx = torch.randn(T, E, device="cuda").softmax(-1).topk(K, dim=-1)
-    one_rank = a2a.SymmBuffers(T, H, K, E, dtype=torch.bfloat16, device="cuda", group=NO_GROUP)
-    peer_path = a2a.SymmBuffers(T, H, K, E, dtype=torch.bfloat16, device="cuda", allocator="symmetric")
+    with one_rank_group(torch.device("cuda", 0)):
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        weights, topk_idx = torch.randn(T, E, device="cuda").softmax(-1).topk(K, dim=-1)
+        one_rank = a2a.SymmBuffers(T, H, K, E, dtype=torch.bfloat16, device="cuda", group=NO_GROUP)
+        peer_path = a2a.SymmBuffers(T, H, K, E, dtype=torch.bfloat16, device="cuda", allocator="symmetric")
 
-    def step(buffers):
-        routed, _, handle = a2a.dispatch(x, topk_idx, num_experts=E, buffers=buffers,  # group: the buffers'
-                                         backend="local" if buffers is None else "symm_mem")
-        return a2a.combine(routed, handle, weights)
+        def step(buffers):
+            routed, _, handle = a2a.dispatch(x, topk_idx, num_experts=E, buffers=buffers,  # group: the buffers'
+                                             backend="local" if buffers is None else "symm_mem")
+            return a2a.combine(routed, handle, weights)
 
-    def compiled(name: str, buffers, inline: bool = False) -> Callable[[], object]:
-        fn = torch.compile(own_code(lambda: step(buffers), name), fullgraph=True)
-        with inline_symmetric(inline):  # read while the graph is traced: here, at its first call
-            fn()
-        return fn
+        def compiled(name: str, buffers, inline: bool = False) -> Callable[[], object]:
+            fn = torch.compile(own_code(lambda: step(buffers), name), fullgraph=True)
+            with inline_symmetric(inline):  # read while the graph is traced: here, at its first call
+                fn()
+            return fn
 
-    rows: list[tuple[str, int, Callable[[], object]]] = [
-        ("compiled symm_mem W=1", 1, compiled("one_rank", one_rank)),
-        ("compiled symm_mem W=1, path with peers, ops opaque", 1, compiled("peer_opaque", peer_path)),
-        ("compiled symm_mem W=1, path with peers, ops inlined", 1, compiled("peer_inlined", peer_path, inline=True)),
-        ("compiled local", 1, compiled("local", None)),
-    ]
-    for W in (2, 4, 8):
-        peers = a2a.SymmBuffers.simulated(W, T, H, K, E, dtype=torch.bfloat16, device="cuda")
-        rows.append((f"eager symm_mem W={W} simulated, per rank", W,
-                     lambda p=peers: run_simulated(lambda rank, b: step(b), p)))
-    try:
+        rows: list[tuple[str, int, Callable[[], object]]] = [
+            ("compiled symm_mem W=1", 1, compiled("one_rank", one_rank)),
+            ("compiled symm_mem W=1, path with peers, ops opaque", 1, compiled("peer_opaque", peer_path)),
+            ("compiled symm_mem W=1, path with peers, ops inlined", 1,
+             compiled("peer_inlined", peer_path, inline=True)),
+            ("compiled local", 1, compiled("local", None)),
+        ]
+        for W in (2, 4, 8):
+            peers = a2a.SymmBuffers.simulated(W, T, H, K, E, dtype=torch.bfloat16, device="cuda")
+            rows.append((f"eager symm_mem W={W} simulated, per rank", W,
+                         lambda p=peers: run_simulated(lambda rank, b: step(b), p)))
         for name, ranks, run in rows:
             _, host_us = timed(run, HOST_STEPS)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -70,8 +66,6 @@ def main() -> None:
                   f"{sum(e.device_time for e in kernels) / ranks:.1f} us of kernel time, {host_us:.1f} us of host "
                   f"time to issue a step (all ranks):")
             print("   " + ", ".join(f"{e.name[:40]} {e.device_time:.1f}" for e in kernels[: len(kernels) // ranks]))
-    finally:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
