@@ -93,6 +93,14 @@ def ratio_cells(s: dict) -> str:
     return f"{s['ratio']:.2f}x | {s['ratio_min']:.2f}-{s['ratio_max']:.2f}x"
 
 
+def rounds_note(rounds: int, base: str, each: str = "") -> str:
+    """The line under a rounds table that says what its cells are: ``base`` the reference row,
+    ``each`` what "every row" ranges over (e.g. " of a T")."""
+    return (f"Medians over {rounds} rounds (every row{each} once a round, a fresh order each round); vs {base}: "
+            f"each round's step time over that round's {base} row (eager or compiled), median and range over "
+            "rounds.")
+
+
 def profile(row: str, step: Callable[[], object], steps: int = 5, row_limit: int = 40,
             sort_by: Optional[str] = None) -> None:
     """Print a ``torch.profiler`` table of ``steps`` steps of one row (after one step outside the

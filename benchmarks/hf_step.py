@@ -42,7 +42,7 @@ import functools
 import torch
 
 from alltoall_ops.testing import host_us, one_rank_group, timer
-from benchmarks._rounds import interleave, own_code, profile, ratio_cells, summarize
+from benchmarks._rounds import interleave, own_code, profile, ratio_cells, rounds_note, summarize
 from benchmarks._table import save_step_table
 from examples.train_hf_moe import build_config, next_token_loss, tokens
 
@@ -150,9 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         what = (f"{args.model}, 2 layers, H={shape['hidden']}, F={shape['ffn']}, 8 experts, top-2, "
                 f"T={B * S} tokens a step, {dtype}, {device_name}, torch {torch.__version__}")
         lines = [f"# One training step of a transformers model, EP = 1 ({what})", "",
-                 f"Medians over {args.rounds} rounds (every row once a round, a fresh order each round); vs plain: "
-                 "each round's step time over that round's plain row (eager or compiled), median and range "
-                 "over rounds.",
+                 rounds_note(args.rounds, "plain"),
                  "", "| row | step (us) | host (us) | vs plain | vs plain, min-max | graphs | graph breaks |",
                  "|---|---|---|---|---|---|---|"]
         for r in rows:

@@ -31,7 +31,7 @@ import torch
 from alltoall_ops import SymmBuffers  # first: without CUDA it sets TRITON_INTERPRET before triton loads
 from alltoall_ops.testing import host_us, timer
 from alltoall_ops.torchtitan import TokenDispatcher
-from benchmarks._rounds import interleave, own_code, profile, ratio_cells, summarize
+from benchmarks._rounds import interleave, own_code, profile, ratio_cells, rounds_note, summarize
 from benchmarks._table import save_step_table
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import MoE, RoutedExperts, GroupedExperts, TokenChoiceTopKRouter
@@ -131,9 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     what = (f"torchtitan MoE, D={shape['D']}, FF={shape['F']}, E={shape['E']}, top-{shape['K']}, fwd+bwd, "
             f"{dtype}, {device_name}, torch {torch.__version__}")
     lines = [f"# One step of torchtitan's MoE by token dispatcher, EP = 1 ({what})", "",
-             f"Medians over {args.rounds} rounds (every row of a T once a round, a fresh order each round); "
-             "vs titan: each round's step time over that round's titan row (eager or compiled), median and range "
-             "over rounds.", "",
+             rounds_note(args.rounds, "titan", " of a T"), "",
              "| T | row | step (us) | host (us) | vs titan | vs titan, min-max |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['T']} | {r['row']} | {r['step_us']:.1f} | {r['host_us']:.1f} | {ratio_cells(r)} |")

@@ -108,9 +108,9 @@ def test_q_first_forward_equals_one_exchange(W):
     bit for bit, eager and replayed from a CUDA graph (forward: see the module docstring).
 
     The projections are elementwise (several kernels, so a k / v exchange that did not wait for
-    them would read stale rows): a matmul is not bitwise reproducible beside another stream's
-    work (cuBLAS may pick another algorithm while several streams are active), which made this
-    test fail on one H100 and one H200 with projections as matmuls."""
+    them would read stale rows): cuBLAS does not promise a matmul bit for bit while several
+    streams are active (it may pick another algorithm), the likely cause of this test's failures
+    on one H100 and one H200 while its projections were matmuls (docs/gpu.md, 2026-12-05)."""
     B, S, H, D = 1, 256 * W, 4 * W, 64
     x = torch.randn(B, S, H * D, device="cuda", dtype=torch.bfloat16)
     shifts = [torch.randn(H * D, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
