@@ -429,6 +429,8 @@ def check_symmetric_memory_one_rank() -> str:
             for got, i in zip(pair(*inputs), inputs):
                 assert torch.equal(got, forward(*i, "local", None)[0]), "two exchanges on one buffers interleaved"
             torch.cuda.synchronize()
+            # every program of a kernel with a fused barrier counted itself once, and the last reset the count
+            assert int(bufs._segments._done_1) == 0, f"fused barriers' count of done programs: {bufs._segments._done_1}"
             assert not [c for c in codes if "alltoall_ops.symm_" in c], "a symm_mem op is still called, not inlined"
             barriers = [len(re.findall(r"\b_barrier_kernel_\d+\.run\(", c)) for c in codes]
             launches = [len(re.findall(r"\.run\(", c)) for c in codes]
