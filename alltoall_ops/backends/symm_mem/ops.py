@@ -281,12 +281,11 @@ def _post_and_pull(
 ) -> torch.Tensor:
     """The body of a dispatch: entry barrier (``after_meta``: the metadata exchange's);
     ``post_slots``: each slot's tag (source code, source row, scale) into the row of its
-    destination's tags, and (W > 1) the rows ``rows_TX`` (T, X),
-    once each, into this rank's stage (the ROWS region; :class:`Encoded` rows are encoded there
-    instead, after the entry barrier); barrier; ``pull_rows``: each of the first num_routed rows
-    of this rank's tags read from its sender's stage (one rank: from rows_TX itself), times its
-    scale, into ``out_CX`` (with ``tail``: its first columns, the rest into tail; rows past
-    num_routed not written). Each row is written once where it is used. One rank: only the pull,
+    destination's tags, and (W > 1) the rows ``rows_TX`` (T, X), once each, into this rank's
+    stage (the ROWS region; :class:`Encoded` rows are encoded there instead, after the entry
+    barrier); barrier; ``pull_rows``: each of the first num_routed rows of this rank's tags read
+    from its sender's stage (one rank: from rows_TX itself), times its scale, into ``out_CX``
+    (with ``tail``: its first columns, the rest into tail; rows past num_routed not written). Each row is written once where it is used. One rank: only the pull,
     by the placement's ``row_slot_C`` (no peers, no tags, no barrier). Returns row_src (C,)."""
     k, device = loader.load(), out_CX.device
     (T, K), C = position_TK.shape, buffers.capacity
