@@ -285,8 +285,9 @@ def _post_and_pull(
     stage (the ROWS region; :class:`Encoded` rows are encoded there instead, after the entry
     barrier); barrier; ``pull_rows``: each of the first num_routed rows of this rank's tags read
     from its sender's stage (one rank: from rows_TX itself), times its scale, into ``out_CX``
-    (with ``tail``: its first columns, the rest into tail; rows past num_routed not written). Each row is written once where it is used. One rank: only the pull,
-    by the placement's ``row_slot_C`` (no peers, no tags, no barrier). Returns row_src (C,)."""
+    (with ``tail``: its first columns, the rest into tail; rows past num_routed not written).
+    Each row is written once where it is used. One rank: only the pull, by the placement's
+    ``row_slot_C`` (no peers, no tags, no barrier). Returns row_src (C,)."""
     k, device = loader.load(), out_CX.device
     (T, K), C = position_TK.shape, buffers.capacity
     encoded = isinstance(rows_TX, Encoded)
