@@ -1,6 +1,6 @@
 """Package-level behaviour: the version, what goes to the ``alltoall_ops`` logger, the Triton
-interpreter switch on a machine without CUDA, a light import, and dynamo imported before a checked
-op's checks (in fresh processes)."""
+interpreter switch on a machine without CUDA, a light import, dynamo imported before a checked
+op's checks (in fresh processes), and the one-rank process group of ``testing``."""
 
 from __future__ import annotations
 
@@ -110,3 +110,21 @@ def test_a_checked_op_imports_dynamo_before_its_checks():
     assert "dynamo at import False" in out.stdout, out.stdout
     assert "dynamo at the check True" in out.stdout, out.stdout
     assert "raised bad argument" in out.stdout, out.stdout
+
+
+def test_one_rank_group_is_made_for_the_block_or_left_alone():
+    # testing.one_rank_group: the default process group one-GPU tools and benchmarks take (gloo on
+    # the CPU), gone after the block; inside one, an existing group is used as it is.
+    import torch.distributed as dist
+
+    from alltoall_ops.testing import one_rank_group
+
+    assert not dist.is_initialized()
+    with one_rank_group(torch.device("cpu")):
+        assert (dist.get_world_size(), dist.get_backend()) == (1, "gloo")
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        with one_rank_group(torch.device("cpu")):
+            assert dist.get_world_size() == 1
+        assert dist.is_initialized() and t.tolist() == [1.0, 1.0, 1.0]
+    assert not dist.is_initialized()
