@@ -35,7 +35,7 @@ import torch.distributed as dist
 import alltoall_ops as a2a
 from alltoall_ops.ulysses import symm_seq_to_head_op
 
-from .bench_multigpu import captured, init_ranks, run_checks, say, time_us
+from .bench_multigpu import captured, init_ranks, leave_together, run_checks, say, time_us
 from .ulysses import SHAPES, _deepspeed_attention, _SeqAllToAll, fwd_bwd_step, summarized, timed_rounds
 
 DRY_SHAPES = {"dry": (1, 16, 4, 8)}
@@ -185,6 +185,7 @@ def main(argv=None) -> int:
         if args.bench:
             shapes = DRY_SHAPES if args.cpu else {k: SHAPES[k] for k in args.shapes}
             bench(device, shapes, 1 if args.cpu else args.rounds, args.out)
+        leave_together()
     finally:
         dist.destroy_process_group()
     return 1 if failed else 0
