@@ -23,6 +23,7 @@ import multiprocessing as mp
 import multiprocessing.util as mp_util
 import os
 import queue
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -511,6 +512,38 @@ def simulated_ulysses_attention(buffers: list, qkv: list, upstream: list, is_cau
     local_grads = [torch.autograd.grad(o, ts, g) for o, ts, g in zip(local, leaves, grad_local)]
     grads = exchange(lambda r, b: symm_head_to_seq_op(list(local_grads[r]), b, 1, 2, heads, [], False))
     return list(zip(outs, grads))
+
+
+@contextlib.contextmanager
+def races_between_ranks(buffers: list) -> Iterator[list]:
+    """Inside: the interpreted kernels that simulated ranks launch on ``buffers`` (one per rank,
+    ``SymmBuffers.simulated`` or ``UlyssesBuffers.simulated``) are checked against each other
+    (``kernels.races.record_races_between``): an address of any rank's segment that one rank
+    stores and another loads or stores between the same two barriers of the group is a race on
+    GPUs, where those kernels run at once. Yields the list of races, filled on exit. CPU only
+    (Triton's interpreter)."""
+    from .backends.symm_mem.segments import _SimulatedSegments
+    from .kernels.races import record_races_between
+
+    passed: collections.Counter = collections.Counter()  # barriers passed, by thread name (one per rank)
+    wait = _SimulatedSegments._wait
+
+    def counting(self) -> None:
+        wait(self)
+        passed[threading.current_thread().name] += 1
+
+    def rank_and_epoch() -> tuple[str, int]:
+        name = threading.current_thread().name
+        return name, passed[name]
+
+    shared = [(b._segments.local.data_ptr(), b._segments.local.data_ptr() + b._segments.local.numel())
+              for b in buffers]
+    _SimulatedSegments._wait = counting
+    try:
+        with record_races_between(rank_and_epoch, shared) as races:
+            yield races
+    finally:
+        _SimulatedSegments._wait = wait
 
 
 def raised(fn: Callable[[], object]) -> Optional[tuple[str, str]]:

@@ -343,16 +343,16 @@ print(" ".join(sorted(arg for arg in written if arg in shapes)))
 
 E_, N_ = 16, 64
 L_ = E_ + META_EXTRA
-_PULL_TENSORS = {"rows_ptr": (8, 16), "row_map_ptr": (N_,), "position_ptr": (N_,), "scale_ptr": (N_,),
-                 "num_routed_ptr": (1,), "out_ptr": (N_, 16), "tail_ptr": (N_, 16), "row_src_ptr": (N_,),
-                 "token_ptr": (1,)}
-_PULL_SCALARS = dict(tags_index=0, n_rows=N_, X=16, X_OUT=16, K=8, SRC_STRIDE=N_, HAS_SCALE=True,
-                     ACC_DTYPE="tl.float32", HAS_TAIL=False, BLOCK_R=2, BLOCK_H=16)
-# The barrier fused into a kernel that writes peers' memory (kernels/barrier.py's Epilogue): it
-# writes the count of done programs through an address only
+# The barrier fused into the kernel before it (kernels/barrier.py's Epilogue): it writes the
+# count of done programs through an address only
 _EPILOGUE_TENSORS = {"pads_table_ptr": (2,), "counters_ptr": (1, 2), "barrier_call_ptr": (1,)}
 _NO_EPILOGUE = dict(barrier_rank=0, timeout_ms=0, barrier_op=0, BARRIER=False, WORLD_SIZE=1)
 _EPILOGUE = dict(barrier_rank=0, timeout_ms=1000, barrier_op=2, BARRIER=True, WORLD_SIZE=2)
+_PULL_TENSORS = {"rows_ptr": (8, 16), "row_map_ptr": (N_,), "position_ptr": (N_,), "scale_ptr": (N_,),
+                 "num_routed_ptr": (1,), "out_ptr": (N_, 16), "tail_ptr": (N_, 16), "row_src_ptr": (N_,),
+                 "token_ptr": (1,), **_EPILOGUE_TENSORS}
+_PULL_SCALARS = dict(tags_index=0, n_rows=N_, X=16, X_OUT=16, K=8, SRC_STRIDE=N_, HAS_SCALE=True,
+                     ACC_DTYPE="tl.float32", HAS_TAIL=False, BLOCK_R=2, BLOCK_H=16)
 _POST_TENSORS = {"src_ptr": (8, 16), "scale_ptr": (N_,), "dst_ptr": (N_,), "tag_index_ptr": (N_,),
                  "stage_table_ptr": (1, 2), "tags_table_ptr": (1, 2), "token_ptr": (1,), **_EPILOGUE_TENSORS}
 _POST_SCALARS = dict(n_slots=N_, n_src=8, X=16, world_size=2, rank=0, tag_base=0, K=8, DST_STRIDE=N_, HAS_SCALE=True,
@@ -365,6 +365,12 @@ _PUT_TENSORS = {"src_ptr": (8, 16), "scale_ptr": (N_,), "dst_ptr": (N_,), "count
                 "out_ptr": (8, 16), "token_ptr": (1,), **_EPILOGUE_TENSORS}
 _PUT_SCALARS = dict(n_rows=N_, n_src=8, H=16, world_size=2, K=8, DST_STRIDE=N_, HAS_SCALE=False, ONE_OUT=False,
                     HAS_COUNT=True, ACC_DTYPE="tl.float32", BLOCK_R=2, BLOCK_H=16, BLOCK_W=2)
+_REDUCE_TENSORS = {"ret_ptr": (1, 2), "position_ptr": (8, 2), "slot_dst_ptr": (16,), "weights_ptr": (8, 2),
+                   "y_ptr": (8, 16), "returned_ptr": (16, 16), "token_ptr": (1,), **_EPILOGUE_TENSORS}
+_REDUCE_SCALARS = dict(ret_index=0, T=8, H=16, n_valid=16, RET_AT_ADDRESS=True, HAS_TOKEN=True, READ_AT_SLOT_DST=False,
+                       K=2, HAS_SLOT_DST=True, HAS_WEIGHTS=True, SAVE_RETURNED=True, ACC_DTYPE="tl.float32",
+                       BLOCK_T=8, BLOCK_H=16)
+_PULL_STAGED = dict(_PULL_SCALARS, world_size=2, ROW_MAP=False, STAGED=True, BLOCK_W=2)
 KERNELS = {  # kernel: (tensor arguments' shapes, other arguments, the tensors it writes)
     "slot_placement._place_slots_kernel": (
         {"meta_ptr": (1, E_ + 3), "meta_table_ptr": (1, 1), "idx_ptr": (N_,), "position_ptr": (N_,),
@@ -382,12 +388,14 @@ KERNELS = {  # kernel: (tensor arguments' shapes, other arguments, the tensors i
     "row_put._post_slots_kernel": (_POST_TENSORS, dict(_POST_SCALARS, **_NO_EPILOGUE), ["token_ptr"]),
     "row_put._post_slots_kernel[barrier after]": (_POST_TENSORS, dict(_POST_SCALARS, **_EPILOGUE), ["token_ptr"]),
     "row_put._pull_rows_kernel": (
-        {**_PULL_TENSORS, "stage_table_ptr": (1, 2), "tags_table_ptr": (1, 2)},
-        dict(_PULL_SCALARS, world_size=2, ROW_MAP=False, STAGED=True, BLOCK_W=2),
+        {**_PULL_TENSORS, "stage_table_ptr": (1, 2), "tags_table_ptr": (1, 2)}, dict(_PULL_STAGED, **_NO_EPILOGUE),
+        ["out_ptr", "row_src_ptr", "token_ptr"]),
+    "row_put._pull_rows_kernel[barrier after]": (
+        {**_PULL_TENSORS, "stage_table_ptr": (1, 2), "tags_table_ptr": (1, 2)}, dict(_PULL_STAGED, **_EPILOGUE),
         ["out_ptr", "row_src_ptr", "token_ptr"]),
     "row_put._pull_rows_kernel[one rank]": (  # reads the placement's row map, writes its outputs only
         {**_PULL_TENSORS, "stage_table_ptr": (1,), "tags_table_ptr": (1,)},
-        dict(_PULL_SCALARS, world_size=1, ROW_MAP=True, STAGED=False, BLOCK_W=1),
+        dict(_PULL_SCALARS, world_size=1, ROW_MAP=True, STAGED=False, BLOCK_W=1, **_NO_EPILOGUE),
         ["out_ptr", "row_src_ptr", "token_ptr"]),
     # CUDA symmetric memory's ops, inlined: the barrier writes the call number (the metadata
     # exchange's first) and the token only; the metadata put and the combine's put write peers'
@@ -402,13 +410,10 @@ KERNELS = {  # kernel: (tensor arguments' shapes, other arguments, the tensors i
         _META_TENSORS, dict(_META_SCALARS, **_EPILOGUE), ["call_ptr", "token_ptr"]),
     "row_put._put_rows_kernel": (_PUT_TENSORS, dict(_PUT_SCALARS, **_NO_EPILOGUE), ["token_ptr"]),
     "row_put._put_rows_kernel[barrier after]": (_PUT_TENSORS, dict(_PUT_SCALARS, **_EPILOGUE), ["token_ptr"]),
-    "topk_reduce._topk_reduce_kernel": (
-        {"ret_ptr": (1, 2), "position_ptr": (8, 2), "slot_dst_ptr": (16,), "weights_ptr": (8, 2), "y_ptr": (8, 16),
-         "returned_ptr": (16, 16), "token_ptr": (1,)},
-        dict(ret_index=0, T=8, H=16, n_valid=16, RET_AT_ADDRESS=True, HAS_TOKEN=True, READ_AT_SLOT_DST=False, K=2,
-             HAS_SLOT_DST=True, HAS_WEIGHTS=True, SAVE_RETURNED=True, ACC_DTYPE="tl.float32", BLOCK_T=8,
-             BLOCK_H=16),
-        ["returned_ptr", "token_ptr", "y_ptr"]),
+    "topk_reduce._topk_reduce_kernel": (_REDUCE_TENSORS, dict(_REDUCE_SCALARS, **_NO_EPILOGUE),
+                                         ["returned_ptr", "token_ptr", "y_ptr"]),
+    "topk_reduce._topk_reduce_kernel[barrier after]": (_REDUCE_TENSORS, dict(_REDUCE_SCALARS, **_EPILOGUE),
+                                                       ["returned_ptr", "token_ptr", "y_ptr"]),
     "weight_grad._weight_grad_kernel": (
         {"grad_y_ptr": (8, 16), "returned_ptr": (N_, 16), "position_ptr": (8, 2), "grad_w_ptr": (8, 2)},
         dict(T=8, H=16, n_returned=N_, K=2, ACC_DTYPE="tl.float32", BLOCK_T=8, BLOCK_H=16),
@@ -466,11 +471,12 @@ _BARRIER_PTX = """
 import json, sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from alltoall_ops.kernels import barrier, row_put
+from alltoall_ops.kernels import barrier, row_put, topk_reduce
 
 kernel, W, constexprs = json.loads(sys.argv[1])
 kernel = {"barrier": barrier._barrier_kernel, "put_meta": row_put._put_meta_kernel,
-          "put_rows": row_put._put_rows_kernel, "post_slots": row_put._post_slots_kernel}[kernel]
+          "put_rows": row_put._put_rows_kernel, "post_slots": row_put._post_slots_kernel,
+          "pull_rows": row_put._pull_rows_kernel, "topk_reduce": topk_reduce._topk_reduce_kernel}[kernel]
 constexprs = {**{k: getattr(triton.language, v[3:]) if str(v).startswith("tl.") else v for k, v in constexprs.items()},
               "WORLD_SIZE": W}
 signature = {name: "constexpr" if name in constexprs else "*i64" if name.endswith("_ptr") else "i32"
@@ -490,6 +496,11 @@ _FUSED = {  # kernel: (its constexprs with the barrier, barriers in it)
                       BLOCK_R=2, BLOCK_H=16, BLOCK_W=2, BARRIER=True), 1),
     "post_slots": (dict(K=8, DST_STRIDE=64, HAS_SCALE=True, STAGE=True, ACC_DTYPE="tl.float32", BLOCK_R=2,
                         BLOCK_H=16, BLOCK_S=64, BLOCK_W=2, BARRIER=True), 1),
+    "pull_rows": (dict(K=8, SRC_STRIDE=64, ROW_MAP=False, STAGED=True, HAS_SCALE=True, ACC_DTYPE="tl.float32",
+                       HAS_TAIL=False, BLOCK_R=2, BLOCK_H=16, BLOCK_W=2, BARRIER=True), 1),
+    "topk_reduce": (dict(RET_AT_ADDRESS=True, HAS_TOKEN=True, READ_AT_SLOT_DST=False, K=2, HAS_SLOT_DST=True,
+                         HAS_WEIGHTS=True, SAVE_RETURNED=True, ACC_DTYPE="tl.float32", BLOCK_T=8, BLOCK_H=16,
+                         BARRIER=True), 1),
 }
 
 

@@ -1,4 +1,5 @@
-"""Races in the Triton kernels, found on the CPU (``kernels/races.py`` over Triton's interpreter).
+"""Races in the Triton kernels, found on the CPU (``kernels/races.py`` over Triton's interpreter):
+within a launch, and between the launches of simulated ranks.
 
 The interpreter runs programs one after another, so a kernel that races on a GPU still computes
 the right result here; the race check records every launch's loads and stores instead. First
@@ -6,10 +7,15 @@ the check itself can fail (a tag read and reset without a barrier, the copy-out 
 rows on the H200 under an SM budget; programs overlapping); then a whole simulated symm_mem step
 (W = 2, plain and fp8, budgets 1, 3 and none, overflow='drop', forward and backward), the
 local backend and the Ulysses exchange over UlyssesBuffers (W = 2 and 3, uneven heads, budgets)
-launch no kernel with a race.
+launch no kernel with a race. Between ranks (``testing.races_between_ranks``): no rank writes
+memory that a peer reads or writes between the same two barriers, in the steps whose order of
+exchanges differs (layers interleaved, a combine's backward skipped); without the barrier after
+the pull or the reduction, the check finds the race.
 """
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -18,7 +24,7 @@ import alltoall_ops as a2a
 from alltoall_ops import fp8
 from alltoall_ops.backends.symm_mem import run_simulated
 from alltoall_ops.kernels import loader
-from alltoall_ops.testing import routing
+from alltoall_ops.testing import races_between_ranks, routing
 
 pytestmark = pytest.mark.skipif(not loader.load().interpreting(), reason="the check runs Triton's interpreter")
 
@@ -70,18 +76,36 @@ def test_programs_that_overlap_race():
 W, T, H, K, E = 2, 9, 256, 2, 8  # H: two fp8 scale blocks
 
 
-def _step(payload_dtype, num_sms, capacity):
-    bufs = a2a.SymmBuffers.simulated(W, T, H, K, E, dtype=torch.bfloat16, device="cpu", num_sms=num_sms,
+def _buffers(payload_dtype=None, num_sms=None, capacity=None):
+    return a2a.SymmBuffers.simulated(W, T, H, K, E, dtype=torch.bfloat16, device="cpu", num_sms=num_sms,
                                      capacity=capacity, overflow="drop" if capacity else "error",
                                      payload_dtype=payload_dtype)
+
+
+def _step(bufs, payload_dtype=None, layers="one"):
+    """A training step of every simulated rank on ``bufs``. layers: "one" (dispatch, combine,
+    backward); "interleaved" (two dispatches, then their combines; a combine follows a combine);
+    "aux" (the loss also reads the routed rows and not the combine's input: the dispatch's
+    backward, a combine, follows the forward combine with no exchange between)."""
     xs = [torch.randn(T, H, generator=torch.Generator().manual_seed(r)).bfloat16().requires_grad_() for r in range(W)]
     routes = [routing(T, K, E, seed=10 + r, dropped=0.2) for r in range(W)]
 
+    def dispatch(r, b, x, idx):
+        return a2a.dispatch(x, idx, num_experts=E, buffers=b, payload_dtype=payload_dtype,
+                            dequantize=payload_dtype is not None)
+
     def rank(r, b):
         idx, w = routes[r]
-        routed, tpe, handle = a2a.dispatch(xs[r], idx, num_experts=E, buffers=b, payload_dtype=payload_dtype,
-                                           dequantize=payload_dtype is not None)
-        y = a2a.combine(routed * 2, handle, w.requires_grad_())
+        w = w.requires_grad_()
+        routed, tpe, handle = dispatch(r, b, xs[r], idx)
+        if layers == "interleaved":
+            routed_2, _, handle_2 = dispatch(r, b, xs[r] * 3, idx.flip(1))
+            y = a2a.combine(routed * 2, handle, w) + a2a.combine(routed_2 * 2, handle_2, w)
+        elif layers == "aux":
+            y = a2a.combine((routed * 2).detach(), handle, w)
+            (routed.float().square().sum() * 1e-3).backward(retain_graph=True)
+        else:
+            y = a2a.combine(routed * 2, handle, w)
         y.float().square().sum().backward()
         return y
 
@@ -92,13 +116,13 @@ def _step(payload_dtype, num_sms, capacity):
 @pytest.mark.parametrize("num_sms", [1, 3, None])
 def test_symm_mem_step_has_no_race(payload_dtype, num_sms):
     with record_races() as races:
-        _step(payload_dtype, num_sms, capacity=None)
+        _step(_buffers(payload_dtype, num_sms), payload_dtype)
     assert races == [], "\n".join(map(str, races))
 
 
 def test_symm_mem_drop_and_local_have_no_race():
     with record_races() as races:
-        _step(None, 2, capacity=5)
+        _step(_buffers(None, 2, capacity=5))
         x = torch.randn(T, H)
         idx, w = routing(T, K, E, seed=3, dropped=0.2)
         routed, _, handle = a2a.dispatch(x, idx, num_experts=E, backend="local", expert_alignment=4,
@@ -145,3 +169,69 @@ def test_ulysses_exchange_has_no_race(world_size, num_sms):
         results = run_simulated(rank, bufs)
     assert races == [], "\n".join(map(str, races))
     assert all(torch.equal(a, x) for r, (back, _) in enumerate(results) for a, x in zip(back, xs[r]))
+
+
+# --------------------------------------------------------------------------------------------
+# Between ranks: an op writes peers' memory only after every peer is done with it
+
+
+@pytest.mark.parametrize("layers", ["one", "interleaved", "aux"])
+@pytest.mark.parametrize("payload_dtype", [None, fp8.FP8], ids=["bf16", "fp8"])
+def test_symm_mem_ranks_never_race(layers, payload_dtype):
+    bufs = _buffers(payload_dtype, num_sms=3)
+    with races_between_ranks(bufs) as races:
+        _step(bufs, payload_dtype, layers)
+        _step(bufs, payload_dtype, layers)  # and the next step's exchanges after this one's
+    assert races == [], "\n".join(map(str, races))
+
+
+@pytest.mark.parametrize("kernel, layers, writer, reader", [
+    ("pull_rows", "one", "_put_rows_kernel", "_pull_rows_kernel"),  # the combine's put into the stage pulled from
+    ("topk_reduce", "interleaved", "_put_rows_kernel", "_topk_reduce_kernel"),  # a combine's put, the last reduction
+    ("topk_reduce", "aux", "_put_rows_kernel", "_topk_reduce_kernel"),  # the dispatch's backward after the combine
+])
+def test_without_the_barrier_after_the_reads_ranks_race(monkeypatch, kernel, layers, writer, reader):
+    """Each barrier after a kernel that reads what peers write next is needed: dropped (the
+    barrier that follows ``kernel`` skipped), the check names the writer and the reader."""
+    from alltoall_ops.backends.symm_mem.segments import _SimulatedSegments
+
+    launched = threading.local()
+    launcher, barrier = getattr(loader.load(), kernel), _SimulatedSegments.barrier
+
+    def launch(*args, **kwargs):
+        launched.it = True
+        return launcher(*args, **kwargs)
+
+    def barrier_unless_after_it(self, *args, **kwargs):
+        if getattr(launched, "it", False):
+            launched.it = False
+            return None
+        return barrier(self, *args, **kwargs)
+
+    monkeypatch.setattr(loader.load(), kernel, launch)
+    monkeypatch.setattr(_SimulatedSegments, "barrier", barrier_unless_after_it)
+    bufs = _buffers()
+    with races_between_ranks(bufs) as races:
+        _step(bufs, layers=layers)
+    assert races and all(r.kernel.startswith(writer) and f"/ {reader}" in r.kernel for r in races), races
+    assert all("between ranks" in r.kind for r in races)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ulysses_ranks_never_race(world_size):
+    """Ulysses attention with q's exchange started before k and v's (two exchanges in a row on
+    the two stage slots), forward and backward, twice: no rank writes a slot a peer still reads."""
+    bufs = a2a.UlyssesBuffers.simulated(world_size, 1 << 16, device="cpu")
+    heads = 2 * world_size
+    qkv = [[torch.randn(1, 4, heads, 4, generator=torch.Generator().manual_seed(10 * r + i)).requires_grad_()
+            for i in range(3)] for r in range(world_size)]
+
+    def rank(r, b):
+        q, k, v = qkv[r]
+        out = a2a.ulysses_attention(q, lambda: k * 1, lambda: v * 1, is_causal=True, buffers=b)
+        return torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+    with races_between_ranks(bufs) as races:
+        run_simulated(rank, bufs)
+        run_simulated(rank, bufs)
+    assert races == [], "\n".join(map(str, races))

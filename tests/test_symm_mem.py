@@ -517,7 +517,7 @@ class TestCompiled(TestCase):
         self.assertExpectedInline(summary, """\
 forward 0:
   alltoall_ops.symm_exchange_meta(buffers=<constant SymmBuffers>, expert_alignment=2)
-  alltoall_ops.symm_dispatch(scale_TK=None, buffers=<constant SymmBuffers>, after_meta=True)
+  alltoall_ops.symm_dispatch(scale_TK=None, buffers=<constant SymmBuffers>)
   alltoall_ops.symm_combine(weights_TK=<tensor>, buffers=<constant SymmBuffers>, save_returned=True)
 backward 0:
   alltoall_ops.symm_dispatch(scale_TK=<tensor>, buffers=<constant SymmBuffers>)
@@ -794,9 +794,10 @@ def test_rows_past_n_are_not_written_and_never_read(pool2, unwritten_as_nan):
 
 def test_barriers_of_a_step(monkeypatch):
     # The barriers a training step meets, in order, as (op, advancing the call number), on two
-    # simulated ranks: the forward dispatch has no entry barrier of its own (its metadata
-    # exchange's closing barrier is it); the combine and both backward exchanges have theirs.
-    # CUDA symmetric memory runs the same sequence, the closing ones as the writers' epilogues.
+    # simulated ranks: the metadata exchange's before and after its put; each exchange's after
+    # its writes and after its reads, and none before (tests/test_kernel_races.py shows that
+    # each is needed). CUDA symmetric memory runs the same sequence, each barrier the epilogue
+    # of the kernel before it.
     from alltoall_ops.backends.symm_mem.segments import COMBINE_OP, DISPATCH_OP, META_OP, _SimulatedSegments
 
     met = {0: [], 1: []}
@@ -818,7 +819,7 @@ def test_barriers_of_a_step(monkeypatch):
         return forward, met[rank][len(forward):]
 
     exchange = [(META_OP, True), (META_OP, False)]
-    forward = [*exchange, (DISPATCH_OP, False), (COMBINE_OP, False), (COMBINE_OP, False)]
+    forward = [*exchange, (DISPATCH_OP, False), (DISPATCH_OP, False), (COMBINE_OP, False), (COMBINE_OP, False)]
     backward = [(DISPATCH_OP, False)] * 2 + [(COMBINE_OP, False)] * 2  # the combine's adjoint, then the dispatch's
     assert symm_mem.run_simulated(rank_fn, buffers) == [(forward, backward)] * 2
 

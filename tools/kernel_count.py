@@ -2,7 +2,7 @@
 CUDA graph of the step replays): their count, names and device time, and the host time to issue
 a step. Compiled: symm_mem on one rank (its ops inlined), the same rank on the path with peers
 (``allocator="symmetric"`` in a one-rank NCCL group: barrier kernels, metadata put, tags, stage)
-with its ops opaque and inlined (``ALLTOALL_OPS_INLINE_SYMMETRIC=1``), and local; eager:
+with its ops opaque (``ALLTOALL_OPS_INLINE_SYMMETRIC=0``) and inlined (the default), and local; eager:
 symm_mem with W = 2, 4, 8 simulated peers (ops not inlined: the simulated barrier is a thread
 barrier), per rank.
 

@@ -159,11 +159,18 @@ def barrier(pads_table: torch.Tensor, rank: int, timeout_s: float, op: int, call
             WORLD_SIZE=pads_table.numel(), num_warps=1, **assert_options(call_1))
 
 
+def barrier_alone(epilogue: "Epilogue", token: Optional[torch.Tensor] = None) -> None:
+    """``epilogue``'s barrier launched by itself, where its kernel has nothing to do (its peers
+    still meet it)."""
+    barrier(epilogue.pads_table, epilogue.rank, epilogue.timeout_s, epilogue.op, epilogue.call_1, token=token)
+
+
 class Epilogue(NamedTuple):
-    """The barrier after a kernel that writes peers' memory, fused into that kernel
-    (``last_program_arrives``): one launch fewer per barrier. pads_table (W,) as ``barrier``'s;
-    counters (2,) int64, the addresses of this rank's count of calls and of its count of done
-    programs (int64, zero between kernels); the barrier's op, and call_1 (1,), its call number.
+    """The barrier after a kernel that writes peers' memory or reads memory that peers write
+    next, fused into that kernel (``last_program_arrives``): one launch fewer per barrier.
+    pads_table (W,) as ``barrier``'s; counters (2,) int64, the addresses of this rank's count of
+    calls and of its count of done programs (int64, zero between kernels); the barrier's op, and
+    call_1 (1,), its call number.
     ``advance_before``: the barrier before the writes too, which sets call_1 to this rank's next
     call number: a one-program kernel only (``put_meta``), which the other kernels refuse."""
 
@@ -183,7 +190,7 @@ def epilogue_args(epilogue: Optional[Epilogue], like: torch.Tensor, one_program:
     if epilogue is not None and epilogue.advance_before != one_program:
         raise ValueError(f"epilogue: advance_before={epilogue.advance_before} in a kernel that "
                          f"{'is' if one_program else 'is not'} one program "
-                         "(put_meta is; post_slots and put_rows are not)")
+                         "(put_meta is; post_slots, pull_rows, put_rows and topk_reduce are not)")
     if epilogue is None:
         return dict(pads_table_ptr=like, counters_ptr=like, barrier_call_ptr=like, barrier_rank=0, timeout_ms=0,
                     barrier_op=0, BARRIER=False, WORLD_SIZE=1)

@@ -13,6 +13,12 @@ ordered way to share) and reports two kinds of race:
   barriers, which on a GPU different threads may do in either order (a replicated value is
   loaded by every thread holding a copy and stored by one of them).
 
+:func:`record_races_between` checks the launches of several ranks (simulated peers, one thread
+each) against each other: on GPUs, the kernels each rank queues between the same two barriers
+of the group run at the same time, so an address of the shared memory that one rank stores
+and another loads or stores there is a race, whatever order the threads queued them in (the
+bug of an op that writes a peer's stage before every peer is done reading it).
+
 The second kind is the bug that made the symm_mem copy-out (now ``pull_rows``) drop rows on the
 H200 under an SM budget (its programs read each row's tag and reset it to -1 with no barrier
 between). :func:`record_stored_bytes` counts what each kernel writes (the bytes a dispatch moves,
@@ -27,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import numpy as np
 
@@ -43,7 +49,8 @@ class Race:
     programs: tuple
 
     def __str__(self) -> str:
-        return f"{self.kernel}: {self.addresses} addresses {self.kind} (programs {self.programs})"
+        programs = f" (programs {self.programs})" if self.programs else ""
+        return f"{self.kernel}: {self.addresses} addresses {self.kind}{programs}"
 
 
 class _Launch:
@@ -119,6 +126,53 @@ def _by_program(intervals: list[tuple[tuple, np.ndarray]]) -> dict[tuple, np.nda
     for program, addrs in intervals:
         out.setdefault(program, []).append(addrs)
     return {p: np.unique(_cat(a)) for p, a in out.items()}
+
+
+class _RankLaunch:
+    """The distinct addresses one launch of one rank loads and stores (atomics aside), with the
+    rank and the barrier interval (epoch) it was queued in."""
+
+    def __init__(self, kernel: str, rank: Hashable, epoch: int):
+        self.kernel, self.rank, self.epoch = kernel, rank, epoch
+        self.loads: list[np.ndarray] = []
+        self.stores: list[np.ndarray] = []
+
+    def access(self, store: bool, ptrs: np.ndarray, mask: np.ndarray, itemsize: int) -> None:
+        addrs = np.asarray(ptrs)[_lanes(ptrs, mask)].astype(np.uint64).ravel()
+        (self.stores if store else self.loads).append(addrs)
+
+    def barrier(self) -> None:
+        pass
+
+    def start_program(self, program: tuple) -> None:
+        pass
+
+    def within(self, ranges: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(loads, stores): the distinct addresses in any [start, end) of ``ranges``."""
+        def inside(addrs: np.ndarray) -> np.ndarray:
+            keep = np.zeros(addrs.shape, dtype=bool)
+            for start, end in ranges:
+                keep |= (addrs >= start) & (addrs < end)
+            return addrs[keep]
+        return inside(np.unique(_cat(self.loads))), inside(np.unique(_cat(self.stores)))
+
+
+def _races_between_ranks(launches: list[_RankLaunch], ranges: Sequence[tuple[int, int]]) -> list[Race]:
+    """Each pair of launches of different ranks in one epoch where one stores an address in
+    ``ranges`` that the other loads or stores."""
+    races: list[Race] = []
+    accessed = [(launch, *launch.within(ranges)) for launch in launches]
+    for i, (a, _, a_stores) in enumerate(accessed):
+        for j, (b, b_loads, b_stores) in enumerate(accessed):
+            if a.rank == b.rank or a.epoch != b.epoch:
+                continue
+            for n, what in ((np.intersect1d(a_stores, b_loads).size, "read"),
+                            (np.intersect1d(a_stores, b_stores).size if i < j else 0, "stored")):
+                if n:
+                    races.append(Race(f"{a.kernel} ({a.rank}) / {b.kernel} ({b.rank})",
+                                      f"between ranks after {a.epoch} barriers (stored by one, {what} by the other)",
+                                      n, ()))
+    return races
 
 
 class _StoredBytes:
@@ -243,3 +297,18 @@ def record_stored_bytes() -> Iterator[dict[str, int]]:
 
     with _interpreted_accesses(_StoredBytes, finish):
         yield stored
+
+
+@contextlib.contextmanager
+def record_races_between(rank_and_epoch: Callable[[], tuple[Hashable, int]],
+                         shared: Sequence[tuple[int, int]]) -> Iterator[list[Race]]:
+    """Inside: every interpreted launch is labelled with ``rank_and_epoch()`` when it starts (the
+    rank whose thread queues it, and how many of the group's barriers that rank has passed); on
+    exit the yielded list gets the races between ranks (module docstring) on the addresses in
+    the ``shared`` ranges [start, end) (every rank's segment: a tensor freed by one rank and
+    allocated again by another is not shared memory)."""
+    races: list[Race] = []
+    launches: list[_RankLaunch] = []
+    with _interpreted_accesses(lambda kernel: _RankLaunch(kernel, *rank_and_epoch()), launches.append):
+        yield races
+    races.extend(_races_between_ranks(launches, shared))

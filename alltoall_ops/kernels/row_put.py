@@ -47,7 +47,7 @@ import triton.language as tl
 
 from ._config import (LAUNCH_LOCK, cast_rne, launch, order_after, program_grid, require_contiguous, row_blocks,
                       tl_acc_dtype, upcast)
-from .barrier import Epilogue, advance_call, arrive_and_wait, barrier, epilogue_args, last_program_arrives
+from .barrier import Epilogue, advance_call, arrive_and_wait, barrier_alone, epilogue_args, last_program_arrives
 from .region import TAG_COLUMNS, Region, or_new_token
 
 
@@ -150,7 +150,7 @@ def put_rows(
     n, H = dst.numel(), src.shape[1]
     if n == 0 or H == 0:
         if epilogue is not None:  # nothing to write, still a barrier
-            barrier(epilogue.pads_table, epilogue.rank, epilogue.timeout_s, epilogue.op, epilogue.call_1, token=token)
+            barrier_alone(epilogue, token)
         elif token is not None:
             token.zero_()
         return
@@ -332,9 +332,10 @@ def post_slots(
 def _pull_rows_kernel(
     rows_ptr, stage_table_ptr, tags_table_ptr, tags_index, row_map_ptr, position_ptr, scale_ptr, num_routed_ptr,
     out_ptr, tail_ptr, row_src_ptr, token_ptr, n_rows, X, X_OUT, world_size,
+    pads_table_ptr, counters_ptr, barrier_call_ptr, barrier_rank, timeout_ms, barrier_op,
     K: tl.constexpr, SRC_STRIDE: tl.constexpr, ROW_MAP: tl.constexpr, STAGED: tl.constexpr, HAS_SCALE: tl.constexpr,
     ACC_DTYPE: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_W: tl.constexpr,
+    BLOCK_W: tl.constexpr, BARRIER: tl.constexpr, WORLD_SIZE: tl.constexpr,
 ):
     order_after(token_ptr)
     # NB: the tags' base is loaded here, not in a helper: inductor's analysis of which arguments
@@ -398,6 +399,9 @@ def _pull_rows_kernel(
                 tl.debug_barrier()
                 tl.store(tags_ptr + o_r * _TAG_COLUMNS, tl.full([BLOCK_R], -1, tl.int64), mask=m_routed)
         tl.store(row_src_ptr + o_r, b_code, mask=m_r)
+    if BARRIER:  # every rank is done reading the stages before any writes them again
+        last_program_arrives(pads_table_ptr, counters_ptr, barrier_rank, timeout_ms, barrier_call_ptr, barrier_op,
+                             WORLD_SIZE)
 
 
 def pull_rows(
@@ -414,6 +418,7 @@ def pull_rows(
     tail: Optional[torch.Tensor] = None,
     token: Optional[torch.Tensor] = None,
     max_programs: Optional[int] = None,
+    epilogue: Optional[Epilogue] = None,
 ) -> None:
     """The receiver's half of a pulled exchange: for the first n = ``num_routed`` rows d of this
     rank's tags (C, TAG_COLUMNS) (a region named by address, ``_config.Region``), ``out[d]`` =
@@ -428,14 +433,18 @@ def pull_rows(
     d is ``rows[i // top_k]`` times ``scale[i]``, its code ``position[i]``.
     With ``tail`` (C, X - X_out) of out's dtype, out (C, X_out) takes the first X_out columns
     of each row and tail the rest (fp8 wire rows into values and scale bytes). max_programs: at
-    most that many programs, each striding over row blocks (an SM budget). token: as put_rows'."""
+    most that many programs, each striding over row blocks (an SM budget). token: as put_rows'.
+    ``epilogue``: the barrier after the reads (no rank writes a stage or tags again before every
+    rank is done with them), run by the kernel's last program."""
     if (tags is None) == (row_map is None):
         raise ValueError("pull_rows: pass exactly one of tags and row_map")
     if row_map is not None and (rows is None or position is None):
         raise ValueError("pull_rows: a row_map needs rows and position (one rank)")
     C = tags.shape[0] if tags is not None else row_map.shape[0]
     if C == 0:
-        if token is not None:
+        if epilogue is not None:
+            barrier_alone(epilogue, token)
+        elif token is not None:
             token.zero_()
         return
     if (rows is None) == (stage_table is None):
@@ -459,5 +468,5 @@ def pull_rows(
             ROW_MAP=row_map is not None, STAGED=stage_table is not None,
             HAS_SCALE=scaled if row_map is None else scale is not None, ACC_DTYPE=tl_acc_dtype(acc_dtype),
             HAS_TAIL=tail is not None, BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H,
-            BLOCK_W=triton.next_power_of_2(world_size), num_warps=blocks.num_warps,
+            BLOCK_W=triton.next_power_of_2(world_size), num_warps=blocks.num_warps, **epilogue_args(epilogue, out),
         )

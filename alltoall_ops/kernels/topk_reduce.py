@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ._config import (LAUNCH_LOCK, cast_rne, launch, order_after, program_grid,
                       require_contiguous, row_blocks, tl_acc_dtype, upcast)
+from .barrier import Epilogue, barrier_alone, epilogue_args, last_program_arrives
 from .region import Region
 
 
@@ -36,9 +37,11 @@ from .region import Region
 def _topk_reduce_kernel(
     ret_ptr, ret_index, position_ptr, slot_dst_ptr, weights_ptr, y_ptr, returned_ptr, token_ptr,
     T, H, n_valid,
+    pads_table_ptr, counters_ptr, barrier_call_ptr, barrier_rank, timeout_ms, barrier_op,
     RET_AT_ADDRESS: tl.constexpr, HAS_TOKEN: tl.constexpr, READ_AT_SLOT_DST: tl.constexpr,
     K: tl.constexpr, HAS_SLOT_DST: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SAVE_RETURNED: tl.constexpr,
-    ACC_DTYPE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BARRIER: tl.constexpr,
+    WORLD_SIZE: tl.constexpr,
 ):
     if HAS_TOKEN:
         order_after(token_ptr)
@@ -77,6 +80,9 @@ def _topk_reduce_kernel(
                     b_acc += upcast(b_row, ACC_DTYPE)
             b_y = cast_rne(b_acc, y_ptr.dtype.element_ty)  # [BT, BH]
             tl.store(y_ptr + o_t[:, None] * H + o_h[None, :], b_y, mask=m_t[:, None] & m_h)
+    if BARRIER:  # every rank is done reading its returned rows before any peer puts rows again
+        last_program_arrives(pads_table_ptr, counters_ptr, barrier_rank, timeout_ms, barrier_call_ptr, barrier_op,
+                             WORLD_SIZE)
 
 
 def topk_reduce(
@@ -91,6 +97,7 @@ def topk_reduce(
     max_programs: Optional[int] = None,
     token: Optional[torch.Tensor] = None,
     read_at_slot_dst: bool = False,
+    epilogue: Optional[Epilogue] = None,
 ) -> None:
     """y (T, H) = weighted sum over k of the returned rows ``ret[position[t, k]]`` (n, H) of the
     valid slots; ``returned`` (N, H), when given, receives every slot's row in send order (zero
@@ -100,11 +107,15 @@ def topk_reduce(
     budget), each striding over token blocks. ret: a tensor, or a region of y's dtype named by
     address (``_config.Region``: symm_mem's returned rows). token: as ``put_rows``'.
     ``read_at_slot_dst`` (one rank): each slot's row is ``ret[slot_dst[t * K + k]]`` instead (the
-    expert rows in place), still returned at its position."""
+    expert rows in place), still returned at its position. ``epilogue``: the barrier after the
+    reads (symm_mem's returned rows: no peer puts rows into ret before every rank is done with
+    its own), run by the kernel's last program."""
     T, K = position.shape
     H = y.shape[1]
     if T == 0 or H == 0:
-        if token is not None:
+        if epilogue is not None:
+            barrier_alone(epilogue, token)
+        elif token is not None:
             token.zero_()
         return
     require_contiguous("topk_reduce", y=y, returned=returned)
@@ -128,5 +139,5 @@ def topk_reduce(
             HAS_SLOT_DST=slot_dst is not None,
             HAS_WEIGHTS=weights is not None,
             SAVE_RETURNED=returned is not None, ACC_DTYPE=tl_acc_dtype(acc_dtype),
-            BLOCK_T=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H, num_warps=blocks.num_warps,
+            BLOCK_T=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H, num_warps=blocks.num_warps, **epilogue_args(epilogue, y),
         )

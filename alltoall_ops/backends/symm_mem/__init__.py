@@ -19,8 +19,8 @@ the device gives its address on every rank, and the kernels reach every region t
     meta  (W, L) int64  row s: rank s's counts per global expert, its routing status, its N,
                         alignment, failure flag and call number (``buffers.META_EXTRA`` columns)
 
-One call of an op (``entry barrier; write peers; barrier; read into fresh tensors``: a
-dispatch's receivers pull each row from its sender's stage) leaves nothing behind that a later
+One call of an op (``write peers; barrier; read into fresh tensors; barrier``: a dispatch's
+receivers pull each row from its sender's stage) leaves nothing behind that a later
 call could overwrite: every returned tensor is a copy, so any number of layers may share one
 ``SymmBuffers``, in any order, with autograd, recomputation and selective checkpointing.
 

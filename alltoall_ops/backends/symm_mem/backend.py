@@ -206,7 +206,7 @@ class SymmMemBackend(Backend):
         call_1 = meta_WL[bufs.rank, E + CALL : E + CALL + 1]  # this step's (device)
         slots = SlotArgs(plan.position, slot_dst_N, row_slot_C, num_routed_1, call_1, bufs)
         routed_CH, scale_CB, row_src_C = call(symm_dispatch_op, x_TH=x_TH, scale_TK=None, **slots.kwargs(),
-                                              **op_kwargs(payload), async_op=async_op, after_meta=True,
+                                              **op_kwargs(payload), async_op=async_op,
                                               differentiable=(x_TH,))
         handle = SymmMemHandle(plan.position, meta_WL, slot_dst_N, row_slot_C, row_src_C, num_routed_1, call_1,
                                dropped_W, bufs, bufs.capacity, expert_alignment)

@@ -414,7 +414,7 @@ def run_simulated(fn: Callable[[int, SymmBuffers], Any], buffers: Sequence[SymmB
             errors.append((rank, exc))
             buffers[rank]._segments.abort()
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(len(buffers))]
+    threads = [threading.Thread(target=body, args=(r,), name=f"simulated rank {r}") for r in range(len(buffers))]
     for t in threads:
         t.start()
     for t in threads:

@@ -107,20 +107,22 @@ class SlotArgs(NamedTuple):
 
 
 # --------------------------------------------------------------------------------------------
-# Ops. Each: entry barrier (peers are done with what we will overwrite), kernel writes into
-# peers' buffers (dispatch: the tags, and its rows into its own stage), barrier (all writes
-# landed), then reads into fresh tensors (dispatch: each row pulled from its sender's stage).
-# Both barriers are stamped with the op and the call number of its metadata exchange (call_1,
-# device data): ranks out of step raise (CUDA: a device-side assert) there, before anything moves.
-# On CUDA symmetric memory the barrier after the writes is the writing kernel's epilogue (its
-# last program runs it), and the metadata exchange's two barriers and put are one program
-# (``_Segments.barrier_after``): 2 launches for the exchange, 3 for a dispatch or a combine.
+# Ops. Each: kernel writes into peers' buffers (dispatch: the tags, and its rows into its own
+# stage), barrier (all writes landed), reads into fresh tensors (dispatch: each row pulled from
+# its sender's stage), barrier (every rank is done reading what a peer writes next). No op has
+# an entry barrier: the last barrier of the op before it, on every rank, comes after every read
+# of what it overwrites (the metadata exchange keeps one before its put, which advances the
+# call number). The barriers are stamped with the op and the call number of its metadata
+# exchange (call_1, device data): ranks out of step raise (CUDA: a device-side assert) there.
+# On CUDA symmetric memory every barrier is the epilogue of the kernel before it (its last
+# program runs it), and the metadata exchange's two barriers and put are one program
+# (``_Segments.barrier_after``): 2 launches for the exchange, 2 for a dispatch or a combine.
 #
 # Compiled on CUDA (buffers whose barriers are device work), each op's body is inlined: its
 # kernels are launched by inductor's code. They reach the buffers through the address tables (graph
 # constants: ``_addresses``), and every kernel of a body sets a (1,) token (one per buffers
 # object in a graph: ``_token``), which orders them as written. Inlined: one rank's plain
-# buffers, and CUDA symmetric memory (the path with peers) with ALLTOALL_OPS_INLINE_SYMMETRIC=1;
+# buffers, and CUDA symmetric memory (the path with peers) unless ALLTOALL_OPS_INLINE_SYMMETRIC=0;
 # docs/design.md ("symm_mem ops in compiled graphs").
 
 
@@ -166,7 +168,7 @@ def symm_exchange_meta_op(
     Every rank puts its metadata row (L,) into every peer's buffer (an all-gather): its counts
     per expert, its routing status, then N_SLOTS = T * K, ALIGNMENT, FAILED (``failed``: this
     rank rejected its arguments) and CALL, the call number of the exchange on ``buffers``,
-    counted on the device by the entry barrier (zero on one rank, which has no peers to be out
+    counted on the device by the barrier before its put (zero on one rank, which has no peers to be out
     of step with): the dispatch and combine of this step stamp their barriers with it. Then one
     kernel (``kernels/slot_placement.py``) checks every row (raised on every rank alike, see
     ``_raise_failed_checks``) and places this rank's slots (``SymmMemHandle``): meta_WL is every
@@ -219,7 +221,6 @@ def symm_dispatch_op(
     payload: str = "plain",
     out_dtype: Optional[torch.dtype] = None,
     async_op: bool = False,
-    after_meta: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(T, H) rows -> routed (C, H), routed_scale (C, B), row_src (C,) int64.
 
@@ -233,17 +234,14 @@ def symm_dispatch_op(
     rows' format, as the collective ``dispatch`` op's; a format with scales needs buffers created
     for it (``payload_dtype``): each token's packed wire row (``payload.pack``, P bytes) is what
     moves, and the receiver's pull splits it into values and scales. async_op: the barriers and
-    kernels on the communication stream, pending until ``overlap.wait``. after_meta: the
-    metadata exchange of call_1 is the last exchange on the buffers before this one (a forward
-    dispatch): its closing barrier, which every peer reaches only after its last read of this
-    rank's stage and of its own tags, is the entry barrier (one launch fewer)."""
+    kernels on the communication stream, pending until ``overlap.wait``."""
     fmt, C, H = FORMATS[payload], buffers.capacity, x_TH.shape[1]
     if fmt is not PLAIN:  # plain rows fit any buffers' stage (with fp8: combine's backward)
         check_payload(buffers, fmt)
     if fmt is PLAIN:
         values_CH, scale_CB = x_TH.new_empty(C, H), None
         row_src_C = _post_and_pull(x_TH, scale_TK, position_TK, slot_dst_N, row_slot_C, num_routed_1, call_1,
-                                   buffers, values_CH, after_meta=after_meta)
+                                   buffers, values_CH)
     else:
         # NB: each slot moves one wire row (values' bytes, then its scales'), encoded where it is
         # posted (with peers: straight into this rank's stage); the pull splits the received ones
@@ -253,7 +251,7 @@ def symm_dispatch_op(
         values_CH = x_TH.new_empty(C, H, dtype=torch.uint8)
         scale_CB = x_TH.new_empty(C, fmt.scale_columns(H), dtype=fmt.scale_dtype)
         row_src_C = _post_and_pull(wire_TP, None, position_TK, slot_dst_N, row_slot_C, num_routed_1, call_1, buffers,
-                                   values_CH, scale_CB.view(torch.uint8), after_meta=after_meta)
+                                   values_CH, scale_CB.view(torch.uint8))
     return (*fmt.decode(values_CH, scale_CB, out_dtype, num_routed_1, buffers.num_sms), row_src_C)
 
 
@@ -277,15 +275,13 @@ def _post_and_pull(
     buffers: SymmBuffers,
     out_CX: torch.Tensor,
     tail: Optional[torch.Tensor] = None,
-    after_meta: bool = False,
 ) -> torch.Tensor:
-    """The body of a dispatch: entry barrier (``after_meta``: the metadata exchange's);
-    ``post_slots``: each slot's tag (source code, source row, scale) into the row of its
-    destination's tags, and (W > 1) the rows ``rows_TX`` (T, X), once each, into this rank's
-    stage (the ROWS region; :class:`Encoded` rows are encoded there instead, after the entry
-    barrier); barrier; ``pull_rows``: each of the first num_routed rows of this rank's tags read
-    from its sender's stage (one rank: from rows_TX itself), times its scale, into ``out_CX``
-    (with ``tail``: its first columns, the rest into tail; rows past num_routed not written).
+    """The body of a dispatch: ``post_slots``: each slot's tag (source code, source row, scale)
+    into the row of its destination's tags, and (W > 1) the rows ``rows_TX`` (T, X), once each,
+    into this rank's stage (the ROWS region; :class:`Encoded` rows are encoded there instead);
+    barrier; ``pull_rows``: each of the first num_routed rows of this rank's tags read from its
+    sender's stage (one rank: from rows_TX itself), times its scale, into ``out_CX`` (with
+    ``tail``: its first columns, the rest into tail; rows past num_routed not written); barrier.
     Each row is written once where it is used. One rank: only the pull, by the placement's
     ``row_slot_C`` (no peers, no tags, no barrier). Returns row_src (C,)."""
     k, device = loader.load(), out_CX.device
@@ -309,8 +305,6 @@ def _post_and_pull(
                             f"{stage_bytes} bytes")
     tables, token_1 = _addresses(buffers), _token(buffers, device)
     # NB: peers read only symmetric memory: the rows go through this rank's stage (the ROWS region)
-    if not after_meta:
-        buffers._segments.barrier(DISPATCH_OP, call_1, token=token_1)
     if encoded:  # encoded into the stage now (the peers are done with it): the post writes the tags only
         stage_bytes_TX = buffers.rows.view(-1).view(torch.uint8)[:T * X * dtype.itemsize]  # the ROWS region's start
         rows_TX = rows_TX.write(stage_bytes_TX.view(dtype).view(T, X))
@@ -319,15 +313,16 @@ def _post_and_pull(
                      tag_base=buffers.rank * buffers.max_slots, top_k=K, scale=scale_TK,
                      stage_table=None if encoded else tables[ROWS], acc_dtype=acc, token=token_1,
                      max_programs=buffers.num_sms, epilogue=epilogue)
-    k.pull_rows(_own(buffers, tables, TAGS, (C, TAG_COLUMNS), torch.int64), num_routed_1, out_CX, row_src_C,
-                stage_table=tables[ROWS], src_stride=buffers.max_slots, scaled=scale_TK is not None, acc_dtype=acc,
-                tail=tail, token=token_1, max_programs=buffers.num_sms)
+    with buffers._segments.barrier_after(DISPATCH_OP, call_1, token_1) as epilogue:
+        k.pull_rows(_own(buffers, tables, TAGS, (C, TAG_COLUMNS), torch.int64), num_routed_1, out_CX, row_src_C,
+                    stage_table=tables[ROWS], src_stride=buffers.max_slots, scaled=scale_TK is not None,
+                    acc_dtype=acc, tail=tail, token=token_1, max_programs=buffers.num_sms, epilogue=epilogue)
     return row_src_C
 
 
 @symm_dispatch_op.register_fake
 def _(x_TH, scale_TK, position_TK, slot_dst_N, row_slot_C, num_routed_1, call_1, buffers, x_scale_TB=None,
-      payload="plain", out_dtype=None, async_op=False, after_meta=False):
+      payload="plain", out_dtype=None, async_op=False):
     # NB: fixed capacity C, so no data-dependent size: the graph never waits for the counts.
     fmt, C = FORMATS[payload], buffers.capacity
     if fmt is not PLAIN:
@@ -399,14 +394,15 @@ def symm_combine_op(
                       acc, max_programs=buffers.num_sms, read_at_slot_dst=True)
         return y_TH, returned_NH
     tables, token_1 = _addresses(buffers), _token(buffers, expert_out_CH.device)
-    buffers._segments.barrier(COMBINE_OP, call_1, token=token_1)
     with buffers._segments.barrier_after(COMBINE_OP, call_1, token_1) as epilogue:
         k.put_rows(expert_out_CH, row_src_C, buffers.max_slots, tables[ROWS], count=num_routed_1, token=token_1,
                    max_programs=buffers.num_sms, epilogue=epilogue)
-    k.topk_reduce(
-        _own(buffers, tables, ROWS, (buffers.max_slots, H), expert_out_CH.dtype), position_TK, slot_dst_N, weights_TK,
-        y_TH, returned_NH if save_returned else None, acc, max_programs=buffers.num_sms, token=token_1,
-    )
+    with buffers._segments.barrier_after(COMBINE_OP, call_1, token_1) as epilogue:
+        k.topk_reduce(
+            _own(buffers, tables, ROWS, (buffers.max_slots, H), expert_out_CH.dtype), position_TK, slot_dst_N,
+            weights_TK, y_TH, returned_NH if save_returned else None, acc, max_programs=buffers.num_sms, token=token_1,
+            epilogue=epilogue,
+        )
     return y_TH, returned_NH
 
 
