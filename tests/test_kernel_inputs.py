@@ -138,6 +138,13 @@ def _launcher_cases() -> dict:
         assert metas[0, 1].tolist() == [0, 1, 5, 6, 2, 3, 4, 6, 2, 0, 9]  # checks the case, any input strides
         return (metas,)
 
+    def put_meta_planned(topk_idx):
+        metas = torch.zeros(2, 2, 11, dtype=torch.int64)
+        position, send_meta = k.put_meta(None, (topk_idx.numel(), 2, 0), torch.tensor([9]),
+                                         torch.tensor([m.data_ptr() for m in metas]), 1, 4, 11, (3, 4, 5, 6),
+                                         topk_idx=topk_idx)
+        return metas, position, send_meta
+
     def topk_reduce(ret, position, slot_dst, weights):
         y, returned = torch.empty(T, H, **f64), torch.zeros(N, H, **f64)
         k.topk_reduce(ret, position, slot_dst, weights, y, returned, torch.float64)
@@ -152,6 +159,7 @@ def _launcher_cases() -> dict:
         put_rows=(put_rows, (x, dst, scale)),
         post_slots=(post_slots, (x, dst, scale, dst.flip(0))),
         put_meta=(put_meta, (torch.arange(10).view(2, 5),)),
+        put_meta_planned=(put_meta_planned, (torch.randint(-1, 4, (T, K), generator=g),)),
         topk_reduce=(topk_reduce, (ret, position, dst, scale)),
         weight_grad=(weight_grad, (x, ret, position)),
         plan_slots=(partial(k.plan_slots, num_experts=E, world_size=2),
@@ -161,7 +169,7 @@ def _launcher_cases() -> dict:
 
 @needs_interpreter
 @pytest.mark.parametrize(
-    "launcher", ["put_rows", "post_slots", "put_meta", "topk_reduce", "weight_grad", "plan_slots"]
+    "launcher", ["put_rows", "post_slots", "put_meta", "put_meta_planned", "topk_reduce", "weight_grad", "plan_slots"]
 )
 def test_launcher_reads_strided_inputs(launcher):
     run, inputs = _launcher_cases()[launcher]
@@ -358,9 +366,11 @@ _POST_TENSORS = {"src_ptr": (8, 16), "scale_ptr": (N_,), "dst_ptr": (N_,), "tag_
 _POST_SCALARS = dict(n_slots=N_, n_src=8, X=16, world_size=2, rank=0, tag_base=0, K=8, DST_STRIDE=N_, HAS_SCALE=True,
                      STAGE=True, ACC_DTYPE="tl.float32", BLOCK_R=2, BLOCK_H=16, BLOCK_S=N_, BLOCK_W=2)
 _META_TENSORS = {"send_meta_ptr": (2, E_ // 2 + 3), "call_ptr": (1,), "meta_table_ptr": (1, 2), "token_ptr": (1,),
-                 **_EPILOGUE_TENSORS}
+                 "idx_ptr": (N_,), "position_ptr": (N_,), **_EPILOGUE_TENSORS}
 _META_SCALARS = dict(rank=0, world_size=2, E=E_, e=E_ // 2, L=L_, n_status=3, n_slots=N_, alignment=1, failed=0,
-                     col_n_slots=N_SLOTS, col_alignment=ALIGNMENT, col_failed=FAILED, col_call=CALL, BLOCK_L=32)
+                     col_n_slots=N_SLOTS, col_alignment=ALIGNMENT, col_failed=FAILED, col_call=CALL, BLOCK_L=32,
+                     PLAN=False, NP=1, NB=1, BLOCK_W=1)
+_PLAN_FIRST = dict(PLAN=True, NP=N_, NB=32, BLOCK_W=2)  # NB: E_ + 2 buckets
 _PUT_TENSORS = {"src_ptr": (8, 16), "scale_ptr": (N_,), "dst_ptr": (N_,), "count_ptr": (1,), "rows_table_ptr": (1, 2),
                 "out_ptr": (8, 16), "token_ptr": (1,), **_EPILOGUE_TENSORS}
 _PUT_SCALARS = dict(n_rows=N_, n_src=8, H=16, world_size=2, K=8, DST_STRIDE=N_, HAS_SCALE=False, ONE_OUT=False,
@@ -408,6 +418,9 @@ KERNELS = {  # kernel: (tensor arguments' shapes, other arguments, the tensors i
     "row_put._put_meta_kernel": (_META_TENSORS, dict(_META_SCALARS, **_NO_EPILOGUE), ["token_ptr"]),
     "row_put._put_meta_kernel[barriers before and after]": (  # the first sets the call number
         _META_TENSORS, dict(_META_SCALARS, **_EPILOGUE), ["call_ptr", "token_ptr"]),
+    "row_put._put_meta_kernel[the plan first]": (  # its outputs: the slots' positions and send_meta
+        _META_TENSORS, dict(_META_SCALARS, **_EPILOGUE, **_PLAN_FIRST),
+        ["call_ptr", "position_ptr", "send_meta_ptr", "token_ptr"]),
     "row_put._put_rows_kernel": (_PUT_TENSORS, dict(_PUT_SCALARS, **_NO_EPILOGUE), ["token_ptr"]),
     "row_put._put_rows_kernel[barrier after]": (_PUT_TENSORS, dict(_PUT_SCALARS, **_EPILOGUE), ["token_ptr"]),
     "topk_reduce._topk_reduce_kernel": (_REDUCE_TENSORS, dict(_REDUCE_SCALARS, **_NO_EPILOGUE),
@@ -475,6 +488,7 @@ from alltoall_ops.kernels import barrier, row_put, topk_reduce
 
 kernel, W, constexprs = json.loads(sys.argv[1])
 kernel = {"barrier": barrier._barrier_kernel, "put_meta": row_put._put_meta_kernel,
+          "put_meta[the plan first]": row_put._put_meta_kernel,
           "put_rows": row_put._put_rows_kernel, "post_slots": row_put._post_slots_kernel,
           "pull_rows": row_put._pull_rows_kernel, "topk_reduce": topk_reduce._topk_reduce_kernel}[kernel]
 constexprs = {**{k: getattr(triton.language, v[3:]) if str(v).startswith("tl.") else v for k, v in constexprs.items()},
@@ -491,7 +505,8 @@ print(ptx.count("%globaltimer"), ptx.count("call.uni __assertfail") + ptx.count(
 
 _FUSED = {  # kernel: (its constexprs with the barrier, barriers in it)
     "barrier": ({}, 1),
-    "put_meta": (dict(BLOCK_L=32, BARRIER=True), 2),
+    "put_meta": (dict(BLOCK_L=32, BARRIER=True, PLAN=False, NP=1, NB=1, BLOCK_W=1), 2),
+    "put_meta[the plan first]": (dict(BLOCK_L=32, BARRIER=True, PLAN=True, NP=64, NB=32, BLOCK_W=2), 2),
     "put_rows": (dict(K=8, DST_STRIDE=64, HAS_SCALE=False, ONE_OUT=False, HAS_COUNT=True, ACC_DTYPE="tl.float32",
                       BLOCK_R=2, BLOCK_H=16, BLOCK_W=2, BARRIER=True), 1),
     "post_slots": (dict(K=8, DST_STRIDE=64, HAS_SCALE=True, STAGE=True, ACC_DTYPE="tl.float32", BLOCK_R=2,

@@ -190,6 +190,27 @@ def test_one_rank_reads_the_plan(T, K, E, alignment, max_slots, capacity):
     _assert_placement(p, _reference_placement(row[:, :E], topk_idx, position, 0, alignment, max_slots, capacity))
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 5), st.integers(0, 120), st.integers(1, 8), st.integers(0, 3), st.data())
+def test_the_metadata_put_plans_as_plan_routing(W, e, T, K, rank, data):
+    # put_meta(topk_idx=...) plans the slots in its own program (the path with peers, up to
+    # ONE_PROGRAM_SLOTS slots, one launch for both): the same positions and send_meta as the
+    # routing plan, and the same row into every rank's metadata, bad ids and -1 included.
+    E, rank, k = W * e, rank % W, loader.load()
+    T = min(T, k.routing_plan.ONE_PROGRAM_SLOTS // K)
+    ids = data.draw(st.lists(st.integers(-2, E + 1), min_size=T * K, max_size=T * K))
+    topk_idx = torch.tensor(ids, dtype=torch.int64).view(T, K).to(DEVICE)
+    plan = layout.plan_routing(topk_idx, E, W)
+    L, header, columns = E + META_EXTRA, (T * K, 3, 0), (N_SLOTS, ALIGNMENT, FAILED, CALL)
+    call = torch.tensor([5], device=DEVICE)
+    metas = [torch.zeros(W, W, L, dtype=torch.int64, device=DEVICE) for _ in range(2)]
+    tables = [torch.tensor([row.data_ptr() for row in m], device=DEVICE) for m in metas]  # every rank's row
+    k.put_meta(plan.send_meta, header, call, tables[0], rank, E, L, columns)
+    position, send_meta = k.put_meta(None, header, call, tables[1], rank, E, L, columns, topk_idx=topk_idx)
+    assert torch.equal(position, plan.position) and torch.equal(send_meta, plan.send_meta)
+    assert torch.equal(metas[1], metas[0]) and bool((metas[0][:, rank, E + CALL] == 5).all())
+
+
 FAILURES = [  # check i of the kernel's bits: how to fail it on rank 0 of two (E = 2, call 1), the error
     (lambda m: m[0, 2 + FAILED].fill_(1), PeerInputError, "rank 0 rejected its arguments"),
     (lambda m: m[0, 2 + CALL].fill_(2), GroupMismatchError, "out of step"),

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import alltoall_ops as a2a
-from alltoall_ops import fp8, layout
+from alltoall_ops import fp8
 from alltoall_ops.errors import GroupMismatchError
 from alltoall_ops.testing import CommOpCounter, DistributedPool, RankFailures, nan_unwritten_rows
 from alltoall_ops.backends import symm_mem
@@ -855,8 +855,7 @@ def test_opcheck():
     x, w = x.requires_grad_(), weights.requires_grad_()
     ops = symm_ops
     cases = [
-        (ops.symm_exchange_meta_op, (h.meta_WL[:, : E + layout.STATUS_COLUMNS].clone(), topk_idx, h.position_TK, bufs,
-                                     1)),  # one rank: the plan's send_meta
+        (ops.symm_exchange_meta_op, (topk_idx, bufs, 1)),
         (ops.symm_dispatch_op, (x, None, *h.slots)),
         (ops.symm_dispatch_op, (x, w.detach(), *h.slots)),
         (ops.symm_combine_op,

@@ -4,7 +4,8 @@
     routing_plan.py  ``plan_slots``: the send order of every slot, without a sort (layout);
                      ``plan_rows``: one rank's padded expert-major rows (the local backend)
     row_gather.py    ``gather_rows``: one rank's expert-major rows from its tokens (local dispatch)
-    row_put.py       ``put_rows`` / ``put_meta``: rows and metadata rows into local or peer buffers;
+    row_put.py       ``put_rows`` / ``put_meta``: rows and metadata rows into local or peer buffers
+                     (``put_meta`` can plan the slots first, in its one program);
                      ``post_slots`` / ``pull_rows``: a dispatch's two halves, each row read
                      by its receiver from its sender's stage into a fresh tensor
     topk_reduce.py   ``topk_reduce``: each token's weighted sum over its top-k slots (combine)

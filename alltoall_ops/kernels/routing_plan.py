@@ -21,7 +21,8 @@ are integers, so the atomics give the same result in any order: deterministic. E
 ``slot_positions`` sums the count rows of the blocks before it in (BLOCK_P, NB) tiles, writes its
 buckets' first positions to a scratch row and reads them back per slot (a gather), and ranks its
 slots with (BLOCK_S, BLOCK_J) comparisons. Up to ``ONE_PROGRAM_SLOTS`` slots, one program does
-it all in one launch: a histogram of the buckets, then one sort of the keys (bucket, slot).
+it all in one launch: a histogram of the buckets, then one sort of the keys (bucket, slot);
+the symm_mem metadata put runs that program first (``row_put.put_meta(topk_idx=...)``).
 """
 
 from __future__ import annotations
@@ -142,17 +143,27 @@ def _slot_positions_kernel(
                     tl.device_assert(n_bad == 0, _BAD_IDS)
 
 
+def one_program_sizes(num_slots: int, num_experts: int) -> Optional[tuple[int, int]]:
+    """(NP, NB) of ``_plan_in_one_program_kernel`` for N = num_slots and E = num_experts: the
+    slots and the buckets (E, none, past N) padded to powers of 2; None where one program does
+    not plan them (more than ``ONE_PROGRAM_SLOTS`` slots, or keys past int32)."""
+    NP, NB = triton.next_power_of_2(max(num_slots, 16)), triton.next_power_of_2(num_experts + 2)
+    return (NP, NB) if num_slots <= ONE_PROGRAM_SLOTS and NP * NB < 2**31 else None
+
+
 @triton.jit
 def _plan_in_one_program_kernel(
     idx_ptr, scratch_ptr, position_ptr, order_ptr, send_meta_ptr,
     N, E, e, W, alignment, C, n_fill,
     NP: tl.constexpr, NB: tl.constexpr, BLOCK_W: tl.constexpr, ROWS: tl.constexpr, ASSERT_VALID: tl.constexpr,
+    ORDER: tl.constexpr,
 ):
     """Both kernels' work in one program, for few slots (``ONE_PROGRAM_SLOTS``, NP >= N a power
     of 2): the totals by a histogram, the send order by one sort of the keys (bucket, slot) in
     registers, so no counts to zero first and no slot compared with another. Bin NB - 1 (> E)
     holds the lanes past N, which sort last. ROWS: each slot's row is its place in the sort
-    shifted by the padding of the groups before its own."""
+    shifted by the padding of the groups before its own. ORDER False (not with ROWS): order is
+    not written (the symm_mem metadata put, which calls this as its first step)."""
     o_s = tl.arange(0, NP)  # the slots; after the sort, the places in send order
     m_s = o_s < N
     b_idx = tl.load(idx_ptr + o_s, mask=m_s, other=-1).to(tl.int64)
@@ -183,7 +194,8 @@ def _plan_in_one_program_kernel(
         b_total = b_padded
     else:
         tl.store(position_ptr + b_slot, b_place, mask=m_s)
-        tl.store(order_ptr + o_s, b_slot, mask=m_s)
+        if ORDER:
+            tl.store(order_ptr + o_s, b_slot, mask=m_s)
     m_valid = o_g < E  # counts of every local expert of every rank, and the status columns
     tl.store(send_meta_ptr + (o_g // e) * (e + 3) + o_g % e, b_total.to(tl.int64), mask=m_valid)
     o_w = tl.arange(0, BLOCK_W)
@@ -240,14 +252,15 @@ def _launch(topk_idx: torch.Tensor, num_experts: int, world_size: int, order: to
     num_warps = 1 if interpreting() else GPU_NUM_WARPS
     assert_valid = assert_valid and rows and dev.type == "cuda"
     checks = dict(ASSERT_VALID=assert_valid, **(assert_options(idx) if assert_valid else {}))
-    NP, NB = triton.next_power_of_2(max(N, 16)), triton.next_power_of_2(E + 2)
-    if N <= ONE_PROGRAM_SLOTS and NP * NB < 2**31:  # NB: the sort's keys are int32
+    sizes = one_program_sizes(N, E)
+    if sizes is not None:
+        NP, NB = sizes
         scratch = torch.empty(NB if rows else 0, dtype=torch.int64, device=dev)
         with LAUNCH_LOCK:
             launch(_plan_in_one_program_kernel, idx)[(1,)](
                 idx, scratch, position, order, send_meta, N, E, e, W, alignment, order.numel(),
                 order.numel() if rows else 0, NP=NP, NB=NB, BLOCK_W=triton.next_power_of_2(W), ROWS=rows,
-                num_warps=num_warps, **checks,
+                ORDER=True, num_warps=num_warps, **checks,
             )
         return position.view(T, K), send_meta
     if interpreting():

@@ -10,6 +10,7 @@ Reference semantics (``tables[r]`` is rank r's buffer)::
                     peer, row = divmod(dst[i], stride)                   # (with ``out``: peer 0)
                     tables[peer][row] = src[i // K] * (scale.flat[i] if scale else 1)
     put_meta:   for peer in range(W): meta[peer][rank] = row   # row: counts, status, header (put_meta's doc)
+                (with topk_idx: the routing plan first, routing_plan's one program: send_meta, position)
     post_slots: stage[rank][:n] = rows                                       # with a stage (W > 1)
                 for i in range(N): if dst[i] >= 0:
                     peer, row = divmod(dst[i], stride)
@@ -45,10 +46,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import (LAUNCH_LOCK, cast_rne, launch, order_after, program_grid, require_contiguous, row_blocks,
-                      tl_acc_dtype, upcast)
+from ._config import (LAUNCH_LOCK, cast_rne, interpreting, launch, order_after, program_grid, require_contiguous,
+                      row_blocks, tl_acc_dtype, upcast)
 from .barrier import Epilogue, advance_call, arrive_and_wait, barrier_alone, epilogue_args, last_program_arrives
 from .region import TAG_COLUMNS, Region, or_new_token
+from .routing_plan import GPU_NUM_WARPS as PLAN_NUM_WARPS, _plan_in_one_program_kernel, one_program_sizes
 
 
 MAX_COUNTED_PROGRAMS = 8192
@@ -177,12 +179,17 @@ def put_rows(
 
 @triton.jit
 def _put_meta_kernel(
-    send_meta_ptr, call_ptr, meta_table_ptr, token_ptr, rank, world_size, E, e, L, n_status,
+    send_meta_ptr, call_ptr, meta_table_ptr, token_ptr, idx_ptr, position_ptr, rank, world_size, E, e, L, n_status,
     n_slots, alignment, failed, col_n_slots, col_alignment, col_failed, col_call,
     pads_table_ptr, counters_ptr, barrier_call_ptr, barrier_rank, timeout_ms, barrier_op,
     BLOCK_L: tl.constexpr, BARRIER: tl.constexpr, WORLD_SIZE: tl.constexpr,
+    PLAN: tl.constexpr, NP: tl.constexpr, NB: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     order_after(token_ptr)
+    if PLAN:  # one program: the routing plan of idx first (send_meta and each slot's position), read below
+        _plan_in_one_program_kernel(idx_ptr, idx_ptr, position_ptr, position_ptr, send_meta_ptr, n_slots, E, e,
+                                    world_size, 1, 0, 0, NP, NB, BLOCK_W, False, False, False)
+        tl.debug_barrier()
     if BARRIER:  # one program: the barrier before the puts (the peers are done with the rows), advancing the call
         arrive_and_wait(pads_table_ptr, barrier_rank, timeout_ms, advance_call(counters_ptr, call_ptr), barrier_op,
                         barrier_rank, WORLD_SIZE)
@@ -205,10 +212,12 @@ def _put_meta_kernel(
                              WORLD_SIZE)
 
 
-def put_meta(send_meta: torch.Tensor, header: tuple[int, int, int], call_1: torch.Tensor, meta_table: torch.Tensor,
-             rank: int, num_experts: int, meta_columns: int, columns: tuple[int, int, int, int],
-             token: Optional[torch.Tensor] = None, max_programs: Optional[int] = None,
-             epilogue: Optional[Epilogue] = None) -> None:
+def put_meta(send_meta: Optional[torch.Tensor], header: tuple[int, int, int], call_1: torch.Tensor,
+             meta_table: torch.Tensor, rank: int, num_experts: int, meta_columns: int,
+             columns: tuple[int, int, int, int], token: Optional[torch.Tensor] = None,
+             max_programs: Optional[int] = None, epilogue: Optional[Epilogue] = None,
+             topk_idx: Optional[torch.Tensor] = None,
+             ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's metadata row into row ``rank`` of every rank's (W, L = meta_columns) int64
     metadata buffer, assembled on the way: column g < E the count of expert g (``send_meta``, the
     routing plan's (W, e + status), row g // e, column g % e), then the status (its first row's
@@ -217,17 +226,38 @@ def put_meta(send_meta: torch.Tensor, header: tuple[int, int, int], call_1: torc
     E; other columns 0. A program per peer, or at most ``max_programs`` striding over them (an
     SM budget). token: as put_rows'. ``epilogue`` (its call_1 is call_1, ``advance_before``
     set): the barrier before the puts, which sets call_1 to this rank's next call number, and
-    the one after them, both in one program."""
+    the one after them, both in one program.
+
+    ``topk_idx`` (T, K) instead of ``send_meta`` (at most ``routing_plan.ONE_PROGRAM_SLOTS``
+    slots, ``routing_plan.one_program_sizes``): one program plans them first, as ``plan_slots``
+    does (no order), and returns (position (T, K), send_meta (W, e + 3)): the plan and the put
+    in one launch."""
     W, E = meta_table.numel(), num_experts
-    send_meta, meta_table = send_meta.contiguous(), meta_table.contiguous()
-    e = E // send_meta.shape[0]
-    grid = (1,) if epilogue is not None else program_grid(W, 1, max_programs)[:1]
+    e, dev, meta_table = E // W, call_1.device, meta_table.contiguous()
+    if (send_meta is None) == (topk_idx is None):
+        raise ValueError("put_meta: pass exactly one of send_meta and topk_idx")
+    plan = dict(PLAN=False, NP=1, NB=1, BLOCK_W=1)
+    if topk_idx is not None:
+        sizes = one_program_sizes(topk_idx.numel(), E)
+        if sizes is None or topk_idx.numel() != header[0]:
+            raise ValueError(f"put_meta: topk_idx of {topk_idx.numel()} slots (header's n_slots: {header[0]}) is "
+                             f"not planned by one program ({E} experts)")
+        idx = topk_idx.reshape(-1).contiguous()
+        position = torch.empty(topk_idx.shape, dtype=torch.int64, device=dev)
+        send_meta = torch.empty(W, e + 3, dtype=torch.int64, device=dev)
+        plan = dict(PLAN=True, NP=sizes[0], NB=sizes[1], BLOCK_W=triton.next_power_of_2(W),
+                    **({} if interpreting() else dict(num_warps=PLAN_NUM_WARPS)))
+    else:
+        send_meta = send_meta.contiguous()
+        idx = position = send_meta  # unread
+    grid = (1,) if epilogue is not None or topk_idx is not None else program_grid(W, 1, max_programs)[:1]
     with LAUNCH_LOCK:
         launch(_put_meta_kernel, send_meta)[grid](
-            send_meta, call_1, meta_table, or_new_token(token, send_meta.device), rank, W, E, e, meta_columns,
+            send_meta, call_1, meta_table, or_new_token(token, dev), idx, position, rank, W, E, e, meta_columns,
             send_meta.shape[1] - e, *header, *columns, BLOCK_L=triton.next_power_of_2(max(1, min(meta_columns, 1024))),
-            **epilogue_args(epilogue, call_1, one_program=True),
+            **epilogue_args(epilogue, call_1, one_program=True), **plan,
         )
+    return None if topk_idx is None else (position, send_meta)
 
 
 _TAG_COLUMNS = tl.constexpr(TAG_COLUMNS)

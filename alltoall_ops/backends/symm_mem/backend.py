@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import torch
 
-from ... import comm, layout, overlap
+from ... import comm, overlap
 from ..._compat import call, is_compiling
 from ...errors import CapacityError, CollectiveError, PeerInputError
 from ...groups import LOCAL, Group, process_group
@@ -178,10 +178,8 @@ class SymmMemBackend(Backend):
             return
         buffers._own_error = f"{type(error).__name__}: {error}"
         try:
-            no_plan = torch.zeros(buffers.world_size, buffers.num_local_experts + layout.STATUS_COLUMNS,
-                                  dtype=torch.int64, device=buffers.device)
             no_slots = torch.empty(0, 1, dtype=torch.int64, device=buffers.device)
-            symm_exchange_meta_op(no_plan, no_slots, no_slots, buffers, 1, failed=True)
+            symm_exchange_meta_op(no_slots, buffers, 1, failed=True)
         except (PeerInputError, CollectiveError):
             pass  # what the peers raise, or peers later than the deadline (not told); this rank raises its own error
         finally:
@@ -200,14 +198,13 @@ class SymmMemBackend(Backend):
             bufs = cached_buffers(x_TH, topk_idx_TK, num_experts, group, expert_alignment, payload)
         overlap.check_nothing_pending(bufs, "dispatch")  # NB: even an async dispatch exchanges the metadata in place
         E = bufs.num_experts
-        plan = layout.plan_routing(topk_idx_TK, E, bufs.world_size, bufs.num_sms)
-        meta_WL, slot_dst_N, row_slot_C, tokens_per_expert_e, num_routed_1, dropped_W = call(
-            symm_exchange_meta_op, plan.send_meta, topk_idx_TK, plan.position, bufs, expert_alignment)
+        position_TK, meta_WL, slot_dst_N, row_slot_C, tokens_per_expert_e, num_routed_1, dropped_W = call(
+            symm_exchange_meta_op, topk_idx_TK, bufs, expert_alignment)
         call_1 = meta_WL[bufs.rank, E + CALL : E + CALL + 1]  # this step's (device)
-        slots = SlotArgs(plan.position, slot_dst_N, row_slot_C, num_routed_1, call_1, bufs)
+        slots = SlotArgs(position_TK, slot_dst_N, row_slot_C, num_routed_1, call_1, bufs)
         routed_CH, scale_CB, row_src_C = call(symm_dispatch_op, x_TH=x_TH, scale_TK=None, **slots.kwargs(),
                                               **op_kwargs(payload), async_op=async_op,
                                               differentiable=(x_TH,))
-        handle = SymmMemHandle(plan.position, meta_WL, slot_dst_N, row_slot_C, row_src_C, num_routed_1, call_1,
+        handle = SymmMemHandle(position_TK, meta_WL, slot_dst_N, row_slot_C, row_src_C, num_routed_1, call_1,
                                dropped_W, bufs, bufs.capacity, expert_alignment)
         return routed(payload, routed_CH, scale_CB), tokens_per_expert_e, handle

@@ -158,52 +158,61 @@ def _own(buffers: SymmBuffers, tables: tuple[torch.Tensor, ...], region: int, sh
 
 @comm_op("symm_exchange_meta", inline=_inlined)
 def symm_exchange_meta_op(
-    send_meta_WS: torch.Tensor, topk_idx_TK: torch.Tensor, position_TK: torch.Tensor, buffers: SymmBuffers,
-    expert_alignment: int, failed: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The routing plan's send_meta (W, e + status) and topk_idx, position (T, K) of this rank ->
-    meta_WL (W, L), slot_dst (N,), row_slot (one rank: (C,), else (0,)), tokens_per_expert (e,),
-    num_routed (1,), dropped (W,), int64.
+    topk_idx_TK: torch.Tensor, buffers: SymmBuffers, expert_alignment: int, failed: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's topk_idx (T, K) -> position (T, K) (each slot's place in send order, the
+    routing plan's), meta_WL (W, L), slot_dst (N,), row_slot (one rank: (C,), else (0,)),
+    tokens_per_expert (e,), num_routed (1,), dropped (W,), int64.
 
-    Every rank puts its metadata row (L,) into every peer's buffer (an all-gather): its counts
-    per expert, its routing status, then N_SLOTS = T * K, ALIGNMENT, FAILED (``failed``: this
-    rank rejected its arguments) and CALL, the call number of the exchange on ``buffers``,
-    counted on the device by the barrier before its put (zero on one rank, which has no peers to be out
-    of step with): the dispatch and combine of this step stamp their barriers with it. Then one
-    kernel (``kernels/slot_placement.py``) checks every row (raised on every rank alike, see
-    ``_raise_failed_checks``) and places this rank's slots (``SymmMemHandle``): meta_WL is every
-    rank's row. "One rank" here and below: buffers without the path with peers
-    (``SymmBuffers.peer_path``; one rank unless allocator='symmetric'). One rank: no exchange;
-    the kernel reads send_meta and this call's header, and row_slot is each routed row's slot,
-    which its dispatches read their rows by (no tags)."""
-    W, E, N = buffers.world_size, buffers.num_experts, topk_idx_TK.numel()
+    The routing plan (``layout.plan_routing``) counts this rank's slots per expert. Every rank
+    puts its metadata row (L,) into every peer's buffer (an all-gather): its counts per expert,
+    its routing status, then N_SLOTS = T * K, ALIGNMENT, FAILED (``failed``: this rank rejected
+    its arguments) and CALL, the call number of the exchange on ``buffers``, counted on the
+    device by the barrier before its put (zero on one rank, which has no peers to be out of step
+    with): the dispatch and combine of this step stamp their barriers with it. Up to
+    ``ONE_PROGRAM_SLOTS`` slots the put's one program plans them first (one launch for both:
+    ``put_meta(topk_idx=...)``). Then one kernel (``kernels/slot_placement.py``) checks every
+    row (raised on every rank alike, see ``_raise_failed_checks``) and places this rank's slots
+    (``SymmMemHandle``): meta_WL is every rank's row. "One rank" here and below: buffers without
+    the path with peers (``SymmBuffers.peer_path``; one rank unless allocator='symmetric'). One
+    rank: no exchange; the kernel reads the plan's send_meta and this call's header, and
+    row_slot is each routed row's slot, which its dispatches read their rows by (no tags)."""
+    W, E, N, k = buffers.world_size, buffers.num_experts, topk_idx_TK.numel(), loader.load()
     token_1 = None
-    if not buffers.peer_path:
-        meta = send_meta_WS  # one rank: the all-gather of one row is the row
+    if buffers.peer_path and k.routing_plan.one_program_sizes(N, E) is not None:
+        plan = None  # planned by the put's program
     else:
-        tables, token_1 = _addresses(buffers), _token(buffers, send_meta_WS.device)
-        call_1 = torch.empty(1, dtype=torch.int64, device=send_meta_WS.device)  # set by the barrier before
+        plan = layout.plan_routing(topk_idx_TK, E, W, buffers.num_sms)
+        position_TK = plan.position
+    if not buffers.peer_path:
+        meta = plan.send_meta  # one rank: the all-gather of one row is the row
+    else:
+        tables, token_1 = _addresses(buffers), _token(buffers, topk_idx_TK.device)
+        call_1 = torch.empty(1, dtype=torch.int64, device=topk_idx_TK.device)  # set by the barrier before
         with buffers._segments.barrier_after(META_OP, call_1, token_1, advance_before=True) as epilogue:
-            loader.load().put_meta(send_meta_WS, (N, expert_alignment, int(failed)), call_1, tables[META],
-                                   buffers.rank, E, buffers.meta_columns, HEADER_COLUMNS, token=token_1,
-                                   max_programs=buffers.num_sms, epilogue=epilogue)
+            planned = k.put_meta(None if plan is None else plan.send_meta, (N, expert_alignment, int(failed)), call_1,
+                                 tables[META], buffers.rank, E, buffers.meta_columns, HEADER_COLUMNS, token=token_1,
+                                 max_programs=buffers.num_sms, epilogue=epilogue,
+                                 topk_idx=topk_idx_TK if plan is None else None)
+        if plan is None:
+            position_TK, _ = planned
         meta = _own(buffers, tables, META, (W, buffers.meta_columns), torch.int64)
-    p = loader.load().place_slots(
+    p = k.place_slots(
         meta, topk_idx_TK, position_TK, num_experts=E, world_size=W, rank=buffers.rank,
         meta_columns=buffers.meta_columns, columns=CHECK_COLUMNS, expert_alignment=expert_alignment,
         max_slots=buffers.max_slots, capacity=buffers.capacity, check_overflow=buffers.overflow != "drop",
         assert_checks=True, token=token_1, max_programs=buffers.num_sms,
     )
     _raise_failed_checks(p.failed_checks_1, p.meta_WL, buffers, expert_alignment)
-    return p.meta_WL, p.slot_dst_N, p.row_slot_C, p.tokens_per_expert_e, p.num_routed_1, p.dropped_W
+    return position_TK, p.meta_WL, p.slot_dst_N, p.row_slot_C, p.tokens_per_expert_e, p.num_routed_1, p.dropped_W
 
 
 @symm_exchange_meta_op.register_fake
-def _(send_meta_WS, topk_idx_TK, position_TK, buffers, expert_alignment, failed=False):
+def _(topk_idx_TK, buffers, expert_alignment, failed=False):
     W, e = buffers.world_size, buffers.num_local_experts
-    new = send_meta_WS.new_empty
-    return (new(W, buffers.meta_columns), new(topk_idx_TK.numel()), new(0 if buffers.peer_path else buffers.capacity),
-            new(e), new(1), new(W))
+    sizes = (topk_idx_TK.shape, (W, buffers.meta_columns), (topk_idx_TK.numel(),),
+             (0 if buffers.peer_path else buffers.capacity,), (e,), (1,), (W,))
+    return tuple(topk_idx_TK.new_empty(size, dtype=torch.int64) for size in sizes)
 
 
 @comm_op("symm_dispatch", inline=_inlined)
