@@ -381,19 +381,23 @@ _REDUCE_SCALARS = dict(ret_index=0, T=8, H=16, n_valid=16, RET_AT_ADDRESS=True, 
                        K=2, HAS_SLOT_DST=True, HAS_WEIGHTS=True, SAVE_RETURNED=True, ACC_DTYPE="tl.float32",
                        BLOCK_T=8, BLOCK_H=16)
 _PULL_STAGED = dict(_PULL_SCALARS, world_size=2, ROW_MAP=False, STAGED=True, BLOCK_W=2)
+_PLACE_TENSORS = {"meta_ptr": (1, E_ + 3), "meta_table_ptr": (1, 1), "idx_ptr": (N_,), "position_ptr": (N_,),
+                  "meta_out_ptr": (1, L_), "failed_checks_ptr": (1,), "slot_dst_ptr": (N_,), "row_slot_ptr": (N_,),
+                  "tokens_ptr": (E_,), "num_routed_ptr": (1,), "dropped_ptr": (1,), "scratch_ptr": (1, 2, E_),
+                  "token_ptr": (1,)}
+_PLACE_SCALARS = dict(meta_index=0, L_in=E_ + 3, N=N_, E=E_, e=E_, rank=0, L_out=L_, alignment=1, max_slots=N_,
+                      capacity=N_, col_failed=FAILED, col_call=CALL, col_alignment=ALIGNMENT, col_bad_ids=0,
+                      col_n_slots=N_SLOTS, WORLD_SIZE=1, ONE_RANK=True, META_AT_ADDRESS=False, CHECK_OVERFLOW=True,
+                      ASSERT_CHECKS=True, BLOCK_W=1, BLOCK_E=E_, BLOCK_S=N_, BLOCK_L=32, PLAN=False, NP=1, NB=1)
 KERNELS = {  # kernel: (tensor arguments' shapes, other arguments, the tensors it writes)
     "slot_placement._place_slots_kernel": (
-        {"meta_ptr": (1, E_ + 3), "meta_table_ptr": (1, 1), "idx_ptr": (N_,), "position_ptr": (N_,),
-         "meta_out_ptr": (1, L_), "failed_checks_ptr": (1,), "slot_dst_ptr": (N_,), "row_slot_ptr": (N_,),
-         "tokens_ptr": (E_,), "num_routed_ptr": (1,), "dropped_ptr": (1,), "scratch_ptr": (1, 2, E_),
-         "token_ptr": (1,)},
-        dict(meta_index=0, L_in=E_ + 3, N=N_, E=E_, e=E_, rank=0, L_out=L_, alignment=1, max_slots=N_, capacity=N_,
-             col_failed=FAILED, col_call=CALL, col_alignment=ALIGNMENT, col_bad_ids=0, col_n_slots=N_SLOTS,
-             WORLD_SIZE=1, ONE_RANK=True, META_AT_ADDRESS=False, CHECK_OVERFLOW=True, ASSERT_CHECKS=True, BLOCK_W=1,
-             BLOCK_E=E_,
-             BLOCK_S=N_, BLOCK_L=32),
+        _PLACE_TENSORS, _PLACE_SCALARS,
         ["dropped_ptr", "failed_checks_ptr", "meta_out_ptr", "num_routed_ptr", "row_slot_ptr", "scratch_ptr",
          "slot_dst_ptr", "token_ptr", "tokens_ptr"]),
+    "slot_placement._place_slots_kernel[the plan first]": (  # one rank: the plan's send_meta and positions too
+        _PLACE_TENSORS, dict(_PLACE_SCALARS, PLAN=True, NP=N_, NB=32),
+        ["dropped_ptr", "failed_checks_ptr", "meta_out_ptr", "meta_ptr", "num_routed_ptr", "position_ptr",
+         "row_slot_ptr", "scratch_ptr", "slot_dst_ptr", "token_ptr", "tokens_ptr"]),
     # the dispatch's two halves write the buffers through addresses only: inductor sees the token
     "row_put._post_slots_kernel": (_POST_TENSORS, dict(_POST_SCALARS, **_NO_EPILOGUE), ["token_ptr"]),
     "row_put._post_slots_kernel[barrier after]": (_POST_TENSORS, dict(_POST_SCALARS, **_EPILOGUE), ["token_ptr"]),

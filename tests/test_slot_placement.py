@@ -7,6 +7,7 @@ error."""
 from __future__ import annotations
 
 import re
+from typing import Optional
 
 import pytest
 import torch
@@ -62,13 +63,14 @@ def _reference_placement(counts_WE: torch.Tensor, topk_idx_TK: torch.Tensor, pos
     return slot_dst_N, tokens_per_expert_e, tokens_per_expert_e.sum().reshape(1), dropped_W
 
 
-def _place(meta: torch.Tensor, topk_idx_TK: torch.Tensor, position_TK: torch.Tensor, *, W: int, E: int, rank: int,
-           alignment: int, max_slots: int, capacity: int, check_overflow: bool = True, max_programs=None,
-           at_address: bool = False):
-    """The kernel's outputs; ``at_address``: meta read through its address (as from the buffers)."""
-    meta = meta.to(DEVICE)
+def _place(meta: Optional[torch.Tensor], topk_idx_TK: torch.Tensor, position_TK: Optional[torch.Tensor], *, W: int,
+           E: int, rank: int, alignment: int, max_slots: int, capacity: int, check_overflow: bool = True,
+           max_programs=None, at_address: bool = False):
+    """The kernel's outputs; ``at_address``: meta read through its address (as from the buffers);
+    meta and position None: the kernel plans first."""
+    meta, position_TK = (None if t is None else t.to(DEVICE) for t in (meta, position_TK))
     return loader.load().place_slots(
-        Region.of(meta) if at_address else meta, topk_idx_TK.to(DEVICE), position_TK.to(DEVICE), num_experts=E,
+        Region.of(meta) if at_address else meta, topk_idx_TK.to(DEVICE), position_TK, num_experts=E,
         world_size=W, rank=rank, meta_columns=E + META_EXTRA, columns=symm_ops.CHECK_COLUMNS,
         expert_alignment=alignment, max_slots=max_slots, capacity=capacity, check_overflow=check_overflow,
         max_programs=max_programs,
@@ -188,6 +190,26 @@ def test_one_rank_reads_the_plan(T, K, E, alignment, max_slots, capacity):
     expected = _reference_checks(row, E, 0, alignment, max_slots, capacity, True)
     assert int(p.failed_checks_1) == expected and (expected >> 4 & 1) == (T * K > max_slots)
     _assert_placement(p, _reference_placement(row[:, :E], topk_idx, position, 0, alignment, max_slots, capacity))
+    if T * K > loader.load().routing_plan.ONE_PROGRAM_SLOTS:
+        return
+    # up to 1024 slots the kernel may plan them first itself (one rank's metadata stage in one launch)
+    planned = _place(None, topk_idx, None, W=1, E=E, rank=0, alignment=alignment, max_slots=max_slots,
+                     capacity=capacity)
+    assert torch.equal(planned.position_TK.cpu(), position) and torch.equal(planned.meta_WL.cpu(), row)
+    assert int(planned.failed_checks_1) == expected
+    _assert_placement(planned, _reference_placement(row[:, :E], topk_idx, position, 0, alignment, max_slots, capacity))
+
+
+def test_placement_plans_first_only_what_one_program_plans():
+    from alltoall_ops.kernels import routing_plan, slot_placement
+
+    assert routing_plan.ONE_PROGRAM_SLOTS <= slot_placement.GPU_BLOCK_S  # what symm_exchange_meta relies on
+    topk_idx, position, send_meta = _routing(513, 2, 4, seed=5)
+    kwargs = dict(E=4, rank=0, alignment=1, max_slots=2000, capacity=2000)
+    for meta, pos, W, message in ((None, None, 1, "1026 slots"), (None, position, 1, "both None"),
+                                  (None, None, 2, "world_size 2")):
+        with pytest.raises(ValueError, match=message):
+            _place(meta, topk_idx if W == 1 else topk_idx[:8], pos, W=W, **kwargs)
 
 
 @settings(max_examples=40, deadline=None)

@@ -64,6 +64,8 @@ def test_inlined_forward_equals_eager():
             assert "alltoall_ops.symm_" not in code, "a symm_mem op is still called, not inlined"
             (place,), (pull,) = _launches(code, "_place_slots_kernel"), _launches(code, "_pull_rows_kernel")
             assert place < pull and not _launches(code, "_post_slots_kernel")
+            # T * K = 384 slots: the placement's program plans them itself (no plan kernel of its own)
+            assert not _launches(code, "_plan_in_one_program_kernel") and not _launches(code, "_block_counts_kernel")
 
 
 def test_inlined_backward_equals_eager():

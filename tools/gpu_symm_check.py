@@ -435,8 +435,10 @@ def check_symmetric_memory_one_rank() -> str:
             barriers = [len(re.findall(r"\b_barrier_kernel_\d+\.run\(", c)) for c in codes]
             launches = [len(re.findall(r"\.run\(", c)) for c in codes]
             # no barrier kernel of its own: every barrier is the epilogue of the kernel before it (after the
-            # writes, after the reads; the metadata exchange's two in its put)
+            # writes, after the reads; the metadata exchange's two in its put); T * K = 160 slots: the put's
+            # program plans them (no plan kernel of its own)
             assert barriers == [0, 0], barriers
+            assert not re.search(r"\b_(plan_in_one_program|block_counts)_kernel_\d+\.run\(", codes[0]), "a plan launch"
             return (f"C={bufs.capacity}: 2 routings equal to the local backend, eager and compiled with the ops "
                     f"inlined, and two independent exchanges in one graph; inductor's code per graph (forward, "
                     f"backward): {launches} launches, of which barriers {barriers}")

@@ -32,6 +32,11 @@ slots and its padded end: -1), from which the dispatch reads its rows (no tags).
 ``meta_out`` gets a copy of ``meta``, which may be read by address (``META_AT_ADDRESS``: the
 symm_mem buffers' metadata region, where the peers put their rows).
 
+One rank with ``topk_idx`` alone (``place_slots(None, topk_idx, None, ...)``, at most
+``GPU_BLOCK_S`` slots, one program): the program plans the slots first, as
+``routing_plan.plan_slots`` does (send_meta and position, no order), and reads that plan: the
+plan and the placement in one launch.
+
 Every program computes each expert's ``start[rank, g] - counts[rank, :g].sum()`` (tiles of
 BLOCK_E experts; ``expert_start`` as a cumulative sum over all experts minus that of the
 group's first expert, read back from a scratch row) into its scratch row, then places its
@@ -49,6 +54,7 @@ import triton.language as tl
 
 from ._config import LAUNCH_LOCK, assert_options, launch, order_after, program_grid
 from .region import Region, or_new_token
+from .routing_plan import _plan_in_one_program_kernel, one_program_sizes
 
 GPU_BLOCK_S = 1024
 """Slots a program places per step."""
@@ -75,8 +81,13 @@ def _place_slots_kernel(
     WORLD_SIZE: tl.constexpr, ONE_RANK: tl.constexpr, META_AT_ADDRESS: tl.constexpr, CHECK_OVERFLOW: tl.constexpr,
     ASSERT_CHECKS: tl.constexpr,
     BLOCK_W: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr,
+    PLAN: tl.constexpr, NP: tl.constexpr, NB: tl.constexpr,
 ):
     order_after(token_ptr)
+    if PLAN:  # one rank, one program: the routing plan of idx first (meta: its send_meta; position), read below
+        _plan_in_one_program_kernel(idx_ptr, idx_ptr, position_ptr, position_ptr, meta_ptr, N, E, E, 1, 1, 0, 0,
+                                    NP, NB, 1, False, False, False)
+        tl.debug_barrier()
     if META_AT_ADDRESS:  # NB: in the body, not a helper (see row_put's pull_rows)
         meta_ptr = tl.load(meta_table_ptr + meta_index).to(tl.pointer_type(tl.int64))
     pid = tl.program_id(0)
@@ -195,12 +206,13 @@ class Placement(NamedTuple):
     tokens_per_expert_e: torch.Tensor
     num_routed_1: torch.Tensor
     dropped_W: torch.Tensor
+    position_TK: torch.Tensor
 
 
 def place_slots(
-    meta: torch.Tensor | Region,
+    meta: Optional[torch.Tensor | Region],
     topk_idx: torch.Tensor,
-    position: torch.Tensor,
+    position: Optional[torch.Tensor],
     *,
     num_experts: int,
     world_size: int,
@@ -222,11 +234,25 @@ def place_slots(
     bad ids, n_slots). Returns meta_WL (W, L) (one rank: the row with this call's header),
     failed_checks (1,) (bit i: check i failed), slot_dst (N,), row_slot (one rank: (C,), rows
     past num_routed not written; else (0,)), tokens_per_expert (e,),
-    num_routed (1,), dropped (W,). assert_checks (CUDA): a failed check is also a device-side
-    assert of the kernel (no host sync, no launch of its own; the CUDA context is unusable
-    after it). token: as ``row_put.put_rows``'; ``max_programs``: an SM budget."""
+    num_routed (1,), dropped (W,), position (T, K). assert_checks (CUDA): a failed check is also a
+    device-side assert of the kernel (no host sync, no launch of its own; the CUDA context is
+    unusable after it). token: as ``row_put.put_rows``'; ``max_programs``: an SM budget.
+
+    meta and position None (world_size 1, at most ``GPU_BLOCK_S`` slots that
+    ``routing_plan.one_program_sizes`` takes): the kernel plans topk_idx first, as
+    ``plan_slots`` does, into a fresh send_meta and position (returned): one launch for both."""
     W, E = world_size, num_experts
     e, N, dev = E // W, topk_idx.numel(), topk_idx.device
+    plan = dict(PLAN=False, NP=1, NB=1)
+    if meta is None or position is None:
+        sizes = one_program_sizes(N, E)
+        if meta is not None or position is not None or W != 1 or N > GPU_BLOCK_S or sizes is None:
+            raise ValueError(f"place_slots: to plan first, pass meta and position both None, with world_size 1 and "
+                             f"at most {GPU_BLOCK_S} slots that one program plans (got world_size {W}, {N} slots, "
+                             f"{E} experts)")
+        meta = torch.empty(1, E + 3, dtype=torch.int64, device=dev)  # the plan's send_meta
+        position = torch.empty(topk_idx.shape, dtype=torch.int64, device=dev)
+        plan = dict(PLAN=True, NP=sizes[0], NB=sizes[1])
     at_address = isinstance(meta, Region)
     meta_columns_in = meta.shape[1]
     if at_address:
@@ -257,6 +283,7 @@ def place_slots(
             ASSERT_CHECKS=assert_checks and dev.type == "cuda",
             BLOCK_W=triton.next_power_of_2(W), BLOCK_E=min(MAX_BLOCK_E, triton.next_power_of_2(E)),
             BLOCK_S=GPU_BLOCK_S, BLOCK_L=triton.next_power_of_2(min(meta_columns, 1024)), num_warps=GPU_NUM_WARPS,
-            **assert_options(topk_idx),
+            **assert_options(topk_idx), **plan,
         )
-    return Placement(meta_WL, failed_checks_1, slot_dst_N, row_slot_C, tokens_per_expert_e, num_routed_1, dropped_W)
+    return Placement(meta_WL, failed_checks_1, slot_dst_N, row_slot_C, tokens_per_expert_e, num_routed_1, dropped_W,
+                     position)

@@ -169,32 +169,29 @@ def symm_exchange_meta_op(
     its routing status, then N_SLOTS = T * K, ALIGNMENT, FAILED (``failed``: this rank rejected
     its arguments) and CALL, the call number of the exchange on ``buffers``, counted on the
     device by the barrier before its put (zero on one rank, which has no peers to be out of step
-    with): the dispatch and combine of this step stamp their barriers with it. Up to
-    ``ONE_PROGRAM_SLOTS`` slots the put's one program plans them first (one launch for both:
-    ``put_meta(topk_idx=...)``). Then one kernel (``kernels/slot_placement.py``) checks every
-    row (raised on every rank alike, see ``_raise_failed_checks``) and places this rank's slots
-    (``SymmMemHandle``): meta_WL is every rank's row. "One rank" here and below: buffers without
-    the path with peers (``SymmBuffers.peer_path``; one rank unless allocator='symmetric'). One
-    rank: no exchange; the kernel reads the plan's send_meta and this call's header, and
-    row_slot is each routed row's slot, which its dispatches read their rows by (no tags)."""
+    with): the dispatch and combine of this step stamp their barriers with it. Then one kernel
+    (``kernels/slot_placement.py``) checks every row (raised on every rank alike, see
+    ``_raise_failed_checks``) and places this rank's slots (``SymmMemHandle``): meta_WL is every
+    rank's row. "One rank" here and below: buffers without the path with peers
+    (``SymmBuffers.peer_path``; one rank unless allocator='symmetric'). One rank: no exchange;
+    the kernel reads the plan's send_meta and this call's header, and row_slot is each routed
+    row's slot, which its dispatches read their rows by (no tags). Up to ``ONE_PROGRAM_SLOTS``
+    slots the first kernel's one program plans them first, one launch for both: the put's
+    (``put_meta(topk_idx=...)``), or one rank's placement's (``place_slots(None, ...)``)."""
     W, E, N, k = buffers.world_size, buffers.num_experts, topk_idx_TK.numel(), loader.load()
-    token_1 = None
-    if buffers.peer_path and k.routing_plan.one_program_sizes(N, E) is not None:
-        plan = None  # planned by the put's program
-    else:
+    one_program = k.routing_plan.one_program_sizes(N, E) is not None
+    meta = position_TK = token_1 = None  # one program: planned by the kernel that reads the plan
+    if not one_program:
         plan = layout.plan_routing(topk_idx_TK, E, W, buffers.num_sms)
-        position_TK = plan.position
-    if not buffers.peer_path:
-        meta = plan.send_meta  # one rank: the all-gather of one row is the row
-    else:
+        meta, position_TK = plan.send_meta, plan.position  # one rank: the all-gather of one row is the row
+    if buffers.peer_path:
         tables, token_1 = _addresses(buffers), _token(buffers, topk_idx_TK.device)
         call_1 = torch.empty(1, dtype=torch.int64, device=topk_idx_TK.device)  # set by the barrier before
         with buffers._segments.barrier_after(META_OP, call_1, token_1, advance_before=True) as epilogue:
-            planned = k.put_meta(None if plan is None else plan.send_meta, (N, expert_alignment, int(failed)), call_1,
-                                 tables[META], buffers.rank, E, buffers.meta_columns, HEADER_COLUMNS, token=token_1,
-                                 max_programs=buffers.num_sms, epilogue=epilogue,
-                                 topk_idx=topk_idx_TK if plan is None else None)
-        if plan is None:
+            planned = k.put_meta(meta, (N, expert_alignment, int(failed)), call_1, tables[META], buffers.rank, E,
+                                 buffers.meta_columns, HEADER_COLUMNS, token=token_1, max_programs=buffers.num_sms,
+                                 epilogue=epilogue, topk_idx=topk_idx_TK if one_program else None)
+        if one_program:
             position_TK, _ = planned
         meta = _own(buffers, tables, META, (W, buffers.meta_columns), torch.int64)
     p = k.place_slots(
@@ -204,7 +201,7 @@ def symm_exchange_meta_op(
         assert_checks=True, token=token_1, max_programs=buffers.num_sms,
     )
     _raise_failed_checks(p.failed_checks_1, p.meta_WL, buffers, expert_alignment)
-    return position_TK, p.meta_WL, p.slot_dst_N, p.row_slot_C, p.tokens_per_expert_e, p.num_routed_1, p.dropped_W
+    return p.position_TK, p.meta_WL, p.slot_dst_N, p.row_slot_C, p.tokens_per_expert_e, p.num_routed_1, p.dropped_W
 
 
 @symm_exchange_meta_op.register_fake
