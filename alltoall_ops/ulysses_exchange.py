@@ -515,10 +515,10 @@ def symm_exchange(op: str, xs: Sequence[torch.Tensor], bufs: Any, plan: Plan, ca
     own = [(sum(plan.send_sizes[i][:rank]), plan.send_sizes[i][rank] if fits else 0) for i in range(len(xs))]
     sent = xs if fits else [x.narrow(0, 0, 0) for x in xs]
     failed_1 = torch.empty(1, dtype=torch.int32, device=xs[0].device)  # (zeroed by the post)
-    k.post_pieces(sent, bufs.table, segments.calls_1, failed_1, offsets_bytes=offsets, owns=own, header=plan.key,
-                  max_programs=bufs.num_sms, **common)
-    call_1 = torch.empty(1, dtype=torch.int64, device=xs[0].device)
-    segments.barrier(_SYMM_OPS[op], call_1, advance=True)
+    call_1 = torch.empty(1, dtype=torch.int64, device=xs[0].device)  # set by the barrier after the post
+    with segments.barrier_after(_SYMM_OPS[op], call_1, advance_after=True) as epilogue:
+        k.post_pieces(sent, bufs.table, segments.calls_1, failed_1, offsets_bytes=offsets, owns=own, header=plan.key,
+                      max_programs=bufs.num_sms, epilogue=epilogue, **common)
     headers_W8 = torch.empty(W, HEADER_LEN, dtype=torch.int64, device=xs[0].device)
     named = _named_on_host(xs[0].device)
     outs = [torch.empty(shape, dtype=x.dtype, device=x.device) for x, shape in zip(xs, plan.out_shapes)] if fits \
@@ -555,11 +555,12 @@ def symm_tell_peers(op: str, bufs: Any, error: BaseException) -> None:
     k, segments, dev = loader.load(), bufs._segments, bufs.device
     header = (_MAGIC + _OPS.index(op), 0, SEQ_REJECTED_DTYPE, 0, 0, 0, 0)
     try:
-        k.post_pieces([torch.empty(0, 1, device=dev)], bufs.table, segments.calls_1,
-                      torch.empty(1, dtype=torch.int32, device=dev), rank=bufs.rank,
-                      slot_bytes=bufs.slot_bytes, offsets_bytes=[0], split_dim=1, cat_dim=0, owns=[(0, 0)],
-                      header=header, max_programs=bufs.num_sms)
-        segments.barrier(_SYMM_OPS[op], torch.empty(1, dtype=torch.int64, device=dev), advance=True)
+        with segments.barrier_after(_SYMM_OPS[op], torch.empty(1, dtype=torch.int64, device=dev),
+                                    advance_after=True) as epilogue:
+            k.post_pieces([torch.empty(0, 1, device=dev)], bufs.table, segments.calls_1,
+                          torch.empty(1, dtype=torch.int32, device=dev), rank=bufs.rank,
+                          slot_bytes=bufs.slot_bytes, offsets_bytes=[0], split_dim=1, cat_dim=0, owns=[(0, 0)],
+                          header=header, max_programs=bufs.num_sms, epilogue=epilogue)
         if _named_on_host(dev):  # the peers' _check_headers gathers every rank's message
             segments.gather_objects(f"{type(error).__name__}: {error}")
     except CollectiveError:

@@ -488,17 +488,19 @@ _BARRIER_PTX = """
 import json, sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from alltoall_ops.kernels import barrier, row_put, topk_reduce
+from alltoall_ops.kernels import barrier, row_put, seq_exchange, topk_reduce
 
 kernel, W, constexprs = json.loads(sys.argv[1])
+pointers = ("x0", "x1", "x2")  # the Ulysses post's tensors
 kernel = {"barrier": barrier._barrier_kernel, "put_meta": row_put._put_meta_kernel,
           "put_meta[the plan first]": row_put._put_meta_kernel,
           "put_rows": row_put._put_rows_kernel, "post_slots": row_put._post_slots_kernel,
-          "pull_rows": row_put._pull_rows_kernel, "topk_reduce": topk_reduce._topk_reduce_kernel}[kernel]
+          "pull_rows": row_put._pull_rows_kernel, "topk_reduce": topk_reduce._topk_reduce_kernel,
+          "seq_post": seq_exchange._post_kernel}[kernel]
 constexprs = {**{k: getattr(triton.language, v[3:]) if str(v).startswith("tl.") else v for k, v in constexprs.items()},
               "WORLD_SIZE": W}
-signature = {name: "constexpr" if name in constexprs else "*i64" if name.endswith("_ptr") else "i32"
-             for name in kernel.arg_names}
+signature = {name: "constexpr" if name in constexprs else "*i64" if name.endswith("_ptr") or name in pointers
+             else "i32" for name in kernel.arg_names}
 source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
 target = GPUTarget("cuda", 90, 32)
 options = triton.compiler.make_backend(target).parse_options({"debug": True, "sanitize_overflow": False,
@@ -520,6 +522,8 @@ _FUSED = {  # kernel: (its constexprs with the barrier, barriers in it)
     "topk_reduce": (dict(RET_AT_ADDRESS=True, HAS_TOKEN=True, READ_AT_SLOT_DST=False, K=2, HAS_SLOT_DST=True,
                          HAS_WEIGHTS=True, SAVE_RETURNED=True, ACC_DTYPE="tl.float32", BLOCK_T=8, BLOCK_H=16,
                          BARRIER=True), 1),
+    "seq_post": (dict(Q0=16, Q1=16, Q2=16, TENSORS=3, SPLIT_FIRST=True, WRITE_HEADER=True, BLOCK_R=4, BLOCK_Q=16,
+                      BARRIER=True), 1),
 }
 
 
@@ -566,3 +570,17 @@ def test_only_a_one_program_kernel_takes_the_barrier_before(advance_before):
     assert epilogue_args(epilogue, t, one_program=advance_before)["BARRIER"]
     with pytest.raises(ValueError, match=f"advance_before={advance_before} in a kernel that"):
         epilogue_args(epilogue, t, one_program=not advance_before)
+
+
+@pytest.mark.parametrize("advance_after", [False, True])
+def test_only_the_ulysses_post_advances_the_call_after(advance_after):
+    # Epilogue.advance_after: the barrier after the writes sets the call number (the Ulysses
+    # exchange's one barrier, fused into its post, whose programs read the count first); the
+    # MoE kernels refuse it, and the Ulysses post refuses an epilogue without it.
+    from alltoall_ops.kernels.barrier import Epilogue, epilogue_args
+
+    t = torch.zeros(2, dtype=torch.int64)
+    epilogue = Epilogue(t, t.view(1, 2), 0, 1.0, 1, t[:1], advance_after=advance_after)
+    assert epilogue_args(epilogue, t, advances=advance_after)["BARRIER"]
+    with pytest.raises(ValueError, match=f"advance_after={advance_after} in a kernel whose barrier"):
+        epilogue_args(epilogue, t, advances=not advance_after)

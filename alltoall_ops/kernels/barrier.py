@@ -99,19 +99,26 @@ def advance_call(counters_ptr, call_out_ptr):
 
 
 @triton.jit
-def last_program_arrives(pads_table_ptr, counters_ptr, rank, timeout_ms, call_ptr, op, WORLD_SIZE: tl.constexpr):
+def last_program_arrives(pads_table_ptr, counters_ptr, rank, timeout_ms, call_ptr, op, WORLD_SIZE: tl.constexpr,
+                         ADVANCE: tl.constexpr):
     """The barrier after a kernel's writes into peers' memory, as its epilogue: every program
     counts itself done (acquire-release, system scope, once all its threads' writes are issued),
     and the last one resets the count (at address ``counters_ptr[1]``) and runs the barrier.
     Release is cumulative, so the barrier's release orders every program's writes before the
-    peers' reads; no program waits for another (no residency assumption)."""
+    peers' reads; no program waits for another (no residency assumption). ADVANCE: the barrier
+    first sets ``call_ptr`` to this rank's next call number (``advance_call``); every program
+    has read the count before it counted itself done."""
     tl.debug_barrier()
     done_ptr = tl.load(counters_ptr + 1).to(tl.pointer_type(tl.int64))
     n_programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
     done_before = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="sys")
     if done_before == n_programs - 1:
         tl.store(done_ptr, 0)  # NB: read again only by a later kernel on this stream
-        arrive_and_wait(pads_table_ptr, rank, timeout_ms, tl.load(call_ptr), op, done_before, WORLD_SIZE)
+        if ADVANCE:
+            call = advance_call(counters_ptr, call_ptr)
+        else:
+            call = tl.load(call_ptr)
+        arrive_and_wait(pads_table_ptr, rank, timeout_ms, call, op, done_before, WORLD_SIZE)
 
 
 # NB: rank is not specialised: every rank runs the same binary. (Specialised, rank 1 got its
@@ -172,7 +179,10 @@ class Epilogue(NamedTuple):
     calls and of its count of done programs (int64, zero between kernels); the barrier's op, and
     call_1 (1,), its call number.
     ``advance_before``: the barrier before the writes too, which sets call_1 to this rank's next
-    call number: a one-program kernel only (``put_meta``), which the other kernels refuse."""
+    call number: a one-program kernel only (``put_meta``), which the other kernels refuse.
+    ``advance_after``: the barrier after the writes sets call_1 to this rank's next call number
+    (the Ulysses post, whose programs read the count first); the kernels that do not advance it
+    refuse it, and that post refuses an epilogue without it."""
 
     pads_table: torch.Tensor
     counters: torch.Tensor
@@ -181,16 +191,23 @@ class Epilogue(NamedTuple):
     op: int
     call_1: torch.Tensor
     advance_before: bool = False
+    advance_after: bool = False
 
 
-def epilogue_args(epilogue: Optional[Epilogue], like: torch.Tensor, one_program: bool = False) -> dict:
+def epilogue_args(epilogue: Optional[Epilogue], like: torch.Tensor, one_program: bool = False,
+                  advances: bool = False) -> dict:
     """A fusing kernel's arguments for ``epilogue``, launch options included (its asserts), or
     without one ``BARRIER`` False and ``like`` in place of its tensors. one_program: the kernel
-    runs both barriers in one program (``Epilogue.advance_before`` must say so)."""
+    runs both barriers in one program (``Epilogue.advance_before`` must say so); advances: its
+    barrier after the writes advances the call number (``Epilogue.advance_after`` must say so)."""
     if epilogue is not None and epilogue.advance_before != one_program:
         raise ValueError(f"epilogue: advance_before={epilogue.advance_before} in a kernel that "
                          f"{'is' if one_program else 'is not'} one program "
                          "(put_meta is; post_slots, pull_rows, put_rows and topk_reduce are not)")
+    if epilogue is not None and epilogue.advance_after != advances:
+        raise ValueError(f"epilogue: advance_after={epilogue.advance_after} in a kernel whose barrier "
+                         f"{'advances' if advances else 'does not advance'} the call number "
+                         "(the Ulysses post's does; post_slots, pull_rows, put_rows and topk_reduce's do not)")
     if epilogue is None:
         return dict(pads_table_ptr=like, counters_ptr=like, barrier_call_ptr=like, barrier_rank=0, timeout_ms=0,
                     barrier_op=0, BARRIER=False, WORLD_SIZE=1)

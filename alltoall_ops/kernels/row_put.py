@@ -118,7 +118,7 @@ def _put_rows_kernel(
         b_dst = b_dst_next
     if BARRIER:
         last_program_arrives(pads_table_ptr, counters_ptr, barrier_rank, timeout_ms, barrier_call_ptr, barrier_op,
-                             WORLD_SIZE)
+                             WORLD_SIZE, False)
 
 
 def put_rows(
@@ -209,7 +209,7 @@ def _put_meta_kernel(
             tl.store(p_meta + rank * L + o_l, b_row, mask=o_l < L)
     if BARRIER:
         last_program_arrives(pads_table_ptr, counters_ptr, barrier_rank, timeout_ms, barrier_call_ptr, barrier_op,
-                             WORLD_SIZE)
+                             WORLD_SIZE, False)
 
 
 def put_meta(send_meta: Optional[torch.Tensor], header: tuple[int, int, int], call_1: torch.Tensor,
@@ -308,7 +308,7 @@ def _post_slots_kernel(
             tl.store(p_tag, b_code, mask=m_s)
     if BARRIER:
         last_program_arrives(pads_table_ptr, counters_ptr, barrier_rank, timeout_ms, barrier_call_ptr, barrier_op,
-                             WORLD_SIZE)
+                             WORLD_SIZE, False)
 
 
 def post_slots(
@@ -431,7 +431,7 @@ def _pull_rows_kernel(
         tl.store(row_src_ptr + o_r, b_code, mask=m_r)
     if BARRIER:  # every rank is done reading the stages before any writes them again
         last_program_arrives(pads_table_ptr, counters_ptr, barrier_rank, timeout_ms, barrier_call_ptr, barrier_op,
-                             WORLD_SIZE)
+                             WORLD_SIZE, False)
 
 
 def pull_rows(

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from ._config import LAUNCH_LOCK, assert_options, launch, program_grid, row_blocks
+from .barrier import Epilogue, epilogue_args, last_program_arrives
 from .region import SEQ_HEADER_FIELDS, SEQ_HEADER_WORDS, SEQ_REJECTED_DTYPE, SEQ_STAGE_START
 
 _REJECTED_DTYPE = tl.constexpr(SEQ_REJECTED_DTYPE)
@@ -97,9 +98,10 @@ def _post_rows(x_ptr, segment, parity, slot_bytes, offset_bytes, P, D1, M, D2, o
                                "o2", "P2", "A2", "M2", "B2", "f2", "n2"])
 def _post_kernel(table_ptr, calls_ptr, failed_ptr, rank, slot_bytes, k0, k1, k2, k3, k4, k5, k6,
                  x0, o0, P0, A0, M0, B0, f0, n0, x1, o1, P1, A1, M1, B1, f1, n1, x2, o2, P2, A2, M2, B2, f2, n2,
+                 pads_table_ptr, counters_ptr, barrier_call_ptr, barrier_rank, timeout_ms, barrier_op,
                  Q0: tl.constexpr, Q1: tl.constexpr, Q2: tl.constexpr, TENSORS: tl.constexpr,
                  SPLIT_FIRST: tl.constexpr, WRITE_HEADER: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_Q: tl.constexpr):
+                 BLOCK_Q: tl.constexpr, BARRIER: tl.constexpr, WORLD_SIZE: tl.constexpr):
     # tensor t: x_t, its offset in the slot o_t (bytes), its (P, D1, M, D2, Q) = (P_t, A_t, M_t,
     # B_t, Q_t) and the split positions it keeps [f_t, f_t + n_t); the first TENSORS of them
     parity = (tl.load(calls_ptr) + 1) & 1  # the next call's slot: its barrier advances the count
@@ -121,6 +123,9 @@ def _post_kernel(table_ptr, calls_ptr, failed_ptr, rank, slot_bytes, k0, k1, k2,
         _post_rows(x1, segment, parity, slot_bytes, o1, P1, A1, M1, B1, f1, n1, Q1, SPLIT_FIRST, BLOCK_R, BLOCK_Q)
     if TENSORS > 2:
         _post_rows(x2, segment, parity, slot_bytes, o2, P2, A2, M2, B2, f2, n2, Q2, SPLIT_FIRST, BLOCK_R, BLOCK_Q)
+    if BARRIER:  # the exchange's barrier, which advances the call number (every program read it above)
+        last_program_arrives(pads_table_ptr, counters_ptr, barrier_rank, timeout_ms, barrier_call_ptr, barrier_op,
+                             WORLD_SIZE, True)
 
 
 @triton.jit
@@ -236,12 +241,14 @@ def _per_tensor(args: list[tuple]) -> tuple[list, dict]:
 
 def post_pieces(xs: Sequence[torch.Tensor], table: torch.Tensor, calls_1: torch.Tensor, failed_1: torch.Tensor, *,
                 rank: int, slot_bytes: int, offsets_bytes: Sequence[int], split_dim: int, cat_dim: int,
-                owns: Sequence[tuple[int, int]], header: Sequence[int], max_programs: Optional[int] = None) -> None:
+                owns: Sequence[tuple[int, int]], header: Sequence[int], max_programs: Optional[int] = None,
+                epilogue: Optional[Epilogue] = None) -> None:
     """Copy each x of ``xs`` (contiguous, one dtype) into this rank's stage slot
     ``(calls_1 + 1) % 2`` at its ``offsets_bytes``, but its own piece (split positions
     ``owns[i] = (off, n)``), MAX_TENSORS a launch, write the header of that slot (``header``: the
     exchange's key, 7 ints) and set ``failed_1`` (1,) int32 to 0 (:func:`gather_pieces`' flag).
-    table: (1, W) int64 segment addresses."""
+    table: (1, W) int64 segment addresses. ``epilogue`` (``advance_after`` set): the exchange's
+    barrier, which advances the call number, run by the last launch's last program."""
     for first in range(0, len(xs), MAX_TENSORS):
         chunk = slice(first, first + MAX_TENSORS)
         shapes = [canonical(x.shape, split_dim, cat_dim) for x in xs[chunk]]
@@ -252,11 +259,13 @@ def post_pieces(xs: Sequence[torch.Tensor], table: torch.Tensor, calls_1: torch.
         key = list(header) if write_header else [0] * (SEQ_HEADER_WORDS - 1)
         tensors, constexprs = _per_tensor([(x, o, *shape[:4], *own, shape[4]) for x, o, shape, own in
                                            zip(xs[chunk], offsets_bytes[chunk], shapes, owns[chunk])])
+        last = first + MAX_TENSORS >= len(xs)
         with LAUNCH_LOCK:
             launch(_post_kernel, xs[0])[(max(grid[0], 1), grid[1])](
                 table, calls_1, failed_1, rank, slot_bytes, *key, *tensors, **constexprs,
                 SPLIT_FIRST=split_dim < cat_dim, WRITE_HEADER=write_header, BLOCK_R=blocks.BLOCK_R,
-                BLOCK_Q=blocks.BLOCK_H, num_warps=blocks.num_warps)
+                BLOCK_Q=blocks.BLOCK_H, num_warps=blocks.num_warps,
+                **epilogue_args(epilogue if last else None, calls_1, advances=True))
 
 
 def gather_pieces(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], table: torch.Tensor,

@@ -82,7 +82,7 @@ def _topk_reduce_kernel(
             tl.store(y_ptr + o_t[:, None] * H + o_h[None, :], b_y, mask=m_t[:, None] & m_h)
     if BARRIER:  # every rank is done reading its returned rows before any peer puts rows again
         last_program_arrives(pads_table_ptr, counters_ptr, barrier_rank, timeout_ms, barrier_call_ptr, barrier_op,
-                             WORLD_SIZE)
+                             WORLD_SIZE, False)
 
 
 def topk_reduce(

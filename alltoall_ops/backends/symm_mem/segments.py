@@ -97,16 +97,17 @@ class _Segments:
 
     @contextlib.contextmanager
     def barrier_after(self, op: int, call_1: torch.Tensor, token: Optional[torch.Tensor] = None,
-                      advance_before: bool = False) -> Iterator[Optional[Any]]:
-        """The barrier after the kernel the block launches, which writes peers' memory (and with
-        ``advance_before``, the metadata exchange's, one advancing the call before it): barriers
+                      advance_before: bool = False, advance_after: bool = False) -> Iterator[Optional[Any]]:
+        """The barrier after the kernel the block launches, which writes peers' memory or reads
+        what they write next (and with ``advance_before``, the metadata exchange's, one advancing
+        the call before it; with ``advance_after``, that barrier advances the call): barriers
         here, around the block, which gets None; or fused into that kernel (CUDA symmetric memory),
         which then gets their ``kernels.barrier.Epilogue`` (a one-program kernel with
-        ``advance_before``: ``put_meta``)."""
+        ``advance_before``: ``put_meta``; ``advance_after``: the Ulysses post)."""
         if advance_before:
             self.barrier(op, call_1, advance=True, token=token)
         yield None
-        self.barrier(op, call_1, token=token)
+        self.barrier(op, call_1, advance=advance_after, token=token)
 
     def setup_barrier(self) -> None:
         """A host-level barrier for set-up, before any op runs."""
@@ -227,9 +228,9 @@ class _CudaSymmetricSegments(_Segments):
 
     @contextlib.contextmanager
     def barrier_after(self, op: int, call_1: torch.Tensor, token: Optional[torch.Tensor] = None,
-                      advance_before: bool = False) -> Iterator[Optional[Any]]:
+                      advance_before: bool = False, advance_after: bool = False) -> Iterator[Optional[Any]]:
         yield loader.load().Epilogue(graph_constant(self.pads_table), graph_constant(self._counters), self._rank,
-                                     self._timeout, op, call_1, advance_before=advance_before)
+                                     self._timeout, op, call_1, advance_before, advance_after)
 
     def compiled_addresses(self) -> tuple[int, ...]:
         return (*self.bases, *self._handle.signal_pad_ptrs, self.calls_1.data_ptr(), self._done_1.data_ptr())
