@@ -558,29 +558,21 @@ def test_barrier_reads_the_clock_in_every_wait_loop(kernel, world_size):
     assert asserts >= barriers * (1 + 2 * world_size), "the deadline's assert in every wait loop, and the stamps'"
 
 
-@pytest.mark.parametrize("advance_before", [False, True])
-def test_only_a_one_program_kernel_takes_the_barrier_before(advance_before):
+@pytest.mark.parametrize("field, kernel_says, message", [
+    ("advance_before", "one_program", "in a kernel that"),
+    ("advance_after", "advances", "in a kernel whose barrier"),
+])
+@pytest.mark.parametrize("flag", [False, True])
+def test_an_epilogue_goes_only_into_a_kernel_that_runs_it_so(field, kernel_says, message, flag):
     # Epilogue.advance_before puts the barrier before the writes into the kernel too: only a
-    # one-program kernel (put_meta) can run it for every program; the others refuse it, and
-    # put_meta refuses an epilogue without it (its kernel runs both barriers).
+    # one-program kernel (put_meta) can run it for every program. Epilogue.advance_after: the
+    # barrier after the writes sets the call number (the Ulysses exchange's one barrier, fused
+    # into its post, whose programs read the count first). The other kernels refuse either, and
+    # those two refuse an epilogue without it.
     from alltoall_ops.kernels.barrier import Epilogue, epilogue_args
 
     t = torch.zeros(2, dtype=torch.int64)
-    epilogue = Epilogue(t, t.view(1, 2), 0, 1.0, 1, t[:1], advance_before=advance_before)
-    assert epilogue_args(epilogue, t, one_program=advance_before)["BARRIER"]
-    with pytest.raises(ValueError, match=f"advance_before={advance_before} in a kernel that"):
-        epilogue_args(epilogue, t, one_program=not advance_before)
-
-
-@pytest.mark.parametrize("advance_after", [False, True])
-def test_only_the_ulysses_post_advances_the_call_after(advance_after):
-    # Epilogue.advance_after: the barrier after the writes sets the call number (the Ulysses
-    # exchange's one barrier, fused into its post, whose programs read the count first); the
-    # MoE kernels refuse it, and the Ulysses post refuses an epilogue without it.
-    from alltoall_ops.kernels.barrier import Epilogue, epilogue_args
-
-    t = torch.zeros(2, dtype=torch.int64)
-    epilogue = Epilogue(t, t.view(1, 2), 0, 1.0, 1, t[:1], advance_after=advance_after)
-    assert epilogue_args(epilogue, t, advances=advance_after)["BARRIER"]
-    with pytest.raises(ValueError, match=f"advance_after={advance_after} in a kernel whose barrier"):
-        epilogue_args(epilogue, t, advances=not advance_after)
+    epilogue = Epilogue(t, t.view(1, 2), 0, 1.0, 1, t[:1], **{field: flag})
+    assert epilogue_args(epilogue, t, **{kernel_says: flag})["BARRIER"]
+    with pytest.raises(ValueError, match=f"{field}={flag} {message}"):
+        epilogue_args(epilogue, t, **{kernel_says: not flag})
