@@ -146,9 +146,13 @@ def collective_backend_nccl_one_rank():
     assert torch.equal(y_local, y_coll)
     g = torch.autograd.grad(y_coll, (x, w, ew), torch.ones_like(y_coll))
     gl = torch.autograd.grad(y_local, (x, w, ew), torch.ones_like(y_local))
-    assert all(torch.equal(a, b) for a, b in zip(g, gl))
+    assert torch.equal(g[0], gl[0]) and torch.equal(g[1], gl[1])
+    # NB: the expert weights' gradient sums over the routed rows, C of the local backend's and R
+    # received of the collective's (zeros past the routed ones): their order of summation may
+    # differ (it does on the CPU, by about 4e-6)
+    torch.testing.assert_close(g[2], gl[2], rtol=1e-5, atol=1e-5)
     assert a2a.warmup() == 1
-    return "collective == local bitwise (fwd + grads)"
+    return "collective == local bitwise (forward, the grads of x and the routing weights; the experts' to 1e-5)"
 
 
 @check
