@@ -9,8 +9,9 @@ rows on the H200 under an SM budget; programs overlapping); then a whole simulat
 local backend and the Ulysses exchange over UlyssesBuffers (W = 2 and 3, uneven heads, budgets)
 launch no kernel with a race. Between ranks (``testing.races_between_ranks``): no rank writes
 memory that a peer reads or writes between the same two barriers, in the steps whose order of
-exchanges differs (layers interleaved, a combine's backward skipped); without the barrier after
-the pull or the reduction, the check finds the race.
+exchanges differs (layers interleaved, a combine's backward skipped) and with both exchanges
+started asynchronously; without the barrier after the pull or the reduction, the check finds
+the race.
 """
 
 from __future__ import annotations
@@ -86,19 +87,22 @@ def _step(bufs, payload_dtype=None, layers="one"):
     """A training step of every simulated rank on ``bufs``. layers: "one" (dispatch, combine,
     backward); "interleaved" (two dispatches, then their combines; a combine follows a combine);
     "aux" (the loss also reads the routed rows and not the combine's input: the dispatch's
-    backward, a combine, follows the forward combine with no exchange between)."""
+    backward, a combine, follows the forward combine with no exchange between); "async" (both
+    exchanges started on the communication stream, ``async_op=True``, then waited for)."""
     xs = [torch.randn(T, H, generator=torch.Generator().manual_seed(r)).bfloat16().requires_grad_() for r in range(W)]
     routes = [routing(T, K, E, seed=10 + r, dropped=0.2) for r in range(W)]
 
     def dispatch(r, b, x, idx):
         return a2a.dispatch(x, idx, num_experts=E, buffers=b, payload_dtype=payload_dtype,
-                            dequantize=payload_dtype is not None)
+                            dequantize=payload_dtype is not None, async_op=layers == "async")
 
     def rank(r, b):
         idx, w = routes[r]
         w = w.requires_grad_()
         routed, tpe, handle = dispatch(r, b, xs[r], idx)
-        if layers == "interleaved":
+        if layers == "async":
+            y = a2a.wait(a2a.combine(a2a.wait(routed) * 2, handle, w, async_op=True))
+        elif layers == "interleaved":
             routed_2, _, handle_2 = dispatch(r, b, xs[r] * 3, idx.flip(1))
             y = a2a.combine(routed * 2, handle, w) + a2a.combine(routed_2 * 2, handle_2, w)
         elif layers == "aux":
@@ -175,7 +179,7 @@ def test_ulysses_exchange_has_no_race(world_size, num_sms):
 # Between ranks: an op writes peers' memory only after every peer is done with it
 
 
-@pytest.mark.parametrize("layers", ["one", "interleaved", "aux"])
+@pytest.mark.parametrize("layers", ["one", "interleaved", "aux", "async"])
 @pytest.mark.parametrize("payload_dtype", [None, fp8.FP8], ids=["bf16", "fp8"])
 def test_symm_mem_ranks_never_race(layers, payload_dtype):
     bufs = _buffers(payload_dtype, num_sms=3)
