@@ -77,9 +77,10 @@ def test_programs_that_overlap_race():
 W, T, H, K, E = 2, 9, 256, 2, 8  # H: two fp8 scale blocks
 
 
-def _buffers(payload_dtype=None, num_sms=None, capacity=None):
-    return a2a.SymmBuffers.simulated(W, T, H, K, E, dtype=torch.bfloat16, device="cpu", num_sms=num_sms,
-                                     capacity=capacity, overflow="drop" if capacity else "error",
+def _buffers(payload_dtype=None, num_sms=None, capacity=None, world_size=W):
+    """Simulated buffers of ``world_size`` ranks, E / W = 4 experts each."""
+    return a2a.SymmBuffers.simulated(world_size, T, H, K, E // W * world_size, dtype=torch.bfloat16, device="cpu",
+                                     num_sms=num_sms, capacity=capacity, overflow="drop" if capacity else "error",
                                      payload_dtype=payload_dtype)
 
 
@@ -89,21 +90,23 @@ def _step(bufs, payload_dtype=None, layers="one"):
     "aux" (the loss also reads the routed rows and not the combine's input: the dispatch's
     backward, a combine, follows the forward combine with no exchange between); "async" (both
     exchanges started on the communication stream, ``async_op=True``, then waited for)."""
-    xs = [torch.randn(T, H, generator=torch.Generator().manual_seed(r)).bfloat16().requires_grad_() for r in range(W)]
-    routes = [routing(T, K, E, seed=10 + r, dropped=0.2) for r in range(W)]
+    world_size, num_experts = len(bufs), bufs[0].num_experts
+    xs = [torch.randn(T, H, generator=torch.Generator().manual_seed(r)).bfloat16().requires_grad_()
+          for r in range(world_size)]
+    routes = [routing(T, K, num_experts, seed=10 + r, dropped=0.2) for r in range(world_size)]
 
-    def dispatch(r, b, x, idx):
-        return a2a.dispatch(x, idx, num_experts=E, buffers=b, payload_dtype=payload_dtype,
+    def dispatch(b, x, idx):
+        return a2a.dispatch(x, idx, num_experts=num_experts, buffers=b, payload_dtype=payload_dtype,
                             dequantize=payload_dtype is not None, async_op=layers == "async")
 
     def rank(r, b):
         idx, w = routes[r]
         w = w.requires_grad_()
-        routed, tpe, handle = dispatch(r, b, xs[r], idx)
+        routed, tpe, handle = dispatch(b, xs[r], idx)
         if layers == "async":
             y = a2a.wait(a2a.combine(a2a.wait(routed) * 2, handle, w, async_op=True))
         elif layers == "interleaved":
-            routed_2, _, handle_2 = dispatch(r, b, xs[r] * 3, idx.flip(1))
+            routed_2, _, handle_2 = dispatch(b, xs[r] * 3, idx.flip(1))
             y = a2a.combine(routed * 2, handle, w) + a2a.combine(routed_2 * 2, handle_2, w)
         elif layers == "aux":
             y = a2a.combine((routed * 2).detach(), handle, w)
@@ -180,9 +183,10 @@ def test_ulysses_exchange_has_no_race(world_size, num_sms):
 
 
 @pytest.mark.parametrize("layers", ["one", "interleaved", "aux", "async"])
-@pytest.mark.parametrize("payload_dtype", [None, fp8.FP8], ids=["bf16", "fp8"])
-def test_symm_mem_ranks_never_race(layers, payload_dtype):
-    bufs = _buffers(payload_dtype, num_sms=3)
+@pytest.mark.parametrize("payload_dtype, world_size", [(None, 2), (fp8.FP8, 2), (None, 3)],
+                         ids=["bf16-W2", "fp8-W2", "bf16-W3"])
+def test_symm_mem_ranks_never_race(layers, payload_dtype, world_size):
+    bufs = _buffers(payload_dtype, num_sms=3, world_size=world_size)
     with races_between_ranks(bufs) as races:
         _step(bufs, payload_dtype, layers)
         _step(bufs, payload_dtype, layers)  # and the next step's exchanges after this one's
