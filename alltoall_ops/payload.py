@@ -60,12 +60,10 @@ class Format:
             into.copy_(part)
         return out_TP
 
-    def decode(self, values_RH: torch.Tensor, scale_RB: Optional[torch.Tensor], out_dtype: Optional[torch.dtype],
-               num_routed_1: Optional[torch.Tensor] = None,
-               max_programs: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The moved parts -> routed (R, H) and routed_scale (R, B). num_routed_1: (1,) int64 on
-        the device where rows past it are unspecified (symm_mem; not read), else None.
-        max_programs: as :meth:`encode`'s."""
+    def decode(self, values_RH: torch.Tensor, scale_RB: Optional[torch.Tensor],
+               out_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The moved parts -> routed (R, H) and routed_scale (R, B). (symm_mem's pull
+        dequantizes fp8 rows as it moves them: ``pull_rows(dequantize=True)``.)"""
         return values_RH, values_RH.new_empty(values_RH.shape[0], 0, dtype=self.scale_dtype)
 
     def empty_routed(self, x_TH: torch.Tensor, num_rows: Any,
@@ -106,14 +104,10 @@ class FP8Format(Format):
         loader.load().quantize_rows(x_TH, max_programs=max_programs, out_TP=out_TP)
         return out_TP
 
-    def decode(self, values_RH, scale_RB, out_dtype, num_routed_1=None, max_programs=None):
+    def decode(self, values_RH, scale_RB, out_dtype):
         if out_dtype is None:
             return values_RH.view(fp8.FP8), scale_RB
-        if num_routed_1 is None:
-            return fp8.dequantize(values_RH.view(fp8.FP8), scale_RB, out_dtype), scale_RB
-        routed_RH = values_RH.new_empty(values_RH.shape, dtype=out_dtype)  # rows past num_routed not written
-        loader.load().dequantize_rows(values_RH, scale_RB, num_routed_1, routed_RH, max_programs=max_programs)
-        return routed_RH, scale_RB
+        return fp8.dequantize(values_RH.view(fp8.FP8), scale_RB, out_dtype), scale_RB
 
 
 FORMATS: dict[str, Format] = {f.name: f for f in (Format(), FP8Format())}

@@ -373,8 +373,8 @@ def deadline(seconds: float, late: bool = False) -> Iterator[None]:
 
 @contextlib.contextmanager
 def nan_unwritten_rows() -> Iterator[list[int]]:
-    """Inside the block (this process, every thread), symm_mem's pull (and its fp8
-    dequantization) pre-fill their outputs with NaN, so the rows they do not write (routed's past
+    """Inside the block (this process, every thread), symm_mem's pull (fp8 values dequantized or
+    not) pre-fills its outputs with NaN, so the rows it does not write (routed's past
     ``tokens_per_expert.sum()``, fp8 values and scales included, and the same rows of combine's
     backward) hold NaN: expert code that lets them reach a result or a gradient shows it. Yields
     the number of such rows of each pull (a host read per call)::
@@ -395,17 +395,11 @@ def nan_unwritten_rows() -> Iterator[list[int]]:
         pull_rows(tags, num_routed, out, row_src, tail=tail, **kwargs)
         unwritten.append(out.shape[0] - int(num_routed))
 
-    dequantize_rows = k.dequantize_rows
-
-    def nan_prefilled_dequantized(values, scales, num_routed, out, max_programs=None):
-        out.fill_(float("nan"))
-        dequantize_rows(values, scales, num_routed, out, max_programs=max_programs)
-
-    k.pull_rows, k.dequantize_rows = nan_prefilled, nan_prefilled_dequantized
+    k.pull_rows = nan_prefilled
     try:
         yield unwritten
     finally:
-        k.pull_rows, k.dequantize_rows = pull_rows, dequantize_rows
+        k.pull_rows = pull_rows
 
 
 # --- inputs, a layer and timers shared by the tests, the GPU checks and the benchmarks -------

@@ -6,6 +6,8 @@ one compilation across routings. The symm_mem backend's fp8 path: tests/test_sym
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch._dynamo.testing
@@ -319,19 +321,27 @@ def test_sac_policy_saves_the_fp8_dispatch():
 @given(st.integers(0, 40), st.integers(1, 3), st.sampled_from([torch.bfloat16, torch.float32, torch.float16]),
        st.data())
 @FRESH
-def test_dequantize_kernel_equals_reference(C, blocks, dtype, data):
-    """Every fp8 code (NaN included) times random scales, rows < n only: the kernel symm_mem's
-    dequantized dispatch runs equals ``fp8.dequantize``; rows past n keep what they held."""
+def test_the_pull_dequantizes_as_the_reference(C, blocks, dtype, data):
+    """Every fp8 code (NaN included) times random scales, rows < n only: symm_mem's pull of fp8
+    wire rows with ``dequantize`` (the value times its block's scale as it moves, one pass)
+    equals ``fp8.dequantize`` and splits off the scale bytes; rows past n keep what they held."""
     H = 128 * blocks
     n = data.draw(st.integers(0, C), label="n")
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1), label="seed"))
     values = torch.randint(0, 256, (C, H), generator=g, dtype=torch.uint8)
     scales = torch.rand(C, blocks, generator=g) * torch.logspace(-6, 2, max(C, 1))[:C, None]
-    out = torch.full((C, H), 7.0, dtype=dtype)
-    loader.load().dequantize_rows(values, scales, torch.tensor([n]), out)
+    wire = torch.cat([values, scales.view(torch.uint8)], 1)  # (C, P): the rows as a sender posts them
+    out, tail = torch.full((C, H), 7.0, dtype=dtype), torch.full((C, 4 * blocks), 7, dtype=torch.uint8)
+    loader.load().pull_rows(None, torch.tensor([n]), out, torch.empty(C, dtype=torch.int64), rows=wire,
+                            row_map=torch.arange(C), position=torch.arange(C), tail=tail, dequantize=True)
     ref = fp8.dequantize(values.view(fp8.FP8), scales, dtype)
     assert torch.equal(out[:n].isnan(), ref[:n].isnan())
     assert torch.equal(out[:n].nan_to_num(), ref[:n].nan_to_num()) and (out[n:] == 7).all()
+    assert torch.equal(tail[:n].view(torch.float32), scales[:n]) and (tail[n:] == 7).all()
+    with pytest.raises(ValueError, match="dequantize needs a uint8 tail") if C else contextlib.nullcontext():
+        loader.load().pull_rows(None, torch.tensor([n]), out, torch.empty(C, dtype=torch.int64), rows=wire,
+                                row_map=torch.arange(C), position=torch.arange(C), tail=tail.float(),
+                                dequantize=True)
 
 
 def test_pull_rows_splits_wire_rows():

@@ -336,8 +336,8 @@ class CudaTarget:
 
 triton.runtime.driver.set_active(CudaTarget())
 import importlib  # the kernel's module, not through loader.load(): compiled, not interpreted
-module, name, shapes, scalars = json.loads(sys.argv[1])
-kwargs = {arg: torch.zeros(shape, dtype=torch.int64) for arg, shape in shapes.items()}
+module, name, shapes, scalars, dtypes = json.loads(sys.argv[1])
+kwargs = {arg: torch.zeros(shape, dtype=getattr(torch, dtypes.get(arg, "int64"))) for arg, shape in shapes.items()}
 kwargs.update({k: getattr(triton.language, v[3:]) if str(v).startswith("tl.") else v
                for k, v in scalars.items()})
 kernel = getattr(importlib.import_module(module), name)
@@ -360,7 +360,7 @@ _PULL_TENSORS = {"rows_ptr": (8, 16), "row_map_ptr": (N_,), "position_ptr": (N_,
                  "num_routed_ptr": (1,), "out_ptr": (N_, 16), "tail_ptr": (N_, 16), "row_src_ptr": (N_,),
                  "token_ptr": (1,), **_EPILOGUE_TENSORS}
 _PULL_SCALARS = dict(tags_index=0, n_rows=N_, X=16, X_OUT=16, K=8, SRC_STRIDE=N_, HAS_SCALE=True,
-                     ACC_DTYPE="tl.float32", HAS_TAIL=False, BLOCK_R=2, BLOCK_H=16)
+                     ACC_DTYPE="tl.float32", HAS_TAIL=False, BLOCK_R=2, BLOCK_H=16, DEQUANTIZE=False)
 _POST_TENSORS = {"src_ptr": (8, 16), "scale_ptr": (N_,), "dst_ptr": (N_,), "tag_index_ptr": (N_,),
                  "stage_table_ptr": (1, 2), "tags_table_ptr": (1, 2), "token_ptr": (1,), **_EPILOGUE_TENSORS}
 _POST_SCALARS = dict(n_slots=N_, n_src=8, X=16, world_size=2, rank=0, tag_base=0, K=8, DST_STRIDE=N_, HAS_SCALE=True,
@@ -389,6 +389,10 @@ _PLACE_SCALARS = dict(meta_index=0, L_in=E_ + 3, N=N_, E=E_, e=E_, rank=0, L_out
                       capacity=N_, col_failed=FAILED, col_call=CALL, col_alignment=ALIGNMENT, col_bad_ids=0,
                       col_n_slots=N_SLOTS, WORLD_SIZE=1, ONE_RANK=True, META_AT_ADDRESS=False, CHECK_OVERFLOW=True,
                       ASSERT_CHECKS=True, BLOCK_W=1, BLOCK_E=E_, BLOCK_S=N_, BLOCK_L=32, PLAN=False, NP=1, NB=1)
+_DTYPES = {  # kernel: the dtype of a tensor argument other than int64
+    "row_put._pull_rows_kernel[one rank, fp8 dequantized]": {"rows_ptr": "uint8", "out_ptr": "bfloat16",
+                                                             "tail_ptr": "uint8"},
+}
 KERNELS = {  # kernel: (tensor arguments' shapes, other arguments, the tensors it writes)
     "slot_placement._place_slots_kernel": (
         _PLACE_TENSORS, _PLACE_SCALARS,
@@ -411,6 +415,12 @@ KERNELS = {  # kernel: (tensor arguments' shapes, other arguments, the tensors i
         {**_PULL_TENSORS, "stage_table_ptr": (1,), "tags_table_ptr": (1,)},
         dict(_PULL_SCALARS, world_size=1, ROW_MAP=True, STAGED=False, BLOCK_W=1, **_NO_EPILOGUE),
         ["out_ptr", "row_src_ptr", "token_ptr"]),
+    "row_put._pull_rows_kernel[one rank, fp8 dequantized]": (  # fp8 wire rows: bf16 values, scale bytes
+        {**_PULL_TENSORS, "rows_ptr": (8, 132), "out_ptr": (N_, 128), "tail_ptr": (N_, 4), "stage_table_ptr": (1,),
+         "tags_table_ptr": (1,)},
+        dict(_PULL_SCALARS, X=132, X_OUT=128, HAS_SCALE=False, HAS_TAIL=True, DEQUANTIZE=True, world_size=1,
+             ROW_MAP=True, STAGED=False, BLOCK_W=1, **_NO_EPILOGUE),
+        ["out_ptr", "row_src_ptr", "tail_ptr", "token_ptr"]),
     # CUDA symmetric memory's ops, inlined: the barrier writes the call number (the metadata
     # exchange's first) and the token only; the metadata put and the combine's put write peers'
     # buffers through addresses only; the combine's reduction reads its rows by address
@@ -446,7 +456,7 @@ def test_compiled_code_sees_only_the_outputs_written(kernel):
     # tuple). The analysis needs no GPU: a CUDA target stands in for the driver.
     shapes, scalars, written = KERNELS[kernel]
     module, name = kernel.split("[")[0].split(".")
-    arg = json.dumps([f"alltoall_ops.kernels.{module}", name, shapes, scalars])
+    arg = json.dumps([f"alltoall_ops.kernels.{module}", name, shapes, scalars, _DTYPES.get(kernel, {})])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", _WRITTEN_BY_THE_KERNEL, arg], env=env, capture_output=True,
                          text=True, timeout=300)
@@ -459,10 +469,11 @@ import json, sys, importlib, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-module, name, shapes, scalars = json.loads(sys.argv[1])
+module, name, shapes, scalars, dtypes = json.loads(sys.argv[1])
 kernel = getattr(importlib.import_module(module), name)
 scalars = {k: getattr(triton.language, v[3:]) if str(v).startswith("tl.") else v for k, v in scalars.items()}
-signature = {arg: "constexpr" if arg in scalars else "*i64" for arg in kernel.arg_names}
+pointer = {"int64": "*i64", "uint8": "*u8", "bfloat16": "*bf16"}
+signature = {arg: "constexpr" if arg in scalars else pointer[dtypes.get(arg, "int64")] for arg in kernel.arg_names}
 target = GPUTarget("cuda", 90, 32)
 options = triton.compiler.make_backend(target).parse_options({"debug": True, "sanitize_overflow": False})
 triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=scalars), target=target, options=options.__dict__)
@@ -479,7 +490,8 @@ def test_kernels_compile_with_every_scalar_a_constant(kernel):
     module, name = kernel.split("[")[0].split(".")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", _WITH_CONSTANT_SCALARS,
-                          json.dumps([f"alltoall_ops.kernels.{module}", name, shapes, scalars])],
+                          json.dumps([f"alltoall_ops.kernels.{module}", name, shapes, scalars,
+                                      _DTYPES.get(kernel, {})])],
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
 
@@ -518,7 +530,7 @@ _FUSED = {  # kernel: (its constexprs with the barrier, barriers in it)
     "post_slots": (dict(K=8, DST_STRIDE=64, HAS_SCALE=True, STAGE=True, ACC_DTYPE="tl.float32", BLOCK_R=2,
                         BLOCK_H=16, BLOCK_S=64, BLOCK_W=2, BARRIER=True), 1),
     "pull_rows": (dict(K=8, SRC_STRIDE=64, ROW_MAP=False, STAGED=True, HAS_SCALE=True, ACC_DTYPE="tl.float32",
-                       HAS_TAIL=False, BLOCK_R=2, BLOCK_H=16, BLOCK_W=2, BARRIER=True), 1),
+                       HAS_TAIL=False, BLOCK_R=2, BLOCK_H=16, BLOCK_W=2, BARRIER=True, DEQUANTIZE=False), 1),
     "topk_reduce": (dict(RET_AT_ADDRESS=True, HAS_TOKEN=True, READ_AT_SLOT_DST=False, K=2, HAS_SLOT_DST=True,
                          HAS_WEIGHTS=True, SAVE_RETURNED=True, ACC_DTYPE="tl.float32", BLOCK_T=8, BLOCK_H=16,
                          BARRIER=True), 1),

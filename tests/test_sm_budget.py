@@ -3,8 +3,8 @@
 Each capped launcher, with ``max_programs`` 1, 2 and 3, writes exactly what it writes uncapped:
 the row blocks are made tiny (4 rows, 4 columns, 64 for wide rows: ``_tiny_blocks``) so that a few rows make
 several row blocks, a number that is no multiple of the cap, and some launches have two column
-blocks. Zero rows, a device-side count below the rows (put_rows ``count=``, pull_rows' and
-dequantize_rows' ``num_routed``) included. fp64 values (bf16 for the fp8 kernels' input).
+blocks. Zero rows, a device-side count below the rows (put_rows ``count=``, pull_rows'
+``num_routed``, fp8 rows dequantized too) included. fp64 values (bf16 for the fp8 kernels' input).
 """
 
 from __future__ import annotations
@@ -192,10 +192,13 @@ def test_fp8_rows(T, H):
     values, scales = k.quantize_rows(x)
     for cap in CAPS:
         _same(k.quantize_rows(x, max_programs=cap), (values, scales))
+    wire = torch.cat([values, scales.view(torch.uint8)], 1)  # the fp8 rows as symm_mem moves them
     for n in sorted({0, T // 2 + 1, T}):
-        def run(max_programs, n=n):
+        def run(max_programs, n=n):  # the pull that dequantizes them (rows < n)
             out = torch.full((T, H), float("nan"), dtype=torch.bfloat16)
-            k.dequantize_rows(values, scales, torch.tensor([n]), out, max_programs=max_programs)
+            k.pull_rows(None, torch.tensor([n]), out, torch.empty(T, dtype=torch.int64), rows=wire,
+                        row_map=torch.arange(T), position=torch.arange(T), tail=torch.empty_like(wire[:, H:]),
+                        dequantize=True, max_programs=max_programs)
             return (out,)
 
         want = run(None)

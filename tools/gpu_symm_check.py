@@ -242,7 +242,9 @@ def fp8_rank(rank: int, bufs: symm_mem.SymmBuffers, inputs: tuple) -> dict:
     (values, scales), tpe, _ = a2a.dispatch(x, topk_idx, num_experts=bufs.num_experts,
                                             expert_alignment=bufs.expert_alignment, buffers=bufs,
                                             payload_dtype=fp8.FP8)
-    return dict(values=values, scales=scales, tpe=tpe)
+    dequantized, _, _ = a2a.dispatch(x, topk_idx, num_experts=bufs.num_experts, expert_alignment=bufs.expert_alignment,
+                                     buffers=bufs, payload_dtype=fp8.FP8, dequantize=True)  # in the pull
+    return dict(values=values, scales=scales, tpe=tpe, dequantized=dequantized)
 
 
 def compare_fp8(out: dict, ref: tuple) -> None:
@@ -251,11 +253,14 @@ def compare_fp8(out: dict, ref: tuple) -> None:
     assert torch.equal(out["tpe"].cpu(), tpe), ("tokens_per_expert", out["tpe"], tpe)
     assert torch.equal(out["values"][:R].cpu().view(torch.uint8), values.view(torch.uint8)), "fp8 values"
     assert torch.equal(out["scales"][:R].cpu(), scales), "fp8 scales"
+    dequantized = out["dequantized"][:R].cpu()
+    assert torch.equal(dequantized, fp8.dequantize(values, scales, dequantized.dtype)), "fp8 rows dequantized"
 
 
 def check_fp8() -> str:
     """fp8 payload, simulated W=2: values and scales (the quantize kernel, packed wire rows) equal
-    the local backend's fp8 dispatch bit for bit; on CUDA every rank's fp8 dispatch is then
+    the local backend's fp8 dispatch bit for bit, and a dispatch with ``dequantize=True`` (the
+    pull dequantizes) their ``fp8.dequantize``; on CUDA every rank's fp8 dispatch is then
     captured in one graph and replayed with new tokens and routing."""
     W = 2
     specs = [_spec(60), _spec(61), _spec(62)]

@@ -7,7 +7,7 @@ from . import routing_plan
 from ._config import interpreting, row_blocks
 from .barrier import Epilogue, barrier
 from .dispatch_layout import dispatch_layout
-from .quantize import dequantize_rows, quantize_rows
+from .quantize import quantize_rows
 from .row_gather import gather_rows
 from .routing_plan import plan_rows, plan_slots
 from .seq_exchange import gather_pieces, post_pieces
@@ -18,6 +18,6 @@ from .weight_grad import weight_grad
 
 __all__ = [
     "Epilogue", "barrier", "dispatch_layout", "gather_pieces", "gather_rows", "interpreting", "place_slots",
-    "plan_rows", "plan_slots", "post_pieces", "post_slots", "pull_rows", "put_meta", "put_rows", "dequantize_rows",
+    "plan_rows", "plan_slots", "post_pieces", "post_slots", "pull_rows", "put_meta", "put_rows",
     "quantize_rows", "routing_plan", "row_blocks", "topk_reduce", "weight_grad",
 ]

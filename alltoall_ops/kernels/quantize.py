@@ -5,8 +5,8 @@ before its rows are put in send order (quantizing in the row put itself, once pe
 Reference semantics::
 
     quantize_rows:    values, scales = fp8.quantize(x)               # values as uint8 bits
-    dequantize_rows:  out[:n] = fp8.dequantize(values[:n].view(fp8), scales[:n], out.dtype)
-                      # n = num_routed (on the device); out[n:] not written
+    e4m3_value:       the fp32 value of float8_e4m3fn bits (the symm_mem pull dequantizes with it:
+                      ``row_put.pull_rows(dequantize=True)``)
 
 ``max_programs`` (None: one program per row block and channel block): at most that many programs,
 each striding over row and channel blocks (``_config.program_grid``: an SM budget); same results.
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..fp8 import AMAX_FLOOR, BLOCK, FP8_MAX
-from ._config import LAUNCH_LOCK, launch, cast_rne, interpreting, program_grid, require_contiguous, upcast
+from ._config import LAUNCH_LOCK, launch, interpreting, program_grid, require_contiguous, upcast
 
 
 @triton.jit
@@ -124,40 +124,3 @@ def e4m3_value(b_bits):
     b_abs = tl.where(b_exp == 0, b_man.to(tl.float32) * 0.001953125, b_normal)  # subnormal: m 2^-9
     b_abs = tl.where((b_bits & 0x7F) == 0x7F, float("nan"), b_abs)
     return tl.where((b_bits & 0x80) != 0, -b_abs, b_abs)
-
-
-@triton.jit
-def _dequantize_rows_kernel(
-    values_ptr, scales_ptr, num_routed_ptr, out_ptr, C, H, B, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    n_routed = tl.minimum(tl.load(num_routed_ptr), C)
-    # NB: rows past n_routed are not read or written: no block past it is visited
-    for i_r in range(tl.program_id(0), tl.cdiv(n_routed, BLOCK_R), tl.num_programs(0)):
-        o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR]
-        m_r = o_r < n_routed
-        for i_b in range(tl.program_id(1), B, tl.num_programs(1)):  # 128-channel blocks
-            o_c = i_b * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC] channels of this block
-            o_x = o_r[:, None] * H + o_c[None, :]
-            b_v = e4m3_value(tl.load(values_ptr + o_x, mask=m_r[:, None], other=0))  # [BR, BC]
-            b_scale = tl.load(scales_ptr + o_r * B + i_b, mask=m_r, other=0)  # [BR]
-            tl.store(out_ptr + o_x, cast_rne(b_v * b_scale[:, None], out_ptr.dtype.element_ty), mask=m_r[:, None])
-
-
-def dequantize_rows(values_CH: torch.Tensor, scales_CB: torch.Tensor, num_routed_1: torch.Tensor,
-                    out_CH: torch.Tensor, max_programs: Optional[int] = None) -> None:
-    """:func:`alltoall_ops.fp8.dequantize` of the first n = ``num_routed_1`` rows (a one-element
-    int64 device tensor: no host sync) into ``out_CH`` (C, H) float; values (C, H) as uint8
-    (float8_e4m3fn bits), scales (C, H / 128) fp32. Rows [n, C) of out are not written.
-    ``max_programs``: at most that many programs (an SM budget), each striding over row blocks."""
-    C, H = values_CH.shape
-    if C == 0 or H == 0:
-        return
-    require_contiguous("dequantize_rows", out_CH=out_CH)
-    values_CH, scales_CB = values_CH.contiguous(), scales_CB.contiguous()
-    block_r, num_warps = _blocks(C, max_programs)
-    grid = program_grid(triton.cdiv(C, block_r), H // BLOCK, max_programs)
-    with LAUNCH_LOCK:
-        launch(_dequantize_rows_kernel, values_CH)[grid](
-            values_CH, scales_CB, num_routed_1, out_CH, C, H, H // BLOCK, BLOCK_R=block_r, BLOCK_C=BLOCK,
-            num_warps=num_warps,
-        )

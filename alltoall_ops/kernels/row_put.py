@@ -48,7 +48,9 @@ import triton.language as tl
 
 from ._config import (LAUNCH_LOCK, cast_rne, interpreting, launch, order_after, program_grid, require_contiguous,
                       row_blocks, tl_acc_dtype, upcast)
+from ..fp8 import BLOCK
 from .barrier import Epilogue, advance_call, arrive_and_wait, barrier_alone, epilogue_args, last_program_arrives
+from .quantize import e4m3_value
 from .region import TAG_COLUMNS, Region, or_new_token
 from .routing_plan import GPU_NUM_WARPS as PLAN_NUM_WARPS, _plan_in_one_program_kernel, one_program_sizes
 
@@ -261,6 +263,7 @@ def put_meta(send_meta: Optional[torch.Tensor], header: tuple[int, int, int], ca
 
 
 _TAG_COLUMNS = tl.constexpr(TAG_COLUMNS)
+_FP8_BLOCK = tl.constexpr(BLOCK)
 _SLOTS_PER_BLOCK = 1024
 """Slots per block of post_slots' tag loop."""
 
@@ -365,7 +368,7 @@ def _pull_rows_kernel(
     pads_table_ptr, counters_ptr, barrier_call_ptr, barrier_rank, timeout_ms, barrier_op,
     K: tl.constexpr, SRC_STRIDE: tl.constexpr, ROW_MAP: tl.constexpr, STAGED: tl.constexpr, HAS_SCALE: tl.constexpr,
     ACC_DTYPE: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_W: tl.constexpr, BARRIER: tl.constexpr, WORLD_SIZE: tl.constexpr,
+    BLOCK_W: tl.constexpr, BARRIER: tl.constexpr, WORLD_SIZE: tl.constexpr, DEQUANTIZE: tl.constexpr,
 ):
     order_after(token_ptr)
     # NB: the tags' base is loaded here, not in a helper: inductor's analysis of which arguments
@@ -395,7 +398,7 @@ def _pull_rows_kernel(
             if STAGED:
                 # NB: 16-byte aligned bases (every region of SymmBuffers): vector loads
                 p_src = tl.multiple_of(_select(tl.where(m_valid, b_code // SRC_STRIDE, 0), b_stage_table, o_w).to(
-                    tl.pointer_type(out_ptr.dtype.element_ty)), 16) + b_src_row * X  # [BR]
+                    tl.pointer_type(tail_ptr.dtype.element_ty)), 16) + b_src_row * X  # [BR]
             else:
                 p_src = rows_ptr + b_src_row * X
             if HAS_SCALE and ROW_MAP:
@@ -414,7 +417,13 @@ def _pull_rows_kernel(
                     b_x = cast_rne(upcast(b_x, ACC_DTYPE) * b_scale[:, None], out_ptr.dtype.element_ty)
                 if HAS_TAIL:  # columns [0, X_OUT) to out, [X_OUT, X) to tail
                     m_out = (o_h < X_OUT)[None, :]
-                    tl.store(out_ptr + o_r[:, None] * X_OUT + o_h[None, :], b_x,
+                    b_value = b_x
+                    if DEQUANTIZE:  # fp8 bits times the fp32 scale of their block (the row's tail), rounded once
+                        p_block_scale = (p_src + X_OUT).to(tl.pointer_type(tl.float32))  # [BR]
+                        b_block_scale = tl.load(p_block_scale[:, None] + (o_h // _FP8_BLOCK)[None, :],
+                                                mask=m_valid[:, None] & m_h & m_out, other=0)
+                        b_value = cast_rne(e4m3_value(b_x) * b_block_scale, out_ptr.dtype.element_ty)
+                    tl.store(out_ptr + o_r[:, None] * X_OUT + o_h[None, :], b_value,
                              mask=m_routed[:, None] & m_h & m_out)
                     tl.store(tail_ptr + o_r[:, None] * (X - X_OUT) + (o_h - X_OUT)[None, :], b_x,
                              mask=m_routed[:, None] & m_h & ~m_out)
@@ -449,6 +458,7 @@ def pull_rows(
     token: Optional[torch.Tensor] = None,
     max_programs: Optional[int] = None,
     epilogue: Optional[Epilogue] = None,
+    dequantize: bool = False,
 ) -> None:
     """The receiver's half of a pulled exchange: for the first n = ``num_routed`` rows d of this
     rank's tags (C, TAG_COLUMNS) (a region named by address, ``_config.Region``), ``out[d]`` =
@@ -462,7 +472,11 @@ def pull_rows(
     none) instead of ``tags``, with ``rows``, ``position`` (N,) and ``scale`` (N,) or None: row
     d is ``rows[i // top_k]`` times ``scale[i]``, its code ``position[i]``.
     With ``tail`` (C, X - X_out) of out's dtype, out (C, X_out) takes the first X_out columns
-    of each row and tail the rest (fp8 wire rows into values and scale bytes). max_programs: at
+    of each row and tail the rest (fp8 wire rows into values and scale bytes); ``dequantize``:
+    out (C, X_out) is float and takes each fp8 value (the row's first X_out bytes) times the fp32
+    scale of its 128-column block (the row's tail bytes), rounded once, as ``fp8.dequantize``
+    (tail and the source rows uint8: one pass, where a dequantizing kernel after the pull read
+    the values again). max_programs: at
     most that many programs, each striding over row blocks (an SM budget). token: as put_rows'.
     ``epilogue``: the barrier after the reads (no rank writes a stage or tags again before every
     rank is done with them), run by the kernel's last program."""
@@ -481,14 +495,20 @@ def pull_rows(
         raise ValueError("pull_rows: pass exactly one of rows and stage_table")
     require_contiguous("pull_rows", out=out, row_src=row_src, tail=tail)
     X = out.shape[1] + (0 if tail is None else tail.shape[1])
-    if tail is not None and tail.dtype != out.dtype:
+    wire = out.dtype if tail is None else tail.dtype  # the source rows' dtype
+    if dequantize and (tail is None or wire != torch.uint8 or not out.dtype.is_floating_point or scaled
+                       or scale is not None or out.shape[1] % BLOCK):
+        raise ValueError(f"pull_rows: dequantize needs a uint8 tail, a float out of a multiple of {BLOCK} columns "
+                         f"and no scale (got tail {None if tail is None else tail.dtype}, out {tuple(out.shape)} "
+                         f"{out.dtype})")
+    if tail is not None and tail.dtype != out.dtype and not dequantize:
         raise ValueError(f"pull_rows: out and tail must have one dtype, got {out.dtype} and {tail.dtype}")
-    if rows is not None and (rows.dtype != out.dtype or rows.shape[1] != X):
-        raise ValueError(f"pull_rows: rows must be (n, {X}) {out.dtype}, got {tuple(rows.shape)} {rows.dtype}")
+    if rows is not None and (rows.dtype != wire or rows.shape[1] != X):
+        raise ValueError(f"pull_rows: rows must be (n, {X}) {wire}, got {tuple(rows.shape)} {rows.dtype}")
     rows, row_map, position, scale = (None if t is None else t.contiguous() for t in (rows, row_map, position, scale))
     world_size = 1 if stage_table is None else stage_table.numel()
     tags_table, tags_index = (tags.table, tags.index) if tags is not None else (row_map, 0)  # NB: unread with a row map
-    blocks = row_blocks("pull_rows", C, X, out.element_size(), max_programs)
+    blocks = row_blocks("pull_rows", C, X, wire.itemsize, max_programs)
     with LAUNCH_LOCK:  # NB: one program per row block across all of X (see the kernel)
         launch(_pull_rows_kernel, out)[program_grid(blocks.grid(C, X)[0], 1, max_programs)[:1]](
             rows if rows is not None else out, stage_table if stage_table is not None else tags_table, tags_table,
@@ -498,5 +518,6 @@ def pull_rows(
             ROW_MAP=row_map is not None, STAGED=stage_table is not None,
             HAS_SCALE=scaled if row_map is None else scale is not None, ACC_DTYPE=tl_acc_dtype(acc_dtype),
             HAS_TAIL=tail is not None, BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H,
-            BLOCK_W=triton.next_power_of_2(world_size), num_warps=blocks.num_warps, **epilogue_args(epilogue, out),
+            BLOCK_W=triton.next_power_of_2(world_size), num_warps=blocks.num_warps, DEQUANTIZE=dequantize,
+            **epilogue_args(epilogue, out),
         )

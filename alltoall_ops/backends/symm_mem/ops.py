@@ -251,14 +251,17 @@ def symm_dispatch_op(
     else:
         # NB: each slot moves one wire row (values' bytes, then its scales'), encoded where it is
         # posted (with peers: straight into this rank's stage); the pull splits the received ones
-        # into values and scale bytes, rows < n only.
+        # into values and scale bytes, rows < n only, and with out_dtype dequantizes the values
+        # on the way (fp8's decode in the same pass).
         wire_TP = Encoded(lambda out_TP: fmt.encode_packed(x_TH, x_scale_TB, buffers.num_sms, out_TP=out_TP),
                           (x_TH.shape[0], fmt.wire_bytes(H, x_TH.dtype)), torch.uint8)
-        values_CH = x_TH.new_empty(C, H, dtype=torch.uint8)
+        values_CH = x_TH.new_empty(C, H, dtype=torch.uint8 if out_dtype is None else out_dtype)
         scale_CB = x_TH.new_empty(C, fmt.scale_columns(H), dtype=fmt.scale_dtype)
         row_src_C = _post_and_pull(wire_TP, None, position_TK, slot_dst_N, row_slot_C, num_routed_1, call_1, buffers,
-                                   values_CH, scale_CB.view(torch.uint8))
-    return (*fmt.decode(values_CH, scale_CB, out_dtype, num_routed_1, buffers.num_sms), row_src_C)
+                                   values_CH, scale_CB.view(torch.uint8), dequantize=out_dtype is not None)
+        if out_dtype is not None:
+            return values_CH, scale_CB, row_src_C
+    return (*fmt.decode(values_CH, scale_CB, out_dtype), row_src_C)
 
 
 class Encoded(NamedTuple):
@@ -281,13 +284,15 @@ def _post_and_pull(
     buffers: SymmBuffers,
     out_CX: torch.Tensor,
     tail: Optional[torch.Tensor] = None,
+    dequantize: bool = False,
 ) -> torch.Tensor:
     """The body of a dispatch: ``post_slots``: each slot's tag (source code, source row, scale)
     into the row of its destination's tags, and (W > 1) the rows ``rows_TX`` (T, X), once each,
     into this rank's stage (the ROWS region; :class:`Encoded` rows are encoded there instead);
     barrier; ``pull_rows``: each of the first num_routed rows of this rank's tags read from its
     sender's stage (one rank: from rows_TX itself), times its scale, into ``out_CX`` (with
-    ``tail``: its first columns, the rest into tail; rows past num_routed not written); barrier.
+    ``tail``: its first columns, the rest into tail; ``dequantize``: fp8 values into a float
+    out_CX, ``pull_rows``'; rows past num_routed not written); barrier.
     Each row is written once where it is used. One rank: only the pull, by the placement's
     ``row_slot_C`` (no peers, no tags, no barrier). Returns row_src (C,)."""
     k, device = loader.load(), out_CX.device
@@ -303,6 +308,7 @@ def _post_and_pull(
             rows_TX = rows_TX.write(torch.empty(rows_TX.shape, dtype=dtype, device=device))
         k.pull_rows(None, num_routed_1, out_CX, row_src_C, rows=rows_TX, row_map=row_slot_C,
                     position=position_TK.reshape(-1), scale=scale_TK, top_k=K, acc_dtype=acc, tail=tail,
+                    dequantize=dequantize,
                     max_programs=buffers.num_sms)
         return row_src_C
     stage_bytes = buffers.rows.numel() * buffers.rows.element_size()
@@ -322,7 +328,8 @@ def _post_and_pull(
     with buffers._segments.barrier_after(DISPATCH_OP, call_1, token_1) as epilogue:
         k.pull_rows(_own(buffers, tables, TAGS, (C, TAG_COLUMNS), torch.int64), num_routed_1, out_CX, row_src_C,
                     stage_table=tables[ROWS], src_stride=buffers.max_slots, scaled=scale_TK is not None,
-                    acc_dtype=acc, tail=tail, token=token_1, max_programs=buffers.num_sms, epilogue=epilogue)
+                    acc_dtype=acc, tail=tail, token=token_1, max_programs=buffers.num_sms, epilogue=epilogue,
+                    dequantize=dequantize)
     return row_src_C
 
 
