@@ -588,3 +588,19 @@ def test_an_epilogue_goes_only_into_a_kernel_that_runs_it_so(field, kernel_says,
     assert epilogue_args(epilogue, t, **{kernel_says: flag})["BARRIER"]
     with pytest.raises(ValueError, match=f"{field}={flag} {message}"):
         epilogue_args(epilogue, t, **{kernel_says: not flag})
+
+
+def test_an_epilogue_run_alone_advances_the_call_as_its_kernel_would(monkeypatch):
+    # A kernel with nothing to do launches its epilogue's barrier alone (its peers still meet it):
+    # an epilogue that advances the call number after the writes (the Ulysses post's) advances it
+    # there too, through the counters' address table; the others only read call_1.
+    from alltoall_ops.kernels import barrier as barrier_module
+
+    counters_passed = []
+    monkeypatch.setattr(barrier_module, "barrier", lambda *args: counters_passed.append(args[5]))
+    t = torch.zeros(2, dtype=torch.int64)
+    counters = t.view(1, 2)
+    for advance_after in (False, True):
+        epilogue = barrier_module.Epilogue(t, counters, 0, 1.0, 1, t[:1], advance_after=advance_after)
+        barrier_module.barrier_alone(epilogue)
+    assert counters_passed[0] is None and counters_passed[1] is counters

@@ -168,8 +168,9 @@ def barrier(pads_table: torch.Tensor, rank: int, timeout_s: float, op: int, call
 
 def barrier_alone(epilogue: "Epilogue", token: Optional[torch.Tensor] = None) -> None:
     """``epilogue``'s barrier launched by itself, where its kernel has nothing to do (its peers
-    still meet it)."""
-    barrier(epilogue.pads_table, epilogue.rank, epilogue.timeout_s, epilogue.op, epilogue.call_1, token=token)
+    still meet it), advancing the call number where the epilogue would (``advance_after``)."""
+    barrier(epilogue.pads_table, epilogue.rank, epilogue.timeout_s, epilogue.op, epilogue.call_1,
+            epilogue.counters if epilogue.advance_after else None, token)
 
 
 class Epilogue(NamedTuple):
