@@ -27,7 +27,7 @@ the symm_mem metadata put runs that program first (``row_put.put_meta(topk_idx=.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -209,6 +209,44 @@ def _plan_in_one_program_kernel(
         tl.store(send_meta_ptr + e + 3, (n_bad == 0).to(tl.int64))
         if ASSERT_VALID:
             tl.device_assert(n_bad == 0, _BAD_IDS)
+
+
+@triton.jit
+def plan_first(idx_ptr, position_ptr, send_meta_ptr, N, E, e, W, NP: tl.constexpr, NB: tl.constexpr,
+               BLOCK_W: tl.constexpr):
+    """A one-program kernel's first step: the plan of its N slots as ``plan_slots``' (no order):
+    each slot's position and send_meta (W, e + 3), then a thread barrier, after which the
+    program reads them back (``PlannedFirst``)."""
+    _plan_in_one_program_kernel(idx_ptr, idx_ptr, position_ptr, position_ptr, send_meta_ptr, N, E, e, W, 1, 0, 0,
+                                NP, NB, BLOCK_W, False, False, False)
+    tl.debug_barrier()
+
+
+class PlannedFirst(NamedTuple):
+    """What a launcher gives a kernel that runs :func:`plan_first`: idx (N,), the fresh
+    position (T, K) and send_meta (W, e + 3) it writes, and its constexprs (PLAN, NP, NB)."""
+
+    idx: torch.Tensor
+    position: torch.Tensor
+    send_meta: torch.Tensor
+    constexprs: dict
+
+    @classmethod
+    def of(cls, topk_idx: torch.Tensor, num_experts: int, world_size: int, caller: str) -> "PlannedFirst":
+        """For ``topk_idx`` (T, K); ValueError naming ``caller`` where one program does not plan
+        them (``one_program_sizes``)."""
+        sizes = one_program_sizes(topk_idx.numel(), num_experts)
+        if sizes is None:
+            raise ValueError(f"{caller}: {topk_idx.numel()} slots of {num_experts} experts are not planned by one "
+                             f"program (at most ONE_PROGRAM_SLOTS = {ONE_PROGRAM_SLOTS})")
+        new = dict(dtype=torch.int64, device=topk_idx.device)
+        return cls(topk_idx.reshape(-1).contiguous(), torch.empty(topk_idx.shape, **new),
+                   torch.empty(world_size, num_experts // world_size + 3, **new),
+                   dict(PLAN=True, NP=sizes[0], NB=sizes[1]))
+
+
+NOT_PLANNED_FIRST = dict(PLAN=False, NP=1, NB=1)
+"""The constexprs of a kernel that can run :func:`plan_first` and does not."""
 
 
 def plan_slots(

@@ -52,7 +52,7 @@ from ..fp8 import BLOCK
 from .barrier import Epilogue, advance_call, arrive_and_wait, barrier_alone, epilogue_args, last_program_arrives
 from .quantize import e4m3_value
 from .region import TAG_COLUMNS, Region, or_new_token
-from .routing_plan import GPU_NUM_WARPS as PLAN_NUM_WARPS, _plan_in_one_program_kernel, one_program_sizes
+from .routing_plan import GPU_NUM_WARPS as PLAN_NUM_WARPS, NOT_PLANNED_FIRST, PlannedFirst, plan_first
 
 
 MAX_COUNTED_PROGRAMS = 8192
@@ -189,9 +189,7 @@ def _put_meta_kernel(
 ):
     order_after(token_ptr)
     if PLAN:  # one program: the routing plan of idx first (send_meta and each slot's position), read below
-        _plan_in_one_program_kernel(idx_ptr, idx_ptr, position_ptr, position_ptr, send_meta_ptr, n_slots, E, e,
-                                    world_size, 1, 0, 0, NP, NB, BLOCK_W, False, False, False)
-        tl.debug_barrier()
+        plan_first(idx_ptr, position_ptr, send_meta_ptr, n_slots, E, e, world_size, NP, NB, BLOCK_W)
     if BARRIER:  # one program: the barrier before the puts (the peers are done with the rows), advancing the call
         arrive_and_wait(pads_table_ptr, barrier_rank, timeout_ms, advance_call(counters_ptr, call_ptr), barrier_op,
                         barrier_rank, WORLD_SIZE)
@@ -238,17 +236,12 @@ def put_meta(send_meta: Optional[torch.Tensor], header: tuple[int, int, int], ca
     e, dev, meta_table = E // W, call_1.device, meta_table.contiguous()
     if (send_meta is None) == (topk_idx is None):
         raise ValueError("put_meta: pass exactly one of send_meta and topk_idx")
-    plan = dict(PLAN=False, NP=1, NB=1, BLOCK_W=1)
+    plan = dict(NOT_PLANNED_FIRST, BLOCK_W=triton.next_power_of_2(W))
     if topk_idx is not None:
-        sizes = one_program_sizes(topk_idx.numel(), E)
-        if sizes is None or topk_idx.numel() != header[0]:
-            raise ValueError(f"put_meta: topk_idx of {topk_idx.numel()} slots (header's n_slots: {header[0]}) is "
-                             f"not planned by one program ({E} experts)")
-        idx = topk_idx.reshape(-1).contiguous()
-        position = torch.empty(topk_idx.shape, dtype=torch.int64, device=dev)
-        send_meta = torch.empty(W, e + 3, dtype=torch.int64, device=dev)
-        plan = dict(PLAN=True, NP=sizes[0], NB=sizes[1], BLOCK_W=triton.next_power_of_2(W),
-                    **({} if interpreting() else dict(num_warps=PLAN_NUM_WARPS)))
+        if topk_idx.numel() != header[0]:
+            raise ValueError(f"put_meta: topk_idx of {topk_idx.numel()} slots, the header's n_slots {header[0]}")
+        idx, position, send_meta, constexprs = PlannedFirst.of(topk_idx, E, W, "put_meta")
+        plan.update(constexprs, **({} if interpreting() else dict(num_warps=PLAN_NUM_WARPS)))
     else:
         send_meta = send_meta.contiguous()
         idx = position = send_meta  # unread

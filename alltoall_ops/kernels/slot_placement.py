@@ -54,7 +54,7 @@ import triton.language as tl
 
 from ._config import LAUNCH_LOCK, assert_options, launch, order_after, program_grid
 from .region import Region, or_new_token
-from .routing_plan import _plan_in_one_program_kernel, one_program_sizes
+from .routing_plan import NOT_PLANNED_FIRST, PlannedFirst, plan_first
 
 GPU_BLOCK_S = 1024
 """Slots a program places per step."""
@@ -85,9 +85,7 @@ def _place_slots_kernel(
 ):
     order_after(token_ptr)
     if PLAN:  # one rank, one program: the routing plan of idx first (meta: its send_meta; position), read below
-        _plan_in_one_program_kernel(idx_ptr, idx_ptr, position_ptr, position_ptr, meta_ptr, N, E, E, 1, 1, 0, 0,
-                                    NP, NB, 1, False, False, False)
-        tl.debug_barrier()
+        plan_first(idx_ptr, position_ptr, meta_ptr, N, E, E, 1, NP, NB, 1)
     if META_AT_ADDRESS:  # NB: in the body, not a helper (see row_put's pull_rows)
         meta_ptr = tl.load(meta_table_ptr + meta_index).to(tl.pointer_type(tl.int64))
     pid = tl.program_id(0)
@@ -238,21 +236,17 @@ def place_slots(
     device-side assert of the kernel (no host sync, no launch of its own; the CUDA context is
     unusable after it). token: as ``row_put.put_rows``'; ``max_programs``: an SM budget.
 
-    meta and position None (world_size 1, at most ``GPU_BLOCK_S`` slots that
-    ``routing_plan.one_program_sizes`` takes): the kernel plans topk_idx first, as
-    ``plan_slots`` does, into a fresh send_meta and position (returned): one launch for both."""
+    meta and position None (world_size 1, at most ``GPU_BLOCK_S`` slots that one program plans,
+    ``routing_plan.PlannedFirst``): the kernel plans topk_idx first, as ``plan_slots`` does,
+    into a fresh send_meta and position (returned): one launch for both."""
     W, E = world_size, num_experts
     e, N, dev = E // W, topk_idx.numel(), topk_idx.device
-    plan = dict(PLAN=False, NP=1, NB=1)
+    plan = NOT_PLANNED_FIRST
     if meta is None or position is None:
-        sizes = one_program_sizes(N, E)
-        if meta is not None or position is not None or W != 1 or N > GPU_BLOCK_S or sizes is None:
+        if meta is not None or position is not None or W != 1 or N > GPU_BLOCK_S:
             raise ValueError(f"place_slots: to plan first, pass meta and position both None, with world_size 1 and "
-                             f"at most {GPU_BLOCK_S} slots that one program plans (got world_size {W}, {N} slots, "
-                             f"{E} experts)")
-        meta = torch.empty(1, E + 3, dtype=torch.int64, device=dev)  # the plan's send_meta
-        position = torch.empty(topk_idx.shape, dtype=torch.int64, device=dev)
-        plan = dict(PLAN=True, NP=sizes[0], NB=sizes[1])
+                             f"at most {GPU_BLOCK_S} slots (got world_size {W}, {N} slots)")
+        _, position, meta, plan = PlannedFirst.of(topk_idx, E, W, "place_slots")  # meta: the plan's send_meta
     at_address = isinstance(meta, Region)
     meta_columns_in = meta.shape[1]
     if at_address:

@@ -308,8 +308,7 @@ def _post_and_pull(
             rows_TX = rows_TX.write(torch.empty(rows_TX.shape, dtype=dtype, device=device))
         k.pull_rows(None, num_routed_1, out_CX, row_src_C, rows=rows_TX, row_map=row_slot_C,
                     position=position_TK.reshape(-1), scale=scale_TK, top_k=K, acc_dtype=acc, tail=tail,
-                    dequantize=dequantize,
-                    max_programs=buffers.num_sms)
+                    dequantize=dequantize, max_programs=buffers.num_sms)
         return row_src_C
     stage_bytes = buffers.rows.numel() * buffers.rows.element_size()
     if T * X * dtype.itemsize > stage_bytes:
