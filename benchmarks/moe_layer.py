@@ -43,6 +43,7 @@ from alltoall_ops.groups import NO_GROUP
 from alltoall_ops.moe import MoE
 from alltoall_ops.testing import host_us, one_rank_group, timer
 
+from ._rounds import own_code
 from .bench import Captured
 
 MOE_SHAPES = {"decode": (128, 2048, 1408, 64, 6), "train": (4096, 2048, 1408, 64, 6),
@@ -62,6 +63,15 @@ def plain_forward(layer: MoE, x_TH: torch.Tensor) -> torch.Tensor:
     weighted_NH = out_NH.float() * weights_TK.reshape(-1)[order_N].float()[:, None]
     y_TH = torch.zeros(x_TH.shape, dtype=torch.float32, device=x_TH.device).index_add_(0, token_N, weighted_NH)
     return y_TH.to(x_TH.dtype)
+
+
+def _own_frame(fn: Callable, tag: str) -> Callable:
+    """``fn(x)`` in a frame of its own (``own_code``): every compiled row keeps its own dynamo
+    cache, so rows of layers sharing ``MoE.forward`` neither pile up to the recompile limit nor
+    check each other's guards on every call."""
+    def call(x_TH):
+        return fn(x_TH)
+    return own_code(call, tag)
 
 
 def kernels_outside_graphs(step: Callable[[], object]) -> tuple[int, int]:
@@ -101,9 +111,10 @@ def run_shape(name: str, shape, device: torch.device, backend: str, time_us, row
 
     for label, (module, fn) in layers.items():
         variants = [(label, fn)]
-        variants.append((f"{label}.compile", torch.compile(fn, backend=backend, fullgraph=True)))
+        variants.append((f"{label}.compile", torch.compile(_own_frame(fn, label), backend=backend, fullgraph=True)))
         if device.type == "cuda":
-            variants.append((f"{label}.compile.graph", torch.compile(fn, backend=backend, fullgraph=True,
+            variants.append((f"{label}.compile.graph", torch.compile(_own_frame(fn, f"{label}.graph"),
+                                                                     backend=backend, fullgraph=True,
                                                                      mode="reduce-overhead")))
         for impl, f in variants:
             graphed = impl.endswith(".graph")
@@ -147,7 +158,7 @@ def run_shape(name: str, shape, device: torch.device, backend: str, time_us, row
                 print(f"{name:>6} T={T:5d} {row_impl:>20} {op:>8}: {us:9.1f} us  host {host:9.1f} us", flush=True)
         if device.type == "cuda":
             # The compiled forward captured by hand (torch.cuda.graph), replayed: inference.
-            compiled = torch.compile(fn, backend=backend, fullgraph=True)
+            compiled = torch.compile(_own_frame(fn, f"{label}.cudagraph"), backend=backend, fullgraph=True)
 
             def forward(stream, compiled=compiled):
                 with torch.no_grad():
