@@ -101,31 +101,46 @@ def test_cuda_graph_replay_with_new_inputs(W):
             assert torch.equal(z, 2 * _chunk(full, 1, rank, W)), (seed, rank)
 
 
+def _elementwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """A stand-in for attention, (B, S, h, D) -> (B, S, h, D), one elementwise kernel: bit for bit
+    the same from the same inputs."""
+    return (q.float() * k.float() + v.float()).to(q.dtype)
+
+
 @pytest.mark.parametrize("W", [2, 4])
 def test_q_first_forward_equals_one_exchange(W):
     """ulysses_attention given k and v's projections as callables (q's exchange started on the
     communication stream first, k / v's after the projections) equals the one exchange of q, k, v
-    bit for bit, eager and replayed from a CUDA graph (forward: see the module docstring).
+    bit for bit, eager and replayed from a CUDA graph (forward: see the module docstring): the
+    gathered q, k, v every rank's attention gets, and the output after o's exchange.
 
     The projections are elementwise (several kernels, so a k / v exchange that did not wait for
-    them would read stale rows): cuBLAS does not promise a matmul bit for bit while several
-    streams are active (it may pick another algorithm), the likely cause of this test's failures
-    on one H100 and one H200 while its projections were matmuls (docs/gpu.md, 2026-12-05)."""
+    them would read stale rows) and so is the attention (``_elementwise_attention``): on one H100
+    (2026-12-05, docs/gpu.md) SDPA returned outputs 1 bf16 ulp apart on one rank from gathered
+    q, k, v equal bit for bit, strides and alignment alike; cuBLAS matmuls beside another stream
+    give no such promise either."""
     B, S, H, D = 1, 256 * W, 4 * W, 64
     x = torch.randn(B, S, H * D, device="cuda", dtype=torch.bfloat16)
     shifts = [torch.randn(H * D, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     bufs = a2a.UlyssesBuffers.simulated(W, a2a.UlyssesBuffers.bytes_for([(B, S // W, H, D)] * 3, torch.bfloat16, W))
     static = [_chunk(x, 1, rank, W).clone() for rank in range(W)]
+    gathered = {}  # (q_first, rank) -> the q, k, v its attention got
 
     def step(rank, b, q_first):
+        def attention(q, k, v):
+            gathered[(q_first, rank)] = [t.clone() for t in (q, k, v)]
+            return _elementwise_attention(q, k, v)
+
         q, k, v = ((lambda s=s: (static[rank].float().sin() + s).to(torch.bfloat16).view(B, S // W, H, D))
                    for s in shifts)
         with torch.no_grad():
-            return a2a.ulysses_attention(q(), *((k, v) if q_first else (k(), v())), is_causal=True, buffers=b)
+            return a2a.ulysses_attention(q(), *((k, v) if q_first else (k(), v())), buffers=b, attn_fn=attention)
 
     one = run_simulated(lambda r, b: step(r, b, False), bufs)
     first = run_simulated(lambda r, b: step(r, b, True), bufs)
     torch.cuda.synchronize()
+    for rank in range(W):
+        assert all(torch.equal(a, b) for a, b in zip(gathered[(True, rank)], gathered[(False, rank)])), rank
     assert all(torch.equal(a, b) for a, b in zip(first, one)), [(a - b).abs().max().item() for a, b in zip(first, one)]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
