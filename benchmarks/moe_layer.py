@@ -22,9 +22,13 @@ and replayed: inference).
 
 Before timing, every row's outputs (and gradients) are compared with the eager ``plain`` layer,
 and every ``*.graph`` row is checked for capture: inductor's cudagraph skips, and the CUDA graph
-and kernel launches of a profiled step, are noted; a row that is not captured says so. Each row reports the median time
-of a step (CUDA events, ``triton.testing.do_bench``) and the host time to issue one step
-(perf_counter over 20 steps before the synchronisation; equal to the step time when host-bound).
+and kernel launches of a profiled step, are noted; a row that is not captured says so. Then the
+rows of a shape are timed in ``--rounds`` interleaved rounds (every row once a round, a fresh
+order each round: ``benchmarks._rounds``), so a slow spell of the host lands on every row alike.
+Each row reports the medians over rounds of the step time (CUDA events,
+``triton.testing.do_bench``) and of the host time to issue one step (perf_counter over 20 steps
+before the synchronisation; equal to the step time when host-bound), and each round's step time
+over that round's ``plain.compile`` row of the same op (median and range).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from alltoall_ops.groups import NO_GROUP
 from alltoall_ops.moe import MoE
 from alltoall_ops.testing import host_us, one_rank_group, timer
 
-from ._rounds import own_code
+from ._rounds import interleave, own_code, rounds_note, summarize
 from .bench import Captured
 
 MOE_SHAPES = {"decode": (128, 2048, 1408, 64, 6), "train": (4096, 2048, 1408, 64, 6),
@@ -89,8 +93,11 @@ def kernels_outside_graphs(step: Callable[[], object]) -> tuple[int, int]:
 LAYERS = ("plain", "local", "symm", "symm_peers")
 
 
-def run_shape(name: str, shape, device: torch.device, backend: str, time_us, rows: list, notes: list,
-              wanted: tuple = LAYERS) -> None:
+def run_shape(name: str, shape, device: torch.device, backend: str, time_us, rounds: int, rows: list, notes: list,
+              wanted: tuple[str, ...]) -> None:
+    """Every row of one shape: built, compiled, checked against the eager plain layer and (graph
+    rows) for capture, then timed in ``rounds`` interleaved rounds (``_rounds.interleave``) with
+    each round's ratio to that round's ``plain.compile`` row of the same op."""
     T, H, F, E, K = shape
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(T + H)
@@ -106,8 +113,16 @@ def run_shape(name: str, shape, device: torch.device, backend: str, time_us, row
     layers = {label: layer for label, layer in layers.items() if label in wanted}
     x = torch.randn(T, H, device=device, dtype=dtype)
     grad_y = torch.randn(T, H, device=device, dtype=dtype)
-    training = name.startswith("train")
+    ops = ("fwd", "fwd+bwd") if name.startswith("train") else ("fwd",)
     reference: dict = {}  # op -> the eager plain layer's result
+    steps: dict[str, Callable[[], object]] = {}  # "impl op" -> one step
+    first_calls_s: dict[str, float] = {}
+
+    def check(row: str, op: str, got: torch.Tensor) -> None:
+        want = reference.setdefault(op, got.detach().clone())  # the first row is plain eager
+        err = float((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30))
+        if err > 2e-2:
+            raise AssertionError(f"{name} {row}: relative error {err:.3g} against plain eager")
 
     for label, (module, fn) in layers.items():
         variants = [(label, fn)]
@@ -118,7 +133,7 @@ def run_shape(name: str, shape, device: torch.device, backend: str, time_us, row
                                                                      mode="reduce-overhead")))
         for impl, f in variants:
             graphed = impl.endswith(".graph")
-            for op in (("fwd", "fwd+bwd") if training else ("fwd",)):
+            for op in ops:
                 xin = x.detach().clone().requires_grad_(op == "fwd+bwd")
 
                 def step(f=f, op=op, xin=xin, graphed=graphed, module=module):
@@ -132,30 +147,22 @@ def run_shape(name: str, shape, device: torch.device, backend: str, time_us, row
                     f(xin).backward(grad_y)
                     return xin.grad
 
+                row = f"{impl} {op}"
                 torch._dynamo.utils.counters.clear()
-                row_impl = impl
                 t0 = time.perf_counter()
-                got = step()
-                for _ in range(2):  # graph trees record on the second call, replay from the third
+                for _ in range(3):  # graph trees record on the second call, replay from the third
                     got = step()
-                compile_s = time.perf_counter() - t0
-                got = reference.setdefault(op, got.detach().clone())  # the first row is plain eager
-                want = reference[op]
-                err = float((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30))
-                if err > 2e-2:
-                    raise AssertionError(f"{name} {impl} {op}: relative error {err:.3g} against plain eager")
+                compile_s = round(time.perf_counter() - t0, 1)
+                check(row, op, got)
                 if graphed:
                     skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
                     graphs, outside = kernels_outside_graphs(step)
                     captured = not skips and graphs > 0
-                    notes.append(f"{name} {impl} {op}: {'captured' if captured else 'NOT CAPTURED'}: {skips} "
-                                 f"cudagraph skips, {graphs} graph launches, {outside} kernel launches outside "
-                                 "graphs")
-                    row_impl = impl if captured else f"{impl} (not captured)"
-                us, host = time_us(step), host_us(step)
-                rows.append({"shape": name, "T": T, "impl": row_impl, "op": op, "us": round(us, 1),
-                             "host_us": round(host, 1), "first_calls_s": round(compile_s, 1)})
-                print(f"{name:>6} T={T:5d} {row_impl:>20} {op:>8}: {us:9.1f} us  host {host:9.1f} us", flush=True)
+                    notes.append(f"{name} {row}: {'captured' if captured else 'NOT CAPTURED'}: {skips} cudagraph "
+                                 f"skips, {graphs} graph launches, {outside} kernel launches outside graphs")
+                    if not captured:
+                        row = f"{impl} (not captured) {op}"
+                steps[row], first_calls_s[row] = step, compile_s
         if device.type == "cuda":
             # The compiled forward captured by hand (torch.cuda.graph), replayed: inference.
             compiled = torch.compile(_own_frame(fn, f"{label}.cudagraph"), backend=backend, fullgraph=True)
@@ -165,24 +172,26 @@ def run_shape(name: str, shape, device: torch.device, backend: str, time_us, row
                     return compiled(x)
 
             captured = Captured(forward, cuda=True)
-            got = captured.run()
-            err = float((got.float() - reference["fwd"].float()).norm() / reference["fwd"].float().norm())
-            if err > 2e-2:
-                raise AssertionError(f"{name} {label}.compile.cudagraph: relative error {err:.3g} against plain eager")
-            us, host = time_us(captured.replay), host_us(captured.replay)
-            rows.append({"shape": name, "T": T, "impl": f"{label}.compile.cudagraph", "op": "fwd",
-                         "us": round(us, 1), "host_us": round(host, 1), "first_calls_s": 0.0})
-            print(f"{name:>6} T={T:5d} {label + '.compile.cudagraph':>20} fwd: {us:9.1f} us  host {host:9.1f} us",
-                  flush=True)
+            row = f"{label}.compile.cudagraph fwd"
+            check(row, "fwd", captured.run())
+            steps[row], first_calls_s[row] = captured.replay, 0.0
+
+    samples = interleave(steps, rounds, time_us, host_us, label=f"{name} T={T} ")
+    summary = summarize(samples, lambda row: "plain.compile " + row.rsplit(" ", 1)[1])
+    for row, s in summary.items():
+        impl, op = row.rsplit(" ", 1)
+        rows.append({"shape": name, "T": T, "impl": impl, "op": op, "us": s["step_us"], "host_us": s["host_us"],
+                     "vs_plain_compile": s["ratio"], "vs_min": s["ratio_min"], "vs_max": s["ratio_max"],
+                     "us_by_round": s["step_us_by_round"], "first_calls_s": first_calls_s[row]})
 
 
-def markdown(rows: list, notes: list) -> str:
-    lines = ["| shape | impl | op | time (us) | host (us) | / plain compiled |", "|---|---|---|---|---|---|"]
-    base = {(r["shape"], r["op"]): r["us"] for r in rows if r["impl"] == "plain.compile"}
+def markdown(rows: list, notes: list, rounds: int) -> str:
+    lines = [rounds_note(rounds, "plain.compile", " of a shape"), "",
+             "| shape | impl | op | time (us) | host (us) | / plain compiled | min-max |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
-        ratio = r["us"] / base[(r["shape"], r["op"])] if (r["shape"], r["op"]) in base else float("nan")
         lines.append(f"| {r['shape']} T={r['T']} | `{r['impl']}` | {r['op']} | {r['us']:.1f} | {r['host_us']:.1f} "
-                     f"| {ratio:.2f} |")
+                     f"| {r['vs_plain_compile']:.2f}x | {r['vs_min']:.2f}-{r['vs_max']:.2f}x |")
     return "\n".join(lines + [""] + [f"- {n}" for n in notes]) + "\n"
 
 
@@ -191,6 +200,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="folder for moe_layer.json / moe_layer.md")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (times mean nothing)")
     parser.add_argument("--shapes", nargs="*", default=list(MOE_SHAPES), choices=list(MOE_SHAPES))
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of interleaved timing (every row once a round)")
     parser.add_argument("--layers", nargs="*", default=list(LAYERS), choices=LAYERS,
                         help="which layers (plain, the baseline, is the reference of every check: keep it)")
     args = parser.parse_args(argv)
@@ -201,9 +211,9 @@ def main(argv=None) -> int:
     notes: list = []
     with one_rank_group(device):  # the process group symm_peers' buffers take
         for name in args.shapes:
-            run_shape(name, shapes[name], device, backend, timer(device), rows, notes, tuple(args.layers))
+            run_shape(name, shapes[name], device, backend, timer(device), args.rounds, rows, notes, tuple(args.layers))
             torch._dynamo.reset()
-    text = markdown(rows, notes)
+    text = markdown(rows, notes, args.rounds)
     print(text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
