@@ -28,9 +28,11 @@ SEQ_STAGE_START = 256
 
 class Region(NamedTuple):
     """A contiguous (rows, columns) array of ``dtype`` named by its address: ``table[index]``
-    (an int64 on the device) holds its base. Kernels reach the symm_mem buffers this way, so that
-    compiled code needs only the immutable address table as a constant, never the buffers (which
-    a compile cache would copy, and CUDA graphs would copy into their pool)."""
+    (an int64 on the device) holds its base, 16-byte aligned (the kernels declare it, so that
+    rows move as vectors; the symm_mem regions are 256-byte aligned). Kernels reach the symm_mem
+    buffers this way, so that compiled code needs only the immutable address table as a constant,
+    never the buffers (which a compile cache would copy, and CUDA graphs would copy into their
+    pool)."""
 
     table: torch.Tensor
     index: int
@@ -42,6 +44,8 @@ class Region(NamedTuple):
         """The region of a contiguous 2-D (or 1-D: one column) tensor ``t`` (eager code and tests)."""
         if not t.is_contiguous():
             raise ValueError(f"Region.of: the tensor must be contiguous, got strides {t.stride()}")
+        if t.data_ptr() % 16:
+            raise ValueError(f"Region.of: the tensor must start 16-byte aligned, got address {t.data_ptr():#x}")
         shape = (t.shape[0], t.numel() // max(t.shape[0], 1) if t.dim() > 1 else 1)
         return cls(torch.tensor([t.data_ptr()], dtype=torch.int64, device=t.device), 0, shape, t.dtype)
 

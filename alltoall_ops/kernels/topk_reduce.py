@@ -45,8 +45,10 @@ def _topk_reduce_kernel(
 ):
     if HAS_TOKEN:
         order_after(token_ptr)
-    if RET_AT_ADDRESS:  # ret_ptr: an address table (a Region)
-        p_ret = tl.load(ret_ptr + ret_index).to(tl.pointer_type(y_ptr.dtype.element_ty))
+    if RET_AT_ADDRESS:  # ret_ptr: an address table (a Region, 256-byte aligned): as aligned as a
+        # tensor argument, so that its rows load as vectors (an address read from memory alone is
+        # known aligned to one element: 2-byte loads)
+        p_ret = tl.multiple_of(tl.load(ret_ptr + ret_index).to(tl.pointer_type(y_ptr.dtype.element_ty)), 16)
     else:
         p_ret = ret_ptr
     for i_t in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):  # token blocks
