@@ -332,6 +332,16 @@ def test_put_rows_stops_at_a_device_count_with_few_programs(monkeypatch, count):
 # What inductor sees a kernel write (compiled code copies around a launch whatever it takes for written)
 
 
+def _without_interpreter(script: str, arg, timeout: int = 300) -> str:
+    """stdout of ``script`` given ``arg`` (as JSON) in a Python without Triton's interpreter,
+    where kernels compile for a CUDA target (no GPU needed); its stderr where it fails."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", script, json.dumps(arg)], env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
 _WRITTEN_BY_THE_KERNEL = """
 import json, sys
 import torch, triton
@@ -464,27 +474,38 @@ def test_compiled_code_sees_only_the_outputs_written(kernel):
     # tuple). The analysis needs no GPU: a CUDA target stands in for the driver.
     shapes, scalars, written = KERNELS[kernel]
     module, name = kernel.split("[")[0].split(".")
-    arg = json.dumps([f"alltoall_ops.kernels.{module}", name, shapes, scalars, _DTYPES.get(kernel, {})])
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _WRITTEN_BY_THE_KERNEL, arg], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == written
+    out = _without_interpreter(_WRITTEN_BY_THE_KERNEL,
+                               [f"alltoall_ops.kernels.{module}", name, shapes, scalars, _DTYPES.get(kernel, {})])
+    assert out.split() == written
 
 
-_WITH_CONSTANT_SCALARS = """
-import json, sys, importlib, triton
+_SM90_PTX = """
+import json, sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+
+def constants(values):  # JSON's "tl.float32" -> triton.language.float32
+    return {k: getattr(triton.language, v[3:]) if str(v).startswith("tl.") else v for k, v in values.items()}
+
+
+def sm90_ptx(kernel, signature, constexprs, attrs=None, **options):
+    target = GPUTarget("cuda", 90, 32)
+    options = triton.compiler.make_backend(target).parse_options(options)
+    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                          target=target, options=options.__dict__).asm["ptx"]
+"""
+"""The scripts below start with it: ``sm90_ptx``, a kernel's PTX for an H100 / H200, built on
+the CPU; ``constants``, constexprs passed as JSON."""
+
+_WITH_CONSTANT_SCALARS = _SM90_PTX + """
+import importlib
 module, name, shapes, scalars, dtypes = json.loads(sys.argv[1])
 kernel = getattr(importlib.import_module(module), name)
-scalars = {k: getattr(triton.language, v[3:]) if str(v).startswith("tl.") else v for k, v in scalars.items()}
+scalars = constants(scalars)
 pointer = {"int64": "*i64", "uint8": "*u8", "bfloat16": "*bf16"}
 signature = {arg: "constexpr" if arg in scalars else pointer[dtypes.get(arg, "int64")] for arg in kernel.arg_names}
-target = GPUTarget("cuda", 90, 32)
-options = triton.compiler.make_backend(target).parse_options({"debug": True, "sanitize_overflow": False})
-triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=scalars), target=target, options=options.__dict__)
+sm90_ptx(kernel, signature, scalars, debug=True, sanitize_overflow=False)
 """
 
 
@@ -496,18 +517,11 @@ def test_kernels_compile_with_every_scalar_a_constant(kernel):
     # written in place: the compile failed). PTX for sm_90, built on the CPU.
     shapes, scalars, _ = KERNELS[kernel]
     module, name = kernel.split("[")[0].split(".")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _WITH_CONSTANT_SCALARS,
-                          json.dumps([f"alltoall_ops.kernels.{module}", name, shapes, scalars,
-                                      _DTYPES.get(kernel, {})])],
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    _without_interpreter(_WITH_CONSTANT_SCALARS,
+                         [f"alltoall_ops.kernels.{module}", name, shapes, scalars, _DTYPES.get(kernel, {})])
 
 
-_BARRIER_PTX = """
-import json, sys, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+_BARRIER_PTX = _SM90_PTX + """
 from alltoall_ops.kernels import barrier, row_put, seq_exchange, topk_reduce
 
 kernel, W, constexprs = json.loads(sys.argv[1])
@@ -517,15 +531,10 @@ kernel = {"barrier": barrier._barrier_kernel, "put_meta": row_put._put_meta_kern
           "put_rows": row_put._put_rows_kernel, "post_slots": row_put._post_slots_kernel,
           "pull_rows": row_put._pull_rows_kernel, "topk_reduce": topk_reduce._topk_reduce_kernel,
           "seq_post": seq_exchange._post_kernel}[kernel]
-constexprs = {**{k: getattr(triton.language, v[3:]) if str(v).startswith("tl.") else v for k, v in constexprs.items()},
-              "WORLD_SIZE": W}
+constexprs = {**constants(constexprs), "WORLD_SIZE": W}
 signature = {name: "constexpr" if name in constexprs else "*i64" if name.endswith("_ptr") or name in pointers
              else "i32" for name in kernel.arg_names}
-source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-target = GPUTarget("cuda", 90, 32)
-options = triton.compiler.make_backend(target).parse_options({"debug": True, "sanitize_overflow": False,
-                                                              "num_warps": 4})
-ptx = triton.compile(source, target=target, options=options.__dict__).asm["ptx"]
+ptx = sm90_ptx(kernel, signature, constexprs, debug=True, sanitize_overflow=False, num_warps=4)
 print(ptx.count("%globaltimer"), ptx.count("call.uni __assertfail") + ptx.count("call __assertfail"))
 """
 
@@ -569,35 +578,27 @@ def test_barrier_reads_the_clock_in_every_wait_loop(kernel, world_size):
     # (one timer read in all would be a barrier that never times out), in the barrier kernel and
     # in the kernels that fuse barriers. PTX for sm_90, built on the CPU.
     constexprs, barriers = _FUSED[kernel]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _BARRIER_PTX, json.dumps([kernel, world_size, constexprs])], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    timer_reads, asserts = map(int, out.stdout.split())
-    assert timer_reads == barriers * (1 + 2 * world_size), out.stdout
+    out = _without_interpreter(_BARRIER_PTX, [kernel, world_size, constexprs])
+    timer_reads, asserts = map(int, out.split())
+    assert timer_reads == barriers * (1 + 2 * world_size), out
     assert asserts >= barriers * (1 + 2 * world_size), "the deadline's assert in every wait loop, and the stamps'"
 
 
-_GLOBAL_ACCESSES = """
-import collections, json, re, sys, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+_GLOBAL_ACCESSES = _SM90_PTX + """
+import collections, re
 from alltoall_ops.kernels import row_put, topk_reduce
 
 out = []
 for kernel, constexprs, bf16 in json.loads(sys.argv[1]):
     kernel = {"pull_rows": row_put._pull_rows_kernel, "topk_reduce": topk_reduce._topk_reduce_kernel}[kernel]
-    constexprs = {k: getattr(triton.language, v[3:]) if str(v).startswith("tl.") else v for k, v in constexprs.items()}
+    constexprs = constants(constexprs)
     names = [n for n in kernel.arg_names if n not in constexprs]
     signature = {n: "constexpr" if n in constexprs else "*bf16" if n in bf16 else "*i64" if n.endswith("_ptr")
                  else "i32" for n in kernel.arg_names}
     # as a launch specializes them: tensors 16-byte aligned, ints divisible by 16 (H = 7168)
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in names
              if n not in ("ret_index", "tags_index")}
-    target = GPUTarget("cuda", 90, 32)
-    options = triton.compiler.make_backend(target).parse_options({"num_warps": 8})
-    ptx = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs), target=target,
-                         options=options.__dict__).asm["ptx"]
+    ptx = sm90_ptx(kernel, signature, constexprs, attrs, num_warps=8)
     out.append(collections.Counter(re.findall(r"(?:ld|st)\\.global[\\w.]*", ptx)))
 print(json.dumps(out))
 """
@@ -618,11 +619,8 @@ def test_rows_reached_by_address_move_as_vectors():
              ["topk_reduce", dict(reduce, RET_AT_ADDRESS=False, READ_AT_SLOT_DST=False), ["ret_ptr", "y_ptr"]],
              ["pull_rows", dict(pull, ROW_MAP=False, STAGED=True), ["out_ptr", "tail_ptr"]],  # tail: out's dtype
              ["pull_rows", dict(pull, ROW_MAP=True, STAGED=False), ["rows_ptr", "out_ptr", "tail_ptr"]]]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _GLOBAL_ACCESSES, json.dumps(cases)], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    by_address, by_tensor = json.loads(out.stdout)[::2], json.loads(out.stdout)[1::2]
+    accesses = json.loads(_without_interpreter(_GLOBAL_ACCESSES, cases, timeout=600))
+    by_address, by_tensor = accesses[::2], accesses[1::2]
     for kernel, address, tensor in zip(("topk_reduce", "pull_rows"), by_address, by_tensor):
         wide = {a: n for a, n in tensor.items() if ".v4." in a}
         assert wide, (kernel, tensor)
