@@ -437,7 +437,7 @@ KERNELS = {  # kernel: (tensor arguments' shapes, other arguments, the tensors i
         {**_PULL_TENSORS, "rows_ptr": (8, 132), "out_ptr": (N_, 128), "tail_ptr": (N_, 4), "stage_table_ptr": (1,),
          "tags_table_ptr": (1,)},
         dict(_PULL_SCALARS, X=132, X_OUT=128, HAS_SCALE=False, HAS_TAIL=True, DEQUANTIZE=True, world_size=1,
-             ROW_MAP=True, STAGED=False, BLOCK_W=1, **_NO_EPILOGUE),
+             ROW_MAP=True, STAGED=False, BLOCK_W=1, BLOCK_H=256, **_NO_EPILOGUE),  # BLOCK_H: whole scale blocks
         ["out_ptr", "row_src_ptr", "tail_ptr", "token_ptr"]),
     # CUDA symmetric memory's ops, inlined: the barrier writes the call number (the metadata
     # exchange's first) and the token only; the metadata put and the combine's put write peers'
@@ -589,11 +589,11 @@ import collections, re
 from alltoall_ops.kernels import row_put, topk_reduce
 
 out = []
-for kernel, constexprs, bf16 in json.loads(sys.argv[1]):
+for kernel, constexprs, pointers in json.loads(sys.argv[1]):  # pointers: {name: type} where not *i64
     kernel = {"pull_rows": row_put._pull_rows_kernel, "topk_reduce": topk_reduce._topk_reduce_kernel}[kernel]
     constexprs = constants(constexprs)
     names = [n for n in kernel.arg_names if n not in constexprs]
-    signature = {n: "constexpr" if n in constexprs else "*bf16" if n in bf16 else "*i64" if n.endswith("_ptr")
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "*i64") if n.endswith("_ptr")
                  else "i32" for n in kernel.arg_names}
     # as a launch specializes them: tensors 16-byte aligned, ints divisible by 16 (H = 7168)
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in names
@@ -615,10 +615,12 @@ def test_rows_reached_by_address_move_as_vectors():
                   BARRIER=False, WORLD_SIZE=2)
     pull = dict(rows, SRC_STRIDE=64, HAS_SCALE=False, HAS_TAIL=False, BLOCK_R=4, BLOCK_W=2, BARRIER=False,
                 WORLD_SIZE=2, DEQUANTIZE=False)
-    cases = [["topk_reduce", dict(reduce, RET_AT_ADDRESS=True, READ_AT_SLOT_DST=False), ["y_ptr"]],
-             ["topk_reduce", dict(reduce, RET_AT_ADDRESS=False, READ_AT_SLOT_DST=False), ["ret_ptr", "y_ptr"]],
-             ["pull_rows", dict(pull, ROW_MAP=False, STAGED=True), ["out_ptr", "tail_ptr"]],  # tail: out's dtype
-             ["pull_rows", dict(pull, ROW_MAP=True, STAGED=False), ["rows_ptr", "out_ptr", "tail_ptr"]]]
+    bf16 = "*bf16"
+    cases = [["topk_reduce", dict(reduce, RET_AT_ADDRESS=True, READ_AT_SLOT_DST=False), dict(y_ptr=bf16)],
+             ["topk_reduce", dict(reduce, RET_AT_ADDRESS=False, READ_AT_SLOT_DST=False),
+              dict(ret_ptr=bf16, y_ptr=bf16)],
+             ["pull_rows", dict(pull, ROW_MAP=False, STAGED=True), dict(out_ptr=bf16, tail_ptr=bf16)],  # tail: out's
+             ["pull_rows", dict(pull, ROW_MAP=True, STAGED=False), dict(rows_ptr=bf16, out_ptr=bf16, tail_ptr=bf16)]]
     accesses = json.loads(_without_interpreter(_GLOBAL_ACCESSES, cases, timeout=600))
     by_address, by_tensor = accesses[::2], accesses[1::2]
     for kernel, address, tensor in zip(("topk_reduce", "pull_rows"), by_address, by_tensor):
@@ -626,6 +628,21 @@ def test_rows_reached_by_address_move_as_vectors():
         assert wide, (kernel, tensor)
         assert {a: n for a, n in address.items() if ".v4." in a} == wide, (kernel, address, tensor)
         assert not any(a.endswith(".b16") for a in address), (kernel, address)
+
+
+def test_the_dequantizing_pull_loads_each_block_scale_once():
+    # fp8 wire rows dequantized as they move (dispatch(dequantize=True), fp8 training): each
+    # 128-column block's fp32 scale is loaded once per row and broadcast over its columns. Loaded
+    # per column, it was one scalar load per byte of the row (64 a thread at this tile).
+    tile = dict(BLOCK_R=4, BLOCK_H=4096)
+    threads = 8 * 32
+    pull = dict(tile, K=8, SRC_STRIDE=64, ROW_MAP=False, STAGED=True, HAS_SCALE=False, ACC_DTYPE="tl.float32",
+                HAS_TAIL=True, BLOCK_W=2, BARRIER=False, WORLD_SIZE=2, DEQUANTIZE=True)
+    pointers = dict(out_ptr="*bf16", tail_ptr="*u8", rows_ptr="*u8")
+    (accesses,) = json.loads(_without_interpreter(_GLOBAL_ACCESSES, [["pull_rows", pull, pointers]], timeout=600))
+    scale_loads = accesses.get("ld.global.b32", 0)
+    block_scales = tile["BLOCK_R"] * tile["BLOCK_H"] // 128
+    assert 0 < scale_loads <= -(-block_scales // threads) * 4, accesses  # a few per thread, not one per column
 
 
 @pytest.mark.parametrize("field, kernel_says, message", [
