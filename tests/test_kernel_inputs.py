@@ -619,7 +619,8 @@ def test_rows_reached_by_address_move_as_vectors():
     cases = [["topk_reduce", dict(reduce, RET_AT_ADDRESS=True, READ_AT_SLOT_DST=False), dict(y_ptr=bf16)],
              ["topk_reduce", dict(reduce, RET_AT_ADDRESS=False, READ_AT_SLOT_DST=False),
               dict(ret_ptr=bf16, y_ptr=bf16)],
-             ["pull_rows", dict(pull, ROW_MAP=False, STAGED=True), dict(out_ptr=bf16, tail_ptr=bf16)],  # tail: out's
+             # tail_ptr: unused without HAS_TAIL, typed as out_ptr
+             ["pull_rows", dict(pull, ROW_MAP=False, STAGED=True), dict(out_ptr=bf16, tail_ptr=bf16)],
              ["pull_rows", dict(pull, ROW_MAP=True, STAGED=False), dict(rows_ptr=bf16, out_ptr=bf16, tail_ptr=bf16)]]
     accesses = json.loads(_without_interpreter(_GLOBAL_ACCESSES, cases, timeout=600))
     by_address, by_tensor = accesses[::2], accesses[1::2]
