@@ -30,7 +30,9 @@ softmax weights), rows of (impl, op); ``--skip`` takes these names (shell patter
   tokens; every rank's dispatch (and separately every rank's combine) captured in one CUDA graph,
   whose replay is timed (label ``symm.wW.graph``): one step of all W ranks together; then the
   same dispatch with an fp8 payload (``symm.wW.fp8.graph``, skip it as ``symm.wW.fp8``), checked
-  bit for bit against the local fp8 dispatch of all ranks' tokens. Where the
+  bit for bit against the local fp8 dispatch of all ranks' tokens, and fp8 training's dispatch
+  (``symm.wW.fp8.dequantize.graph``: fp8 on the wire, bf16 rows out, ``dequantize=True``; floor
+  the bf16 dispatch's), checked against ``fp8.dequantize`` of the same rows. Where the
   default capacity C = W*T*K rows per rank would not fit in ``--symm-mem-gb``, C = 2*T*K (twice
   the expected load of random routing) with overflow='error', and the label says ``(C=2TK)``.
 
@@ -60,6 +62,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import fnmatch
+import functools
 import gc
 import json
 import os
@@ -682,8 +685,8 @@ def bench_peers(b: Bench, shape, W: int) -> None:
     fp8_bufs = SymmBuffers.simulated(W, T, H, K, E, dtype=DTYPE, device=dev, capacity=C if capped else None,
                                      overflow="error", payload_dtype=fp8.FP8)
 
-    def dispatch_fp8(r: int, bb: SymmBuffers):
-        return a2a.dispatch(xs[r], idxs[r], num_experts=E, buffers=bb, payload_dtype=fp8.FP8)
+    def dispatch_fp8(r: int, bb: SymmBuffers, dequantize: bool = False):
+        return a2a.dispatch(xs[r], idxs[r], num_experts=E, buffers=bb, payload_dtype=fp8.FP8, dequantize=dequantize)
 
     g_fp8 = Captured(lambda stream: run_simulated(dispatch_fp8, fp8_bufs, stream=stream), b.cuda, relaxed=True)
     for r, ((values, scales), tpe, _) in enumerate(g_fp8.run()):
@@ -694,6 +697,19 @@ def bench_peers(b: Bench, shape, W: int) -> None:
     P = fp8.packed_width(H)
     fp8_bytes = W * (T * row_bytes + N * P)  # read x (bf16) once, write every slot's wire row
     b.measure(shape, label(f"symm.w{W}.fp8"), "dispatch", g_fp8.replay, fp8_bytes, peer_rows * P)
+    if b.skipped(f"symm.w{W}.fp8.dequantize"):
+        return
+    # fp8 training's dispatch: fp8 on the wire, the rows dequantized to bf16 as the pull moves them
+    # (dequantize=True), equal bit for bit to fp8.dequantize of the local fp8 dispatch's rows; its
+    # floor is the bf16 dispatch's (read x once, write every slot's bf16 row).
+    g_fp8 = None  # free its graph first
+    g_deq = Captured(lambda stream: run_simulated(functools.partial(dispatch_fp8, dequantize=True), fp8_bufs,
+                                                  stream=stream), b.cuda, relaxed=True)
+    ref_rows = fp8.dequantize(ref_values, ref_scales, DTYPE)
+    for r, (routed, tpe, _) in enumerate(g_deq.run()):
+        check_routed(f"symm W={W} fp8 dequantized graph rank {r}", routed, tpe,
+                     ref_rows[starts[r] : starts[r] + R[r]], ref_tpe[r])
+    b.measure(shape, label(f"symm.w{W}.fp8.dequantize"), "dispatch", g_deq.replay, nbytes, peer_rows * P)
 
 
 # --- output ---------------------------------------------------------------------------------
