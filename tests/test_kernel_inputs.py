@@ -437,7 +437,7 @@ KERNELS = {  # kernel: (tensor arguments' shapes, other arguments, the tensors i
         {**_PULL_TENSORS, "rows_ptr": (8, 132), "out_ptr": (N_, 128), "tail_ptr": (N_, 4), "stage_table_ptr": (1,),
          "tags_table_ptr": (1,)},
         dict(_PULL_SCALARS, X=132, X_OUT=128, HAS_SCALE=False, HAS_TAIL=True, DEQUANTIZE=True, world_size=1,
-             ROW_MAP=True, STAGED=False, BLOCK_W=1, BLOCK_H=256, **_NO_EPILOGUE),  # BLOCK_H: whole scale blocks
+             ROW_MAP=True, STAGED=False, BLOCK_W=1, **_NO_EPILOGUE),
         ["out_ptr", "row_src_ptr", "tail_ptr", "token_ptr"]),
     # CUDA symmetric memory's ops, inlined: the barrier writes the call number (the metadata
     # exchange's first) and the token only; the metadata put and the combine's put write peers'

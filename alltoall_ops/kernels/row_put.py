@@ -413,14 +413,15 @@ def _pull_rows_kernel(
                     b_value = b_x
                     if DEQUANTIZE:  # fp8 bits times the fp32 scale of their block (the row's tail), rounded once
                         # NB: one load per block of the tile, broadcast over its columns (a load per
-                        # column was as many scalar loads as the row's bytes)
-                        BLOCK_B: tl.constexpr = tl.constexpr(BLOCK_H) // _FP8_BLOCK  # blocks of a tile
-                        tl.static_assert(BLOCK_B * _FP8_BLOCK == BLOCK_H)
-                        o_b = i_h * BLOCK_B + tl.arange(0, BLOCK_B)  # [BB]
+                        # column was as many scalar loads as the row's bytes). A tile spans BLOCK_B
+                        # blocks, BLOCK_C of its columns in each (powers of 2: whole blocks, or part of one)
+                        BLOCK_B: tl.constexpr = (tl.constexpr(BLOCK_H) + _FP8_BLOCK - 1) // _FP8_BLOCK
+                        BLOCK_C: tl.constexpr = tl.constexpr(BLOCK_H) // BLOCK_B
+                        o_b = i_h * BLOCK_H // _FP8_BLOCK + tl.arange(0, BLOCK_B)  # [BB]
                         p_block_scale = (p_src + X_OUT).to(tl.pointer_type(tl.float32))  # [BR]
                         b_block_scale = tl.load(p_block_scale[:, None] + o_b[None, :],
                                                 mask=m_valid[:, None] & (o_b * _FP8_BLOCK < X_OUT)[None, :], other=0)
-                        b_value = tl.reshape(tl.reshape(e4m3_value(b_x), [BLOCK_R, BLOCK_B, _FP8_BLOCK])
+                        b_value = tl.reshape(tl.reshape(e4m3_value(b_x), [BLOCK_R, BLOCK_B, BLOCK_C])
                                              * b_block_scale[:, :, None], [BLOCK_R, BLOCK_H])
                         b_value = cast_rne(b_value, out_ptr.dtype.element_ty)
                     tl.store(out_ptr + o_r[:, None] * X_OUT + o_h[None, :], b_value,
