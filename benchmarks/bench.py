@@ -703,6 +703,7 @@ def bench_peers(b: Bench, shape, W: int) -> None:
     # (dequantize=True), equal bit for bit to fp8.dequantize of the local fp8 dispatch's rows; its
     # floor is the bf16 dispatch's (read x once, write every slot's bf16 row).
     g_fp8 = None  # free its graph first
+    b.free()
     g_deq = Captured(lambda stream: run_simulated(functools.partial(dispatch_fp8, dequantize=True), fp8_bufs,
                                                   stream=stream), b.cuda, relaxed=True)
     ref_rows = fp8.dequantize(ref_values, ref_scales, DTYPE)
