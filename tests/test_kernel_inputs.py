@@ -599,7 +599,7 @@ for kernel, constexprs, pointers in json.loads(sys.argv[1]):  # pointers: {name:
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in names
              if n not in ("ret_index", "tags_index")}
     ptx = sm90_ptx(kernel, signature, constexprs, attrs, num_warps=8)
-    out.append(collections.Counter(re.findall(r"(?:ld|st)\\.global[\\w.]*", ptx)))
+    out.append(collections.Counter(re.findall(r"(?:ld|st)\\.global[\\w.]*|cvt\\.rn\\.[\\w.]+", ptx)))
 print(json.dumps(out))
 """
 
@@ -631,11 +631,14 @@ def test_rows_reached_by_address_move_as_vectors():
         assert not any(a.endswith(".b16") for a in address), (kernel, address)
 
 
-def test_the_dequantizing_pull_loads_each_block_scale_once():
+def test_the_dequantizing_pull_loads_each_block_scale_once_and_converts_in_hardware():
     # fp8 wire rows dequantized as they move (dispatch(dequantize=True), fp8 training): each
-    # 128-column block's fp32 scale is loaded once per row and broadcast over its columns. Loaded
-    # per column, it was one scalar load per byte of the row (64 a thread at this tile).
-    tile = dict(BLOCK_R=4, BLOCK_H=4096)
+    # 128-column block's fp32 scale is loaded once per row and broadcast over its columns (loaded
+    # per column, it was one scalar load per byte of the row: 64 a thread), and the values convert
+    # with the GPU's instructions, fp8 pairs to halves and fp32 pairs to bf16 (decoded from the
+    # bits and rounded in integer maths, as in Triton's interpreter, the pull needed 153
+    # registers a thread at its old tile and ran at a quarter of the bf16 pull's bytes per second).
+    tile = dict(BLOCK_R=4, BLOCK_H=1024)  # the GPU tile of pull_rows for 4-byte elements (fp32 products)
     threads = 8 * 32
     pull = dict(tile, K=8, SRC_STRIDE=64, ROW_MAP=False, STAGED=True, HAS_SCALE=False, ACC_DTYPE="tl.float32",
                 HAS_TAIL=True, BLOCK_W=2, BARRIER=False, WORLD_SIZE=2, DEQUANTIZE=True)
@@ -644,6 +647,9 @@ def test_the_dequantizing_pull_loads_each_block_scale_once():
     scale_loads = accesses.get("ld.global.b32", 0)
     block_scales = tile["BLOCK_R"] * tile["BLOCK_H"] // 128
     assert 0 < scale_loads <= -(-block_scales // threads) * 4, accesses  # a few per thread, not one per column
+    values_per_thread = tile["BLOCK_R"] * tile["BLOCK_H"] // threads
+    assert accesses.get("cvt.rn.f16x2.e4m3x2", 0) == values_per_thread // 2, accesses
+    assert accesses.get("cvt.rn.bf16x2.f32", 0) == values_per_thread // 2, accesses
 
 
 @pytest.mark.parametrize("field, kernel_says, message", [

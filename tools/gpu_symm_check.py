@@ -60,7 +60,7 @@ def make_inputs(spec: dict, rank: int, masked: Any = None):
     T, H, K, E = spec["T"] + 3 * rank, spec["H"], spec["K"], spec["E"]
     x = torch.randn(T, H, generator=g).to(spec["dtype"])
     topk_idx = torch.randint(-1, E, (T, K), generator=g)
-    if spec.get("crowd"):
+    if spec.get("crowd") is not None:
         topk_idx = topk_idx.clamp(max=spec["crowd"])
     weights = torch.rand(T, K, generator=g).to(spec["w_dtype"])
     grad_y = torch.randn(T, H, generator=g).to(spec["dtype"])

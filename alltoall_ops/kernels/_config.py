@@ -19,6 +19,12 @@ except AttributeError:  # Triton without knobs
     _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+HARDWARE_CASTS = tl.constexpr(not _INTERPRETED)
+"""Whether jitted helpers convert floats with the GPU's instructions (round to nearest even, as
+torch) or, in Triton's interpreter (whose numpy emulation truncates and gets subnormals wrong),
+on the bits: the same values either way, fewer instructions on a GPU."""
+
+
 def interpreting() -> bool:
     """True when this package's kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when
     they were imported): on CPU tensors, one program after another."""
@@ -169,8 +175,11 @@ def cast_rne(x, DTYPE: tl.constexpr):
 
     NB: Triton's interpreter converts fp32 to bf16 by truncation (numpy has no bf16), while
     torch and GPUs round to nearest even; doing the bf16 rounding on the bits makes the
-    interpreter and the GPU agree with torch bit for bit."""
-    if DTYPE == tl.bfloat16:
+    interpreter and the GPU agree with torch bit for bit. A GPU's own conversion (HARDWARE_CASTS)
+    already rounds so."""
+    if DTYPE == tl.bfloat16 and HARDWARE_CASTS:
+        return x.to(tl.float32).to(tl.bfloat16)  # as the bits below: fp64 through fp32
+    elif DTYPE == tl.bfloat16:
         b_bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
         b_bits = b_bits + 0x7FFF + ((b_bits >> 16) & 1)  # round half to even at bit 16
         b_out = (b_bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)

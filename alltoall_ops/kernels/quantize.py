@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..fp8 import AMAX_FLOOR, BLOCK, FP8_MAX
-from ._config import LAUNCH_LOCK, launch, interpreting, program_grid, require_contiguous, upcast
+from ._config import HARDWARE_CASTS, LAUNCH_LOCK, launch, interpreting, program_grid, require_contiguous, upcast
 
 
 @triton.jit
@@ -117,10 +117,14 @@ def quantize_rows(x_TH: torch.Tensor, max_programs: Optional[int] = None,
 
 @triton.jit
 def e4m3_value(b_bits):
-    """float8_e4m3fn bits (uint8) -> their fp32 value (exact; NaN for 0x7F / 0xFF)."""
-    b_bits = b_bits.to(tl.int32)
-    b_exp, b_man = (b_bits >> 3) & 0xF, b_bits & 7
-    b_normal = ((b_exp + 120) << 23 | b_man << 20).to(tl.float32, bitcast=True)  # (1 + m / 8) 2^(e - 7)
-    b_abs = tl.where(b_exp == 0, b_man.to(tl.float32) * 0.001953125, b_normal)  # subnormal: m 2^-9
-    b_abs = tl.where((b_bits & 0x7F) == 0x7F, float("nan"), b_abs)
-    return tl.where((b_bits & 0x80) != 0, -b_abs, b_abs)
+    """float8_e4m3fn bits (uint8) -> their fp32 value (exact; NaN for 0x7F / 0xFF): the GPU's
+    conversion (HARDWARE_CASTS), in Triton's interpreter decoded from the bits."""
+    if HARDWARE_CASTS:
+        return b_bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        b_bits = b_bits.to(tl.int32)
+        b_exp, b_man = (b_bits >> 3) & 0xF, b_bits & 7
+        b_normal = ((b_exp + 120) << 23 | b_man << 20).to(tl.float32, bitcast=True)  # (1 + m / 8) 2^(e - 7)
+        b_abs = tl.where(b_exp == 0, b_man.to(tl.float32) * 0.001953125, b_normal)  # subnormal: m 2^-9
+        b_abs = tl.where((b_bits & 0x7F) == 0x7F, float("nan"), b_abs)
+        return tl.where((b_bits & 0x80) != 0, -b_abs, b_abs)

@@ -402,34 +402,40 @@ def _pull_rows_kernel(
                     b_scale = b_bits.to(tl.float64, bitcast=True)
                 else:
                     b_scale = b_bits.to(tl.int32).to(tl.float32, bitcast=True)
-            for i_h in range(tl.cdiv(X, BLOCK_H)):
-                o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
-                m_h = (o_h < X)[None, :]
-                b_x = tl.load(p_src[:, None] + o_h[None, :], mask=m_valid[:, None] & m_h, other=0)
-                if HAS_SCALE:  # fp32 (fp64) product, rounded once
-                    b_x = cast_rne(upcast(b_x, ACC_DTYPE) * b_scale[:, None], out_ptr.dtype.element_ty)
-                if HAS_TAIL:  # columns [0, X_OUT) to out, [X_OUT, X) to tail
-                    m_out = (o_h < X_OUT)[None, :]
-                    b_value = b_x
-                    if DEQUANTIZE:  # fp8 bits times the fp32 scale of their block (the row's tail), rounded once
-                        # NB: one load per block of the tile, broadcast over its columns (a load per
-                        # column was as many scalar loads as the row's bytes). A tile spans BLOCK_B
-                        # blocks, BLOCK_C of its columns in each (powers of 2: whole blocks, or part of one)
-                        BLOCK_B: tl.constexpr = (tl.constexpr(BLOCK_H) + _FP8_BLOCK - 1) // _FP8_BLOCK
-                        BLOCK_C: tl.constexpr = tl.constexpr(BLOCK_H) // BLOCK_B
-                        o_b = i_h * BLOCK_H // _FP8_BLOCK + tl.arange(0, BLOCK_B)  # [BB]
-                        p_block_scale = (p_src + X_OUT).to(tl.pointer_type(tl.float32))  # [BR]
-                        b_block_scale = tl.load(p_block_scale[:, None] + o_b[None, :],
-                                                mask=m_valid[:, None] & (o_b * _FP8_BLOCK < X_OUT)[None, :], other=0)
-                        b_value = tl.reshape(tl.reshape(e4m3_value(b_x), [BLOCK_R, BLOCK_B, BLOCK_C])
-                                             * b_block_scale[:, :, None], [BLOCK_R, BLOCK_H])
-                        b_value = cast_rne(b_value, out_ptr.dtype.element_ty)
-                    tl.store(out_ptr + o_r[:, None] * X_OUT + o_h[None, :], b_value,
-                             mask=m_routed[:, None] & m_h & m_out)
-                    tl.store(tail_ptr + o_r[:, None] * (X - X_OUT) + (o_h - X_OUT)[None, :], b_x,
-                             mask=m_routed[:, None] & m_h & ~m_out)
-                else:
-                    tl.store(out_ptr + o_r[:, None] * X + o_h[None, :], b_x, mask=m_routed[:, None] & m_h)
+            if DEQUANTIZE:  # fp8 values times the fp32 scale of their 128-column block, rounded once
+                # NB: a step is [BLOCK_R, BLOCK_B, 128]: whole scale blocks, each block's scale loaded
+                # once and broadcast over its columns in the tile's own layout. The scales (the
+                # wire row's tail) go to tail as they are.
+                BLOCK_B: tl.constexpr = BLOCK_H // _FP8_BLOCK if BLOCK_H >= _FP8_BLOCK else 1
+                n_blocks = X_OUT // _FP8_BLOCK
+                p_scale = (p_src + X_OUT).to(tl.pointer_type(tl.float32))  # [BR] each row's scales
+                p_tail = tail_ptr.to(tl.pointer_type(tl.float32)) + o_r * n_blocks  # [BR]
+                o_c = tl.arange(0, _FP8_BLOCK)  # [128] columns of a block
+                for i_b in range(0, n_blocks, BLOCK_B):
+                    o_b = i_b + tl.arange(0, BLOCK_B)  # [BB] blocks
+                    m_read = m_valid[:, None] & (o_b < n_blocks)[None, :]  # [BR, BB]
+                    m_write = m_routed[:, None] & (o_b < n_blocks)[None, :]
+                    b_scale = tl.load(p_scale[:, None] + o_b[None, :], mask=m_read, other=0)  # [BR, BB]
+                    o_h = o_b[:, None] * _FP8_BLOCK + o_c[None, :]  # [BB, 128]
+                    b_bits = tl.load(p_src[:, None, None] + o_h[None, :, :], mask=m_read[:, :, None], other=0)
+                    b_value = cast_rne(e4m3_value(b_bits) * b_scale[:, :, None], out_ptr.dtype.element_ty)
+                    tl.store(out_ptr + o_r[:, None, None] * X_OUT + o_h[None, :, :], b_value, mask=m_write[:, :, None])
+                    tl.store(p_tail[:, None] + o_b[None, :], b_scale, mask=m_write)
+            else:
+                for i_h in range(tl.cdiv(X, BLOCK_H)):
+                    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
+                    m_h = (o_h < X)[None, :]
+                    b_x = tl.load(p_src[:, None] + o_h[None, :], mask=m_valid[:, None] & m_h, other=0)
+                    if HAS_SCALE:  # fp32 (fp64) product, rounded once
+                        b_x = cast_rne(upcast(b_x, ACC_DTYPE) * b_scale[:, None], out_ptr.dtype.element_ty)
+                    if HAS_TAIL:  # columns [0, X_OUT) to out, [X_OUT, X) to tail
+                        m_out = (o_h < X_OUT)[None, :]
+                        tl.store(out_ptr + o_r[:, None] * X_OUT + o_h[None, :], b_x,
+                                 mask=m_routed[:, None] & m_h & m_out)
+                        tl.store(tail_ptr + o_r[:, None] * (X - X_OUT) + (o_h - X_OUT)[None, :], b_x,
+                                 mask=m_routed[:, None] & m_h & ~m_out)
+                    else:
+                        tl.store(out_ptr + o_r[:, None] * X + o_h[None, :], b_x, mask=m_routed[:, None] & m_h)
             if not ROW_MAP:
                 # NB: each program owns its row blocks across all of X, so resetting the tags here
                 # cannot race with another program's read of them; within the program, every
@@ -509,7 +515,8 @@ def pull_rows(
     rows, row_map, position, scale = (None if t is None else t.contiguous() for t in (rows, row_map, position, scale))
     world_size = 1 if stage_table is None else stage_table.numel()
     tags_table, tags_index = (tags.table, tags.index) if tags is not None else (row_map, 0)  # NB: unread with a row map
-    blocks = row_blocks("pull_rows", C, X, wire.itemsize, max_programs)
+    # NB: a dequantizing tile holds fp32 products: sized as 4-byte elements, as many registers as a plain one
+    blocks = row_blocks("pull_rows", C, X, 4 if dequantize else wire.itemsize, max_programs)
     with LAUNCH_LOCK:  # NB: one program per row block across all of X (see the kernel)
         launch(_pull_rows_kernel, out)[program_grid(blocks.grid(C, X)[0], 1, max_programs)[:1]](
             rows if rows is not None else out, stage_table if stage_table is not None else tags_table, tags_table,
