@@ -415,12 +415,12 @@ def _pull_rows_kernel(
                     o_b = i_b + tl.arange(0, BLOCK_B)  # [BB] blocks
                     m_read = m_valid[:, None] & (o_b < n_blocks)[None, :]  # [BR, BB]
                     m_write = m_routed[:, None] & (o_b < n_blocks)[None, :]
-                    b_scale = tl.load(p_scale[:, None] + o_b[None, :], mask=m_read, other=0)  # [BR, BB]
+                    b_block_scale = tl.load(p_scale[:, None] + o_b[None, :], mask=m_read, other=0)  # [BR, BB]
                     o_h = o_b[:, None] * _FP8_BLOCK + o_c[None, :]  # [BB, 128]
                     b_bits = tl.load(p_src[:, None, None] + o_h[None, :, :], mask=m_read[:, :, None], other=0)
-                    b_value = cast_rne(e4m3_value(b_bits) * b_scale[:, :, None], out_ptr.dtype.element_ty)
+                    b_value = cast_rne(e4m3_value(b_bits) * b_block_scale[:, :, None], out_ptr.dtype.element_ty)
                     tl.store(out_ptr + o_r[:, None, None] * X_OUT + o_h[None, :, :], b_value, mask=m_write[:, :, None])
-                    tl.store(p_tail[:, None] + o_b[None, :], b_scale, mask=m_write)
+                    tl.store(p_tail[:, None] + o_b[None, :], b_block_scale, mask=m_write)
             else:
                 for i_h in range(tl.cdiv(X, BLOCK_H)):
                     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
