@@ -9,11 +9,12 @@ Each case is a kernel as a dispatch or combine with peers launches it at H = 716
 (bf16 rows, fp8 wire rows of H + 4 H / 128 bytes), its tile from ``_config.row_blocks`` (the GPU
 tile, and with ``num_sms`` the budget tile), integer arguments specialised as such a launch
 specialises them (divisible by 16) and barriers fused where the path with peers fuses them.
-``check`` holds a tile to what it is for: a GPU tile is one of many programs on an SM, so two of
+``Resources.problems`` holds a tile to what it is for: a GPU tile is one of many programs on an SM, so two of
 its programs must fit an SM's 65536 registers; a budget tile is the SM's one program (32 warps:
 at most 64 registers a thread); neither may spill (local memory). The dequantizing pull's old
 tile (4 rows of 4096 bytes, bit-level conversions) used 153 registers a thread: one program per
-SM, and 0.4x the bf16 pull's bandwidth on an H200 (docs/benchmarks.md, "twelfth session").
+SM, and its dispatch took 2.4x the bf16 dispatch's time on an H200 (docs/benchmarks.md, "twelfth
+session").
 """
 
 from __future__ import annotations
