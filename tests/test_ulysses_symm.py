@@ -5,9 +5,11 @@ fp64, forward and gradients); errors on every rank; torch.compile; opcheck."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._inductor.utils import run_and_get_code
 
@@ -15,6 +17,8 @@ import alltoall_ops as a2a
 from alltoall_ops import overlap
 from alltoall_ops.backends.symm_mem import run_simulated
 from alltoall_ops.groups import NO_GROUP
+from alltoall_ops.kernels import seq_exchange
+from alltoall_ops.kernels._config import RowBlocks
 from alltoall_ops.inspect import compiled_graphs
 from alltoall_ops.testing import HostTraffic, bytes_written, raised, simulated_errors, simulated_ulysses_attention
 from alltoall_ops.ulysses import head_counts, symm_head_to_seq_op, symm_seq_to_head_op
@@ -466,6 +470,31 @@ def test_simulated_peers_match_reference(world_size):
         assert torch.equal(y, _shard(full, 2, rank, W))
         assert torch.equal(z, 3 * _shard(full, 1, rank, W))
         assert torch.equal(grad, torch.full_like(grad, 3.0))
+
+
+@settings(max_examples=40, deadline=None)
+@given(W=st.integers(2, 3), B=st.integers(1, 2), s=st.integers(1, 3), heads=st.integers(1, 7), D=st.integers(1, 5),
+       head_first=st.booleans(), block_r=st.sampled_from([1, 2, 4]), block_q=st.sampled_from([2, 4, 16]),
+       num_sms=st.sampled_from([None, 1, 2, 5]))
+def test_tiles_smaller_than_a_piece(W, B, s, heads, D, head_first, block_r, block_q, num_sms):
+    """Simulated ranks with tiles that split rows and pieces (the post's programs skip this rank's
+    piece; programs under an SM budget stride over several tiles), both dim orders (the split dim
+    before or after the cat dim), uneven heads: both directions against the shards."""
+    shape, seq_dim, head_dim = ((B, heads, s * W, D), 2, 1) if head_first else ((B, s * W, heads, D), 1, 2)
+    full = _full(B * 100 + heads * 10 + D, shape)
+    bufs = a2a.UlyssesBuffers.simulated(W, MAX_BYTES, device="cpu", num_sms=num_sms)
+
+    def body(rank, b):
+        x = _shard(full, seq_dim, rank, W).contiguous()
+        y = a2a.seq_to_head(x, seq_dim=seq_dim, head_dim=head_dim, buffers=b)
+        return y, a2a.head_to_seq(y, seq_dim=seq_dim, head_dim=head_dim, num_heads=heads, buffers=b)
+
+    tiles = RowBlocks(block_r, block_q, 1)
+    with mock.patch.object(seq_exchange, "row_blocks", lambda *args: tiles):
+        results = run_simulated(body, bufs)
+    for rank, (y, z) in enumerate(results):
+        assert torch.equal(y, _shard(full, head_dim, rank, W))
+        assert torch.equal(z, _shard(full, seq_dim, rank, W))
 
 
 def test_more_tensors_than_a_launch_takes():

@@ -72,24 +72,34 @@ MAX_TENSORS = 3
 @triton.jit
 def _post_rows(x_ptr, segment, parity, slot_bytes, offset_bytes, P, D1, M, D2, off, n, Q: tl.constexpr,
                SPLIT_FIRST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """One tensor's part of a post: this program's rows of it into the stage slot ``parity``."""
+    """One tensor's part of a post: this program's rows of it into the stage slot ``parity``.
+    The programs cover only what is posted (all but this rank's piece), so none is idle."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
     stage = _stage_ptr(segment, parity, slot_bytes, offset_bytes, x_ptr.dtype.element_ty)
-    n_rows = P * D1 * M  # rows (p, i, m) of D2 * Q contiguous elements
-    run = D2 * Q
+    run = D2 * Q  # a row (p, i, m): D2 * Q contiguous elements
+    if SPLIT_FIRST:  # the rows of split positions [off, off + n) are this rank's piece
+        kept = D1 - n
+        n_rows = P * kept * M  # the posted rows, (p, i', m) over the kept split positions
+        first, left, end = 0, run, run  # ... whole: columns [0, left)
+        left_blocks = tl.cdiv(left, BLOCK_Q)
+        col_blocks = left_blocks
+    else:  # columns [off * Q, (off + n) * Q) of every row are this rank's piece
+        n_rows = P * D1 * M
+        first, left, end = (off + n) * Q, off * Q, run  # columns [0, left) and [first, end)
+        left_blocks = tl.cdiv(left, BLOCK_Q)
+        col_blocks = left_blocks + tl.cdiv(end - first, BLOCK_Q)
     for block in range(pid, tl.cdiv(n_rows, BLOCK_R), programs):
-        o_r = (block * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        o_r = block * BLOCK_R + tl.arange(0, BLOCK_R)  # int32: the launcher checks the rows < 2**31
         m_r = o_r < n_rows
-        if SPLIT_FIRST:  # a row is this rank's piece, or not
-            split = (o_r // M) % D1
-            m_r = m_r & ((split < off) | (split >= off + n))
-        for c in range(tl.program_id(1) * BLOCK_Q, run, tl.num_programs(1) * BLOCK_Q):
+        if SPLIT_FIRST:  # posted row (p, i', m) is row (p, i' + n (i' >= off), m)
+            t = o_r // M
+            kept_i = t % kept
+            o_r += (t // kept * n + tl.where(kept_i >= off, n, 0)) * M
+        for j in range(tl.program_id(1), col_blocks, tl.num_programs(1)):
+            c = tl.where(j < left_blocks, j * BLOCK_Q, first + (j - left_blocks) * BLOCK_Q)
             o_q = c + tl.arange(0, BLOCK_Q)
-            m_q = o_q < run
-            if not SPLIT_FIRST:  # this rank's piece: columns [off * Q, (off + n) * Q) of every row
-                m_q = m_q & ((o_q < off * Q) | (o_q >= (off + n) * Q))
-            mask = m_r[:, None] & m_q[None, :]
-            at = o_r[:, None] * run + o_q[None, :]
+            mask = m_r[:, None] & (o_q < tl.where(j < left_blocks, left, end))[None, :]
+            at = o_r.to(tl.int64)[:, None] * run + o_q[None, :]
             tl.store(stage + at, tl.load(x_ptr + at, mask=mask), mask=mask)
 
 
@@ -147,28 +157,29 @@ def _gather_rows(x_ptr, out_ptr, src_segment, parity, slot_bytes, offset_bytes, 
         src = x_ptr
     else:
         src = _stage_ptr(src_segment, parity, slot_bytes, offset_bytes, x_ptr.dtype.element_ty)
-    # rows (p, i, m) of the run along D2 (a whole D2 range, contiguous in source and output)
+    # rows (p, i, m) of the run along D2 (a whole D2 range, contiguous in source and output); a
+    # row's index o_r counts them in the order of the tensor whose rows are all read or written
+    # (CAT_FIRST: the source's, i along cat; else the output's, i along split), so only p = o_r //
+    # (rows of one p) takes a division (in int32: the launcher checks the row counts < 2**31)
     if CAT_FIRST:  # i along cat (c_q); the run: split positions [off, off + n)
-        n_rows = tl.where(readable, P * c_q * M, 0)
+        per_p = c_q * M
         run = n * Q
+        src_stride, out_stride, skip, shift = L * Q, run, total - c_q, coff
     else:  # i along split (n); the run: all c_q cat positions
-        n_rows = tl.where(readable, P * n * M, 0)
+        per_p = n * M
         run = c_q * Q
+        src_stride, out_stride, skip, shift = run, total * Q, L - n, off
+    n_rows = tl.where(readable, P * per_p, 0)
     for block in range(pid, tl.cdiv(n_rows, BLOCK_R), programs):
-        o_r = (block * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        o_r = block * BLOCK_R + tl.arange(0, BLOCK_R)
         m_r = o_r < n_rows
-        m = o_r % M
-        t = o_r // M
-        if CAT_FIRST:
-            i = t % c_q
-            p = t // c_q
-            src_at = ((p * c_q + i) * M + m) * L * Q + off * Q
-            out_at = ((p * total + coff + i) * M + m) * run
-        else:
-            i = t % n
-            p = t // n
-            src_at = ((p * L + off + i) * M + m) * run
-            out_at = ((p * n + i) * M + m) * total * Q + coff * Q
+        other = o_r + (o_r // per_p * skip + shift) * M  # the row's index in the other tensor
+        if CAT_FIRST:  # source row o_r, output row (p * total + coff + i) * M + m
+            src_at = o_r.to(tl.int64) * src_stride + off * Q
+            out_at = other.to(tl.int64) * out_stride
+        else:  # source row (p * L + off + i) * M + m, output row o_r
+            src_at = other.to(tl.int64) * src_stride
+            out_at = o_r.to(tl.int64) * out_stride + coff * Q
         for c in range(0, run, BLOCK_Q):
             o_q = c + tl.arange(0, BLOCK_Q)
             mask = m_r[:, None] & (o_q < run)[None, :]
@@ -230,6 +241,19 @@ def canonical(shape: Sequence[int], split_dim: int, cat_dim: int) -> tuple[int, 
     return math.prod(shape[:d1]), shape[d1], math.prod(shape[d1 + 1:d2]), shape[d2], math.prod(shape[d2 + 1:])
 
 
+_MAX_ROWS = 2**31 - 2**16
+"""The kernels count a tensor's rows (P * D1 * M, of D2 * Q elements) in int32, a tile past the last."""
+
+
+def _check_rows(tensors: Sequence[torch.Tensor], split_dim: int, cat_dim: int) -> None:
+    for t in tensors:
+        P, D1, M, _, _ = canonical(t.shape, split_dim, cat_dim)
+        if P * D1 * M > _MAX_ROWS:
+            raise ValueError(f"alltoall_ops Ulysses (symm_mem): a tensor of shape {tuple(t.shape)} has {P * D1 * M} "
+                             f"rows before its dims {sorted((split_dim, cat_dim))[1]} on; the kernels take at most "
+                             f"{_MAX_ROWS}")
+
+
 def _per_tensor(args: list[tuple]) -> tuple[list, dict]:
     """The kernel arguments of at most MAX_TENSORS tensors (``args[t]``, Q last), padded with the
     first's (unused: the kernel reads the first TENSORS) and flattened; and the constexprs Q0..Q2
@@ -237,6 +261,20 @@ def _per_tensor(args: list[tuple]) -> tuple[list, dict]:
     padded = args + [args[0]] * (MAX_TENSORS - len(args))
     return [a for t in padded for a in t[:-1]], {**{f"Q{i}": t[-1] for i, t in enumerate(padded)},
                                                   "TENSORS": len(args)}
+
+
+def _posted_blocks(shapes: Sequence[tuple], owns: Sequence[tuple[int, int]], split_first: bool,
+                   block_q: int) -> tuple[int, int]:
+    """The most rows and column blocks of BLOCK_Q that a post moves of one of its tensors (all but
+    the rank's piece: rows of the split positions it keeps, or, split second, their columns)."""
+    rows, cols = 0, 1
+    for (P, D1, M, D2, Q), (off, n) in zip(shapes, owns):
+        if split_first:
+            rows, cols = max(rows, P * (D1 - n) * M), max(cols, triton.cdiv(D2 * Q, block_q))
+        else:
+            posted = triton.cdiv(off * Q, block_q) + triton.cdiv((D2 - off - n) * Q, block_q)
+            rows, cols = max(rows, P * D1 * M), max(cols, posted)
+    return rows, cols
 
 
 def post_pieces(xs: Sequence[torch.Tensor], table: torch.Tensor, calls_1: torch.Tensor, failed_1: torch.Tensor, *,
@@ -249,12 +287,15 @@ def post_pieces(xs: Sequence[torch.Tensor], table: torch.Tensor, calls_1: torch.
     exchange's key, 7 ints) and set ``failed_1`` (1,) int32 to 0 (:func:`gather_pieces`' flag).
     table: (1, W) int64 segment addresses. ``epilogue`` (``advance_after`` set): the exchange's
     barrier, which advances the call number, run by the last launch's last program."""
+    _check_rows(xs, split_dim, cat_dim)
     for first in range(0, len(xs), MAX_TENSORS):
         chunk = slice(first, first + MAX_TENSORS)
         shapes = [canonical(x.shape, split_dim, cat_dim) for x in xs[chunk]]
-        rows, run = max(P * D1 * M for P, D1, M, _, _ in shapes), max(D2 * Q for _, _, _, D2, Q in shapes)
-        blocks = row_blocks("seq_pieces", rows, run, xs[0].element_size(), max_programs)
-        grid = program_grid(*blocks.grid(rows, run), max_programs)
+        run = max(D2 * Q for _, _, _, D2, Q in shapes)
+        blocks = row_blocks("seq_pieces", max(P * D1 * M for P, D1, M, _, _ in shapes), run, xs[0].element_size(),
+                            max_programs)
+        rows, cols = _posted_blocks(shapes, owns[chunk], split_dim < cat_dim, blocks.BLOCK_H)
+        grid = program_grid(triton.cdiv(rows, blocks.BLOCK_R), cols, max_programs)
         write_header = first == 0
         key = list(header) if write_header else [0] * (SEQ_HEADER_WORDS - 1)
         tensors, constexprs = _per_tensor([(x, o, *shape[:4], *own, shape[4]) for x, o, shape, own in
@@ -283,6 +324,7 @@ def gather_pieces(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], tabl
     rank); assert_checks
     (CUDA): that is also a device-side assert (without: the caller reads failed_1)."""
     W, x = table.shape[-1], xs[0]
+    _check_rows([*xs, *outs], split_dim, cat_dim)
     for first in range(0, len(xs), MAX_TENSORS):
         chunk = slice(first, first + MAX_TENSORS)
         per_tensor, rows, run = [], 0, 0
