@@ -27,7 +27,7 @@ bench: install
 	$(PY) -m pip install -q -e ".[bench]" "$(TORCH_DEV_CONSTRAINT)"
 	$(PY) -m benchmarks.bench --out results
 	$(PY) -m benchmarks.moe_layer --out results/performance
-	$(PY) -m benchmarks.ulysses --out results/performance
+	$(PY) -m benchmarks.ulysses --profile --out results/performance
 
 lint: install
 	$(PY) -m pip install -q ruff

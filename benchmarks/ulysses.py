@@ -3,6 +3,7 @@ DeepSpeed-style exchange, with the copy floor, in interleaved rounds.
 
     python -m benchmarks.ulysses --out $OUT                  # (1, 4096, 32, 128), (1, 32768, 32, 128) bf16
     python -m benchmarks.ulysses --smoke                     # every path on the CPU, tiny shapes
+    python -m benchmarks.ulysses --profile                   # also the exchange's kernels (torch.profiler)
 
 Shapes are the global (B, S, H, D) of q, k and v; each of the W ranks holds S / W positions.
 Rows (per shape):
@@ -36,7 +37,10 @@ device thread, where the simulated ranks' threads would wait for each other); ``
 whole step captured in one CUDA graph and replayed. What only NVLink can
 show (the link's bandwidth, the barrier's latency across GPUs) is not here. Each round times every
 row once, in a fresh order; a row reports the median over rounds (CUDA events,
-``triton.testing.do_bench`` medians) and its spread. Writes ``ulysses_{gpu,smoke}.json`` / ``.md``.
+``triton.testing.do_bench`` medians) and its spread. ``--profile``: per W, the kernels of the
+``.graph`` exchange and the copy floor's copy, their time a launch and bandwidth (read + write), to
+show where the exchange's time over its design floor goes. Writes ``ulysses_{gpu,smoke}.json`` /
+``.md``.
 """
 
 from __future__ import annotations
@@ -202,6 +206,38 @@ def summarized(samples: dict[str, list[float]], deepspeed: str) -> dict[str, dic
                       ratio=round(medians[row] / medians[reference(row)], 3)) for row, values in samples.items()}
 
 
+def _kernels(step: Callable[[], object], replays: int) -> list[tuple[str, float, float]]:
+    """(name, launches a step, device us a launch) of each kernel ``step`` runs (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            step()
+        torch.cuda.synchronize()
+    return [(e.key, e.count / replays, e.device_time_total / e.count) for e in prof.key_averages()
+            if getattr(e, "device_time_total", 0) > 0]
+
+
+def kernel_profile(rows: dict[str, tuple[Callable, float]], worlds: list[int], replays: int = 5) -> list[dict]:
+    """The kernels of the copy floor and, per W, of the ``seq_to_head q/k/v symm.wW.sim.graph``
+    replay: launches a step, us a launch, and for the copy, the post and the gather their read +
+    write bandwidth (a rank posts (W - 1) / W of its bytes and gathers W pieces of 1 / W; even
+    splits)."""
+    floor_step, nbytes = rows["seq_to_head q/k/v copy floor"]
+    name, launches, us = max(_kernels(floor_step, replays), key=lambda k: k[1] * k[2])
+    out = [dict(world=1, kernel=f"copy floor: {name[:40]}", launches=launches, us=round(us, 1),
+                gb_s=round(2 * nbytes / us / 1e3))]
+    for W in worlds:
+        moved = {"_post_kernel": 2 * (W - 1) / W * nbytes / W, "_gather_kernel": 2 * nbytes / W}
+        for name, launches, us in _kernels(rows[f"seq_to_head q/k/v symm.w{W}.sim.graph"][0], replays):
+            nb = moved.get(name)
+            out.append(dict(world=W, kernel=name[:60], launches=launches, us=round(us, 1),
+                            gb_s=round(nb / us / 1e3) if nb else None))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="folder for ulysses_{gpu,smoke}.json / .md")
@@ -209,30 +245,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worlds", nargs="*", type=int, default=[2, 4], help="simulated world sizes")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (times mean nothing)")
+    parser.add_argument("--profile", action="store_true", help="also the kernels of each .graph exchange (GPU)")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.smoke else "cuda")
     with one_rank_group(device):
         shapes = SMOKE_SHAPES if args.smoke else {k: SHAPES[k] for k in args.shapes}
         rounds = 1 if args.smoke else args.rounds
         time_us = timer(device)
-        results = []
+        results, kernels = [], []
         for shape in shapes.values():
             rows = cases(shape, device, args.worlds)
             samples = timed_rounds({row: step for row, (step, _) in rows.items()}, rounds, time_us, f"{shape} ")
             for row, s in summarized(samples, "deepspeed.w1").items():
                 gb_s = round(rows[row][1] / s["us"] / 1e3, 1) if row.startswith("seq_to_head") else None
                 results.append(dict(shape=list(shape), row=row, **s, gb_s=gb_s))
+            if args.profile and not args.smoke:
+                kernels += [dict(shape=list(shape), **k) for k in kernel_profile(rows, args.worlds)]
         lines = [f"# Ulysses on one {'CPU (smoke)' if args.smoke else torch.cuda.get_device_name()}, bf16, "
                  f"{rounds} rounds", "",
                  "| shape (B, S, H, D) | row | us (median) | min-max | / floor (exchange), / deepspeed.w1 (attention), "
                  "/ one exchange (projections) | GB/s |", "|---|---|---|---|---|---|"]
         lines += [f"| {tuple(r['shape'])} | {r['row']} | {r['us']} | {r['min_us']}-{r['max_us']} | {r['ratio']:.2f}x | "
                   f"{r['gb_s'] if r['gb_s'] is not None else ''} |" for r in results]
+        if kernels:
+            lines += ["", "Kernels of the `seq_to_head q/k/v symm.wW.sim.graph` replays and of the copy floor "
+                      "(torch.profiler; GB/s: read + write)", "",
+                      "| shape | W | kernel | launches a replay | us a launch | GB/s |", "|---|---|---|---|---|---|"]
+            lines += [f"| {tuple(k['shape'])} | {k['world']} | {k['kernel']} | {k['launches']:g} | {k['us']} | "
+                      f"{k['gb_s'] or ''} |" for k in kernels]
         print("\n".join(lines))
         if args.out:
             tag = "smoke" if args.smoke else "gpu"
             with open(os.path.join(args.out, f"ulysses_{tag}.json"), "w") as f:
-                json.dump(results, f, indent=1)
+                json.dump(dict(rows=results, kernels=kernels), f, indent=1)
             with open(os.path.join(args.out, f"ulysses_{tag}.md"), "w") as f:
                 f.write("\n".join(lines) + "\n")
     return 0

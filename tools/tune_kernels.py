@@ -2,6 +2,7 @@
 configuration's time against the byte floor (the measured copy bandwidth), best first.
 
     python tools/tune_kernels.py [--tokens 4096 8192] [--top 6]
+    python tools/tune_kernels.py --ulysses [4096 32768] [--worlds 2 4] [--rounds 3]
 
 Kernels (bf16, H = 7168, K = 8, E = 256, fresh random top-k routing):
 - ``put_rows`` (dispatch, every backend): x (T, H) -> (T*K, H) rows in send order, each token
@@ -14,6 +15,8 @@ Kernels (bf16, H = 7168, K = 8, E = 256, fresh random top-k routing):
   implementation, timed eagerly and replayed from a CUDA graph (device time), against torch's
   path (a stable sort and some 20 small ops): the one-program plan by warps, the two kernels
   by slots per program and warps (``--layout-tokens``; ``ONE_PROGRAM_SLOTS`` is chosen from it).
+- ``seq_pieces`` (``--ulysses``): the Ulysses exchange's post and gather (``kernels/seq_exchange.py``),
+  seq_to_head and head_to_seq of q, k, v (1, S, 32, 128) bf16 on simulated ranks, from CUDA graphs.
 Baselines: ``torch.index_select`` of the same rows, and the plain copy behind the floor. The
 winners go into ``alltoall_ops/kernels/_config.py:GPU_BLOCKS`` by hand.
 """
@@ -139,13 +142,80 @@ def sweep_rows(T: int, bandwidth: float, top: int) -> None:
           nbytes, bandwidth, itertools.product([1, 2, 4], [2048, 4096], warps), top)
 
 
+def _seq_pieces_steps(S: int, W: int, configs: list) -> dict:
+    """Row -> step: the copy of q, k, v's bytes, and seq_to_head / head_to_seq of q, k, v
+    (1, S, 32, 128) bf16 over W simulated ranks at each ``seq_pieces`` tile, captured in a CUDA
+    graph (a tile is fixed at capture) and checked against the shards."""
+    import alltoall_ops as a2a
+    from alltoall_ops.backends.symm_mem import run_simulated
+    from alltoall_ops.ulysses import symm_head_to_seq_op, symm_seq_to_head_op
+    from benchmarks.bench import Captured
+
+    dev, (B, H, D) = torch.device("cuda"), (1, 32, 128)
+    qkv = [torch.randn(B, S, H, D, device=dev).bfloat16() for _ in range(3)]
+    flat = torch.cat([t.flatten() for t in qkv])
+    copy = torch.empty_like(flat)
+    bufs = a2a.UlyssesBuffers.simulated(W, a2a.UlyssesBuffers.bytes_for([(B, S // W, H, D)] * 3, torch.bfloat16, W),
+                                        device=dev)
+    seqs = [[t.narrow(1, r * S // W, S // W).contiguous() for t in qkv] for r in range(W)]
+    heads = [[t.narrow(2, r * H // W, H // W).contiguous() for t in qkv] for r in range(W)]
+    exchanges = (("seq_to_head", lambda r, b: symm_seq_to_head_op(seqs[r], b, 1, 2, [], False), heads),
+                 ("head_to_seq", lambda r, b: symm_head_to_seq_op(heads[r], b, 1, 2, [H] * 3, [], False), seqs))
+    steps = {"copy": lambda: copy.copy_(flat)}
+    chosen = _config.GPU_BLOCKS["seq_pieces"]
+    for cfg, (name, fn, want) in itertools.product(configs, exchanges):
+        _config.GPU_BLOCKS["seq_pieces"] = cfg
+        graph = Captured(lambda stream, f=fn: run_simulated(f, bufs, stream=stream), True, relaxed=True)
+        got = graph.run()
+        assert all(torch.equal(g, w) for r in range(W) for g, w in zip(got[r], want[r])), (name, W, cfg)
+        steps[f"{name} {cfg}"] = graph.replay
+    _config.GPU_BLOCKS["seq_pieces"] = chosen
+    return steps
+
+
+def sweep_seq_pieces(seq_lens: list[int], worlds: list[int], rounds: int, top: int) -> None:
+    """The Ulysses exchange's tiles (``seq_pieces``: its post and gather): every tile's
+    seq_to_head and head_to_seq (:func:`_seq_pieces_steps`) in interleaved rounds, medians over
+    the copy's."""
+    import random
+    import statistics
+
+    chosen = _config.GPU_BLOCKS["seq_pieces"]
+    configs = list(itertools.product([1, 2, 4], [1024, 2048, 4096], [4, 8]))
+    for S, W in itertools.product(seq_lens, worlds):
+        steps = _seq_pieces_steps(S, W, configs)
+        samples: dict = {row: [] for row in steps}
+        for r in range(rounds):
+            order = list(steps)
+            random.Random(r).shuffle(order)
+            for row in order:
+                samples[row].append(median_us(steps[row]))
+        floor = statistics.median(samples.pop("copy"))
+        print(f"\n===== Ulysses (1, {S}, 32, 128), W = {W}: the copy of the bytes {floor:.1f} us; "
+              f"(BLOCK_R, BLOCK_Q at 2 bytes, num_warps) best first, / the copy; {chosen} in use")
+        for name in ("seq_to_head", "head_to_seq"):
+            ranked = sorted((statistics.median(v), row[len(name) + 1:]) for row, v in samples.items()
+                            if row.startswith(name))
+            used = statistics.median(samples[f"{name} {chosen}"])
+            print(f"  {name}: " + ", ".join(f"{cfg} x{us / floor:.3f}" for us, cfg in ranked[:top])
+                  + f"; {chosen} x{used / floor:.3f}")
+        del steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--top", type=int, default=6)
     parser.add_argument("--layout-tokens", type=int, nargs="+", default=[32, 128, 256, 512, 8192])
     parser.add_argument("--layout-only", action="store_true", help="only the plan_slots sweep")
+    parser.add_argument("--ulysses", type=int, nargs="*", default=None, metavar="S",
+                        help="only the Ulysses exchange's tiles, at these sequence lengths (default 4096 32768)")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="simulated ranks (--ulysses)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (--ulysses)")
     args = parser.parse_args()
+    if args.ulysses is not None:
+        sweep_seq_pieces(args.ulysses or [4096, 32768], args.worlds, args.rounds, args.top)
+        return
     bandwidth = copy_bandwidth(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write)")
     for T in args.layout_tokens:
