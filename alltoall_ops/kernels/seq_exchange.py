@@ -80,14 +80,12 @@ def _post_rows(x_ptr, segment, parity, slot_bytes, offset_bytes, P, D1, M, D2, o
     if SPLIT_FIRST:  # the rows of split positions [off, off + n) are this rank's piece
         kept = D1 - n
         n_rows = P * kept * M  # the posted rows, (p, i', m) over the kept split positions
-        first, left, end = 0, run, run  # ... whole: columns [0, left)
-        left_blocks = tl.cdiv(left, BLOCK_Q)
-        col_blocks = left_blocks
+        left, first = run, run  # ... whole
     else:  # columns [off * Q, (off + n) * Q) of every row are this rank's piece
         n_rows = P * D1 * M
-        first, left, end = (off + n) * Q, off * Q, run  # columns [0, left) and [first, end)
-        left_blocks = tl.cdiv(left, BLOCK_Q)
-        col_blocks = left_blocks + tl.cdiv(end - first, BLOCK_Q)
+        left, first = off * Q, (off + n) * Q
+    left_blocks = tl.cdiv(left, BLOCK_Q)  # column blocks of [0, left), then of [first, run)
+    col_blocks = left_blocks + tl.cdiv(run - first, BLOCK_Q)
     for block in range(pid, tl.cdiv(n_rows, BLOCK_R), programs):
         o_r = block * BLOCK_R + tl.arange(0, BLOCK_R)  # int32: the launcher checks the rows < 2**31
         m_r = o_r < n_rows
@@ -98,7 +96,7 @@ def _post_rows(x_ptr, segment, parity, slot_bytes, offset_bytes, P, D1, M, D2, o
         for j in range(tl.program_id(1), col_blocks, tl.num_programs(1)):
             c = tl.where(j < left_blocks, j * BLOCK_Q, first + (j - left_blocks) * BLOCK_Q)
             o_q = c + tl.arange(0, BLOCK_Q)
-            mask = m_r[:, None] & (o_q < tl.where(j < left_blocks, left, end))[None, :]
+            mask = m_r[:, None] & (o_q < tl.where(j < left_blocks, left, run))[None, :]
             at = o_r.to(tl.int64)[:, None] * run + o_q[None, :]
             tl.store(stage + at, tl.load(x_ptr + at, mask=mask), mask=mask)
 
