@@ -112,7 +112,7 @@ GPU_BLOCKS: dict[str, tuple[int, int, int]] = {
     "topk_reduce": (2, 1024, 8),
     "pull_rows": (4, 2048, 8),
     "weight_grad": (1, 4096, 8),
-    "seq_pieces": (2, 2048, 4),  # Ulysses rows: a rank's heads of a position (h * D elements)
+    "seq_pieces": (2, 2048, 4),  # Ulysses rows: a rank's heads of a position (h * D elements); H100, --ulysses
 }
 """(BLOCK_R, BLOCK_H for 2-byte elements, num_warps) of each kernel on a GPU; measured on one H200
 with ``tools/tune_kernels.py`` (docs/benchmarks.md has the sweep). Wider elements get
