@@ -497,6 +497,27 @@ def test_tiles_smaller_than_a_piece(W, B, s, heads, D, head_first, block_r, bloc
         assert torch.equal(z, _shard(full, seq_dim, rank, W))
 
 
+def test_more_rows_than_the_kernels_count_raise_on_every_rank():
+    """The kernels count rows in int32 (``seq_exchange._MAX_ROWS``, here lowered to 3): a tensor
+    with more is a ValueError on every rank before any launch, and the buffers stay in step."""
+    W = 2
+    bufs = a2a.UlyssesBuffers.simulated(W, MAX_BYTES, device="cpu")
+    x = _full(130, (1, 4, 2, 2))  # 4 rows (B * s) before the heads dim
+    errors = []
+
+    def body(rank, b):
+        try:
+            a2a.seq_to_head(x, buffers=b)
+        except ValueError as exc:
+            errors.append(str(exc))
+
+    with mock.patch.object(seq_exchange, "_MAX_ROWS", 3):
+        run_simulated(body, bufs)
+    assert len(errors) == W and all("has 4 rows" in e and "at most 3" in e for e in errors), errors
+    y = run_simulated(lambda r, b: a2a.seq_to_head(x, buffers=b), bufs)  # in step
+    assert all(torch.equal(y[r], torch.cat([x, x], 1).narrow(2, r, 1)) for r in range(W))
+
+
 def test_more_tensors_than_a_launch_takes():
     """Five tensors of other shapes in one exchange (launches of kernels.seq_exchange.MAX_TENSORS
     and the rest) against each one's own exchange, both directions, uneven heads."""

@@ -244,12 +244,14 @@ _MAX_ROWS = 2**31 - 2**16
 
 
 def _check_rows(tensors: Sequence[torch.Tensor], split_dim: int, cat_dim: int) -> None:
+    """ValueError where a tensor has more than :data:`_MAX_ROWS` rows (before any launch; every
+    rank with the same shapes raises alike)."""
     for t in tensors:
         P, D1, M, _, _ = canonical(t.shape, split_dim, cat_dim)
         if P * D1 * M > _MAX_ROWS:
             raise ValueError(f"alltoall_ops Ulysses (symm_mem): a tensor of shape {tuple(t.shape)} has {P * D1 * M} "
-                             f"rows before its dims {sorted((split_dim, cat_dim))[1]} on; the kernels take at most "
-                             f"{_MAX_ROWS}")
+                             f"rows (the product of its sizes before dim {max(split_dim, cat_dim)}); the kernels "
+                             f"take at most {_MAX_ROWS}")
 
 
 def _per_tensor(args: list[tuple]) -> tuple[list, dict]:
