@@ -177,19 +177,15 @@ def sweep_seq_pieces(seq_lens: list[int], worlds: list[int], rounds: int, top: i
     """The Ulysses exchange's tiles (``seq_pieces``: its post and gather): every tile's
     seq_to_head and head_to_seq (:func:`_seq_pieces_steps`) in interleaved rounds, medians over
     the copy's."""
-    import random
     import statistics
+
+    from benchmarks.ulysses import timed_rounds
 
     chosen = _config.GPU_BLOCKS["seq_pieces"]
     configs = list(itertools.product([1, 2, 4], [1024, 2048, 4096], [4, 8]))
     for S, W in itertools.product(seq_lens, worlds):
         steps = _seq_pieces_steps(S, W, configs)
-        samples: dict = {row: [] for row in steps}
-        for r in range(rounds):
-            order = list(steps)
-            random.Random(r).shuffle(order)
-            for row in order:
-                samples[row].append(median_us(steps[row]))
+        samples = timed_rounds(steps, rounds, median_us, f"S = {S}, W = {W} ")
         floor = statistics.median(samples.pop("copy"))
         print(f"\n===== Ulysses (1, {S}, 32, 128), W = {W}: the copy of the bytes {floor:.1f} us; "
               f"(BLOCK_R, BLOCK_Q at 2 bytes, num_warps) best first, / the copy; {chosen} in use")
