@@ -96,8 +96,8 @@ needs_interpreter = pytest.mark.skipif(
 
 @contextlib.contextmanager
 def one_program_slots(n: int):
-    """Plans of at most ``n`` slots in one program (``routing_plan.ONE_PROGRAM_SLOTS``), more in two
-    kernels: 0 takes the two kernels for every plan."""
+    """Plans of at most ``n`` slots in one program (``routing_plan.ONE_PROGRAM_SLOTS``), more in three
+    kernels: 0 takes the three kernels for every plan."""
     routing_plan = loader.load().routing_plan
     before, routing_plan.ONE_PROGRAM_SLOTS = routing_plan.ONE_PROGRAM_SLOTS, n
     try:
@@ -107,7 +107,7 @@ def one_program_slots(n: int):
 
 
 PLAN_KERNELS = (0, 1 << 20)
-"""``one_program_slots`` values that take each of the plan's kernel paths: two kernels, one program."""
+"""``one_program_slots`` values that take each of the plan's kernel paths: three kernels, one program."""
 
 
 def _assert_kernels_match_torch(topk_idx: torch.Tensor, E: int, W: int) -> None:

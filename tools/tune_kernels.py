@@ -13,7 +13,7 @@ Kernels (bf16, H = 7168, K = 8, E = 256, fresh random top-k routing):
 - ``weight_grad``: reads grad_y (T, H) and (T*K, H) rows; bytes (T + T*K) * H * 2.
 - ``plan_slots`` (the layout: routing -> order, positions, counts), checked against its torch
   implementation, timed eagerly and replayed from a CUDA graph (device time), against torch's
-  path (a stable sort and some 20 small ops): the one-program plan by warps, the two kernels
+  path (a stable sort and some 20 small ops): the one-program plan by warps, the three kernels
   by slots per program and warps (``--layout-tokens``; ``ONE_PROGRAM_SLOTS`` is chosen from it).
 - ``seq_pieces`` (``--ulysses``): the Ulysses exchange's post and gather (``kernels/seq_exchange.py``),
   seq_to_head and head_to_seq of q, k, v (1, S, 32, 128) bf16 on simulated ranks, from CUDA graphs.
@@ -70,7 +70,7 @@ def graph_us(fn) -> float:
 
 def sweep_layout(T: int) -> None:
     """plan_slots at T tokens: the one-program plan (a sort in registers; by warps) and the
-    memset and two kernels (by slots per program and warps), each checked against torch's path."""
+    three kernels (by slots per program and warps), each checked against torch's path."""
     dev = torch.device("cuda")
     _, topk_idx = torch.randn(T, E, device=dev).topk(K, dim=-1)
     topk_idx[::5, 0] = -1  # some dropped slots
@@ -84,7 +84,7 @@ def sweep_layout(T: int) -> None:
     for one_program, block_s, warps in configs:
         routing.ONE_PROGRAM_SLOTS, routing.GPU_BLOCK_S, routing.GPU_NUM_WARPS = one_program, block_s or chosen[1], warps
         fn = lambda: routing.plan_slots(topk_idx, E, 1)  # noqa: E731
-        name = f"one program, {warps:2} warps" if one_program else f"two kernels, {block_s:3} slots, {warps} warps"
+        name = f"one program, {warps:2} warps" if one_program else f"three kernels, {block_s:3} slots, {warps} warps"
         assert all(torch.equal(g, w) for g, w in zip(fn(), want)), f"plan_slots != torch: {name}"
         results.append((graph_us(fn), median_us(fn), name))
     routing.ONE_PROGRAM_SLOTS, routing.GPU_BLOCK_S, routing.GPU_NUM_WARPS = chosen

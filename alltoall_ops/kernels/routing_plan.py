@@ -2,27 +2,31 @@
 
 Legend: ``N = T * K`` slots, ``E`` experts, ``W`` ranks, ``e = E / W``; a slot's *bucket* is its
 expert id, or E when it goes nowhere (-1, or an id outside [0, E)). Slots are cut into B blocks
-of ``BLOCK_S``. Reference semantics::
+of ``BLOCK_S``. Three launches, no atomics, nothing to zero first; reference semantics::
 
-    block_counts:   for s: hist[block(s), bucket[s]] += 1; totals[bucket[s]] += 1     (atomics)
-                    status = (#{s: id not -1 and not in [0, E)}, min(ids, -1), max(ids, -1))
+    block_counts:   counts[b, g] = #{s in block b: bucket[s] == g}           (a histogram)
+                    status[b] = (#{s in b: id not -1 and not in [0, E)}, min(ids, -1), max(ids, -1))
+    bucket_offsets: offsets[b, g] = sum(counts[b' < b, g]); totals[g] = offsets[B, g]
+                    status[B] = the blocks' status reduced (sum, min, max)
     slot_positions: position[s] = sum(totals[g' < bucket[s]])                # lower buckets
-                                + sum(hist[b' < block(s), bucket[s]])        # earlier blocks
+                                + offsets[block(s), bucket[s]]               # earlier blocks
                                 + #{s' < s in block(s): bucket[s'] == bucket[s]}
                     order[position[s]] = s
-                    send_meta[g // e, g % e] = totals[g] for g < E; send_meta[:, e:] = status
+                    send_meta[g // e, g % e] = totals[g] for g < E; send_meta[:, e:] = status[B]
 
 which is the stable sort of the slots by bucket (``layout.plan_routing``'s contract). ``plan_rows``
 (one rank, ``ROWS``): the same with each expert's total padded to the alignment in the sums,
 ``order`` (C,) holding the slot of each row (-1 where none, set by ``block_counts``), ``position``
 C for a dropped slot and ``send_meta`` the padded totals, the status and a flag that no id is
-bad (``layout.plan_rows``'s contract). The counts
-are integers, so the atomics give the same result in any order: deterministic. Each program of
-``slot_positions`` sums the count rows of the blocks before it in (BLOCK_P, NB) tiles, writes its
-buckets' first positions to a scratch row and reads them back per slot (a gather), and ranks its
-slots with (BLOCK_S, BLOCK_J) comparisons. Up to ``ONE_PROGRAM_SLOTS`` slots, one program does
-it all in one launch: a histogram of the buckets, then one sort of the keys (bucket, slot);
-the symm_mem metadata put runs that program first (``row_put.put_meta(topk_idx=...)``).
+bad (``layout.plan_rows``'s contract). The work is linear in N: ``bucket_offsets``' programs
+each scan ``SCAN_BUCKETS`` columns of the (B, E + 1) counts down the blocks. Each program of
+``slot_positions`` writes the buckets' first positions to a scratch row and reads them back per
+slot (a gather), and ranks its slots with (BLOCK_S, BLOCK_J) comparisons. The counts, offsets
+and scratch rows are one int32 tensor (``_launch``; separate views of one allocation as kernel
+arguments gave illegal memory accesses in compiled graphs on the GPU). Up to
+``ONE_PROGRAM_SLOTS`` slots, one program does it all in one launch: a histogram of the buckets,
+then one sort of the keys (bucket, slot); the symm_mem metadata put runs that program first
+(``row_put.put_meta(topk_idx=...)``).
 """
 
 from __future__ import annotations
@@ -45,24 +49,30 @@ ONE_PROGRAM_SLOTS = 1024
 """Most slots N planned by one program in one launch (``_plan_in_one_program_kernel``: a
 histogram and one sort in registers), eager or compiled, in a CUDA graph or not. On the H200
 (E = 256, 8 warps, in CUDA graphs; ``tools/tune_kernels.py --layout-only``) it takes 4.1 / 9.7 us
-at N = 256 / 1024 against 8.8 / 9.1 us for the memset and two kernels, and saves two launches
-and an allocation; at N = 2048 / 4096 it takes 21 / 60 us against 11 / 19."""
+at N = 256 / 1024 against 8.8 / 9.1 us for the memset and two kernels that the three kernels
+replaced, and saves launches and allocations; at N = 2048 / 4096 it takes 21 / 60 us against
+11 / 19."""
+SCAN_BUCKETS = 16
+"""Buckets per program of ``_bucket_offsets_kernel``. On the H200 and the H100 (CUDA graphs, E = 256,
+``_scratch`` A/B of 2026-12-05, docs/benchmarks.md) 16 was best or tied at every N: the plan of
+N = 32768 / 131072 took 21.7 / 68.2 us (32: 22.2 / 69.7; 64: 25.4 / 81.5)."""
+SCAN_BLOCKS = 128
+"""Blocks' counts per tile of ``_bucket_offsets_kernel``."""
 _BAD_IDS = tl.constexpr(BAD_IDS)
-MAX_SLOTS = 131072
-"""Most slots N that ``plan_routing`` gives these kernels. Each program sums the counts of every
-block before it, so their work grows with N**2 / BLOCK_S: on the H200, in a CUDA graph, 52.7 us
-against 107.7 us for the sort path at N = 65536, but 115 us against 103 us at N = 131072 (the
-largest N measured); above it the sort path (linear in N) is used."""
+MAX_SLOTS = 262144
+"""Most slots N that ``plan_routing`` gives these kernels; above it, the sort path. On the H200
+in a CUDA graph (E = 256) the kernels take 37.1 / 68.2 / 129.8 us at N = 65536 / 131072 /
+262144 against the sort path's 98.7 / 106.8 / 134.5 (the largest N measured)."""
 
 
 @triton.jit
 def _block_counts_kernel(
-    idx_ptr, counts_ptr, fill_ptr, N, E, num_blocks, n_fill,
-    BLOCK_S: tl.constexpr,
+    idx_ptr, table_ptr, status_ptr, fill_ptr, N, E, num_blocks, n_fill,
+    NB: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     for i_b in range(tl.program_id(0), num_blocks, tl.num_programs(0)):  # blocks of slots (an SM budget: several)
         # plan_rows: rows no slot fills read -1; each program sets its share of them before any slot
-        # is placed (the next launch)
+        # is placed (a later launch)
         fill_chunk = tl.cdiv(n_fill, num_blocks)
         fill_end = tl.minimum((i_b + 1) * fill_chunk, n_fill)
         for i_f in range(i_b * fill_chunk, fill_end, BLOCK_S):
@@ -72,46 +82,74 @@ def _block_counts_kernel(
         m_s = o_s < N
         b_idx = tl.load(idx_ptr + o_s, mask=m_s, other=-1).to(tl.int64)
         b_valid = (b_idx >= 0) & (b_idx < E)
-        b_bucket = tl.where(b_valid, b_idx, E)
-        p_totals = counts_ptr + num_blocks * (E + 1)  # after the (B, E + 1) block counts
-        tl.atomic_add(counts_ptr + i_b * (E + 1) + b_bucket, 1, mask=m_s)
-        tl.atomic_add(p_totals + b_bucket, 1, mask=m_s)
-        p_status = p_totals + E + 1  # (bad ids, min + 1, max + 1) from zeros: -1 counts as an id
-        tl.atomic_add(p_status, tl.sum((m_s & ~b_valid & (b_idx != -1)).to(tl.int64), axis=0))
-        tl.atomic_min(p_status + 1, tl.min(b_idx, axis=0) + 1)  # masked lanes hold -1
-        tl.atomic_max(p_status + 2, tl.max(b_idx, axis=0) + 1)
+        b_bucket = tl.where(m_s, tl.where(b_valid, b_idx, E), NB - 1).to(tl.int32)  # bin NB - 1 > E: past N
+        tl.store(table_ptr + i_b * NB + tl.arange(0, NB), tl.histogram(b_bucket, NB))  # the block's counts
+        p_status = status_ptr + i_b * 3
+        tl.store(p_status, tl.sum((m_s & ~b_valid & (b_idx != -1)).to(tl.int64), axis=0))
+        tl.store(p_status + 1, tl.minimum(tl.min(b_idx, axis=0), -1))  # masked lanes hold -1
+        tl.store(p_status + 2, tl.maximum(tl.max(b_idx, axis=0), -1))
+
+
+@triton.jit
+def _bucket_offsets_kernel(
+    table_ptr, status_ptr, E, num_blocks,
+    NB: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr,
+):
+    offsets_ptr = table_ptr + num_blocks * NB
+    # Each program scans the counts of BLOCK_G buckets down the blocks, in (BLOCK_P, BLOCK_G) tiles.
+    for i_g in range(tl.program_id(0) * BLOCK_G, E + 1, tl.num_programs(0) * BLOCK_G):
+        o_g = i_g + tl.arange(0, BLOCK_G)
+        m_g = o_g < E + 1
+        b_carry = tl.zeros([BLOCK_G], dtype=tl.int32)  # [BG] slots of each bucket in the blocks so far
+        for i_p in range(0, num_blocks, BLOCK_P):
+            o_p = i_p + tl.arange(0, BLOCK_P)
+            m_pg = (o_p < num_blocks)[:, None] & m_g[None, :]
+            o_pg = o_p[:, None] * NB + o_g[None, :]
+            b_rows = tl.load(table_ptr + o_pg, mask=m_pg, other=0)
+            tl.store(offsets_ptr + o_pg, tl.cumsum(b_rows, axis=0) - b_rows + b_carry[None, :], mask=m_pg)
+            b_carry += tl.sum(b_rows, axis=0)
+        tl.store(offsets_ptr + num_blocks * NB + o_g, b_carry, mask=m_g)  # the totals
+    if tl.program_id(0) == 0:  # the blocks' status, reduced
+        b_bad = tl.zeros([BLOCK_P], dtype=tl.int64)
+        b_low = tl.full([BLOCK_P], -1, tl.int64)
+        b_high = tl.full([BLOCK_P], -1, tl.int64)
+        for i_p in range(0, num_blocks, BLOCK_P):
+            o_p = i_p + tl.arange(0, BLOCK_P)
+            m_p = o_p < num_blocks
+            b_bad += tl.load(status_ptr + o_p * 3, mask=m_p, other=0)
+            b_low = tl.minimum(b_low, tl.load(status_ptr + o_p * 3 + 1, mask=m_p, other=-1))
+            b_high = tl.maximum(b_high, tl.load(status_ptr + o_p * 3 + 2, mask=m_p, other=-1))
+        p_status = status_ptr + num_blocks * 3
+        tl.store(p_status, tl.sum(b_bad, axis=0))
+        tl.store(p_status + 1, tl.min(b_low, axis=0))
+        tl.store(p_status + 2, tl.max(b_high, axis=0))
 
 
 @triton.jit
 def _slot_positions_kernel(
-    idx_ptr, counts_ptr, scratch_ptr, position_ptr, order_ptr, send_meta_ptr,
+    idx_ptr, table_ptr, status_ptr, position_ptr, order_ptr, send_meta_ptr,
     N, E, e, W, num_blocks, alignment, C,
-    NB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_P: tl.constexpr,
+    NB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_J: tl.constexpr,
     BLOCK_W: tl.constexpr, ROWS: tl.constexpr, ASSERT_VALID: tl.constexpr,
 ):
+    offsets_ptr = table_ptr + num_blocks * NB
+    o_g = tl.arange(0, NB)
+    m_g = o_g < E + 1
+    b_total = tl.load(offsets_ptr + num_blocks * NB + o_g, mask=m_g, other=0)
+    if ROWS:  # expert groups padded to the alignment (the "goes nowhere" bucket E is not)
+        b_total = tl.where(o_g < E, (b_total + alignment - 1) // alignment * alignment, b_total)
+    # NB: the first position of each bucket through memory, since a register tensor cannot be
+    # indexed by another: a scratch row of this program, and a barrier so that every thread sees it.
+    p_base = table_ptr + (2 * num_blocks + 1 + tl.program_id(0)) * NB
+    tl.store(p_base + o_g, tl.cumsum(b_total, axis=0) - b_total)
+    tl.debug_barrier()
     for i_b in range(tl.program_id(0), num_blocks, tl.num_programs(0)):  # blocks of slots (an SM budget: several)
         o_s = i_b * BLOCK_S + tl.arange(0, BLOCK_S)  # [BS] slots
         m_s = o_s < N
         b_idx = tl.load(idx_ptr + o_s, mask=m_s, other=-1)
         b_bucket = tl.where((b_idx >= 0) & (b_idx < E), b_idx, E).to(tl.int32)
-        o_g = tl.arange(0, NB)
-        m_g = o_g < E + 1
-        # Slots of each bucket in the blocks before this one: (BLOCK_P, NB) tiles of their counts.
-        b_before = tl.zeros([NB], dtype=tl.int32)
-        for i_p in range(0, i_b, BLOCK_P):
-            o_p = i_p + tl.arange(0, BLOCK_P)
-            p_rows = counts_ptr + o_p[:, None] * (E + 1) + o_g[None, :]
-            b_rows = tl.load(p_rows, mask=(o_p < i_b)[:, None] & m_g[None, :], other=0)
-            b_before += tl.sum(b_rows.to(tl.int32), axis=0)
-        b_total = tl.load(counts_ptr + num_blocks * (E + 1) + o_g, mask=m_g, other=0).to(tl.int32)
-        if ROWS:  # expert groups padded to the alignment (the "goes nowhere" bucket E is not)
-            b_total = tl.where(o_g < E, (b_total + alignment - 1) // alignment * alignment, b_total)
-        b_base = tl.cumsum(b_total, axis=0) - b_total + b_before  # [NB] first position of bucket g here
-        # NB: through memory, since a register tensor cannot be indexed by another: a scratch row
-        # of this program, and a barrier so that every thread sees the whole row.
-        tl.store(scratch_ptr + i_b * NB + o_g, b_base)
-        tl.debug_barrier()
-        b_pos = tl.load(scratch_ptr + i_b * NB + b_bucket, mask=m_s, other=0)  # [BS]
+        b_pos = tl.load(p_base + b_bucket, mask=m_s, other=0)  # [BS] lower buckets
+        b_pos += tl.load(offsets_ptr + i_b * NB + b_bucket, mask=m_s, other=0)  # earlier blocks
         for j in tl.static_range(0, BLOCK_S, BLOCK_J):  # earlier slots of this block, same bucket
             o_j = i_b * BLOCK_S + j + tl.arange(0, BLOCK_J)
             b_jdx = tl.load(idx_ptr + o_j, mask=o_j < N, other=-1)
@@ -125,22 +163,22 @@ def _slot_positions_kernel(
         else:
             tl.store(position_ptr + o_s, b_pos.to(tl.int64), mask=m_s)
             tl.store(order_ptr + b_pos, o_s.to(tl.int64), mask=m_s)
-        if i_b == 0:  # counts of every local expert of every rank, and the status columns
-            m_valid = o_g < E
-            tl.store(send_meta_ptr + (o_g // e) * (e + 3) + o_g % e, b_total.to(tl.int64), mask=m_valid)
-            p_status = counts_ptr + num_blocks * (E + 1) + E + 1
-            o_w = tl.arange(0, BLOCK_W)
-            m_w = o_w < W
-            b_zero = tl.zeros([BLOCK_W], dtype=tl.int64)
-            p_row = send_meta_ptr + o_w * (e + 3) + e
-            tl.store(p_row, b_zero + tl.load(p_status), mask=m_w)
-            tl.store(p_row + 1, b_zero + tl.load(p_status + 1) - 1, mask=m_w)
-            tl.store(p_row + 2, b_zero + tl.load(p_status + 2) - 1, mask=m_w)
-            if ROWS:  # one rank: its routing is valid (no bad ids)
-                n_bad = tl.load(p_status)
-                tl.store(send_meta_ptr + e + 3, (n_bad == 0).to(tl.int64))
-                if ASSERT_VALID:
-                    tl.device_assert(n_bad == 0, _BAD_IDS)
+    if tl.program_id(0) == 0:  # counts of every local expert of every rank, and the status columns
+        m_valid = o_g < E
+        tl.store(send_meta_ptr + (o_g // e) * (e + 3) + o_g % e, b_total.to(tl.int64), mask=m_valid)
+        p_status = status_ptr + num_blocks * 3
+        o_w = tl.arange(0, BLOCK_W)
+        m_w = o_w < W
+        b_zero = tl.zeros([BLOCK_W], dtype=tl.int64)
+        p_row = send_meta_ptr + o_w * (e + 3) + e
+        tl.store(p_row, b_zero + tl.load(p_status), mask=m_w)
+        tl.store(p_row + 1, b_zero + tl.load(p_status + 1), mask=m_w)
+        tl.store(p_row + 2, b_zero + tl.load(p_status + 2), mask=m_w)
+        if ROWS:  # one rank: its routing is valid (no bad ids)
+            n_bad = tl.load(p_status)
+            tl.store(send_meta_ptr + e + 3, (n_bad == 0).to(tl.int64))
+            if ASSERT_VALID:
+                tl.device_assert(n_bad == 0, _BAD_IDS)
 
 
 def one_program_sizes(num_slots: int, num_experts: int) -> Optional[tuple[int, int]]:
@@ -254,7 +292,7 @@ def plan_slots(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_idx (T, K) integer expert ids -> order (N,), position (T, K), send_meta
     (W, e + 3), all int64, as ``layout.plan_routing`` defines them: one launch up to
-    ``ONE_PROGRAM_SLOTS`` slots, else a memset and two; no host sync. ``max_programs``: at most
+    ``ONE_PROGRAM_SLOTS`` slots, else three; no host sync. ``max_programs``: at most
     that many programs a launch, each striding over blocks of slots (an SM budget)."""
     T, K = topk_idx.shape
     order = torch.empty(T * K, dtype=torch.int64, device=topk_idx.device)
@@ -306,16 +344,25 @@ def _launch(topk_idx: torch.Tensor, num_experts: int, world_size: int, order: to
     else:
         block_s = min(GPU_BLOCK_S, max(64, triton.next_power_of_2(triton.cdiv(N, 16))))
     B = max(1, triton.cdiv(N, block_s))
-    counts = torch.zeros(B * (E + 1) + E + 1 + 3, dtype=torch.int64, device=dev)  # blocks, totals, status
-    NB = triton.next_power_of_2(E + 1)
-    scratch = torch.empty(B, NB, dtype=torch.int32, device=dev)
+    NB = triton.next_power_of_2(E + 2)  # the buckets, and a bin past them for the lanes past N
     grid = program_grid(B, 1, max_programs)[:1]
+    # the interpreter (CPU tests): small scan tiles, so that every loop of the scan takes turns
+    scan_rows, scan_buckets = (4, 16) if interpreting() else (min(SCAN_BLOCKS, triton.next_power_of_2(B)), SCAN_BUCKETS)
+    scan_grid = program_grid(triton.cdiv(E + 1, scan_buckets), 1, max_programs)[:1]
+    # one tensor (one allocation): rows [0, B) the blocks' counts, [B, 2B] the offsets and the totals, then a
+    # scratch row for each program of the last kernel
+    table = torch.empty(2 * B + 1 + grid[0], NB, dtype=torch.int32, device=dev)
+    status = torch.empty(B + 1, 3, dtype=torch.int64, device=dev)  # by block, and all
     with LAUNCH_LOCK:
-        launch(_block_counts_kernel, idx)[grid](idx, counts, order, N, E, B, order.numel() if rows else 0,
-                                                BLOCK_S=block_s, num_warps=num_warps)
+        launch(_block_counts_kernel, idx)[grid](idx, table, status, order, N, E, B, order.numel() if rows else 0,
+                                                NB=NB, BLOCK_S=block_s, num_warps=num_warps)
+        launch(_bucket_offsets_kernel, idx)[scan_grid](
+            table, status, E, B, NB=NB, BLOCK_P=scan_rows, BLOCK_G=scan_buckets,
+            num_warps=4 if num_warps > 1 else 1,
+        )
         launch(_slot_positions_kernel, idx)[grid](
-            idx, counts, scratch, position, order, send_meta, N, E, e, W, B, alignment, order.numel(),
-            NB=NB, BLOCK_S=block_s, BLOCK_J=min(block_s, 64), BLOCK_P=max(1, min(16, 8192 // NB)),
-            BLOCK_W=triton.next_power_of_2(W), ROWS=rows, num_warps=num_warps, **checks,
+            idx, table, status, position, order, send_meta, N, E, e, W, B, alignment, order.numel(),
+            NB=NB, BLOCK_S=block_s, BLOCK_J=min(block_s, 64), BLOCK_W=triton.next_power_of_2(W), ROWS=rows,
+            num_warps=num_warps, **checks,
         )
     return position.view(T, K), send_meta
