@@ -33,21 +33,18 @@ def e4m3_bits(v):
     """fp32 ``v`` with |v| <= 448 (or NaN) -> its float8_e4m3fn bits (uint8), rounded to nearest
     even as torch's cast; NaN -> 0x7F with v's sign bit. (A quantized block never exceeds 448:
     torch's saturating or NaN-ing of larger values is not needed.)"""
-    b_sign = ((v.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.int32)
-    b_abs = tl.abs(v)
+    b_raw = v.to(tl.int32, bitcast=True)
+    b_sign = (b_raw >> 24) & 0x80
+    b_bits = b_raw & 0x7FFFFFFF  # |v|
     # Normal range (|v| >= 2**-6): keep 3 mantissa bits, rounding half to even at bit 20; a carry
     # moves into the exponent. fp8 code = (exp - 127 + 7) << 3 | mantissa.
-    b_bits = b_abs.to(tl.int32, bitcast=True)
-    b_bits = b_bits + 0x7FFFF + ((b_bits >> 20) & 1)
-    b_normal = (b_bits >> 20) - (120 << 3)
+    b_normal = ((b_bits + 0x7FFFF + ((b_bits >> 20) & 1)) >> 20) - (120 << 3)
     # Subnormal range: multiples of 2**-9, the code is the multiple (8 is 2**-6, the first normal).
-    b_steps = b_abs * 512.0  # exact
-    b_floor = b_steps.to(tl.int32)  # non-negative: truncation is floor
-    b_frac = b_steps - b_floor.to(tl.float32)
-    b_up = (b_frac > 0.5) | ((b_frac == 0.5) & ((b_floor & 1) == 1))
-    b_sub = b_floor + b_up.to(tl.int32)
-    b_code = tl.where(b_abs < 0.015625, b_sub, b_normal)
-    b_code = tl.where(b_abs != b_abs, 0x7F, b_code)  # NaN stays NaN
+    # fp32's step in [2**14, 2**15) is 2**-9, so adding 2**14 rounds |v| to a multiple, half to
+    # even, and the sum's bits less 2**14's count the multiples.
+    b_sub = (b_bits.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
+    b_code = tl.where(b_bits < 0x3C800000, b_sub, b_normal)  # 0x3C800000: 2**-6
+    b_code = tl.where(b_bits > 0x7F800000, 0x7F, b_code)  # NaN stays NaN
     return (b_sign | b_code).to(tl.uint8)
 
 
