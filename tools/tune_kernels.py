@@ -70,7 +70,8 @@ def graph_us(fn) -> float:
 
 def sweep_layout(T: int) -> None:
     """plan_slots at T tokens: the one-program plan (a sort in registers; by warps) and the
-    three kernels (by slots per program and warps), each checked against torch's path."""
+    three kernels (by slots per program, warps and buckets a scan program), each checked against
+    torch's path."""
     dev = torch.device("cuda")
     _, topk_idx = torch.randn(T, E, device=dev).topk(K, dim=-1)
     topk_idx[::5, 0] = -1  # some dropped slots
@@ -78,16 +79,19 @@ def sweep_layout(T: int) -> None:
     torch_path = lambda: layout._plan_routing_torch(topk_idx, E, 1)  # noqa: E731
     print(f"layout T = {T} (N = {T * K}): torch path eager {median_us(torch_path):.1f} us, "
           f"graph {graph_us(torch_path):.1f} us")
-    chosen = routing.ONE_PROGRAM_SLOTS, routing.GPU_BLOCK_S, routing.GPU_NUM_WARPS
+    chosen = routing.ONE_PROGRAM_SLOTS, routing.GPU_BLOCK_S, routing.GPU_NUM_WARPS, routing.SCAN_BUCKETS
     results = []  # NB: block sizes of 512 and more take minutes of ptxas
-    configs = [(1 << 30, 0, w) for w in (4, 8)] + [(0, b, w) for b, w in itertools.product([64, 128, 256], [8])]
-    for one_program, block_s, warps in configs:
-        routing.ONE_PROGRAM_SLOTS, routing.GPU_BLOCK_S, routing.GPU_NUM_WARPS = one_program, block_s or chosen[1], warps
+    configs = [(1 << 30, 0, w, chosen[3]) for w in (4, 8)]
+    configs += [(0, *c) for c in itertools.product([64, 128, 256], [8], [16, 32, 64])]
+    for one_program, block_s, warps, buckets in configs:
+        routing.ONE_PROGRAM_SLOTS, routing.GPU_BLOCK_S, routing.GPU_NUM_WARPS, routing.SCAN_BUCKETS = (
+            one_program, block_s or chosen[1], warps, buckets)
         fn = lambda: routing.plan_slots(topk_idx, E, 1)  # noqa: E731
-        name = f"one program, {warps:2} warps" if one_program else f"three kernels, {block_s:3} slots, {warps} warps"
+        name = (f"one program, {warps:2} warps" if one_program
+                else f"three kernels, {block_s:3} slots, {warps} warps, {buckets:2} buckets a scan program")
         assert all(torch.equal(g, w) for g, w in zip(fn(), want)), f"plan_slots != torch: {name}"
         results.append((graph_us(fn), median_us(fn), name))
-    routing.ONE_PROGRAM_SLOTS, routing.GPU_BLOCK_S, routing.GPU_NUM_WARPS = chosen
+    routing.ONE_PROGRAM_SLOTS, routing.GPU_BLOCK_S, routing.GPU_NUM_WARPS, routing.SCAN_BUCKETS = chosen
     for g, eager, name in sorted(results):
         print(f"  plan_slots {name}: graph {g:6.1f} us, eager {eager:6.1f} us")
 

@@ -72,7 +72,9 @@ def _quantize_rows_kernel(
 GPU_BLOCK_R, GPU_NUM_WARPS = 8, 2
 """Tokens per program and warps on a GPU (a program: one 128-channel block of GPU_BLOCK_R tokens).
 Swept on an H200 at H = 7168 (block 1..64 x warps 1..8): 38.7 us at T = 4096 (floor 21.2; 8 x 4
-took 44.0, the best 37.9), 6.3 us at T = 128; torch ops (``fp8.quantize``) take 355 / 68 us."""
+took 44.0, the best 37.9), 6.3 us at T = 128; torch ops (``fp8.quantize``) take 355 / 68 us. That
+was before the subnormal rounding took one add: on an H100 (same run) T = 4096 went from 44.3 to
+38.5 us, 73% -> 84% of a copy of the same bytes (docs/benchmarks.md, fourteenth session)."""
 BUDGET_BLOCK_R, BUDGET_NUM_WARPS = 64, 8
 """The same under an SM budget: one program per SM, so more tokens a step (as _config.BUDGET_BLOCKS)."""
 
