@@ -110,11 +110,11 @@ PLAN_KERNELS = (0, 1 << 20)
 """``one_program_slots`` values that take each of the plan's kernel paths: three kernels, one program."""
 
 
-def _assert_kernels_match_torch(topk_idx: torch.Tensor, E: int, W: int) -> None:
+def _assert_kernels_match_torch(topk_idx: torch.Tensor, E: int, W: int, max_programs=None) -> None:
     want = layout._plan_routing_torch(topk_idx, E, W)
     for slots in PLAN_KERNELS:
         with one_program_slots(slots):
-            got = loader.load().plan_slots(topk_idx, E, W)
+            got = loader.load().plan_slots(topk_idx, E, W, max_programs)
         for name, g, w in zip(("order", "position", "send_meta"), got, want):
             assert g.dtype == w.dtype and g.shape == w.shape, name
             assert torch.equal(g, w), (slots, name, g, w)
@@ -135,6 +135,18 @@ def test_plan_routing_kernels_many_blocks(E, W):
     topk_idx = torch.randint(-1, E, (700, 4), generator=g)
     topk_idx[::97, 1] = E + 3  # out of range: counted in the status, sent nowhere
     _assert_kernels_match_torch(topk_idx, E, W)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("max_programs", [1, 3])
+def test_plan_routing_kernels_under_a_budget(max_programs):
+    """At most ``max_programs`` programs a launch: each program of the counts and the positions
+    strides over blocks of slots, and each of the scan over blocks of buckets (256 buckets here,
+    16 a program in the interpreter); the plan is the same."""
+    g = torch.Generator().manual_seed(max_programs)
+    topk_idx = torch.randint(-1, 255, (700, 4), generator=g)
+    topk_idx[::89, 2] = -5  # bad: counted in the status
+    _assert_kernels_match_torch(topk_idx, 255, 5, max_programs)
 
 
 @LAYOUT_EXAMPLES
