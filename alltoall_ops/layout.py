@@ -57,8 +57,9 @@ def plan_routing(topk_idx: torch.Tensor, num_experts: int, world_size: int,
 
     Out-of-range ids are treated as dropped here and reported in the status columns, so that
     the metadata exchange can tell every rank about them before any payload moves. One op
-    (``alltoall_ops::plan_routing``; called directly in plain eager code): on CUDA two kernel
-    launches and no sort (up to ``kernels.routing_plan.MAX_SLOTS`` slots; a stable sort above), of
+    (``alltoall_ops::plan_routing``; called directly in plain eager code): on CUDA one kernel
+    launch up to ``ONE_PROGRAM_SLOTS`` slots, else three, and no sort (up to
+    ``kernels.routing_plan.MAX_SLOTS`` slots; a stable sort above), of
     at most ``max_programs`` programs each (an SM budget: symm_mem's ``num_sms``)."""
     order, position, send_meta = call(plan_routing_op, topk_idx, num_experts, world_size, max_programs)
     return RoutingPlan(order=order, position=position, send_meta=send_meta)

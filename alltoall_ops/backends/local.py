@@ -6,7 +6,7 @@ expert-major rows (expert 0's group first, each in token order, padded to the al
 every other row (padding, and the tail left by dropped slots and unused padding) is ZERO, as is
 combine's gradient for it, so expert code that runs on all C rows (a per-expert loop, a plain
 matmul) cannot leak them into a result or a weight gradient. The routing layout lives on the
-device (``layout.plan_rows``: two kernel launches on CUDA, or a sort); the ops:
+device (``layout.plan_rows``: one to three kernel launches on CUDA, or a sort); the ops:
 
     local_dispatch  (T, H) tokens -> (C, H) rows: one gather (``rows.gather_rows``); with an
                     fp8 payload (``alltoall_ops.payload``) one for the values, one for the scales
