@@ -11,6 +11,9 @@ Kernels (bf16, H = 7168, K = 8, E = 256, fresh random top-k routing):
 - ``pull_rows``: routed rows, C = T*K, all C written (num_routed = C), each read from row
   ``tags[d, 1]`` of x (one rank's source); bytes 2 * C * H * 2.
 - ``weight_grad``: reads grad_y (T, H) and (T*K, H) rows; bytes (T + T*K) * H * 2.
+- ``quantize`` (fp8): x (T, H) bf16 into the dispatch's wire rows, by tokens a program and warps
+  (``kernels/quantize.py``'s ``GPU_BLOCK_R`` / ``GPU_NUM_WARPS``); bytes T * H * 2 read plus the
+  (T, H + 4 H / 128) rows written.
 - ``plan_slots`` (the layout: routing -> order, positions, counts), checked against its torch
   implementation, timed eagerly and replayed from a CUDA graph (device time), against torch's
   path (a stable sort and some 20 small ops): the one-program plan by warps, the three kernels
@@ -41,19 +44,27 @@ H, K, E = 7168, 8, 256
 median_us = timer(torch.device("cuda"))
 
 
-def sweep(name: str, fn, nbytes: int, bandwidth: float, configs, top: int) -> None:
+def _use_blocks(name: str, cfg: tuple) -> None:
+    _config.GPU_BLOCKS[name] = cfg
+
+
+def sweep(name: str, fn, nbytes: int, bandwidth: float, configs, top: int, use=_use_blocks,
+          legend: str = "(BLOCK_R, BLOCK_H at 2 bytes, num_warps)") -> None:
+    """Time ``fn`` with each of ``configs`` in use (``use(name, cfg)``; by default the kernel's
+    ``_config.GPU_BLOCKS`` entry), print the fastest against the copy floor of ``nbytes``, and
+    keep the best in use."""
     floor = nbytes / bandwidth * 1e6
     results = []
     for cfg in configs:
-        _config.GPU_BLOCKS[name] = cfg
+        use(name, cfg)
         try:
             results.append((median_us(fn), cfg))
         except Exception as exc:  # noqa: BLE001 - an illegal config (registers, shared memory)
             print(f"  {name} {cfg}: {type(exc).__name__}")
     results.sort()
     best = results[0][1]
-    _config.GPU_BLOCKS[name] = best
-    print(f"{name}: floor {floor:.1f} us; (BLOCK_R, BLOCK_H at 2 bytes, num_warps) best first")
+    use(name, best)
+    print(f"{name}: floor {floor:.1f} us; {legend} best first")
     for us, cfg in results[:top]:
         print(f"  {str(cfg):>18} {us:8.1f} us  x{us / floor:.2f}")
 
@@ -141,9 +152,35 @@ def sweep_rows(T: int, bandwidth: float, top: int) -> None:
         k.pull_rows(tags_region, num_routed, send, row_src, rows=x)
 
     sweep("pull_rows", pull_rows, 2 * N * H * 2, bandwidth, itertools.product([2, 4, 8], [2048, 4096], warps), top)
+    sweep_quantize(x, bandwidth, top)
     grad_w = torch.empty(T, K, device=dev)
     sweep("weight_grad", lambda: k.weight_grad(x, ret, plan.position, grad_w, torch.float32),
           nbytes, bandwidth, itertools.product([1, 2, 4], [2048, 4096], warps), top)
+
+
+def sweep_quantize(x: torch.Tensor, bandwidth: float, top: int) -> None:
+    """The fp8 quantize (``kernels/quantize.py``) of x (T, H) into wire rows, as the dispatch
+    runs it, by tokens a program and warps (its ``GPU_BLOCK_R``, ``GPU_NUM_WARPS``), each result
+    checked bit for bit against ``fp8.quantize``; bytes: x read, the wire rows written."""
+    from alltoall_ops import fp8
+    from alltoall_ops.kernels import quantize
+
+    T, H = x.shape
+    values, scales = fp8.quantize(x)
+    wire = torch.empty(T, fp8.packed_width(H), dtype=torch.uint8, device=x.device)
+
+    def use(_name: str, cfg: tuple) -> None:
+        quantize.GPU_BLOCK_R, quantize.GPU_NUM_WARPS = cfg
+
+    chosen = quantize.GPU_BLOCK_R, quantize.GPU_NUM_WARPS
+    for cfg in itertools.product([1, 2, 4, 8, 16, 32], [1, 2, 4, 8]):
+        use("quantize", cfg)
+        got_values, got_scales = quantize.quantize_rows(x, out_TP=wire)
+        assert torch.equal(got_values, values.view(torch.uint8)) and torch.equal(got_scales, scales), cfg
+    use("quantize", chosen)
+    sweep("quantize", lambda: quantize.quantize_rows(x, out_TP=wire), x.numel() * 2 + wire.numel(), bandwidth,
+          itertools.product([1, 2, 4, 8, 16, 32], [1, 2, 4, 8]), top, use, "(tokens a program, num_warps)")
+    print(f"  in use: {chosen}")
 
 
 def _seq_pieces_steps(S: int, W: int, configs: list) -> dict:
