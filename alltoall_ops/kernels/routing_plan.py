@@ -53,9 +53,10 @@ at N = 256 / 1024 against 8.8 / 9.1 us for the memset and two kernels that the t
 replaced, and saves launches and allocations; at N = 2048 / 4096 it takes 21 / 60 us against
 11 / 19."""
 SCAN_BUCKETS = 16
-"""Buckets per program of ``_bucket_offsets_kernel``. On the H200 and the H100 (CUDA graphs, E = 256,
-``_scratch`` A/B of 2026-12-05, docs/benchmarks.md) 16 was best or tied at every N: the plan of
-N = 32768 / 131072 took 21.7 / 68.2 us (32: 22.2 / 69.7; 64: 25.4 / 81.5)."""
+"""Buckets per program of ``_bucket_offsets_kernel``. On the H200 and the H100 (CUDA graphs, E = 256;
+docs/benchmarks.md, fourteenth session; ``tools/tune_kernels.py --layout-only`` sweeps it) 16 was
+best or tied at every N: the plan of N = 32768 / 131072 took 21.7 / 68.2 us (32: 22.2 / 69.7;
+64: 25.4 / 81.5)."""
 SCAN_BLOCKS = 128
 """Blocks' counts per tile of ``_bucket_offsets_kernel``."""
 _BAD_IDS = tl.constexpr(BAD_IDS)
