@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 
 import torch
 
@@ -57,15 +58,11 @@ def main() -> None:
     args = parser.parse_args()
     print("| H | W | K | payload | written / payload | largest writers |")
     print("|---|---|---|---|---|---|")
-    for hidden in args.hidden:
-        for payload_dtype in (None, torch.float8_e4m3fn):
-            for K in (6, 8):
-                for W in (1, 2, 4):
-                    written, payload = dispatch_bytes(W, K, payload_dtype, hidden=hidden)
-                    top = ", ".join(f"{name} {n / payload:.3f}" for name, n in written.most_common(3))
-                    name = "bf16" if payload_dtype is None else "fp8"
-                    print(f"| {hidden} | {W} | {K} | {name} | {sum(written.values()) / payload:.3f} | {top} |",
-                          flush=True)
+    for hidden, payload_dtype, K, W in itertools.product(args.hidden, (None, torch.float8_e4m3fn), (6, 8), (1, 2, 4)):
+        written, payload = dispatch_bytes(W, K, payload_dtype, hidden=hidden)
+        top = ", ".join(f"{name} {n / payload:.3f}" for name, n in written.most_common(3))
+        name = "bf16" if payload_dtype is None else "fp8"
+        print(f"| {hidden} | {W} | {K} | {name} | {sum(written.values()) / payload:.3f} | {top} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -173,13 +173,14 @@ def sweep_quantize(x: torch.Tensor, bandwidth: float, top: int) -> None:
         quantize.GPU_BLOCK_R, quantize.GPU_NUM_WARPS = cfg
 
     chosen = quantize.GPU_BLOCK_R, quantize.GPU_NUM_WARPS
-    for cfg in itertools.product([1, 2, 4, 8, 16, 32], [1, 2, 4, 8]):
+    configs = list(itertools.product([1, 2, 4, 8, 16, 32], [1, 2, 4, 8]))
+    for cfg in configs:
         use("quantize", cfg)
         got_values, got_scales = quantize.quantize_rows(x, out_TP=wire)
         assert torch.equal(got_values, values.view(torch.uint8)) and torch.equal(got_scales, scales), cfg
     use("quantize", chosen)
     sweep("quantize", lambda: quantize.quantize_rows(x, out_TP=wire), x.numel() * 2 + wire.numel(), bandwidth,
-          itertools.product([1, 2, 4, 8, 16, 32], [1, 2, 4, 8]), top, use, "(tokens a program, num_warps)")
+          configs, top, use, "(tokens a program, num_warps)")
     print(f"  in use: {chosen}")
 
 

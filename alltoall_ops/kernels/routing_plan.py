@@ -57,8 +57,8 @@ SCAN_BUCKETS = 16
 docs/benchmarks.md, fourteenth session; ``tools/tune_kernels.py --layout-only`` sweeps it) 16 was
 best or tied at every N: the plan of N = 32768 / 131072 took 21.7 / 68.2 us (32: 22.2 / 69.7;
 64: 25.4 / 81.5)."""
-SCAN_BLOCKS = 128
-"""Blocks' counts per tile of ``_bucket_offsets_kernel``."""
+SCAN_BLOCKS, SCAN_NUM_WARPS = 128, 4
+"""Blocks' counts per tile of ``_bucket_offsets_kernel``, and its warps."""
 _BAD_IDS = tl.constexpr(BAD_IDS)
 MAX_SLOTS = 262144
 """Most slots N that ``plan_routing`` gives these kernels; above it, the sort path. On the H200
@@ -348,7 +348,8 @@ def _launch(topk_idx: torch.Tensor, num_experts: int, world_size: int, order: to
     NB = triton.next_power_of_2(E + 2)  # the buckets, and a bin past them for the lanes past N
     grid = program_grid(B, 1, max_programs)[:1]
     # the interpreter (CPU tests): small scan tiles, so that every loop of the scan takes turns
-    scan_rows, scan_buckets = (4, 16) if interpreting() else (min(SCAN_BLOCKS, triton.next_power_of_2(B)), SCAN_BUCKETS)
+    scan_rows, scan_buckets, scan_warps = (4, 16, 1) if interpreting() else (
+        min(SCAN_BLOCKS, triton.next_power_of_2(B)), SCAN_BUCKETS, SCAN_NUM_WARPS)
     scan_grid = program_grid(triton.cdiv(E + 1, scan_buckets), 1, max_programs)[:1]
     # one tensor (one allocation): rows [0, B) the blocks' counts, [B, 2B] the offsets and the totals, then a
     # scratch row for each program of the last kernel
@@ -358,8 +359,7 @@ def _launch(topk_idx: torch.Tensor, num_experts: int, world_size: int, order: to
         launch(_block_counts_kernel, idx)[grid](idx, table, status, order, N, E, B, order.numel() if rows else 0,
                                                 NB=NB, BLOCK_S=block_s, num_warps=num_warps)
         launch(_bucket_offsets_kernel, idx)[scan_grid](
-            table, status, E, B, NB=NB, BLOCK_P=scan_rows, BLOCK_G=scan_buckets,
-            num_warps=4 if num_warps > 1 else 1,
+            table, status, E, B, NB=NB, BLOCK_P=scan_rows, BLOCK_G=scan_buckets, num_warps=scan_warps,
         )
         launch(_slot_positions_kernel, idx)[grid](
             idx, table, status, position, order, send_meta, N, E, e, W, B, alignment, order.numel(),
