@@ -92,8 +92,10 @@ def sweep_layout(T: int) -> None:
           f"graph {graph_us(torch_path):.1f} us")
     chosen = routing.ONE_PROGRAM_SLOTS, routing.GPU_BLOCK_S, routing.GPU_NUM_WARPS, routing.SCAN_BUCKETS
     results = []  # NB: block sizes of 512 and more take minutes of ptxas
-    configs = [(1 << 30, 0, w, chosen[3]) for w in (4, 8)]
-    configs += [(0, *c) for c in itertools.product([64, 128, 256], [8], [16, 32, 64])]
+    # one program sorts all N slots in registers: past a few thousand, minutes of ptxas for nothing
+    configs = [(1 << 30, 0, w, chosen[3]) for w in (4, 8)] if T * K <= 4 * routing.ONE_PROGRAM_SLOTS else []
+    configs += [(0, *c) for c in itertools.product([32, 64, 128, 256], [2, 4, 8], [chosen[3]])]
+    configs += [(0, chosen[1], chosen[2], b) for b in (32, 64)]
     for one_program, block_s, warps, buckets in configs:
         routing.ONE_PROGRAM_SLOTS, routing.GPU_BLOCK_S, routing.GPU_NUM_WARPS, routing.SCAN_BUCKETS = (
             one_program, block_s or chosen[1], warps, buckets)
