@@ -40,7 +40,7 @@ import triton.language as tl
 from ..validation import BAD_IDS
 from ._config import LAUNCH_LOCK, assert_options, launch, interpreting, program_grid
 
-GPU_BLOCK_S = 256
+GPU_BLOCK_S = 64
 """Most slots per program on a GPU; small N takes fewer (at least 64), for more programs. Swept
 with ``tools/tune_kernels.py`` on the H200 (E = 256): N = 1024 best at 64 (12.4 us in a CUDA
 graph; 256: 22 us), N = 65536 at 256 (52 us; 128: 62 us); 512 and more spill registers."""
@@ -64,6 +64,28 @@ MAX_SLOTS = 262144
 """Most slots N that ``plan_routing`` gives these kernels; above it, the sort path. On the H200
 in a CUDA graph (E = 256) the kernels take 37.1 / 68.2 / 129.8 us at N = 65536 / 131072 /
 262144 against the sort path's 98.7 / 106.8 / 134.5 (the largest N measured)."""
+
+
+@triton.jit
+def _store_send_meta(send_meta_ptr, b_total, n_bad, lowest, highest, E, e, W, NB: tl.constexpr,
+                     BLOCK_W: tl.constexpr, ROWS: tl.constexpr, ASSERT_VALID: tl.constexpr):
+    """send_meta (W, e + 3) from the buckets' totals b_total [NB] (bucket g < E: expert g) and the
+    status (n_bad, lowest, highest): expert g's count at row g // e, column g % e, the status
+    in the last three columns of every row. ROWS (one rank, (1, E + 4)): 1 in the last column
+    where no id is bad (ASSERT_VALID: else a device-side assert)."""
+    o_g = tl.arange(0, NB)
+    tl.store(send_meta_ptr + (o_g // e) * (e + 3) + o_g % e, b_total.to(tl.int64), mask=o_g < E)
+    o_w = tl.arange(0, BLOCK_W)
+    m_w = o_w < W
+    b_zero = tl.zeros([BLOCK_W], dtype=tl.int64)
+    p_row = send_meta_ptr + o_w * (e + 3) + e
+    tl.store(p_row, b_zero + n_bad, mask=m_w)
+    tl.store(p_row + 1, b_zero + lowest, mask=m_w)
+    tl.store(p_row + 2, b_zero + highest, mask=m_w)
+    if ROWS:
+        tl.store(send_meta_ptr + e + 3, (n_bad == 0).to(tl.int64))
+        if ASSERT_VALID:
+            tl.device_assert(n_bad == 0, _BAD_IDS)
 
 
 @triton.jit
@@ -164,22 +186,10 @@ def _slot_positions_kernel(
         else:
             tl.store(position_ptr + o_s, b_pos.to(tl.int64), mask=m_s)
             tl.store(order_ptr + b_pos, o_s.to(tl.int64), mask=m_s)
-    if tl.program_id(0) == 0:  # counts of every local expert of every rank, and the status columns
-        m_valid = o_g < E
-        tl.store(send_meta_ptr + (o_g // e) * (e + 3) + o_g % e, b_total.to(tl.int64), mask=m_valid)
+    if tl.program_id(0) == 0:
         p_status = status_ptr + num_blocks * 3
-        o_w = tl.arange(0, BLOCK_W)
-        m_w = o_w < W
-        b_zero = tl.zeros([BLOCK_W], dtype=tl.int64)
-        p_row = send_meta_ptr + o_w * (e + 3) + e
-        tl.store(p_row, b_zero + tl.load(p_status), mask=m_w)
-        tl.store(p_row + 1, b_zero + tl.load(p_status + 1), mask=m_w)
-        tl.store(p_row + 2, b_zero + tl.load(p_status + 2), mask=m_w)
-        if ROWS:  # one rank: its routing is valid (no bad ids)
-            n_bad = tl.load(p_status)
-            tl.store(send_meta_ptr + e + 3, (n_bad == 0).to(tl.int64))
-            if ASSERT_VALID:
-                tl.device_assert(n_bad == 0, _BAD_IDS)
+        _store_send_meta(send_meta_ptr, b_total, tl.load(p_status), tl.load(p_status + 1), tl.load(p_status + 2),
+                         E, e, W, NB, BLOCK_W, ROWS, ASSERT_VALID)
 
 
 def one_program_sizes(num_slots: int, num_experts: int) -> Optional[tuple[int, int]]:
@@ -235,19 +245,7 @@ def _plan_in_one_program_kernel(
         tl.store(position_ptr + b_slot, b_place, mask=m_s)
         if ORDER:
             tl.store(order_ptr + o_s, b_slot, mask=m_s)
-    m_valid = o_g < E  # counts of every local expert of every rank, and the status columns
-    tl.store(send_meta_ptr + (o_g // e) * (e + 3) + o_g % e, b_total.to(tl.int64), mask=m_valid)
-    o_w = tl.arange(0, BLOCK_W)
-    m_w = o_w < W
-    b_zero = tl.zeros([BLOCK_W], dtype=tl.int64)
-    p_row = send_meta_ptr + o_w * (e + 3) + e
-    tl.store(p_row, b_zero + n_bad, mask=m_w)
-    tl.store(p_row + 1, b_zero + lowest, mask=m_w)
-    tl.store(p_row + 2, b_zero + highest, mask=m_w)
-    if ROWS:  # one rank: its routing is valid (no bad ids)
-        tl.store(send_meta_ptr + e + 3, (n_bad == 0).to(tl.int64))
-        if ASSERT_VALID:
-            tl.device_assert(n_bad == 0, _BAD_IDS)
+    _store_send_meta(send_meta_ptr, b_total, n_bad, lowest, highest, E, e, W, NB, BLOCK_W, ROWS, ASSERT_VALID)
 
 
 @triton.jit
