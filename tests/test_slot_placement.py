@@ -201,15 +201,36 @@ def test_one_rank_reads_the_plan(T, K, E, alignment, max_slots, capacity):
 
 
 def test_placement_plans_first_only_what_one_program_plans():
-    from alltoall_ops.kernels import routing_plan, slot_placement
-
-    assert routing_plan.ONE_PROGRAM_SLOTS <= slot_placement.GPU_BLOCK_S  # what symm_exchange_meta relies on
     topk_idx, position, send_meta = _routing(513, 2, 4, seed=5)
     kwargs = dict(E=4, rank=0, alignment=1, max_slots=2000, capacity=2000)
     for meta, pos, W, message in ((None, None, 1, "1026 slots"), (None, position, 1, "both None"),
                                   (None, None, 2, "world_size 2")):
         with pytest.raises(ValueError, match=message):
             _place(meta, topk_idx if W == 1 else topk_idx[:8], pos, W=W, **kwargs)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 1024), st.integers(1, 8), st.integers(1, 300), st.sampled_from([None, 1, 2, 3, 16]),
+       st.integers(1, 4), st.data())
+def test_the_placement_plans_its_blocks_as_plan_routing(N, K, E, max_programs, alignment, data):
+    # One rank, the plan first: every program plans the blocks of slots it places
+    # (routing_plan.plan_blocks_first: each slot's position counted against all N slots, a copy of
+    # send_meta a program). Over the block count, several blocks a program (an SM budget) and
+    # bad ids and -1: the routing plan's positions, the row with this call's header, and the
+    # placement of those. A slot's key is compared with slots in other blocks, before and after it.
+    T = N // K
+    E_hot = data.draw(st.integers(1, E))  # few hot experts: long runs of one bucket across blocks
+    ids = data.draw(st.lists(st.integers(-2, E_hot), min_size=T * K, max_size=T * K))
+    topk_idx = torch.tensor(ids, dtype=torch.int64).view(T, K)
+    plan = layout.plan_routing(topk_idx.to(DEVICE), E, 1)
+    position, send_meta = plan.position.cpu(), plan.send_meta.cpu()
+    kwargs = dict(W=1, E=E, rank=0, alignment=alignment, max_slots=T * K, capacity=T * K * alignment + 1)
+    planned = _place(None, topk_idx, None, max_programs=max_programs, **kwargs)
+    row = torch.cat([send_meta[0], torch.tensor([T * K, alignment, 0, 0])]).view(1, -1)
+    assert torch.equal(planned.position_TK.cpu(), position) and torch.equal(planned.meta_WL.cpu(), row)
+    assert int(planned.failed_checks_1) == _reference_checks(row, E, 0, alignment, T * K, kwargs["capacity"], True)
+    _assert_placement(planned, _reference_placement(row[:, :E], topk_idx, position, 0, alignment, T * K,
+                                                    kwargs["capacity"]))
 
 
 @settings(max_examples=40, deadline=None)

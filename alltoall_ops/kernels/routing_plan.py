@@ -67,6 +67,25 @@ in a CUDA graph (E = 256) the kernels take 37.1 / 68.2 / 129.8 us at N = 65536 /
 
 
 @triton.jit
+def _buckets(b_idx, m_s, E, NB: tl.constexpr):
+    """Slots' ids [S] and mask [S] (the slot < N) -> their buckets [S] int32: the id where in
+    [0, E), else E (goes nowhere); NB - 1 (> E, sorts last) past N. The ids come in loaded: an
+    address computed from a helper's result marks the helper's pointer arguments as written
+    for inductor (``tests/test_kernel_inputs.py``)."""
+    return tl.where(m_s, tl.where((b_idx >= 0) & (b_idx < E), b_idx, E), NB - 1).to(tl.int32)
+
+
+@triton.jit
+def _status(b_idx, b_bucket, E):
+    """The status of slots [S] (their ids, -1 past N, and ``_buckets``): (bad ids: not -1 and not in [0, E),
+    min(ids, -1), max(ids, -1)), int64 scalars."""
+    n_bad = tl.sum(((b_bucket == E) & (b_idx != -1)).to(tl.int64), axis=0)
+    lowest = tl.minimum(tl.min(b_idx, axis=0), -1)  # lanes past N hold -1
+    highest = tl.maximum(tl.max(b_idx, axis=0), -1)
+    return n_bad, lowest, highest
+
+
+@triton.jit
 def _store_send_meta(send_meta_ptr, b_total, n_bad, lowest, highest, E, e, W, NB: tl.constexpr,
                      BLOCK_W: tl.constexpr, ROWS: tl.constexpr, ASSERT_VALID: tl.constexpr):
     """send_meta (W, e + 3) from the buckets' totals b_total [NB] (bucket g < E: expert g) and the
@@ -102,15 +121,14 @@ def _block_counts_kernel(
             o_f = i_f + tl.arange(0, BLOCK_S)
             tl.store(fill_ptr + o_f, tl.full([BLOCK_S], -1, tl.int64), mask=o_f < fill_end)
         o_s = i_b * BLOCK_S + tl.arange(0, BLOCK_S)  # [BS] slots
-        m_s = o_s < N
-        b_idx = tl.load(idx_ptr + o_s, mask=m_s, other=-1).to(tl.int64)
-        b_valid = (b_idx >= 0) & (b_idx < E)
-        b_bucket = tl.where(m_s, tl.where(b_valid, b_idx, E), NB - 1).to(tl.int32)  # bin NB - 1 > E: past N
+        b_idx = tl.load(idx_ptr + o_s, mask=o_s < N, other=-1).to(tl.int64)
+        b_bucket = _buckets(b_idx, o_s < N, E, NB)
         tl.store(table_ptr + i_b * NB + tl.arange(0, NB), tl.histogram(b_bucket, NB))  # the block's counts
+        n_bad, lowest, highest = _status(b_idx, b_bucket, E)
         p_status = status_ptr + i_b * 3
-        tl.store(p_status, tl.sum((m_s & ~b_valid & (b_idx != -1)).to(tl.int64), axis=0))
-        tl.store(p_status + 1, tl.minimum(tl.min(b_idx, axis=0), -1))  # masked lanes hold -1
-        tl.store(p_status + 2, tl.maximum(tl.max(b_idx, axis=0), -1))
+        tl.store(p_status, n_bad)
+        tl.store(p_status + 1, lowest)
+        tl.store(p_status + 2, highest)
 
 
 @triton.jit
@@ -169,14 +187,12 @@ def _slot_positions_kernel(
     for i_b in range(tl.program_id(0), num_blocks, tl.num_programs(0)):  # blocks of slots (an SM budget: several)
         o_s = i_b * BLOCK_S + tl.arange(0, BLOCK_S)  # [BS] slots
         m_s = o_s < N
-        b_idx = tl.load(idx_ptr + o_s, mask=m_s, other=-1)
-        b_bucket = tl.where((b_idx >= 0) & (b_idx < E), b_idx, E).to(tl.int32)
+        b_bucket = _buckets(tl.load(idx_ptr + o_s, mask=m_s, other=-1), m_s, E, NB)
         b_pos = tl.load(p_base + b_bucket, mask=m_s, other=0)  # [BS] lower buckets
         b_pos += tl.load(offsets_ptr + i_b * NB + b_bucket, mask=m_s, other=0)  # earlier blocks
         for j in tl.static_range(0, BLOCK_S, BLOCK_J):  # earlier slots of this block, same bucket
             o_j = i_b * BLOCK_S + j + tl.arange(0, BLOCK_J)
-            b_jdx = tl.load(idx_ptr + o_j, mask=o_j < N, other=-1)
-            b_jbucket = tl.where((b_jdx >= 0) & (b_jdx < E), b_jdx, E).to(tl.int32)
+            b_jbucket = _buckets(tl.load(idx_ptr + o_j, mask=o_j < N, other=-1), o_j < N, E, NB)
             b_same = (b_bucket[:, None] == b_jbucket[None, :]) & (o_j[None, :] < o_s[:, None])  # [BS, BJ]
             b_pos += tl.sum(b_same.to(tl.int32), axis=1)
         if ROWS:  # a dropped slot has no row (C); rows no slot fills keep their -1
@@ -216,13 +232,10 @@ def _plan_in_one_program_kernel(
     o_s = tl.arange(0, NP)  # the slots; after the sort, the places in send order
     m_s = o_s < N
     b_idx = tl.load(idx_ptr + o_s, mask=m_s, other=-1).to(tl.int64)
-    b_valid = (b_idx >= 0) & (b_idx < E)
-    b_bucket = tl.where(m_s, tl.where(b_valid, b_idx, E), NB - 1).to(tl.int32)
+    b_bucket = _buckets(b_idx, m_s, E, NB)
     o_g = tl.arange(0, NB)
     b_total = tl.histogram(b_bucket, NB)  # [NB]
-    n_bad = tl.sum((m_s & ~b_valid & (b_idx != -1)).to(tl.int64), axis=0)
-    lowest = tl.minimum(tl.min(b_idx, axis=0), -1)  # masked lanes hold -1
-    highest = tl.maximum(tl.max(b_idx, axis=0), -1)
+    n_bad, lowest, highest = _status(b_idx, b_bucket, E)
     b_key = tl.sort(b_bucket * NP + o_s)  # [NP] stable by slot: the slot is the key's low part
     b_slot = (b_key % NP).to(tl.int64)
     b_sorted_bucket = b_key // NP
@@ -259,9 +272,40 @@ def plan_first(idx_ptr, position_ptr, send_meta_ptr, N, E, e, W, NP: tl.constexp
     tl.debug_barrier()
 
 
+@triton.jit
+def _keys(idx_ptr, o_s, N, E, NP: tl.constexpr, NB: tl.constexpr):
+    """Slots o_s [S] -> their keys (bucket, slot) as bucket * NP + slot [S] int32, in send order."""
+    return _buckets(tl.load(idx_ptr + o_s, mask=o_s < N, other=-1), o_s < N, E, NB) * NP + o_s
+
+
+@triton.jit
+def plan_blocks_first(idx_ptr, position_ptr, send_meta_ptr, N, E, NP: tl.constexpr, NB: tl.constexpr,
+                      BLOCK_S: tl.constexpr, BLOCK_J: tl.constexpr):
+    """One rank, the first step of every program of a kernel that strides over blocks of BLOCK_S
+    of the N <= NP slots: the positions of its own blocks' slots, as ``plan_slots``' (a slot's
+    position is the number of slots whose key (bucket, slot) is smaller: (BLOCK_S, BLOCK_J)
+    comparisons with all N, no sort, nothing shared between programs), and send_meta (1, E + 3)
+    of all N slots, each program its own copy; then a thread barrier, after which the program
+    reads both back."""
+    o_a = tl.arange(0, NP)  # [NP] all slots
+    b_idx = tl.load(idx_ptr + o_a, mask=o_a < N, other=-1).to(tl.int64)
+    b_bucket = _buckets(b_idx, o_a < N, E, NB)
+    n_bad, lowest, highest = _status(b_idx, b_bucket, E)
+    _store_send_meta(send_meta_ptr, tl.histogram(b_bucket, NB), n_bad, lowest, highest, E, E, 1, NB, 1, False, False)
+    for i_s in range(tl.program_id(0) * BLOCK_S, N, tl.num_programs(0) * BLOCK_S):
+        o_s = i_s + tl.arange(0, BLOCK_S)  # [BS] slots
+        b_key = _keys(idx_ptr, o_s, N, E, NP, NB)
+        b_smaller = tl.zeros([BLOCK_S, BLOCK_J], dtype=tl.int32)
+        for j in range(0, N, BLOCK_J):
+            o_j = j + tl.arange(0, BLOCK_J)  # [BJ] slots to compare with; past N: larger than every key
+            b_smaller += (_keys(idx_ptr, o_j, N, E, NP, NB)[None, :] < b_key[:, None]).to(tl.int32)
+        tl.store(position_ptr + o_s, tl.sum(b_smaller, axis=1).to(tl.int64), mask=o_s < N)
+    tl.debug_barrier()
+
+
 class PlannedFirst(NamedTuple):
-    """What a launcher gives a kernel that runs :func:`plan_first`: idx (N,), the fresh
-    position (T, K) and send_meta (W, e + 3) it writes, and its constexprs (PLAN, NP, NB)."""
+    """What a launcher gives a kernel that runs :func:`plan_first` or :func:`plan_blocks_first`:
+    idx (N,), the fresh position (T, K) and send_meta it writes, and its constexprs (PLAN, NP, NB)."""
 
     idx: torch.Tensor
     position: torch.Tensor
@@ -269,16 +313,18 @@ class PlannedFirst(NamedTuple):
     constexprs: dict
 
     @classmethod
-    def of(cls, topk_idx: torch.Tensor, num_experts: int, world_size: int, caller: str) -> "PlannedFirst":
-        """For ``topk_idx`` (T, K); ValueError naming ``caller`` where one program does not plan
-        them (``one_program_sizes``)."""
+    def of(cls, topk_idx: torch.Tensor, num_experts: int, world_size: int, caller: str, copies: int = 1,
+           ) -> "PlannedFirst":
+        """For ``topk_idx`` (T, K), send_meta (copies * W, e + 3) (``plan_blocks_first``: a copy
+        a program); ValueError naming ``caller`` where one program does not plan them
+        (``one_program_sizes``)."""
         sizes = one_program_sizes(topk_idx.numel(), num_experts)
         if sizes is None:
             raise ValueError(f"{caller}: {topk_idx.numel()} slots of {num_experts} experts are not planned by one "
                              f"program (at most ONE_PROGRAM_SLOTS = {ONE_PROGRAM_SLOTS})")
         new = dict(dtype=torch.int64, device=topk_idx.device)
         return cls(topk_idx.reshape(-1).contiguous(), torch.empty(topk_idx.shape, **new),
-                   torch.empty(world_size, num_experts // world_size + 3, **new),
+                   torch.empty(copies * world_size, num_experts // world_size + 3, **new),
                    dict(PLAN=True, NP=sizes[0], NB=sizes[1]))
 
 

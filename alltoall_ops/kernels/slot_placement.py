@@ -33,9 +33,10 @@ slots and its padded end: -1), from which the dispatch reads its rows (no tags).
 symm_mem buffers' metadata region, where the peers put their rows).
 
 One rank with ``topk_idx`` alone (``place_slots(None, topk_idx, None, ...)``, at most
-``GPU_BLOCK_S`` slots, one program): the program plans the slots first, as
-``routing_plan.plan_slots`` does (send_meta and position, no order), and reads that plan: the
-plan and the placement in one launch.
+``routing_plan.ONE_PROGRAM_SLOTS`` slots): every program plans the slots it places first, as
+``routing_plan.plan_slots`` does (``routing_plan.plan_blocks_first``: position, and its own copy
+of send_meta), and reads that plan: the plan and the placement in one launch, over
+``PLAN_BLOCK_S``-slot blocks.
 
 Every program computes each expert's ``start[rank, g] - counts[rank, :g].sum()`` (tiles of
 BLOCK_E experts; ``expert_start`` as a cumulative sum over all experts minus that of the
@@ -54,10 +55,13 @@ import triton.language as tl
 
 from ._config import LAUNCH_LOCK, assert_options, launch, order_after, program_grid
 from .region import Region, or_new_token
-from .routing_plan import NOT_PLANNED_FIRST, PlannedFirst, plan_first
+from .routing_plan import NOT_PLANNED_FIRST, PlannedFirst, plan_blocks_first
 
 GPU_BLOCK_S = 1024
 """Slots a program places per step."""
+PLAN_BLOCK_S = 64
+"""Slots a program plans and places per step where it plans first (one rank): each compares them
+with all N slots, so small blocks spread that work over more programs."""
 MAX_PROGRAMS = 16
 """Most programs: each recomputes the (W, E) tables, so more only pay for many slots."""
 GPU_NUM_WARPS = 8
@@ -84,11 +88,12 @@ def _place_slots_kernel(
     PLAN: tl.constexpr, NP: tl.constexpr, NB: tl.constexpr,
 ):
     order_after(token_ptr)
-    if PLAN:  # one rank, one program: the routing plan of idx first (meta: its send_meta; position), read below
-        plan_first(idx_ptr, position_ptr, meta_ptr, N, E, E, 1, NP, NB, 1)
+    pid = tl.program_id(0)
+    if PLAN:  # one rank: the plan of this program's slots first (position; meta: a row per program), read below
+        meta_ptr += pid * L_in
+        plan_blocks_first(idx_ptr, position_ptr, meta_ptr, N, E, NP, NB, BLOCK_S, BLOCK_S)
     if META_AT_ADDRESS:  # NB: in the body, not a helper (see row_put's pull_rows)
         meta_ptr = tl.load(meta_table_ptr + meta_index).to(tl.pointer_type(tl.int64))
-    pid = tl.program_id(0)
     first = pid == 0
     o_w = tl.arange(0, BLOCK_W)
     m_w = o_w < WORLD_SIZE
@@ -236,17 +241,20 @@ def place_slots(
     device-side assert of the kernel (no host sync, no launch of its own; the CUDA context is
     unusable after it). token: as ``row_put.put_rows``'; ``max_programs``: an SM budget.
 
-    meta and position None (world_size 1, at most ``GPU_BLOCK_S`` slots that one program plans,
-    ``routing_plan.PlannedFirst``): the kernel plans topk_idx first, as ``plan_slots`` does,
-    into a fresh send_meta and position (returned): one launch for both."""
+    meta and position None (world_size 1, at most ``routing_plan.ONE_PROGRAM_SLOTS`` slots,
+    ``routing_plan.PlannedFirst``): the kernel plans topk_idx first, as ``plan_slots`` does, into
+    a fresh position (returned) and send_meta (one copy a program): one launch for both."""
     W, E = world_size, num_experts
     e, N, dev = E // W, topk_idx.numel(), topk_idx.device
+    plan_first = meta is None or position is None
+    if plan_first and (meta is not None or position is not None or W != 1):
+        raise ValueError(f"place_slots: to plan first, pass meta and position both None, with world_size 1 (got "
+                         f"world_size {W})")
+    block_s = PLAN_BLOCK_S if plan_first else GPU_BLOCK_S
+    programs = program_grid(min(MAX_PROGRAMS, max(1, triton.cdiv(N, block_s))), 1, max_programs)[0]
     plan = NOT_PLANNED_FIRST
-    if meta is None or position is None:
-        if meta is not None or position is not None or W != 1 or N > GPU_BLOCK_S:
-            raise ValueError(f"place_slots: to plan first, pass meta and position both None, with world_size 1 and "
-                             f"at most {GPU_BLOCK_S} slots (got world_size {W}, {N} slots)")
-        _, position, meta, plan = PlannedFirst.of(topk_idx, E, W, "place_slots")  # meta: the plan's send_meta
+    if plan_first:  # meta: each program's copy of the plan's send_meta
+        _, position, meta, plan = PlannedFirst.of(topk_idx, E, W, "place_slots", copies=programs)
     at_address = isinstance(meta, Region)
     meta_columns_in = meta.shape[1]
     if at_address:
@@ -265,7 +273,6 @@ def place_slots(
     tokens_per_expert_e = torch.empty(e, dtype=torch.int64, device=dev)
     num_routed_1 = torch.empty(1, dtype=torch.int64, device=dev)
     dropped_W = torch.empty(W, dtype=torch.int64, device=dev)
-    programs = program_grid(min(MAX_PROGRAMS, max(1, triton.cdiv(N, GPU_BLOCK_S))), 1, max_programs)[0]
     scratch = torch.empty(programs, 2, E, dtype=torch.int64, device=dev)
     with LAUNCH_LOCK:
         launch(_place_slots_kernel, topk_idx)[(programs,)](
@@ -276,7 +283,7 @@ def place_slots(
             WORLD_SIZE=W, ONE_RANK=one_rank, META_AT_ADDRESS=at_address, CHECK_OVERFLOW=check_overflow,
             ASSERT_CHECKS=assert_checks and dev.type == "cuda",
             BLOCK_W=triton.next_power_of_2(W), BLOCK_E=min(MAX_BLOCK_E, triton.next_power_of_2(E)),
-            BLOCK_S=GPU_BLOCK_S, BLOCK_L=triton.next_power_of_2(min(meta_columns, 1024)), num_warps=GPU_NUM_WARPS,
+            BLOCK_S=block_s, BLOCK_L=triton.next_power_of_2(min(meta_columns, 1024)), num_warps=GPU_NUM_WARPS,
             **assert_options(topk_idx), **plan,
         )
     return Placement(meta_WL, failed_checks_1, slot_dst_N, row_slot_C, tokens_per_expert_e, num_routed_1, dropped_W,
