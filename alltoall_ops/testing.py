@@ -376,7 +376,9 @@ def nan_unwritten_rows() -> Iterator[list[int]]:
     """Inside the block (this process, every thread), symm_mem's pull (fp8 values dequantized or
     not) pre-fills its outputs with NaN, so the rows it does not write (routed's past
     ``tokens_per_expert.sum()``, fp8 values and scales included, and the same rows of combine's
-    backward) hold NaN: expert code that lets them reach a result or a gradient shows it. Yields
+    backward) hold NaN: expert code that lets them reach a result or a gradient shows it; their
+    row_src (not written either) holds 0, a valid source, so a combine that read one would move
+    it to slot 0. Yields
     the number of such rows of each pull (a host read per call)::
 
         with nan_unwritten_rows() as unwritten:
@@ -392,6 +394,7 @@ def nan_unwritten_rows() -> Iterator[list[int]]:
         # uint8 (fp8 wire rows): all ones, NaN as float8_e4m3fn values and as fp32 scale bytes
         for t in (out, tail) if tail is not None else (out,):
             t.fill_(0xFF if t.dtype == torch.uint8 else float("nan"))
+        row_src.fill_(0)  # a valid source code: a combine that read a row past num_routed would move it
         pull_rows(tags, num_routed, out, row_src, tail=tail, **kwargs)
         unwritten.append(out.shape[0] - int(num_routed))
 

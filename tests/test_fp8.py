@@ -353,9 +353,9 @@ def test_pull_rows_splits_wire_rows():
     code, src_row = torch.tensor([3, -1, 0, 5, 9, 2]), torch.tensor([4, 0, 1, 5, 2, 3])
     tags = torch.stack([code, src_row, torch.zeros(C, dtype=torch.int64)], 1)
     out, tail = torch.full((C, H), 7, dtype=torch.uint8), torch.full((C, 4 * B), 7, dtype=torch.uint8)
-    row_src = torch.empty(C, dtype=torch.int64)
+    row_src = torch.full((C,), 12345)
     loader.load().pull_rows(Region.of(tags), torch.tensor([4]), out, row_src, rows=wire, tail=tail)
     expected = torch.where((code[:4] >= 0)[:, None], wire[src_row[:4]], 0)
     assert torch.equal(out[:4], expected[:, :H]) and torch.equal(tail[:4], expected[:, H:])
     assert (out[4:] == 7).all() and (tail[4:] == 7).all()
-    assert row_src.tolist() == [3, -1, 0, 5, -1, -1] and tags[:4, 0].tolist() == [-1] * 4
+    assert row_src.tolist() == [3, -1, 0, 5, 12345, 12345] and tags[:4, 0].tolist() == [-1] * 4

@@ -19,7 +19,7 @@ Reference semantics (``tables[r]`` is rank r's buffer)::
                     code, j, bits = tags[d]
                     out[d] = source(code)[j] * scale(bits) if code >= 0 else 0; row_src[d] = code
                     tags[d, 0] = -1
-                row_src[n:] = -1                                             # out[n:] not written
+                (out[n:], row_src[n:] not written)
                 (source(code): stage[code // stride], or one rank's rows; with ``tail``: out[d],
                  tail[d] = the first and the last columns of that row; with a ``row_map`` (one
                  rank, no tags): i = row_map[d], code, j, bits = position.flat[i], i // K,
@@ -372,79 +372,77 @@ def _pull_rows_kernel(
     if STAGED:
         o_w = tl.arange(0, BLOCK_W)  # [BW] ranks
         b_stage_table = tl.load(stage_table_ptr + o_w, mask=o_w < world_size, other=0)
-    n_routed = tl.load(num_routed_ptr)  # rows [0, n_routed) of out are written, the rest left as they are
-    for i_r in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_R), tl.num_programs(0)):  # row blocks
+    n_routed = tl.minimum(tl.load(num_routed_ptr), n_rows)  # rows [0, n_routed) are written, the rest left as they are
+    for i_r in range(tl.program_id(0), tl.cdiv(n_routed, BLOCK_R), tl.num_programs(0)):  # row blocks
         o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR]
-        m_r = o_r < n_rows
-        m_routed = m_r & (o_r < n_routed)
+        m_routed = o_r < n_routed
         if ROW_MAP:  # [BR] each row's slot i (-1: none): its code is its send position
             b_slot = tl.load(row_map_ptr + o_r, mask=m_routed, other=-1)
             b_code = tl.load(position_ptr + b_slot, mask=m_routed & (b_slot >= 0), other=-1)
         else:
             b_code = tl.load(tags_ptr + o_r * _TAG_COLUMNS, mask=m_routed, other=-1)  # [BR] source code, -1: none
-        if i_r * BLOCK_R < n_routed:  # NB: a block past n_routed moves no row, only writes row_src
-            m_valid = m_routed & (b_code >= 0)
-            if ROW_MAP:
-                b_src_row = b_slot // K  # [BR] row in its source
+        m_valid = m_routed & (b_code >= 0)
+        if ROW_MAP:
+            b_src_row = b_slot // K  # [BR] row in its source
+        else:
+            b_src_row = tl.load(tags_ptr + o_r * _TAG_COLUMNS + 1, mask=m_valid, other=0)
+        if STAGED:
+            # NB: 16-byte aligned bases (every region of SymmBuffers): vector loads
+            p_src = tl.multiple_of(_select(tl.where(m_valid, b_code // SRC_STRIDE, 0), b_stage_table, o_w).to(
+                tl.pointer_type(tail_ptr.dtype.element_ty)), 16) + b_src_row * X  # [BR]
+        else:
+            p_src = rows_ptr + b_src_row * X
+        if HAS_SCALE and ROW_MAP:
+            b_scale = upcast(tl.load(scale_ptr + b_slot, mask=m_valid, other=0), ACC_DTYPE)
+        elif HAS_SCALE:
+            b_bits = tl.load(tags_ptr + o_r * _TAG_COLUMNS + 2, mask=m_valid, other=0)
+            if ACC_DTYPE == tl.float64:
+                b_scale = b_bits.to(tl.float64, bitcast=True)
             else:
-                b_src_row = tl.load(tags_ptr + o_r * _TAG_COLUMNS + 1, mask=m_valid, other=0)
-            if STAGED:
-                # NB: 16-byte aligned bases (every region of SymmBuffers): vector loads
-                p_src = tl.multiple_of(_select(tl.where(m_valid, b_code // SRC_STRIDE, 0), b_stage_table, o_w).to(
-                    tl.pointer_type(tail_ptr.dtype.element_ty)), 16) + b_src_row * X  # [BR]
-            else:
-                p_src = rows_ptr + b_src_row * X
-            if HAS_SCALE and ROW_MAP:
-                b_scale = upcast(tl.load(scale_ptr + b_slot, mask=m_valid, other=0), ACC_DTYPE)
-            elif HAS_SCALE:
-                b_bits = tl.load(tags_ptr + o_r * _TAG_COLUMNS + 2, mask=m_valid, other=0)
-                if ACC_DTYPE == tl.float64:
-                    b_scale = b_bits.to(tl.float64, bitcast=True)
+                b_scale = b_bits.to(tl.int32).to(tl.float32, bitcast=True)
+        if DEQUANTIZE:  # fp8 values times the fp32 scale of their 128-column block, rounded once
+            # NB: a step is [BLOCK_R, BLOCK_B, 128]: whole scale blocks, each block's scale loaded
+            # once and broadcast over its columns in the tile's own layout. The scales (the
+            # wire row's tail) go to tail as they are.
+            BLOCK_B: tl.constexpr = BLOCK_H // _FP8_BLOCK if BLOCK_H >= _FP8_BLOCK else 1
+            n_blocks = X_OUT // _FP8_BLOCK
+            p_scale = (p_src + X_OUT).to(tl.pointer_type(tl.float32))  # [BR] each row's scales
+            p_tail = tail_ptr.to(tl.pointer_type(tl.float32)) + o_r * n_blocks  # [BR]
+            o_c = tl.arange(0, _FP8_BLOCK)  # [128] columns of a block
+            for i_b in range(0, n_blocks, BLOCK_B):
+                o_b = i_b + tl.arange(0, BLOCK_B)  # [BB] blocks
+                m_read = m_valid[:, None] & (o_b < n_blocks)[None, :]  # [BR, BB]
+                m_write = m_routed[:, None] & (o_b < n_blocks)[None, :]
+                b_block_scale = tl.load(p_scale[:, None] + o_b[None, :], mask=m_read, other=0)  # [BR, BB]
+                o_h = o_b[:, None] * _FP8_BLOCK + o_c[None, :]  # [BB, 128]
+                b_bits = tl.load(p_src[:, None, None] + o_h[None, :, :], mask=m_read[:, :, None], other=0)
+                b_value = cast_rne(e4m3_value(b_bits) * b_block_scale[:, :, None], out_ptr.dtype.element_ty)
+                tl.store(out_ptr + o_r[:, None, None] * X_OUT + o_h[None, :, :], b_value, mask=m_write[:, :, None])
+                tl.store(p_tail[:, None] + o_b[None, :], b_block_scale, mask=m_write)
+        else:
+            for i_h in range(tl.cdiv(X, BLOCK_H)):
+                o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
+                m_h = (o_h < X)[None, :]
+                b_x = tl.load(p_src[:, None] + o_h[None, :], mask=m_valid[:, None] & m_h, other=0)
+                if HAS_SCALE:  # fp32 (fp64) product, rounded once
+                    b_x = cast_rne(upcast(b_x, ACC_DTYPE) * b_scale[:, None], out_ptr.dtype.element_ty)
+                if HAS_TAIL:  # columns [0, X_OUT) to out, [X_OUT, X) to tail
+                    m_out = (o_h < X_OUT)[None, :]
+                    tl.store(out_ptr + o_r[:, None] * X_OUT + o_h[None, :], b_x,
+                             mask=m_routed[:, None] & m_h & m_out)
+                    tl.store(tail_ptr + o_r[:, None] * (X - X_OUT) + (o_h - X_OUT)[None, :], b_x,
+                             mask=m_routed[:, None] & m_h & ~m_out)
                 else:
-                    b_scale = b_bits.to(tl.int32).to(tl.float32, bitcast=True)
-            if DEQUANTIZE:  # fp8 values times the fp32 scale of their 128-column block, rounded once
-                # NB: a step is [BLOCK_R, BLOCK_B, 128]: whole scale blocks, each block's scale loaded
-                # once and broadcast over its columns in the tile's own layout. The scales (the
-                # wire row's tail) go to tail as they are.
-                BLOCK_B: tl.constexpr = BLOCK_H // _FP8_BLOCK if BLOCK_H >= _FP8_BLOCK else 1
-                n_blocks = X_OUT // _FP8_BLOCK
-                p_scale = (p_src + X_OUT).to(tl.pointer_type(tl.float32))  # [BR] each row's scales
-                p_tail = tail_ptr.to(tl.pointer_type(tl.float32)) + o_r * n_blocks  # [BR]
-                o_c = tl.arange(0, _FP8_BLOCK)  # [128] columns of a block
-                for i_b in range(0, n_blocks, BLOCK_B):
-                    o_b = i_b + tl.arange(0, BLOCK_B)  # [BB] blocks
-                    m_read = m_valid[:, None] & (o_b < n_blocks)[None, :]  # [BR, BB]
-                    m_write = m_routed[:, None] & (o_b < n_blocks)[None, :]
-                    b_block_scale = tl.load(p_scale[:, None] + o_b[None, :], mask=m_read, other=0)  # [BR, BB]
-                    o_h = o_b[:, None] * _FP8_BLOCK + o_c[None, :]  # [BB, 128]
-                    b_bits = tl.load(p_src[:, None, None] + o_h[None, :, :], mask=m_read[:, :, None], other=0)
-                    b_value = cast_rne(e4m3_value(b_bits) * b_block_scale[:, :, None], out_ptr.dtype.element_ty)
-                    tl.store(out_ptr + o_r[:, None, None] * X_OUT + o_h[None, :, :], b_value, mask=m_write[:, :, None])
-                    tl.store(p_tail[:, None] + o_b[None, :], b_block_scale, mask=m_write)
-            else:
-                for i_h in range(tl.cdiv(X, BLOCK_H)):
-                    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
-                    m_h = (o_h < X)[None, :]
-                    b_x = tl.load(p_src[:, None] + o_h[None, :], mask=m_valid[:, None] & m_h, other=0)
-                    if HAS_SCALE:  # fp32 (fp64) product, rounded once
-                        b_x = cast_rne(upcast(b_x, ACC_DTYPE) * b_scale[:, None], out_ptr.dtype.element_ty)
-                    if HAS_TAIL:  # columns [0, X_OUT) to out, [X_OUT, X) to tail
-                        m_out = (o_h < X_OUT)[None, :]
-                        tl.store(out_ptr + o_r[:, None] * X_OUT + o_h[None, :], b_x,
-                                 mask=m_routed[:, None] & m_h & m_out)
-                        tl.store(tail_ptr + o_r[:, None] * (X - X_OUT) + (o_h - X_OUT)[None, :], b_x,
-                                 mask=m_routed[:, None] & m_h & ~m_out)
-                    else:
-                        tl.store(out_ptr + o_r[:, None] * X + o_h[None, :], b_x, mask=m_routed[:, None] & m_h)
-            if not ROW_MAP:
-                # NB: each program owns its row blocks across all of X, so resetting the tags here
-                # cannot race with another program's read of them; within the program, every
-                # thread holding a copy of a tag must have loaded it before one of them resets it:
-                # the barrier (without it, slow programs read -1 and dropped rows; seen on the H200
-                # only under an SM budget). Past n_routed the tags stay -1.
-                tl.debug_barrier()
-                tl.store(tags_ptr + o_r * _TAG_COLUMNS, tl.full([BLOCK_R], -1, tl.int64), mask=m_routed)
-        tl.store(row_src_ptr + o_r, b_code, mask=m_r)
+                    tl.store(out_ptr + o_r[:, None] * X + o_h[None, :], b_x, mask=m_routed[:, None] & m_h)
+        if not ROW_MAP:
+            # NB: each program owns its row blocks across all of X, so resetting the tags here
+            # cannot race with another program's read of them; within the program, every
+            # thread holding a copy of a tag must have loaded it before one of them resets it:
+            # the barrier (without it, slow programs read -1 and dropped rows; seen on the H200
+            # only under an SM budget). Past n_routed the tags stay -1.
+            tl.debug_barrier()
+            tl.store(tags_ptr + o_r * _TAG_COLUMNS, tl.full([BLOCK_R], -1, tl.int64), mask=m_routed)
+        tl.store(row_src_ptr + o_r, b_code, mask=m_routed)
     if BARRIER:  # every rank is done reading the stages before any writes them again
         last_program_arrives(pads_table_ptr, counters_ptr, barrier_rank, timeout_ms, barrier_call_ptr, barrier_op,
                              WORLD_SIZE, False)
@@ -474,7 +472,8 @@ def pull_rows(
     not written. The source's rows: ``stage_table[tags[d, 0] // src_stride]`` (every rank's
     stage, (W,) base addresses; ``post_slots`` put them there), or ``rows`` (one rank: the rows
     themselves). ``num_routed``: a one-element int64 device tensor (no host sync). ``row_src``
-    (C,) gets each row's source code (-1 past n); the codes are reset to -1 for the next call.
+    (C,) gets each routed row's source code, rows [n, C) not written; the tags' codes are reset
+    to -1 for the next call.
     One rank without tags: ``row_map`` (C,) (the placement's row_slot: each row's slot i, -1
     none) instead of ``tags``, with ``rows``, ``position`` (N,) and ``scale`` (N,) or None: row
     d is ``rows[i // top_k]`` times ``scale[i]``, its code ``position[i]``.

@@ -29,7 +29,7 @@ class SymmMemHandle(DispatchHandle):
 
     position_TK: each slot's send position; meta_WL: every rank's counts; slot_dst_N:
     destination of each slot; row_slot_C: one rank's slot of each routed row ((0,) with peers);
-    row_src_C: source of each routed row; num_routed_1: (1,) rows of
+    row_src_C: source of each routed row (rows past num_routed_1 unwritten); num_routed_1: (1,) rows of
     routed with data, tokens_per_expert.sum(); call_1: (1,) the call number of the dispatch's
     metadata exchange, which its combine's barriers carry; dropped_W: slots past each rank's
     capacity (overflow='drop'); num_rows: C."""

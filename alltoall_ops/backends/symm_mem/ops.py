@@ -236,11 +236,12 @@ def symm_dispatch_op(
     (1,) int64 n = tokens_per_expert.sum(), every received row lies below it. call_1: (1,) int64,
     the call number of the dispatch's metadata exchange (its barriers' stamp). routed: rows
     [0, n) received, zero where none; rows [n, C) unspecified (not written). row_src: each row's
-    source code (``rank * N_max + position``), -1 where none. payload, x_scale_TB, out_dtype: the
-    rows' format, as the collective ``dispatch`` op's; a format with scales needs buffers created
-    for it (``payload_dtype``): each token's packed wire row (``payload.pack``, P bytes) is what
-    moves, and the receiver's pull splits it into values and scales. async_op: the barriers and
-    kernels on the communication stream, pending until ``overlap.wait``."""
+    source code (``rank * N_max + position``), -1 where none; rows [n, C) not written either.
+    payload, x_scale_TB, out_dtype: the rows' format, as the collective ``dispatch`` op's; a
+    format with scales needs buffers created for it (``payload_dtype``): each token's packed
+    wire row (``payload.pack``, P bytes) is what moves, and the receiver's pull splits it into
+    values and scales. async_op: the barriers and kernels on the communication stream, pending
+    until ``overlap.wait``."""
     fmt, C, H = FORMATS[payload], buffers.capacity, x_TH.shape[1]
     if fmt is not PLAIN:  # plain rows fit any buffers' stage (with fp8: combine's backward)
         check_payload(buffers, fmt)
@@ -388,8 +389,8 @@ def symm_combine_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(C, H) expert outputs in dispatch order -> y (T, H), returned (N, H) or (0, H).
 
-    Row d goes back to its source (``row_src_C[d]``; rows where it is -1, among them every row
-    past num_routed_1, are not read); then y[t] = sum_k weights_TK[t, k] * row of slot (t, k),
+    Row d < num_routed_1 goes back to its source (``row_src_C[d]``; rows where it is -1, and
+    every row past num_routed_1, are not read); then y[t] = sum_k weights_TK[t, k] * row of slot (t, k),
     in k order, accumulated in fp32 (fp64) and rounded once. returned: every slot's row in send
     order (zero for unsent slots), when ``save_returned``, for the weights' gradient.
     num_routed_1: dispatch's, for the backward (a dispatch). call_1: (1,) int64, the call number
