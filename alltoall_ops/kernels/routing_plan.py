@@ -41,9 +41,11 @@ from ..validation import BAD_IDS
 from ._config import LAUNCH_LOCK, assert_options, launch, interpreting, program_grid
 
 GPU_BLOCK_S = 64
-"""Most slots per program on a GPU; small N takes fewer (at least 64), for more programs. Swept
-with ``tools/tune_kernels.py`` on the H200 (E = 256): N = 1024 best at 64 (12.4 us in a CUDA
-graph; 256: 22 us), N = 65536 at 256 (52 us; 128: 62 us); 512 and more spill registers."""
+"""Most slots per program on a GPU (the three kernels, past ``ONE_PROGRAM_SLOTS``). On an H100
+(E = 256, CUDA graphs, the linear scan; docs/benchmarks.md, fifteenth and sixteenth sessions)
+64-slot blocks took 9.08 us at N = 2048 (128: 11.16) and 14.8 us at N = 8192 (128: 16.2; 256:
+24.2). 256 was best at N = 65536 only under the old O(B^2) prefix; N >= 32768 is not swept
+again yet (``tools/tune_kernels.py --layout-only``)."""
 GPU_NUM_WARPS = 8
 ONE_PROGRAM_SLOTS = 1024
 """Most slots N planned by one program in one launch (``_plan_in_one_program_kernel``: a
@@ -384,10 +386,7 @@ def _launch(topk_idx: torch.Tensor, num_experts: int, world_size: int, order: to
                 ORDER=True, num_warps=num_warps, **checks,
             )
         return position.view(T, K), send_meta
-    if interpreting():
-        block_s = triton.next_power_of_2(max(1, min(N, 256)))
-    else:
-        block_s = min(GPU_BLOCK_S, max(64, triton.next_power_of_2(triton.cdiv(N, 16))))
+    block_s = triton.next_power_of_2(max(1, min(N, 256))) if interpreting() else GPU_BLOCK_S
     B = max(1, triton.cdiv(N, block_s))
     NB = triton.next_power_of_2(E + 2)  # the buckets, and a bin past them for the lanes past N
     grid = program_grid(B, 1, max_programs)[:1]
