@@ -265,7 +265,8 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"{label:>14}: exchange {row['exchange_us']:9.1f} us ({row['exchange_gbps']:5.0f} GB/s, plain scatter "
               f"{row['scatter_gbps']:5.0f})  gemm {row['gemm_us']:9.1f} us  both {row['both_us']:9.1f} us  "
-              f"serial {row['serial_us']:9.1f} us  both, exchange first {row['both_high_us']:9.1f} us", flush=True)
+              f"serial {row['serial_us']:9.1f} us  both, exchange at high priority {row['both_high_us']:9.1f} us",
+              flush=True)
         del exchange
     moe_rows = moe_overlap(budgets(args.budgets, device), device, time_us)
     tag = "gpu" if cuda else "smoke"
