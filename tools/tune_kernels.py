@@ -90,21 +90,26 @@ def sweep_layout(T: int) -> None:
     torch_path = lambda: layout._plan_routing_torch(topk_idx, E, 1)  # noqa: E731
     print(f"layout T = {T} (N = {T * K}): torch path eager {median_us(torch_path):.1f} us, "
           f"graph {graph_us(torch_path):.1f} us")
-    chosen = routing.ONE_PROGRAM_SLOTS, routing.GPU_BLOCK_S, routing.GPU_NUM_WARPS, routing.SCAN_BUCKETS
+    knobs = ("ONE_PROGRAM_SLOTS", "GPU_NUM_WARPS", "GPU_BLOCK_S", "GPU_BLOCK_S_LARGE", "GPU_BLOCK_NUM_WARPS",
+             "SCAN_BUCKETS")
+    chosen = {k: getattr(routing, k) for k in knobs}
+    block_chosen = chosen["GPU_BLOCK_S"] if T * K < routing.LARGE_PLAN_SLOTS else chosen["GPU_BLOCK_S_LARGE"]
     results = []  # NB: block sizes of 512 and more take minutes of ptxas
     # one program sorts all N slots in registers: past a few thousand, minutes of ptxas for nothing
-    configs = [(1 << 30, 0, w, chosen[3]) for w in (4, 8)] if T * K <= 4 * routing.ONE_PROGRAM_SLOTS else []
-    configs += [(0, *c) for c in itertools.product([32, 64, 128, 256], [2, 4, 8], [chosen[3]])]
-    configs += [(0, chosen[1], chosen[2], b) for b in (32, 64)]
+    one_program = T * K <= 4 * routing.ONE_PROGRAM_SLOTS
+    configs = [(1 << 30, 0, w, chosen["SCAN_BUCKETS"]) for w in (4, 8)] if one_program else []
+    configs += [(0, *c) for c in itertools.product([32, 64, 128, 256], [2, 4, 8], [chosen["SCAN_BUCKETS"]])]
+    configs += [(0, block_chosen, chosen["GPU_BLOCK_NUM_WARPS"], b) for b in (32, 64)]
     for one_program, block_s, warps, buckets in configs:
-        routing.ONE_PROGRAM_SLOTS, routing.GPU_BLOCK_S, routing.GPU_NUM_WARPS, routing.SCAN_BUCKETS = (
-            one_program, block_s or chosen[1], warps, buckets)
+        for k, v in zip(knobs, (one_program, warps, block_s or 1, block_s or 1, warps, buckets)):
+            setattr(routing, k, v)
         fn = lambda: routing.plan_slots(topk_idx, E, 1)  # noqa: E731
         name = (f"one program, {warps:2} warps" if one_program
                 else f"three kernels, {block_s:3} slots, {warps} warps, {buckets:2} buckets a scan program")
         assert all(torch.equal(g, w) for g, w in zip(fn(), want)), f"plan_slots != torch: {name}"
         results.append((graph_us(fn), median_us(fn), name))
-    routing.ONE_PROGRAM_SLOTS, routing.GPU_BLOCK_S, routing.GPU_NUM_WARPS, routing.SCAN_BUCKETS = chosen
+    for k, v in chosen.items():
+        setattr(routing, k, v)
     for g, eager, name in sorted(results):
         print(f"  plan_slots {name}: graph {g:6.1f} us, eager {eager:6.1f} us")
 

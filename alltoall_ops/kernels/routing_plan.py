@@ -41,11 +41,17 @@ from ..validation import BAD_IDS
 from ._config import LAUNCH_LOCK, assert_options, launch, interpreting, program_grid
 
 GPU_BLOCK_S = 64
-"""Most slots per program on a GPU (the three kernels, past ``ONE_PROGRAM_SLOTS``). On an H100
-(E = 256, CUDA graphs, the linear scan; docs/benchmarks.md, fifteenth and sixteenth sessions)
-64-slot blocks took 9.08 us at N = 2048 (128: 11.16) and 14.8 us at N = 8192 (128: 16.2; 256:
-24.2). 256 was best at N = 65536 only under the old O(B^2) prefix; N >= 32768 is not swept
-again yet (``tools/tune_kernels.py --layout-only``)."""
+"""Slots per program of the three kernels on a GPU (past ``ONE_PROGRAM_SLOTS``), below
+``LARGE_PLAN_SLOTS`` slots; from there ``GPU_BLOCK_S_LARGE``, both at ``GPU_BLOCK_NUM_WARPS``.
+Swept with ``tools/tune_kernels.py --layout-only`` on the H200 (E = 256, CUDA graphs;
+docs/benchmarks.md, seventeenth session): N = 2048 / 4096 / 8192 took 12.9 / 12.7 / 14.3 us at 64
+slots and 2 warps (13.4 / 13.6 / 15.0 at 8 warps; 128 slots 14.4-18.0), N = 32768 18.8 us at 128
+slots and 4 warps (64 and 8: 26.6; 256 and 8: 26.9), N = 131072 42.8 at 128 and 2 warps (46.9 at
+4; 64 and 8: 76.5); 256 slots at 2 or 4 warps spill (137-470 us)."""
+GPU_BLOCK_S_LARGE = 128
+LARGE_PLAN_SLOTS = 32768
+GPU_BLOCK_NUM_WARPS = 4
+"""Warps of the three kernels (the one-program plan: ``GPU_NUM_WARPS``)."""
 GPU_NUM_WARPS = 8
 ONE_PROGRAM_SLOTS = 1024
 """Most slots N planned by one program in one launch (``_plan_in_one_program_kernel``: a
@@ -386,7 +392,10 @@ def _launch(topk_idx: torch.Tensor, num_experts: int, world_size: int, order: to
                 ORDER=True, num_warps=num_warps, **checks,
             )
         return position.view(T, K), send_meta
-    block_s = triton.next_power_of_2(max(1, min(N, 256))) if interpreting() else GPU_BLOCK_S
+    if interpreting():
+        block_s = triton.next_power_of_2(max(1, min(N, 256)))
+    else:
+        block_s, num_warps = GPU_BLOCK_S if N < LARGE_PLAN_SLOTS else GPU_BLOCK_S_LARGE, GPU_BLOCK_NUM_WARPS
     B = max(1, triton.cdiv(N, block_s))
     NB = triton.next_power_of_2(E + 2)  # the buckets, and a bin past them for the lanes past N
     grid = program_grid(B, 1, max_programs)[:1]
