@@ -32,7 +32,7 @@ from alltoall_ops.testing import CommOpCounter, DistributedPool, RankFailures, n
 from alltoall_ops.backends import symm_mem
 from alltoall_ops.backends.symm_mem import backend as symm_backend
 from alltoall_ops.backends.symm_mem import ops as symm_ops
-from alltoall_ops.kernels import loader
+from alltoall_ops.kernels import loader, row_put
 from alltoall_ops.kernels.region import Region
 from alltoall_ops.inspect import CompiledGraphs, capturing_backend
 from alltoall_ops.layout import expert_of_rows
@@ -692,9 +692,17 @@ def test_simulated_peers_match_processes(pool):
 # Rows past n = tokens_per_expert.sum(): the pull does not write them, nothing reads them
 
 
+@pytest.fixture(params=[None, 1], ids=["a program a block", "one program"])
+def pull_programs(request, monkeypatch):
+    """pull_rows with a program per row block, or one program striding over all of them (its
+    grid capped as a large capacity's is: ``MAX_COUNTED_PROGRAMS``)."""
+    if request.param is not None:
+        monkeypatch.setattr(row_put, "MAX_COUNTED_PROGRAMS", request.param)
+
+
 @pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("n", [0, 1, 255, 256, 300, 600])
-def test_pull_rows_writes_rows_below_n_only(n, staged):
+def test_pull_rows_writes_rows_below_n_only(n, staged, pull_programs):
     # C = 600 rows in the interpreter's blocks of 256: a block that straddles n, and (n < 512)
     # blocks past n, which skip the row copy. Rows arrive below n only; rows below n that got
     # none (padding) must come out zero. Each row comes from source row tags[d, 1] of its sender
@@ -721,7 +729,7 @@ def test_pull_rows_writes_rows_below_n_only(n, staged):
 
 
 @pytest.mark.parametrize("n", [0, 1, 255, 300, 600])
-def test_pull_rows_by_a_row_map(n):
+def test_pull_rows_by_a_row_map(n, pull_programs):
     # One rank, no tags: row d < n is slot i = row_map[d]'s (the placement's row_slot): token row
     # i // K times scale.flat[i], its code position.flat[i]; -1 (padding): zero, code -1. The
     # map's rows past n are not written by the placement: garbage there must not be read.

@@ -32,7 +32,7 @@ alone (one launch). Combine (few rows per token) puts.
 
 ``max_programs`` (put_rows, post_slots, pull_rows; None: one program per row block): at most
 that many programs, each striding over row blocks i, i + P, ... (``_config.program_grid``), as a
-device-side count already bounds put_rows' (``MAX_COUNTED_PROGRAMS``); same results.
+device-side count already bounds put_rows' and pull_rows' (``MAX_COUNTED_PROGRAMS``); same results.
 
 The kernels index every tensor as contiguous: the launchers copy strided inputs (``.contiguous()``,
 a no-op for contiguous ones) and raise ``ValueError`` for a strided tensor they write into.
@@ -56,7 +56,9 @@ from .routing_plan import GPU_NUM_WARPS as PLAN_NUM_WARPS, NOT_PLANNED_FIRST, Pl
 
 
 MAX_COUNTED_PROGRAMS = 8192
-"""Row programs of a ``put_rows`` bounded by a device-side count (each strides over row blocks)."""
+"""Most row programs of a kernel whose rows a device-side count bounds (``put_rows``' count,
+``pull_rows``' num_routed): each strides over row blocks, so a mostly empty capacity C launches
+no program per row block of it."""
 
 
 @triton.jit
@@ -482,8 +484,8 @@ def pull_rows(
     out (C, X_out) is float and takes each fp8 value (the row's first X_out bytes) times the fp32
     scale of its 128-column block (the row's tail bytes), rounded once, as ``fp8.dequantize``
     (tail and the source rows uint8: one pass, where a dequantizing kernel after the pull read
-    the values again). max_programs: at
-    most that many programs, each striding over row blocks (an SM budget). token: as put_rows'.
+    the values again). At most ``MAX_COUNTED_PROGRAMS`` programs, or max_programs (an SM
+    budget), each striding over the row blocks below n. token: as put_rows'.
     ``epilogue``: the barrier after the reads (no rank writes a stage or tags again before every
     rank is done with them), run by the kernel's last program."""
     if (tags is None) == (row_map is None):
@@ -517,7 +519,8 @@ def pull_rows(
     # NB: a dequantizing tile holds fp32 products: sized as 4-byte elements, as many registers as a plain one
     blocks = row_blocks("pull_rows", C, X, 4 if dequantize else wire.itemsize, max_programs)
     with LAUNCH_LOCK:  # NB: one program per row block across all of X (see the kernel)
-        launch(_pull_rows_kernel, out)[program_grid(blocks.grid(C, X)[0], 1, max_programs)[:1]](
+        launch(_pull_rows_kernel, out)[program_grid(min(blocks.grid(C, X)[0], MAX_COUNTED_PROGRAMS), 1,
+                                                    max_programs)[:1]](
             rows if rows is not None else out, stage_table if stage_table is not None else tags_table, tags_table,
             tags_index, row_map if row_map is not None else row_src, position if position is not None else row_src,
             scale if scale is not None else num_routed, num_routed, out, tail if tail is not None else out, row_src,
