@@ -96,12 +96,13 @@ def sweep_layout(T: int) -> None:
     block_chosen = chosen["GPU_BLOCK_S"] if T * K < routing.LARGE_PLAN_SLOTS else chosen["GPU_BLOCK_S_LARGE"]
     results = []  # NB: block sizes of 512 and more take minutes of ptxas
     # one program sorts all N slots in registers: past a few thousand, minutes of ptxas for nothing
-    one_program = T * K <= 4 * routing.ONE_PROGRAM_SLOTS
-    configs = [(1 << 30, 0, w, chosen["SCAN_BUCKETS"]) for w in (4, 8)] if one_program else []
+    sort_fits = T * K <= 4 * routing.ONE_PROGRAM_SLOTS
+    configs = [(1 << 30, 0, w, chosen["SCAN_BUCKETS"]) for w in (4, 8)] if sort_fits else []
     configs += [(0, *c) for c in itertools.product([32, 64, 128, 256], [2, 4, 8], [chosen["SCAN_BUCKETS"]])]
     configs += [(0, block_chosen, chosen["GPU_BLOCK_NUM_WARPS"], b) for b in (32, 64)]
     for one_program, block_s, warps, buckets in configs:
-        for k, v in zip(knobs, (one_program, warps, block_s or 1, block_s or 1, warps, buckets)):
+        block_s = block_s or block_chosen  # one program: the blocks unused, left as chosen
+        for k, v in zip(knobs, (one_program, warps, block_s, block_s, warps, buckets)):
             setattr(routing, k, v)
         fn = lambda: routing.plan_slots(topk_idx, E, 1)  # noqa: E731
         name = (f"one program, {warps:2} warps" if one_program
