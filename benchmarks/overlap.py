@@ -15,8 +15,10 @@ For each SM budget (8 / 16 / 32 SMs, and ``all``: ``num_sms=None``, no cap):
 - ``both``: the two at once, the replay on one stream and the GEMM on another, both forked from
   and joined back into the timing stream, so the CUDA events of ``testing.timer``
   (``triton.testing.do_bench``: medians, warm-up) span both streams: the pair's wall time;
-  and again with the replay's stream at the device's highest priority (the block scheduler then
-  starts the exchange's blocks before the GEMM's waiting ones);
+- ``GEMM, budget left free`` and ``both, GEMM leaving the budget free``: the same two with the
+  GEMM's matmuls leaving the budget's SMs to the exchange (:func:`matmuls_leave_free`: cuBLASLt
+  with torch's experimental SM carveout); without it cuBLAS's kernels take every SM, and the
+  exchange's launches wait for them (a higher stream priority did not help: docs/benchmarks.md);
 - ``serial``: exchange + gemm, what ``both`` would be without any overlap;
 - ``GB/s``: the exchange's bytes (every kernel's rows read once and written once: per rank
   3 T + N + 4 n rows of H, n rows received: the dispatch stages T rows and pulls n, the combine
@@ -37,6 +39,7 @@ symm_mem ops pass ``max_programs=buffers.num_sms`` to their launches (docs/symm_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -58,8 +61,6 @@ SHAPE = (4096, 2048, 6, 64, 2816)
 """(T, H, K, E, F): the MoE layer of ``benchmarks/moe_layer.py`` (T, H, E, K), shared expert F."""
 SMOKE_SHAPE = (24, 32, 2, 8, 48)
 BUDGETS = ("8", "16", "32", "all")
-HIGHEST_PRIORITY = -100
-"""A stream priority torch clamps to the device's highest (lower numbers run first)."""
 DTYPE = torch.bfloat16
 
 
@@ -159,19 +160,43 @@ def moe_overlap(budgets: list[tuple[str, Optional[int]]], device: torch.device, 
     return rows
 
 
-def concurrently(first: Callable[[], object], second: Callable[[], object], cuda: bool,
-                 first_priority: int = 0) -> Callable[[], None]:
+@contextlib.contextmanager
+def matmuls_leave_free(num_sms: Optional[int], cuda: bool):
+    """Inside, matmuls leave ``num_sms`` SMs free for a kernel beside them: cuBLASLt (the default
+    cuBLAS path ignores the carveout) with ``torch._C._set_sm_carveout_experimental``, torch's
+    experimental knob; both restored after. Nothing changes for ``num_sms=None`` or on the CPU."""
+    if num_sms is None or not cuda:
+        yield
+        return
+    library, carveout = torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    torch._C._set_sm_carveout_experimental(num_sms)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(carveout)
+        torch.backends.cuda.preferred_blas_library(library)
+
+
+def carved(gemm: Callable[[], object], num_sms: Optional[int], cuda: bool) -> Callable[[], None]:
+    """``gemm`` with its matmuls leaving ``num_sms`` SMs free (:func:`matmuls_leave_free`)."""
+    def run() -> None:
+        with matmuls_leave_free(num_sms, cuda):
+            gemm()
+
+    return run
+
+
+def concurrently(first: Callable[[], object], second: Callable[[], object], cuda: bool) -> Callable[[], None]:
     """One call runs ``first`` and ``second`` on two side streams forked from the current stream
-    and joined back into it (so events on the current stream span both); on the CPU, serially.
-    ``first_priority``: the first stream's (negative: higher, clamped to the device's highest; a
-    graph replayed there runs at it)."""
+    and joined back into it (so events on the current stream span both); on the CPU, serially."""
     if not cuda:
         def serial() -> None:
             first()
             second()
 
         return serial
-    streams = torch.cuda.Stream(priority=first_priority), torch.cuda.Stream()
+    streams = torch.cuda.Stream(), torch.cuda.Stream()
 
     def pair() -> None:
         here = torch.cuda.current_stream()
@@ -200,14 +225,18 @@ def budgets(names: list[str], device: torch.device) -> list[tuple[str, Optional[
 def markdown(rows: list[dict], header: str, moe_rows: list[dict]) -> str:
     lines = [f"# symm_mem exchange beside a shared-expert GEMM\n\n{header}\n",
              "| SM budget | exchange (us) | exchange GB/s | plain scatter GB/s | ratio | GEMM (us) | both (us) | "
-             "both / max | serial sum (us) | saved by overlap | both, exchange at high priority (us) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "both / max | serial sum (us) | saved by overlap | GEMM, budget left free (us) | "
+             "both, GEMM leaving the budget free (us) | that / max | saved by overlap |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         saved = 1 - r["both_us"] / r["serial_us"] if r["serial_us"] else 0.0
+        carved_serial = r["exchange_us"] + r["gemm_carved_us"]
         lines.append(f"| {r['budget']} | {r['exchange_us']:.1f} | {r['exchange_gbps']:.0f} | {r['scatter_gbps']:.0f} | "
                      f"{r['exchange_gbps'] / r['scatter_gbps']:.2f} | {r['gemm_us']:.1f} | {r['both_us']:.1f} | "
                      f"{r['both_us'] / max(r['exchange_us'], r['gemm_us']):.2f} | {r['serial_us']:.1f} | {saved:.0%} | "
-                     f"{r['both_high_us']:.1f} |")
+                     f"{r['gemm_carved_us']:.1f} | {r['both_carved_us']:.1f} | "
+                     f"{r['both_carved_us'] / max(r['exchange_us'], r['gemm_carved_us']):.2f} | "
+                     f"{1 - r['both_carved_us'] / carved_serial:.0%} |")
     if moe_rows:
         lines += ["", "| SM budget | MoE fwd+bwd, overlap 'combine' (us) | 'none' (us) | combine / none | equal |",
                   "|---|---|---|---|---|"]
@@ -257,7 +286,8 @@ def main(argv=None) -> int:
                     failures.append(f"budget {label}: rank {r}'s {what} differs from the uncapped run's")
         row = dict(budget=label, num_sms=num_sms, exchange_us=time_us(exchange.replay), gemm_us=time_us(gemm),
                    both_us=time_us(concurrently(exchange.replay, gemm, cuda)),
-                   both_high_us=time_us(concurrently(exchange.replay, gemm, cuda, HIGHEST_PRIORITY)))
+                   gemm_carved_us=time_us(carved(gemm, num_sms, cuda)),
+                   both_carved_us=time_us(concurrently(exchange.replay, carved(gemm, num_sms, cuda), cuda)))
         row["serial_us"] = row["exchange_us"] + row["gemm_us"]
         row["exchange_gbps"] = exchange.nbytes() / row["exchange_us"] / 1e3
         scatter, scatter_bytes = plain_scatter(T, H, K, num_sms, device)
@@ -265,7 +295,8 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"{label:>14}: exchange {row['exchange_us']:9.1f} us ({row['exchange_gbps']:5.0f} GB/s, plain scatter "
               f"{row['scatter_gbps']:5.0f})  gemm {row['gemm_us']:9.1f} us  both {row['both_us']:9.1f} us  "
-              f"serial {row['serial_us']:9.1f} us  both, exchange at high priority {row['both_high_us']:9.1f} us",
+              f"serial {row['serial_us']:9.1f} us  GEMM, budget left free {row['gemm_carved_us']:9.1f} us  both, GEMM "
+              f"leaving the budget free {row['both_carved_us']:9.1f} us",
               flush=True)
         del exchange
     moe_rows = moe_overlap(budgets(args.budgets, device), device, time_us)
