@@ -1,4 +1,5 @@
-"""Rows timed in interleaved rounds, for the step benchmarks (``hf_step``, ``titan_step``).
+"""Rows timed in interleaved rounds, for the step benchmarks (``hf_step``, ``titan_step``), and the
+kernels of a profiled step (``kernel_times``: ``ulysses``, ``tools/moe_profile.py``).
 
 A row timed once, after the one before it, takes whatever spell the host is in then; rows timed
 in rounds (every row once a round, a fresh order each round) share the spells, and the median
@@ -121,3 +122,19 @@ def profile(row: str, step: Callable[[], object], steps: int = 5, row_limit: int
             torch.cuda.synchronize()
     print(f"\nprofile of {steps} steps of {row} (self CPU time; totals over the {steps} steps):", flush=True)
     print(prof.key_averages().table(sort_by=sort_by or "self_cpu_time_total", row_limit=row_limit), flush=True)
+
+
+def kernel_times(step: Callable[[], object], steps: int) -> list[tuple[str, float, float]]:
+    """(name, launches a step, device us a launch) of each kernel ``step`` runs, over ``steps``
+    profiled steps after one outside the profiler (torch.profiler, one GPU)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return [(e.key, e.count / steps, e.device_time_total / e.count) for e in prof.key_averages()
+            if getattr(e, "device_time_total", 0) > 0]

@@ -60,6 +60,7 @@ from alltoall_ops.backends.symm_mem import run_simulated
 from alltoall_ops.testing import one_rank_group, simulated_ulysses_attention, timer
 from alltoall_ops.ulysses import symm_seq_to_head_op
 
+from ._rounds import kernel_times
 from .bench import Captured
 
 SHAPES = {"4096": (1, 4096, 32, 128), "32768": (1, 32768, 32, 128)}
@@ -206,32 +207,18 @@ def summarized(samples: dict[str, list[float]], deepspeed: str) -> dict[str, dic
                       ratio=round(medians[row] / medians[reference(row)], 3)) for row, values in samples.items()}
 
 
-def _kernels(step: Callable[[], object], replays: int) -> list[tuple[str, float, float]]:
-    """(name, launches a step, device us a launch) of each kernel ``step`` runs (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            step()
-        torch.cuda.synchronize()
-    return [(e.key, e.count / replays, e.device_time_total / e.count) for e in prof.key_averages()
-            if getattr(e, "device_time_total", 0) > 0]
-
-
 def kernel_profile(rows: dict[str, tuple[Callable, float]], worlds: list[int], replays: int = 5) -> list[dict]:
     """The kernels of the copy floor and, per W, of the ``seq_to_head q/k/v symm.wW.sim.graph``
     replay: launches a step, us a launch, and for the copy, the post and the gather their read +
     write bandwidth (a rank posts (W - 1) / W of its bytes and gathers W pieces of 1 / W; even
     splits)."""
     floor_step, nbytes = rows["seq_to_head q/k/v copy floor"]
-    name, launches, us = max(_kernels(floor_step, replays), key=lambda k: k[1] * k[2])
+    name, launches, us = max(kernel_times(floor_step, replays), key=lambda k: k[1] * k[2])
     out = [dict(world=1, kernel=f"copy floor: {name[:40]}", launches=launches, us=round(us, 1),
                 gb_s=round(2 * nbytes / us / 1e3))]
     for W in worlds:
         moved = {"_post_kernel": 2 * (W - 1) / W * nbytes / W, "_gather_kernel": 2 * nbytes / W}
-        for name, launches, us in _kernels(rows[f"seq_to_head q/k/v symm.w{W}.sim.graph"][0], replays):
+        for name, launches, us in kernel_times(rows[f"seq_to_head q/k/v symm.w{W}.sim.graph"][0], replays):
             nb = moved.get(name)
             out.append(dict(world=W, kernel=name[:60], launches=launches, us=round(us, 1),
                             gb_s=round(nb / us / 1e3) if nb else None))

@@ -10,35 +10,17 @@ experts' grouped GEMMs and the router's, the same in every layer."""
 from __future__ import annotations
 
 import argparse
-from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import alltoall_ops as a2a
 from alltoall_ops.groups import NO_GROUP
 from alltoall_ops.moe import MoE
+from benchmarks._rounds import kernel_times
 from benchmarks.moe_layer import MOE_SHAPES, plain_forward
 
 STEPS = 5
 GEMM_MARKS = ("gemm", "cutlass", "nvjet")
-
-
-def device_time_by_kernel(step) -> dict[str, tuple[float, float]]:
-    """kernel name -> (device us per step, launches per step), over ``STEPS`` profiled steps."""
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(STEPS):
-            step()
-        torch.cuda.synchronize()
-    us, count = defaultdict(float), defaultdict(int)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            us[e.name] += e.device_time / STEPS
-            count[e.name] += 1
-    return {name: (us[name], count[name] / STEPS) for name in us}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -63,7 +45,9 @@ def main(argv: list[str] | None = None) -> None:
             xin.grad = None
             compiled(xin).backward(grad_y)
 
-        kernels = device_time_by_kernel(step)
+        for _ in range(2):
+            step()  # compiles (forward and backward)
+        kernels = {name: (n * us, n) for name, n, us in kernel_times(step, STEPS)}  # name -> (us a step, launches)
         total = sum(us for us, _ in kernels.values())
         gemm = sum(us for k, (us, _) in kernels.items() if any(m in k.lower() for m in GEMM_MARKS))
         launches = sum(n for _, n in kernels.values())
