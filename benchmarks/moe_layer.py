@@ -93,14 +93,12 @@ def kernels_outside_graphs(step: Callable[[], object]) -> tuple[int, int]:
 LAYERS = ("plain", "local", "symm", "symm_peers")
 
 
-def run_shape(name: str, shape, device: torch.device, backend: str, time_us, rounds: int, rows: list, notes: list,
-              wanted: tuple[str, ...]) -> None:
-    """Every row of one shape: built, compiled, checked against the eager plain layer and (graph
-    rows) for capture, then timed in ``rounds`` interleaved rounds (``_rounds.interleave``) with
-    each round's ratio to that round's ``plain.compile`` row of the same op."""
+def build_layers(shape, device: torch.device, dtype: torch.dtype,
+                 wanted: tuple[str, ...]) -> dict[str, tuple[MoE, Callable]]:
+    """label -> (module, forward) of each wanted layer (``LAYERS``) at ``shape`` (T, H, F, E, K),
+    all with the same weights (those of the local layer, made first from torch's generator).
+    ``symm_peers`` needs a process group (``one_rank_group``)."""
     T, H, F, E, K = shape
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    torch.manual_seed(T + H)
     local = MoE(H, F, E, K, backend="local", group=NO_GROUP, device=device, dtype=dtype)
     layers = {"plain": (local, lambda x_: plain_forward(local, x_)), "local": (local, local)}
     # NB: only symm_peers' buffers take the one-rank process group (the others: no group at all)
@@ -110,7 +108,18 @@ def run_shape(name: str, shape, device: torch.device, backend: str, time_us, rou
             symm = MoE(H, F, E, K, backend="symm_mem", buffers=bufs, group=group, device=device, dtype=dtype)
             symm.load_state_dict(local.state_dict())
             layers[label] = (symm, symm)
-    layers = {label: layer for label, layer in layers.items() if label in wanted}
+    return {label: layer for label, layer in layers.items() if label in wanted}
+
+
+def run_shape(name: str, shape, device: torch.device, backend: str, time_us, rounds: int, rows: list, notes: list,
+              wanted: tuple[str, ...]) -> None:
+    """Every row of one shape: built, compiled, checked against the eager plain layer and (graph
+    rows) for capture, then timed in ``rounds`` interleaved rounds (``_rounds.interleave``) with
+    each round's ratio to that round's ``plain.compile`` row of the same op."""
+    T, H, F, E, K = shape
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(T + H)
+    layers = build_layers(shape, device, dtype, wanted)
     x = torch.randn(T, H, device=device, dtype=dtype)
     grad_y = torch.randn(T, H, device=device, dtype=dtype)
     ops = ("fwd", "fwd+bwd") if name.startswith("train") else ("fwd",)

@@ -13,11 +13,8 @@ import argparse
 
 import torch
 
-import alltoall_ops as a2a
-from alltoall_ops.groups import NO_GROUP
-from alltoall_ops.moe import MoE
 from benchmarks._rounds import kernel_times
-from benchmarks.moe_layer import MOE_SHAPES, plain_forward
+from benchmarks.moe_layer import MOE_SHAPES, build_layers
 
 STEPS = 5
 GEMM_MARKS = ("gemm", "cutlass", "nvjet")
@@ -26,16 +23,13 @@ GEMM_MARKS = ("gemm", "cutlass", "nvjet")
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("shape", nargs="?", default="train", choices=list(MOE_SHAPES))
-    T, H, F, E, K = MOE_SHAPES[parser.parse_args(argv).shape]
+    shape = MOE_SHAPES[parser.parse_args(argv).shape]
+    T, H = shape[:2]
     dev, dtype = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)
-    local = MoE(H, F, E, K, backend="local", group=NO_GROUP, device=dev, dtype=dtype)
-    bufs = a2a.SymmBuffers(T, H, K, E, dtype=dtype, device=dev, group=NO_GROUP)
-    symm = MoE(H, F, E, K, backend="symm_mem", buffers=bufs, group=NO_GROUP, device=dev, dtype=dtype)
-    symm.load_state_dict(local.state_dict())
+    layers = build_layers(shape, dev, dtype, ("plain", "local", "symm"))
     x = torch.randn(T, H, device=dev, dtype=dtype)
     grad_y = torch.randn(T, H, device=dev, dtype=dtype)
-    layers = {"plain": (local, lambda x_: plain_forward(local, x_)), "local": (local, local), "symm": (symm, symm)}
     for name, (module, forward) in layers.items():
         compiled = torch.compile(forward, fullgraph=True)
         xin = x.clone().requires_grad_(True)
@@ -47,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
 
         for _ in range(2):
             step()  # compiles (forward and backward)
-        kernels = {name: (n * us, n) for name, n, us in kernel_times(step, STEPS)}  # name -> (us a step, launches)
+        kernels = {kernel: (n * us, n) for kernel, n, us in kernel_times(step, STEPS)}  # -> (us a step, launches)
         total = sum(us for us, _ in kernels.values())
         gemm = sum(us for k, (us, _) in kernels.items() if any(m in k.lower() for m in GEMM_MARKS))
         launches = sum(n for _, n in kernels.values())

@@ -395,7 +395,8 @@ def _launch(topk_idx: torch.Tensor, num_experts: int, world_size: int, order: to
     if interpreting():
         block_s = triton.next_power_of_2(max(1, min(N, 256)))
     else:
-        block_s, num_warps = GPU_BLOCK_S if N < LARGE_PLAN_SLOTS else GPU_BLOCK_S_LARGE, GPU_BLOCK_NUM_WARPS
+        block_s = GPU_BLOCK_S if N < LARGE_PLAN_SLOTS else GPU_BLOCK_S_LARGE
+        num_warps = GPU_BLOCK_NUM_WARPS
     B = max(1, triton.cdiv(N, block_s))
     NB = triton.next_power_of_2(E + 2)  # the buckets, and a bin past them for the lanes past N
     grid = program_grid(B, 1, max_programs)[:1]
