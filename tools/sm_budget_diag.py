@@ -1,7 +1,7 @@
 """The symm_mem kernels under an SM budget, each alone on one GPU (issue 28).
 
     python3 -m tools.sm_budget_diag a      # each capped launcher writes what it writes uncapped, bit for bit
-    python3 -m tools.sm_budget_diag d      # GB/s of each tile at 16 / 24 / 32 / 132 programs, and a plain scatter
+    python3 -m tools.sm_budget_diag d      # GB/s of each tile at 8 / 16 / 32 / 132 programs, and a plain scatter
 
 (T, H, K) = (4096, 2048, 6) bf16, W = 2 destination buffers. Bytes: each input row read once,
 each output row written once. The whole exchange under every budget: tests/test_sm_budget_gpu.py.
@@ -113,7 +113,7 @@ def part_a():
 
 
 
-def sweep(name, launch, nbytes, variants, budgets=(16, 24, 32, 132, None)):
+def sweep(name, launch, nbytes, variants, budgets=(8, 16, 32, 132, None)):
     for bl in variants:
         old, old_b = _config.GPU_BLOCKS[name], _config.BUDGET_BLOCKS.get(name)
         _config.GPU_BLOCKS[name] = _config.BUDGET_BLOCKS[name] = bl
@@ -144,7 +144,7 @@ def part_d():
     out = torch.empty(N, H, device=dev).bfloat16()
     perm = torch.randperm(N, device=dev, generator=g)
     from benchmarks.scatter_kernel import scatter_rows
-    for S in (16, 24, 32, 132):
+    for S in (8, 16, 32, 132):
         t = time_us(lambda S=S: scatter_rows(big, perm, out, S))
         print(f"  plain scatter S={S}: {2 * N * H * 2 / t / 1e3:5.0f} GB/s", flush=True)
     t = time_us(lambda: out.copy_(big))
@@ -163,7 +163,7 @@ def part_d():
     tags_region = Region.of(tags_buf)
     sweep("pull_rows", lambda mp: (tags_buf.copy_(ntags), k.pull_rows(
         tags_region, n_routed, out, row_src, stage_table=stage_table, src_stride=1000, max_programs=mp)),
-          2 * N * H * 2, [(2, 2048, 8), (4, 2048, 8), (16, 2048, 32), (32, 2048, 32)])
+          2 * N * H * 2, [(4, 2048, 8), (8, 2048, 16), (8, 2048, 32), (16, 2048, 32), (32, 2048, 32)])
     position = perm.view(T, K)
     w = torch.rand(T, K, device=dev, generator=g)
     y = torch.empty(T, H, device=dev).bfloat16()

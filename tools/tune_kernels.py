@@ -2,6 +2,7 @@
 configuration's time against the byte floor (the measured copy bandwidth), best first.
 
     python tools/tune_kernels.py [--tokens 4096 8192] [--top 6]
+    python tools/tune_kernels.py --layout-only --layout-tokens 4096 --layout-sms 8 16 32
     python tools/tune_kernels.py --ulysses [4096 32768] [--worlds 2 4] [--rounds 3]
 
 Kernels (bf16, H = 7168, K = 8, E = 256, fresh random top-k routing):
@@ -17,7 +18,8 @@ Kernels (bf16, H = 7168, K = 8, E = 256, fresh random top-k routing):
 - ``plan_slots`` (the layout: routing -> order, positions, counts), checked against its torch
   implementation, timed eagerly and replayed from a CUDA graph (device time), against torch's
   path (a stable sort and some 20 small ops): the one-program plan by warps, the three kernels
-  by slots per program and warps (``--layout-tokens``; ``ONE_PROGRAM_SLOTS`` is chosen from it).
+  by slots per program and warps (``--layout-tokens``; ``ONE_PROGRAM_SLOTS`` is chosen from it),
+  and with ``--layout-sms`` under SM budgets (``BUDGET_BLOCK_S``, ``BUDGET_BLOCK_NUM_WARPS``).
 - ``seq_pieces`` (``--ulysses``): the Ulysses exchange's post and gather (``kernels/seq_exchange.py``),
   seq_to_head and head_to_seq of q, k, v (1, S, 32, 128) bf16 on simulated ranks, from CUDA graphs.
 Baselines: ``torch.index_select`` of the same rows, and the plain copy behind the floor. The
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from typing import Optional
 
 import torch
 
@@ -79,10 +82,13 @@ def graph_us(fn) -> float:
     return median_us(graph.replay)
 
 
-def sweep_layout(T: int) -> None:
+def sweep_layout(T: int, max_programs: Optional[int] = None) -> None:
     """plan_slots at T tokens: the one-program plan (a sort in registers; by warps) and the
     three kernels (by slots per program, warps and buckets a scan program), each checked against
-    torch's path."""
+    torch's path; with ``max_programs`` (an SM budget) the three kernels' budget blocks."""
+    if max_programs is not None:
+        sweep_budget_layout(T, max_programs)
+        return
     dev = torch.device("cuda")
     _, topk_idx = torch.randn(T, E, device=dev).topk(K, dim=-1)
     topk_idx[::5, 0] = -1  # some dropped slots
@@ -113,6 +119,26 @@ def sweep_layout(T: int) -> None:
         setattr(routing, k, v)
     for g, eager, name in sorted(results):
         print(f"  plan_slots {name}: graph {g:6.1f} us, eager {eager:6.1f} us")
+
+
+def sweep_budget_layout(T: int, max_programs: int) -> None:
+    """plan_slots at T tokens on at most ``max_programs`` programs a launch: the three kernels'
+    ``BUDGET_BLOCK_S`` by ``BUDGET_BLOCK_NUM_WARPS``, each checked against torch's path."""
+    dev = torch.device("cuda")
+    _, topk_idx = torch.randn(T, E, device=dev).topk(K, dim=-1)
+    topk_idx[::5, 0] = -1  # some dropped slots
+    want = layout._plan_routing_torch(topk_idx, E, 1)
+    chosen = routing.BUDGET_BLOCK_S, routing.BUDGET_BLOCK_NUM_WARPS
+    results = []
+    for block_s, warps in itertools.product([64, 128, 256], [4, 8, 16]):
+        routing.BUDGET_BLOCK_S, routing.BUDGET_BLOCK_NUM_WARPS = block_s, warps
+        fn = lambda: routing.plan_slots(topk_idx, E, 1, max_programs)  # noqa: E731
+        assert all(torch.equal(g, w) for g, w in zip(fn(), want)), f"plan_slots != torch: {block_s}, {warps}"
+        results.append((graph_us(fn), block_s, warps))
+    routing.BUDGET_BLOCK_S, routing.BUDGET_BLOCK_NUM_WARPS = chosen
+    print(f"layout T = {T} (N = {T * K}) on {max_programs} programs, {chosen} in use; best first:")
+    for us, block_s, warps in sorted(results):
+        print(f"  plan_slots three kernels, {block_s:3} slots, {warps:2} warps: graph {us:6.1f} us")
 
 
 def copy_bandwidth(dev: torch.device) -> float:
@@ -254,6 +280,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=6)
     parser.add_argument("--layout-tokens", type=int, nargs="+", default=[32, 128, 256, 512, 8192])
     parser.add_argument("--layout-only", action="store_true", help="only the plan_slots sweep")
+    parser.add_argument("--layout-sms", type=int, nargs="+", default=[], metavar="P",
+                        help="also sweep the plan's budget blocks on P programs (an SM budget)")
     parser.add_argument("--ulysses", type=int, nargs="*", default=None, metavar="S",
                         help="only the Ulysses exchange's tiles, at these sequence lengths (default 4096 32768)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="simulated ranks (--ulysses)")
@@ -265,7 +293,8 @@ def main() -> None:
     bandwidth = copy_bandwidth(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write)")
     for T in args.layout_tokens:
-        sweep_layout(T)
+        for max_programs in [None, *args.layout_sms]:
+            sweep_layout(T, max_programs)
     if args.layout_only:
         return
     for T in args.tokens:

@@ -52,6 +52,15 @@ GPU_BLOCK_S_LARGE = 128
 LARGE_PLAN_SLOTS = 32768
 GPU_BLOCK_NUM_WARPS = 4
 """Warps of the three kernels (the one-program plan: ``GPU_NUM_WARPS``)."""
+BUDGET_BLOCK_S, BUDGET_BLOCK_NUM_WARPS = 128, 4
+"""Slots per program and warps of the three kernels under an SM budget (``max_programs``), at
+every N: one program per SM strides over many blocks, each a chain of dependent loads and stores,
+so the plan takes several times as long as without the budget whatever the block. On one H100
+(E = 256, CUDA graphs; ``tools/tune_kernels.py --layout-only --layout-tokens 3072 4096
+--layout-sms 8 16 32``; docs/benchmarks.md, nineteenth session) 128 slots at 4 warps was the best
+at every budget: N = 24576 on 8 / 32 programs 123.6 / 39.1 us (64 slots: 166.4 / 51.0), N = 32768
+on 8 / 16 / 32 programs 159.4 / 86.2 / 48.4 us (8 warps 173.0 / 92.9 / 51.6; 256 slots at 16 warps
+265.4 / 139.9 / 74.1), against 19.1 us without a budget."""
 GPU_NUM_WARPS = 8
 ONE_PROGRAM_SLOTS = 1024
 """Most slots N planned by one program in one launch (``_plan_in_one_program_kernel``: a
@@ -394,6 +403,8 @@ def _launch(topk_idx: torch.Tensor, num_experts: int, world_size: int, order: to
         return position.view(T, K), send_meta
     if interpreting():
         block_s = triton.next_power_of_2(max(1, min(N, 256)))
+    elif max_programs is not None:
+        block_s, num_warps = BUDGET_BLOCK_S, BUDGET_BLOCK_NUM_WARPS
     else:
         block_s = GPU_BLOCK_S if N < LARGE_PLAN_SLOTS else GPU_BLOCK_S_LARGE
         num_warps = GPU_BLOCK_NUM_WARPS
