@@ -2,7 +2,8 @@
 
     python3 -m tools.sm_budget_diag a      # each capped launcher writes what it writes uncapped, bit for bit
     python3 -m tools.sm_budget_diag d      # GB/s of each tile at 8 / 16 / 32 / 132 programs, and a plain scatter
-    python3 -m tools.sm_budget_diag s      # the pull's GB/s by the size of the stages it gathers from (16-128 MiB)
+    python3 -m tools.sm_budget_diag s      # the pull's GB/s by the size of the stages it gathers from (16-128 MiB),
+                                           # beside a plain gather of the same rows
 
 (T, H, K) = (4096, 2048, 6) bf16, W = 2 destination buffers. Bytes: each input row read once,
 each output row written once. The whole exchange under every budget: tests/test_sm_budget_gpu.py.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -173,34 +175,38 @@ def part_d():
 
 
 def part_s():
-    print("== S: the pull by the size of what it gathers from (W stages of T rows; the same N rows pulled)",
-          flush=True)
+    print("== S: the pull by the size of what it gathers from (W stages of T rows; the same N rows pulled), "
+          "beside a plain gather of those rows and a plain scatter", flush=True)
+    from benchmarks.scatter_kernel import gather_rows, scatter_rows
     g = torch.Generator(device=dev).manual_seed(0)
     T, H, K = 4096, 2048, 6
     N = T * K
     out = torch.empty(N, H, device=dev).bfloat16()
     row_src = torch.empty(N, device=dev, dtype=torch.int64)
     n_routed = torch.tensor([N], device=dev)
-    budgets = (8, 16, 32, None)
-    from benchmarks.scatter_kernel import scatter_rows
+
+    def rates(move) -> str:
+        """GB/s (N rows read and written) of ``move(max_programs)`` at 8 / 16 / 32 programs and uncapped."""
+        return "GB/s " + " ".join(f"{mp}:{2 * N * H * 2 / time_us(lambda mp=mp: move(mp)) / 1e3:5.0f}"
+                                  for mp in (8, 16, 32, None))
+
+    def pull(mp, tags, ntags, region, stage_table):
+        tags.copy_(ntags)  # the pull resets the codes it read
+        k.pull_rows(region, n_routed, out, row_src, stage_table=stage_table, src_stride=1000, max_programs=mp)
+
     big = torch.randn(N, H, device=dev, generator=g).bfloat16()
-    perm = torch.randperm(N, device=dev, generator=g)
-    rates = [2 * N * H * 2 / time_us(lambda mp=mp: scatter_rows(big, perm, out, mp)) / 1e3 for mp in budgets]
-    print("  plain scatter: GB/s " + " ".join(f"{mp}:{r:5.0f}" for mp, r in zip(budgets, rates)), flush=True)
+    print("  plain scatter: " + rates(partial(scatter_rows, big, torch.randperm(N, device=dev, generator=g), out)),
+          flush=True)
     for W in (1, 2, 4, 8):
         stages = torch.randn(W * T, H, device=dev, generator=g).bfloat16()
         stage_table = torch.tensor([stages[r * T].data_ptr() for r in range(W)], device=dev)
-        code = torch.randint(0, W, (N,), device=dev, generator=g) * 1000
-        ntags = torch.stack([code, torch.randint(0, T, (N,), device=dev, generator=g), torch.zeros_like(code)], 1)
+        peer, src_row = (torch.randint(0, n, (N,), device=dev, generator=g) for n in (W, T))
+        ntags = torch.stack([peer * 1000, src_row, torch.zeros_like(peer)], 1)
         tags = ntags.clone()
-        region = Region.of(tags)
-
-        def pull(mp, tags=tags, ntags=ntags, region=region, stage_table=stage_table):
-            tags.copy_(ntags)  # the pull resets the codes it read
-            k.pull_rows(region, n_routed, out, row_src, stage_table=stage_table, src_stride=1000, max_programs=mp)
-
-        row = [f"{mp}:{2 * N * H * 2 / time_us(lambda mp=mp: pull(mp)) / 1e3:5.0f}" for mp in budgets]
-        print(f"  pull_rows from {W} stages ({W * T * H * 2 >> 20} MiB): GB/s " + " ".join(row), flush=True)
+        print(f"  {W} stages, {W * T * H * 2 >> 20} MiB: plain gather of the rows "
+              + rates(partial(gather_rows, stages, peer * T + src_row, out)), flush=True)
+        pull_w = partial(pull, tags=tags, ntags=ntags, region=Region.of(tags), stage_table=stage_table)
+        print(f"  {W} stages, {W * T * H * 2 >> 20} MiB: pull_rows " + rates(pull_w), flush=True)
 
 
 if __name__ == "__main__":
