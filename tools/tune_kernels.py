@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from typing import Optional
 
 import torch
 
@@ -82,13 +81,10 @@ def graph_us(fn) -> float:
     return median_us(graph.replay)
 
 
-def sweep_layout(T: int, max_programs: Optional[int] = None) -> None:
+def sweep_layout(T: int) -> None:
     """plan_slots at T tokens: the one-program plan (a sort in registers; by warps) and the
     three kernels (by slots per program, warps and buckets a scan program), each checked against
-    torch's path; with ``max_programs`` (an SM budget) the three kernels' budget blocks."""
-    if max_programs is not None:
-        sweep_budget_layout(T, max_programs)
-        return
+    torch's path."""
     dev = torch.device("cuda")
     _, topk_idx = torch.randn(T, E, device=dev).topk(K, dim=-1)
     topk_idx[::5, 0] = -1  # some dropped slots
@@ -124,6 +120,9 @@ def sweep_layout(T: int, max_programs: Optional[int] = None) -> None:
 def sweep_budget_layout(T: int, max_programs: int) -> None:
     """plan_slots at T tokens on at most ``max_programs`` programs a launch: the three kernels'
     ``BUDGET_BLOCK_S`` by ``BUDGET_BLOCK_NUM_WARPS``, each checked against torch's path."""
+    if T * K <= routing.ONE_PROGRAM_SLOTS:
+        print(f"layout T = {T}: one program plans N = {T * K} slots, whatever the budget")
+        return
     dev = torch.device("cuda")
     _, topk_idx = torch.randn(T, E, device=dev).topk(K, dim=-1)
     topk_idx[::5, 0] = -1  # some dropped slots
@@ -293,8 +292,9 @@ def main() -> None:
     bandwidth = copy_bandwidth(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write)")
     for T in args.layout_tokens:
-        for max_programs in [None, *args.layout_sms]:
-            sweep_layout(T, max_programs)
+        sweep_layout(T)
+        for max_programs in args.layout_sms:
+            sweep_budget_layout(T, max_programs)
     if args.layout_only:
         return
     for T in args.tokens:
