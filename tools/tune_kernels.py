@@ -81,14 +81,19 @@ def graph_us(fn) -> float:
     return median_us(graph.replay)
 
 
+def _routing_case(T: int) -> tuple[torch.Tensor, tuple]:
+    """topk_idx (T, K) of fresh random routing on the GPU, every fifth token's first slot dropped
+    (-1), and torch's plan of it (order, position, send_meta): what the plan sweeps check against."""
+    _, topk_idx = torch.randn(T, E, device=torch.device("cuda")).topk(K, dim=-1)
+    topk_idx[::5, 0] = -1
+    return topk_idx, layout._plan_routing_torch(topk_idx, E, 1)
+
+
 def sweep_layout(T: int) -> None:
     """plan_slots at T tokens: the one-program plan (a sort in registers; by warps) and the
     three kernels (by slots per program, warps and buckets a scan program), each checked against
     torch's path."""
-    dev = torch.device("cuda")
-    _, topk_idx = torch.randn(T, E, device=dev).topk(K, dim=-1)
-    topk_idx[::5, 0] = -1  # some dropped slots
-    want = layout._plan_routing_torch(topk_idx, E, 1)
+    topk_idx, want = _routing_case(T)
     torch_path = lambda: layout._plan_routing_torch(topk_idx, E, 1)  # noqa: E731
     print(f"layout T = {T} (N = {T * K}): torch path eager {median_us(torch_path):.1f} us, "
           f"graph {graph_us(torch_path):.1f} us")
@@ -123,10 +128,7 @@ def sweep_budget_layout(T: int, max_programs: int) -> None:
     if T * K <= routing.ONE_PROGRAM_SLOTS:
         print(f"layout T = {T}: one program plans N = {T * K} slots, whatever the budget")
         return
-    dev = torch.device("cuda")
-    _, topk_idx = torch.randn(T, E, device=dev).topk(K, dim=-1)
-    topk_idx[::5, 0] = -1  # some dropped slots
-    want = layout._plan_routing_torch(topk_idx, E, 1)
+    topk_idx, want = _routing_case(T)
     chosen = routing.BUDGET_BLOCK_S, routing.BUDGET_BLOCK_NUM_WARPS
     results = []
     for block_s, warps in itertools.product([64, 128, 256], [4, 8, 16]):
