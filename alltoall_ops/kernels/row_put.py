@@ -436,15 +436,20 @@ def _pull_rows_kernel(
                              mask=m_routed[:, None] & m_h & ~m_out)
                 else:
                     tl.store(out_ptr + o_r[:, None] * X + o_h[None, :], b_x, mask=m_routed[:, None] & m_h)
-        if not ROW_MAP:
-            # NB: each program owns its row blocks across all of X, so resetting the tags here
-            # cannot race with another program's read of them; within the program, every
-            # thread holding a copy of a tag must have loaded it before one of them resets it:
-            # the barrier (without it, slow programs read -1 and dropped rows; seen on the H200
-            # only under an SM budget). Past n_routed the tags stay -1.
-            tl.debug_barrier()
-            tl.store(tags_ptr + o_r * _TAG_COLUMNS, tl.full([BLOCK_R], -1, tl.int64), mask=m_routed)
         tl.store(row_src_ptr + o_r, b_code, mask=m_routed)
+    if not ROW_MAP:
+        # NB: each program owns its row blocks across all of X, so resetting their tags cannot
+        # race with another program's read of them; within the program, every thread holding a
+        # copy of a tag must have loaded it before one of them resets it: the barrier (without
+        # it, slow programs read -1 and dropped rows; seen on the H200 only under an SM budget).
+        # One barrier after the moves, not one a block: a barrier a block kept the program's
+        # warps in step, each block's reads waiting for the slowest warp's (on 8-32 programs of
+        # an H100 a minimal pull without it moved 1.4-1.9x the bytes). Past n_routed the tags
+        # stay -1.
+        tl.debug_barrier()
+        for i_r in range(tl.program_id(0), tl.cdiv(n_routed, BLOCK_R), tl.num_programs(0)):
+            o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+            tl.store(tags_ptr + o_r * _TAG_COLUMNS, tl.full([BLOCK_R], -1, tl.int64), mask=o_r < n_routed)
     if BARRIER:  # every rank is done reading the stages before any writes them again
         last_program_arrives(pads_table_ptr, counters_ptr, barrier_rank, timeout_ms, barrier_call_ptr, barrier_op,
                              WORLD_SIZE, False)
