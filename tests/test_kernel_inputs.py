@@ -382,7 +382,7 @@ _PULL_SCALARS = dict(tags_index=0, n_rows=N_, X=16, X_OUT=16, K=8, SRC_STRIDE=N_
 _POST_TENSORS = {"src_ptr": (8, 16), "scale_ptr": (N_,), "dst_ptr": (N_,), "tag_index_ptr": (N_,),
                  "stage_table_ptr": (1, 2), "tags_table_ptr": (1, 2), "token_ptr": (1,), **_EPILOGUE_TENSORS}
 _POST_SCALARS = dict(n_slots=N_, n_src=8, X=16, world_size=2, rank=0, tag_base=0, K=8, DST_STRIDE=N_, HAS_SCALE=True,
-                     STAGE=True, ACC_DTYPE="tl.float32", BLOCK_R=2, BLOCK_H=16, BLOCK_S=N_, BLOCK_W=2)
+                     STAGE=True, ACC_DTYPE="tl.float32", BLOCK_R=2, BLOCK_H=16, BLOCK_S=N_)
 _META_TENSORS = {"send_meta_ptr": (2, E_ // 2 + 3), "call_ptr": (1,), "meta_table_ptr": (1, 2), "token_ptr": (1,),
                  "idx_ptr": (N_,), "position_ptr": (N_,), **_EPILOGUE_TENSORS}
 _META_SCALARS = dict(rank=0, world_size=2, E=E_, e=E_ // 2, L=L_, n_status=3, n_slots=N_, alignment=1, failed=0,
@@ -392,13 +392,13 @@ _PLAN_FIRST = dict(PLAN=True, NP=N_, NB=32, BLOCK_W=2)  # NB: E_ + 2 buckets
 _PUT_TENSORS = {"src_ptr": (8, 16), "scale_ptr": (N_,), "dst_ptr": (N_,), "count_ptr": (1,), "rows_table_ptr": (1, 2),
                 "out_ptr": (8, 16), "token_ptr": (1,), **_EPILOGUE_TENSORS}
 _PUT_SCALARS = dict(n_rows=N_, n_src=8, H=16, world_size=2, K=8, DST_STRIDE=N_, HAS_SCALE=False, ONE_OUT=False,
-                    HAS_COUNT=True, ACC_DTYPE="tl.float32", BLOCK_R=2, BLOCK_H=16, BLOCK_W=2)
+                    HAS_COUNT=True, ACC_DTYPE="tl.float32", BLOCK_R=2, BLOCK_H=16)
 _REDUCE_TENSORS = {"ret_ptr": (1, 2), "position_ptr": (8, 2), "slot_dst_ptr": (16,), "weights_ptr": (8, 2),
                    "y_ptr": (8, 16), "returned_ptr": (16, 16), "token_ptr": (1,), **_EPILOGUE_TENSORS}
 _REDUCE_SCALARS = dict(ret_index=0, T=8, H=16, n_valid=16, RET_AT_ADDRESS=True, HAS_TOKEN=True, READ_AT_SLOT_DST=False,
                        K=2, HAS_SLOT_DST=True, HAS_WEIGHTS=True, SAVE_RETURNED=True, ACC_DTYPE="tl.float32",
                        BLOCK_T=8, BLOCK_H=16)
-_PULL_STAGED = dict(_PULL_SCALARS, world_size=2, ROW_MAP=False, STAGED=True, BLOCK_W=2)
+_PULL_STAGED = dict(_PULL_SCALARS, ROW_MAP=False, STAGED=True)
 _PLACE_TENSORS = {"meta_ptr": (1, E_ + 3), "meta_table_ptr": (1, 1), "idx_ptr": (N_,), "position_ptr": (N_,),
                   "meta_out_ptr": (1, L_), "failed_checks_ptr": (1,), "slot_dst_ptr": (N_,), "row_slot_ptr": (N_,),
                   "tokens_ptr": (E_,), "num_routed_ptr": (1,), "dropped_ptr": (1,), "scratch_ptr": (1, 2, E_),
@@ -431,13 +431,13 @@ KERNELS = {  # kernel: (tensor arguments' shapes, other arguments, the tensors i
         ["out_ptr", "row_src_ptr", "token_ptr"]),
     "row_put._pull_rows_kernel[one rank]": (  # reads the placement's row map, writes its outputs only
         {**_PULL_TENSORS, "stage_table_ptr": (1,), "tags_table_ptr": (1,)},
-        dict(_PULL_SCALARS, world_size=1, ROW_MAP=True, STAGED=False, BLOCK_W=1, **_NO_EPILOGUE),
+        dict(_PULL_SCALARS, ROW_MAP=True, STAGED=False, **_NO_EPILOGUE),
         ["out_ptr", "row_src_ptr", "token_ptr"]),
     "row_put._pull_rows_kernel[one rank, fp8 dequantized]": (  # fp8 wire rows: bf16 values, scale bytes
         {**_PULL_TENSORS, "rows_ptr": (8, 132), "out_ptr": (N_, 128), "tail_ptr": (N_, 4), "stage_table_ptr": (1,),
          "tags_table_ptr": (1,)},
-        dict(_PULL_SCALARS, X=132, X_OUT=128, HAS_SCALE=False, HAS_TAIL=True, DEQUANTIZE=True, world_size=1,
-             ROW_MAP=True, STAGED=False, BLOCK_W=1, **_NO_EPILOGUE),
+        dict(_PULL_SCALARS, X=132, X_OUT=128, HAS_SCALE=False, HAS_TAIL=True, DEQUANTIZE=True, ROW_MAP=True,
+             STAGED=False, **_NO_EPILOGUE),
         ["out_ptr", "row_src_ptr", "tail_ptr", "token_ptr"]),
     # CUDA symmetric memory's ops, inlined: the barrier writes the call number (the metadata
     # exchange's first) and the token only; the metadata put and the combine's put write peers'
@@ -543,11 +543,11 @@ _FUSED = {  # kernel: (its constexprs with the barrier, barriers in it)
     "put_meta": (dict(BLOCK_L=32, BARRIER=True, PLAN=False, NP=1, NB=1, BLOCK_W=1), 2),
     "put_meta[the plan first]": (dict(BLOCK_L=32, BARRIER=True, PLAN=True, NP=64, NB=32, BLOCK_W=2), 2),
     "put_rows": (dict(K=8, DST_STRIDE=64, HAS_SCALE=False, ONE_OUT=False, HAS_COUNT=True, ACC_DTYPE="tl.float32",
-                      BLOCK_R=2, BLOCK_H=16, BLOCK_W=2, BARRIER=True), 1),
+                      BLOCK_R=2, BLOCK_H=16, BARRIER=True), 1),
     "post_slots": (dict(K=8, DST_STRIDE=64, HAS_SCALE=True, STAGE=True, ACC_DTYPE="tl.float32", BLOCK_R=2,
-                        BLOCK_H=16, BLOCK_S=64, BLOCK_W=2, BARRIER=True), 1),
+                        BLOCK_H=16, BLOCK_S=64, BARRIER=True), 1),
     "pull_rows": (dict(K=8, SRC_STRIDE=64, ROW_MAP=False, STAGED=True, HAS_SCALE=True, ACC_DTYPE="tl.float32",
-                       HAS_TAIL=False, BLOCK_R=2, BLOCK_H=16, BLOCK_W=2, BARRIER=True, DEQUANTIZE=False), 1),
+                       HAS_TAIL=False, BLOCK_R=2, BLOCK_H=16, BARRIER=True, DEQUANTIZE=False), 1),
     "topk_reduce": (dict(RET_AT_ADDRESS=True, HAS_TOKEN=True, READ_AT_SLOT_DST=False, K=2, HAS_SLOT_DST=True,
                          HAS_WEIGHTS=True, SAVE_RETURNED=True, ACC_DTYPE="tl.float32", BLOCK_T=8, BLOCK_H=16,
                          BARRIER=True), 1),
@@ -613,7 +613,7 @@ def test_rows_reached_by_address_move_as_vectors():
     rows = dict(K=8, BLOCK_H=1024, ACC_DTYPE="tl.float32")
     reduce = dict(rows, HAS_TOKEN=True, HAS_SLOT_DST=True, HAS_WEIGHTS=True, SAVE_RETURNED=False, BLOCK_T=2,
                   BARRIER=False, WORLD_SIZE=2)
-    pull = dict(rows, SRC_STRIDE=64, HAS_SCALE=False, HAS_TAIL=False, BLOCK_R=4, BLOCK_W=2, BARRIER=False,
+    pull = dict(rows, SRC_STRIDE=64, HAS_SCALE=False, HAS_TAIL=False, BLOCK_R=4, BARRIER=False,
                 WORLD_SIZE=2, DEQUANTIZE=False)
     bf16 = "*bf16"
     cases = [["topk_reduce", dict(reduce, RET_AT_ADDRESS=True, READ_AT_SLOT_DST=False), dict(y_ptr=bf16)],
@@ -641,7 +641,7 @@ def test_the_dequantizing_pull_loads_each_block_scale_once_and_converts_in_hardw
     tile = dict(BLOCK_R=4, BLOCK_H=1024)  # the GPU tile of pull_rows for 4-byte elements (fp32 products)
     threads = 8 * 32
     pull = dict(tile, K=8, SRC_STRIDE=64, ROW_MAP=False, STAGED=True, HAS_SCALE=False, ACC_DTYPE="tl.float32",
-                HAS_TAIL=True, BLOCK_W=2, BARRIER=False, WORLD_SIZE=2, DEQUANTIZE=True)
+                HAS_TAIL=True, BARRIER=False, WORLD_SIZE=2, DEQUANTIZE=True)
     pointers = dict(out_ptr="*bf16", tail_ptr="*u8", rows_ptr="*u8")
     (accesses,) = json.loads(_without_interpreter(_GLOBAL_ACCESSES, [["pull_rows", pull, pointers]], timeout=600))
     scale_loads = accesses.get("ld.global.b32", 0)

@@ -53,15 +53,15 @@ def _cases() -> list[Case]:
     bf16 = {"src_ptr": "*bf16", "out_ptr": "*bf16", "rows_ptr": "*bf16", "tail_ptr": "*bf16", "scale_ptr": "*fp32"}
     wire = dict(bf16, rows_ptr="*u8", out_ptr="*u8", tail_ptr="*u8")
     pull = dict(K=K, SRC_STRIDE=64, ROW_MAP=False, STAGED=True, HAS_SCALE=False, ACC_DTYPE=f32, HAS_TAIL=False,
-                BLOCK_W=W, WORLD_SIZE=W, DEQUANTIZE=False)
+                WORLD_SIZE=W, DEQUANTIZE=False)
     seq = dict(Q0=128, Q1=128, Q2=128, TENSORS=3)
     seq_tensors = {f"{p}{i}": "*bf16" for p in "xy" for i in range(3)}
     return [
         Case("put_rows (combine)", "row_put", "_put_rows_kernel",
-             dict(K=1, DST_STRIDE=4096, HAS_SCALE=False, ONE_OUT=False, HAS_COUNT=True, ACC_DTYPE=f32, BLOCK_W=W,
+             dict(K=1, DST_STRIDE=4096, HAS_SCALE=False, ONE_OUT=False, HAS_COUNT=True, ACC_DTYPE=f32,
                   WORLD_SIZE=W), bf16, ("put_rows", H, 2), barrier=True),
         Case("post_slots (dispatch, into the stage)", "row_put", "_post_slots_kernel",
-             dict(K=K, DST_STRIDE=4096, HAS_SCALE=False, STAGE=True, ACC_DTYPE=f32, BLOCK_S=64, BLOCK_W=W,
+             dict(K=K, DST_STRIDE=4096, HAS_SCALE=False, STAGE=True, ACC_DTYPE=f32, BLOCK_S=64,
                   WORLD_SIZE=W), bf16, ("put_rows", H, 2), barrier=True),
         Case("pull_rows (dispatch, bf16)", "row_put", "_pull_rows_kernel", pull, bf16, ("pull_rows", H, 2),
              barrier=True),
@@ -71,7 +71,7 @@ def _cases() -> list[Case]:
              dict(pull, HAS_TAIL=True, DEQUANTIZE=True), dict(wire, out_ptr="*bf16"), ("pull_rows", WIRE, 4),
              barrier=True),
         Case("pull_rows (one rank)", "row_put", "_pull_rows_kernel",
-             dict(pull, ROW_MAP=True, STAGED=False, BLOCK_W=1, WORLD_SIZE=1), bf16, ("pull_rows", H, 2)),
+             dict(pull, ROW_MAP=True, STAGED=False, WORLD_SIZE=1), bf16, ("pull_rows", H, 2)),
         Case("topk_reduce (combine)", "topk_reduce", "_topk_reduce_kernel",
              dict(RET_AT_ADDRESS=True, HAS_TOKEN=True, READ_AT_SLOT_DST=False, K=K, HAS_SLOT_DST=True,
                   HAS_WEIGHTS=True, SAVE_RETURNED=False, ACC_DTYPE=f32, WORLD_SIZE=W),

@@ -62,29 +62,18 @@ no program per row block of it."""
 
 
 @triton.jit
-def _select(b_index, b_table, o_w):
-    """``b_table[b_index]``: [BR] indices into the (BW,) table held in registers -> [BR] (a
-    select, no load for a store to wait on)."""
-    return tl.sum(tl.where(b_index[:, None] == o_w[None, :], b_table[None, :], 0), axis=1)
-
-
-@triton.jit
 def _put_rows_kernel(
     src_ptr, scale_ptr, dst_ptr, count_ptr, rows_table_ptr, out_ptr, token_ptr,
     n_rows, n_src, H, world_size,
     pads_table_ptr, counters_ptr, barrier_call_ptr, barrier_rank, timeout_ms, barrier_op,
     K: tl.constexpr, DST_STRIDE: tl.constexpr, HAS_SCALE: tl.constexpr, ONE_OUT: tl.constexpr,
     HAS_COUNT: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_W: tl.constexpr, BARRIER: tl.constexpr, WORLD_SIZE: tl.constexpr,
+    BARRIER: tl.constexpr, WORLD_SIZE: tl.constexpr,
 ):
     order_after(token_ptr)
     n_todo = n_rows
     if HAS_COUNT:  # rows past a device-side count send nothing: no program visits them
         n_todo = tl.minimum(tl.load(count_ptr), n_rows)
-    # NB: the pointer tables are read once, into registers: a row's destination is then a select.
-    o_w = tl.arange(0, BLOCK_W)  # [BW] ranks
-    if not ONE_OUT:
-        b_rows_table = tl.load(rows_table_ptr + o_w, mask=o_w < world_size, other=0)
     step = tl.num_programs(0) * BLOCK_R
     o_first = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     b_dst = tl.load(dst_ptr + o_first, mask=o_first < n_todo, other=-1)  # [BR]
@@ -106,10 +95,12 @@ def _put_rows_kernel(
         if ONE_OUT:
             p_row = out_ptr + b_row * H  # [BR]
         else:
-            # NB: the bases are 16-byte aligned (launcher's contract), which the compiler cannot
-            # know of a loaded address: with the hint 16-byte vector stores, without it one
-            # 2-byte store per element (8x the instructions; it is what limits an SM budget).
-            p_peer = tl.multiple_of(_select(b_peer, b_rows_table, o_w).to(tl.pointer_type(src_ptr.dtype.element_ty)),
+            # NB: the peer's base is a load from the (W,) table, as pull_rows' stage base (a
+            # select over the table in registers moved 10% fewer bytes on 8-32 programs). The
+            # bases are 16-byte aligned (launcher's contract), which the compiler cannot know of
+            # a loaded address: with the hint 16-byte vector stores, without it one 2-byte store
+            # per element (8x the instructions; it is what limits an SM budget).
+            p_peer = tl.multiple_of(tl.load(rows_table_ptr + b_peer).to(tl.pointer_type(src_ptr.dtype.element_ty)),
                                     16)
             p_row = p_peer + b_row * H  # [BR] each row's destination
         for i_h in range(tl.program_id(1), tl.cdiv(H, BLOCK_H), tl.num_programs(1)):  # column blocks
@@ -177,7 +168,7 @@ def put_rows(
             or_new_token(token, dst.device), n, src.shape[0], H, world_size, K=top_k, DST_STRIDE=dst_stride,
             HAS_SCALE=scale is not None, ONE_OUT=out is not None, HAS_COUNT=count is not None,
             ACC_DTYPE=tl_acc_dtype(acc_dtype), BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H,
-            BLOCK_W=triton.next_power_of_2(world_size), num_warps=blocks.num_warps, **epilogue_args(epilogue, dst),
+            num_warps=blocks.num_warps, **epilogue_args(epilogue, dst),
         )
 
 
@@ -270,7 +261,7 @@ def _post_slots_kernel(
     pads_table_ptr, counters_ptr, barrier_call_ptr, barrier_rank, timeout_ms, barrier_op,
     K: tl.constexpr, DST_STRIDE: tl.constexpr, HAS_SCALE: tl.constexpr, STAGE: tl.constexpr,
     ACC_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_W: tl.constexpr, BARRIER: tl.constexpr, WORLD_SIZE: tl.constexpr,
+    BARRIER: tl.constexpr, WORLD_SIZE: tl.constexpr,
 ):
     order_after(token_ptr)
     if STAGE:  # this rank's rows, once each, into its own stage, where the receivers read them
@@ -283,15 +274,13 @@ def _post_slots_kernel(
                 b_x = tl.load(src_ptr + o_r[:, None] * X + o_h[None, :], mask=m)
                 tl.store(stage_ptr + o_r[:, None] * X + o_h[None, :], b_x, mask=m)
     if tl.program_id(1) == 0:  # each slot's tag into the row its destination will pull
-        o_w = tl.arange(0, BLOCK_W)  # [BW] ranks
-        b_tags_table = tl.load(tags_table_ptr + o_w, mask=o_w < world_size, other=0)
         for i_s in range(tl.program_id(0), tl.cdiv(n_slots, BLOCK_S), tl.num_programs(0)):
             o_s = (i_s * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)  # [BS] slots t * K + k
             b_dst = tl.load(dst_ptr + o_s, mask=o_s < n_slots, other=-1)
             m_s = (o_s < n_slots) & (b_dst >= 0) & (b_dst < world_size * DST_STRIDE) & (o_s // K < n_src)
             # NB: DST_STRIDE is a compile-time constant: the division is a multiply and a shift
             b_peer = tl.where(m_s, b_dst // DST_STRIDE, 0)
-            p_tag = _select(b_peer, b_tags_table, o_w).to(tl.pointer_type(tl.int64)) + tl.where(
+            p_tag = tl.load(tags_table_ptr + b_peer).to(tl.pointer_type(tl.int64)) + tl.where(
                 m_s, b_dst % DST_STRIDE, 0) * _TAG_COLUMNS
             b_code = tag_base + tl.load(tag_index_ptr + o_s, mask=m_s, other=0)
             b_bits = tl.zeros([BLOCK_S], dtype=tl.int64)
@@ -352,18 +341,18 @@ def post_slots(
             N, n_src, X, world_size, rank, tag_base, K=top_k, DST_STRIDE=dst_stride, HAS_SCALE=scale is not None,
             STAGE=stage_table is not None, ACC_DTYPE=tl_acc_dtype(acc_dtype), BLOCK_R=blocks.BLOCK_R,
             BLOCK_H=blocks.BLOCK_H, BLOCK_S=_SLOTS_PER_BLOCK,
-            BLOCK_W=triton.next_power_of_2(world_size), num_warps=blocks.num_warps, **epilogue_args(epilogue, dst),
+            num_warps=blocks.num_warps, **epilogue_args(epilogue, dst),
         )
 
 
 @triton.jit
 def _pull_rows_kernel(
     rows_ptr, stage_table_ptr, tags_table_ptr, tags_index, row_map_ptr, position_ptr, scale_ptr, num_routed_ptr,
-    out_ptr, tail_ptr, row_src_ptr, token_ptr, n_rows, X, X_OUT, world_size,
+    out_ptr, tail_ptr, row_src_ptr, token_ptr, n_rows, X, X_OUT,
     pads_table_ptr, counters_ptr, barrier_call_ptr, barrier_rank, timeout_ms, barrier_op,
     K: tl.constexpr, SRC_STRIDE: tl.constexpr, ROW_MAP: tl.constexpr, STAGED: tl.constexpr, HAS_SCALE: tl.constexpr,
     ACC_DTYPE: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_W: tl.constexpr, BARRIER: tl.constexpr, WORLD_SIZE: tl.constexpr, DEQUANTIZE: tl.constexpr,
+    BARRIER: tl.constexpr, WORLD_SIZE: tl.constexpr, DEQUANTIZE: tl.constexpr,
 ):
     order_after(token_ptr)
     # NB: the tags' base is loaded here, not in a helper: inductor's analysis of which arguments
@@ -371,9 +360,6 @@ def _pull_rows_kernel(
     # arguments (the address tables, constants of the graph).
     if not ROW_MAP:
         tags_ptr = tl.load(tags_table_ptr + tags_index).to(tl.pointer_type(tl.int64))
-    if STAGED:
-        o_w = tl.arange(0, BLOCK_W)  # [BW] ranks
-        b_stage_table = tl.load(stage_table_ptr + o_w, mask=o_w < world_size, other=0)
     n_routed = tl.minimum(tl.load(num_routed_ptr), n_rows)  # rows [0, n_routed) are written, the rest left as they are
     for i_r in range(tl.program_id(0), tl.cdiv(n_routed, BLOCK_R), tl.num_programs(0)):  # row blocks
         o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR]
@@ -387,10 +373,15 @@ def _pull_rows_kernel(
         if ROW_MAP:
             b_src_row = b_slot // K  # [BR] row in its source
         else:
-            b_src_row = tl.load(tags_ptr + o_r * _TAG_COLUMNS + 1, mask=m_valid, other=0)
+            # NB: masked by the routed rows, not the valid ones, so it does not wait for the codes
+            b_src_row = tl.load(tags_ptr + o_r * _TAG_COLUMNS + 1, mask=m_routed, other=0)
         if STAGED:
-            # NB: 16-byte aligned bases (every region of SymmBuffers): vector loads
-            p_src = tl.multiple_of(_select(tl.where(m_valid, b_code // SRC_STRIDE, 0), b_stage_table, o_w).to(
+            # NB: each row's stage base is a load from the (W,) table (a cached hit). A select
+            # over the table held in registers cost more with every rank: on 8 programs of an
+            # H100 the pull moved 656 / 498 / 395 / 275 GB/s at W = 1 / 2 / 4 / 8 that way,
+            # 527-537 at every W this way. 16-byte aligned bases (every region of
+            # SymmBuffers): vector loads.
+            p_src = tl.multiple_of(tl.load(stage_table_ptr + b_code // SRC_STRIDE, mask=m_valid, other=0).to(
                 tl.pointer_type(tail_ptr.dtype.element_ty)), 16) + b_src_row * X  # [BR]
         else:
             p_src = rows_ptr + b_src_row * X
@@ -519,7 +510,6 @@ def pull_rows(
     if rows is not None and (rows.dtype != wire or rows.shape[1] != X):
         raise ValueError(f"pull_rows: rows must be (n, {X}) {wire}, got {tuple(rows.shape)} {rows.dtype}")
     rows, row_map, position, scale = (None if t is None else t.contiguous() for t in (rows, row_map, position, scale))
-    world_size = 1 if stage_table is None else stage_table.numel()
     tags_table, tags_index = (tags.table, tags.index) if tags is not None else (row_map, 0)  # NB: unread with a row map
     # NB: a dequantizing tile holds fp32 products: sized as 4-byte elements, as many registers as a plain one
     blocks = row_blocks("pull_rows", C, X, 4 if dequantize else wire.itemsize, max_programs)
@@ -529,10 +519,10 @@ def pull_rows(
             rows if rows is not None else out, stage_table if stage_table is not None else tags_table, tags_table,
             tags_index, row_map if row_map is not None else row_src, position if position is not None else row_src,
             scale if scale is not None else num_routed, num_routed, out, tail if tail is not None else out, row_src,
-            or_new_token(token, out.device), C, X, out.shape[1], world_size, K=top_k, SRC_STRIDE=src_stride,
+            or_new_token(token, out.device), C, X, out.shape[1], K=top_k, SRC_STRIDE=src_stride,
             ROW_MAP=row_map is not None, STAGED=stage_table is not None,
             HAS_SCALE=scaled if row_map is None else scale is not None, ACC_DTYPE=tl_acc_dtype(acc_dtype),
             HAS_TAIL=tail is not None, BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H,
-            BLOCK_W=triton.next_power_of_2(world_size), num_warps=blocks.num_warps, DEQUANTIZE=dequantize,
+            num_warps=blocks.num_warps, DEQUANTIZE=dequantize,
             **epilogue_args(epilogue, out),
         )
