@@ -116,7 +116,9 @@ def part_a():
 
 
 
-def sweep(name, launch, nbytes, variants, budgets=(8, 16, 32, 132, None)):
+def sweep(name, launch, nbytes, variants, budgets=(8, 16, 32, 132, None), label=None):
+    """GB/s of ``launch(max_programs)`` at each budget for each tile of ``variants`` set as the
+    ``name`` row_blocks key's; printed as ``label`` (default: name)."""
     for bl in variants:
         old, old_b = _config.GPU_BLOCKS[name], _config.BUDGET_BLOCKS.get(name)
         _config.GPU_BLOCKS[name] = _config.BUDGET_BLOCKS[name] = bl
@@ -127,7 +129,9 @@ def sweep(name, launch, nbytes, variants, budgets=(8, 16, 32, 132, None)):
         _config.GPU_BLOCKS[name] = old
         if old_b is not None:
             _config.BUDGET_BLOCKS[name] = old_b
-        print(f"  {name} {bl}: GB/s " + " ".join(row), flush=True)
+        else:
+            del _config.BUDGET_BLOCKS[name]
+        print(f"  {label or name} {bl}: GB/s " + " ".join(row), flush=True)
 
 
 def part_d():
@@ -157,7 +161,7 @@ def part_d():
           put_variants)
     sweep("put_rows", lambda mp: k.post_slots(src, dst, C, ttable, perm, rank=0, tag_base=0, top_k=K,
                                               stage_table=stage_table, max_programs=mp),
-          2 * T * H * 2, put_variants[:3])  # post_slots: its stage takes put_rows' blocks
+          2 * T * H * 2, put_variants[:3], label="post_slots")  # its stage takes put_rows' blocks
     ntags = torch.stack([torch.randint(0, W * 1000, (C,), device=dev, generator=g),
                          torch.randint(0, T, (C,), device=dev, generator=g), torch.zeros(C, device=dev).long()], 1)
     n_routed = torch.tensor([C], device=dev)
