@@ -96,7 +96,7 @@ def _put_rows_kernel(
             p_row = out_ptr + b_row * H  # [BR]
         else:
             # NB: the peer's base is a load from the (W,) table, as pull_rows' stage base (a
-            # select over the table in registers moved 10% fewer bytes on 8-32 programs). The
+            # select over the table in registers moved about 10% fewer bytes on 8-32 programs). The
             # bases are 16-byte aligned (launcher's contract), which the compiler cannot know of
             # a loaded address: with the hint 16-byte vector stores, without it one 2-byte store
             # per element (8x the instructions; it is what limits an SM budget).
@@ -379,7 +379,7 @@ def _pull_rows_kernel(
             # NB: each row's stage base is a load from the (W,) table (a cached hit). A select
             # over the table held in registers cost more with every rank: on 8 programs of an
             # H100 the pull moved 656 / 498 / 395 / 275 GB/s at W = 1 / 2 / 4 / 8 that way,
-            # 527-537 at every W this way. 16-byte aligned bases (every region of
+            # 523-532 at every W this way. 16-byte aligned bases (every region of
             # SymmBuffers): vector loads.
             p_src = tl.multiple_of(tl.load(stage_table_ptr + b_code // SRC_STRIDE, mask=m_valid, other=0).to(
                 tl.pointer_type(tail_ptr.dtype.element_ty)), 16) + b_src_row * X  # [BR]
