@@ -26,6 +26,7 @@ from alltoall_ops import layout
 from alltoall_ops.backends import symm_mem
 from alltoall_ops.backends.symm_mem.buffers import ALIGNMENT, CALL, FAILED, META_EXTRA, N_SLOTS
 from alltoall_ops.kernels import loader
+from alltoall_ops.kernels._config import BUDGET_BLOCKS
 from alltoall_ops.kernels.region import Region
 from alltoall_ops.backends.collective import dispatch_op
 from alltoall_ops.reference import reference_combine, reference_dispatch
@@ -584,13 +585,14 @@ def test_barrier_reads_the_clock_in_every_wait_loop(kernel, world_size):
     assert asserts >= barriers * (1 + 2 * world_size), "the deadline's assert in every wait loop, and the stamps'"
 
 
-_GLOBAL_ACCESSES = _SM90_PTX + """
+_PTX_OPS = _SM90_PTX + """
 import collections, re
 from alltoall_ops.kernels import row_put, topk_reduce
 
 out = []
-for kernel, constexprs, pointers in json.loads(sys.argv[1]):  # pointers: {name: type} where not *i64
-    kernel = {"pull_rows": row_put._pull_rows_kernel, "topk_reduce": topk_reduce._topk_reduce_kernel}[kernel]
+for kernel, constexprs, pointers, *warps in json.loads(sys.argv[1]):  # pointers: {name: type} where not *i64
+    kernel = {"pull_rows": row_put._pull_rows_kernel, "put_rows": row_put._put_rows_kernel,
+              "topk_reduce": topk_reduce._topk_reduce_kernel}[kernel]
     constexprs = constants(constexprs)
     names = [n for n in kernel.arg_names if n not in constexprs]
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "*i64") if n.endswith("_ptr")
@@ -598,10 +600,13 @@ for kernel, constexprs, pointers in json.loads(sys.argv[1]):  # pointers: {name:
     # as a launch specializes them: tensors 16-byte aligned, ints divisible by 16 (H = 7168)
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in names
              if n not in ("ret_index", "tags_index")}
-    ptx = sm90_ptx(kernel, signature, constexprs, attrs, num_warps=8)
-    out.append(collections.Counter(re.findall(r"(?:ld|st)\\.global[\\w.]*|cvt\\.rn\\.[\\w.]+", ptx)))
+    ptx = sm90_ptx(kernel, signature, constexprs, attrs, num_warps=warps[0] if warps else 8)
+    out.append(collections.Counter(re.findall(
+        r"(?:ld|st)\\.global[\\w.]*|cvt\\.rn\\.[\\w.]+|(?:ld|st)\\.shared|shfl\\.sync|bar\\.sync", ptx)))
 print(json.dumps(out))
 """
+"""Each case's PTX op counts: global loads and stores by width, float conversions, shared-memory
+loads and stores, warp shuffles and barriers."""
 
 
 def test_rows_reached_by_address_move_as_vectors():
@@ -622,13 +627,35 @@ def test_rows_reached_by_address_move_as_vectors():
              # tail_ptr: unused without HAS_TAIL, typed as out_ptr
              ["pull_rows", dict(pull, ROW_MAP=False, STAGED=True), dict(out_ptr=bf16, tail_ptr=bf16)],
              ["pull_rows", dict(pull, ROW_MAP=True, STAGED=False), dict(rows_ptr=bf16, out_ptr=bf16, tail_ptr=bf16)]]
-    accesses = json.loads(_without_interpreter(_GLOBAL_ACCESSES, cases, timeout=600))
+    accesses = json.loads(_without_interpreter(_PTX_OPS, cases, timeout=600))
     by_address, by_tensor = accesses[::2], accesses[1::2]
     for kernel, address, tensor in zip(("topk_reduce", "pull_rows"), by_address, by_tensor):
         wide = {a: n for a, n in tensor.items() if ".v4." in a}
         assert wide, (kernel, tensor)
         assert {a: n for a, n in address.items() if ".v4." in a} == wide, (kernel, address, tensor)
         assert not any(a.endswith(".b16") for a in address), (kernel, address)
+
+
+def test_movers_reach_their_peers_without_reducing_across_threads():
+    # Each row's peer base (put_rows' destination, the pull's stage) is a load from the (W,)
+    # address table. A select over the table held in registers summed a [rows, W] tile across
+    # warps: shuffles and a shared-memory round trip behind a second barrier a row block, which
+    # kept a program's warps in step. On 8 programs of an H100 the pull moved 656 / 498 / 395 /
+    # 275 GB/s at W = 1 / 2 / 4 / 8 that way, 523-532 at every W with the load (docs/benchmarks.md,
+    # twentieth session). At the budget tiles, W = 8, PTX for sm_90 built on the CPU: no shuffle,
+    # no shared memory, no barrier but the pull's one before it resets the tags it read.
+    (pull_r, pull_h, pull_warps), (put_r, put_h, put_warps) = (BUDGET_BLOCKS[k] for k in ("pull_rows", "put_rows"))
+    pull = dict(K=8, SRC_STRIDE=4096, ROW_MAP=False, STAGED=True, HAS_SCALE=False, ACC_DTYPE="tl.float32",
+                HAS_TAIL=False, BLOCK_R=pull_r, BLOCK_H=pull_h, BARRIER=False, WORLD_SIZE=8, DEQUANTIZE=False)
+    put = dict(K=8, DST_STRIDE=4096, HAS_SCALE=False, ONE_OUT=False, HAS_COUNT=True, ACC_DTYPE="tl.float32",
+               BLOCK_R=put_r, BLOCK_H=put_h, BARRIER=False, WORLD_SIZE=8)
+    cases = [["pull_rows", pull, dict(out_ptr="*bf16", tail_ptr="*bf16"), pull_warps],
+             ["put_rows", put, dict(src_ptr="*bf16", out_ptr="*bf16", scale_ptr="*fp32"), put_warps]]
+    pull_ops, put_ops = json.loads(_without_interpreter(_PTX_OPS, cases, timeout=600))
+    for ops, barriers in ((pull_ops, 1), (put_ops, 0)):
+        assert ops.get("ld.global.v4.b32"), ops  # the rows move (as vectors)
+        assert not {op: n for op, n in ops.items() if op.startswith("shfl") or ".shared" in op}, ops
+        assert ops.get("bar.sync", 0) == barriers, ops
 
 
 def test_the_dequantizing_pull_loads_each_block_scale_once_and_converts_in_hardware():
@@ -643,7 +670,7 @@ def test_the_dequantizing_pull_loads_each_block_scale_once_and_converts_in_hardw
     pull = dict(tile, K=8, SRC_STRIDE=64, ROW_MAP=False, STAGED=True, HAS_SCALE=False, ACC_DTYPE="tl.float32",
                 HAS_TAIL=True, BARRIER=False, WORLD_SIZE=2, DEQUANTIZE=True)
     pointers = dict(out_ptr="*bf16", tail_ptr="*u8", rows_ptr="*u8")
-    (accesses,) = json.loads(_without_interpreter(_GLOBAL_ACCESSES, [["pull_rows", pull, pointers]], timeout=600))
+    (accesses,) = json.loads(_without_interpreter(_PTX_OPS, [["pull_rows", pull, pointers]], timeout=600))
     scale_loads = accesses.get("ld.global.b32", 0)
     block_scales = tile["BLOCK_R"] * tile["BLOCK_H"] // 128
     assert 0 < scale_loads <= -(-block_scales // threads) * 4, accesses  # a few per thread, not one per column
