@@ -656,6 +656,9 @@ def test_movers_reach_their_peers_without_reducing_across_threads():
         assert ops.get("ld.global.v4.b32"), ops  # the rows move (as vectors)
         assert not {op: n for op, n in ops.items() if op.startswith("shfl") or ".shared" in op}, ops
         assert ops.get("bar.sync", 0) == barriers, ops
+    # A warp moves one row of the pull's block, so a thread loads one row's code, source row and
+    # stage base (8-byte loads; with the columns spread over the warps, 8 rows a thread: 27 in all)
+    assert pull_ops["ld.global.b64"] <= 12, pull_ops
 
 
 def test_the_dequantizing_pull_loads_each_block_scale_once_and_converts_in_hardware():

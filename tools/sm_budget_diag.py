@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import time
+from unittest import mock
 from functools import partial
 
 import torch
@@ -120,17 +121,9 @@ def sweep(name, launch, nbytes, variants, budgets=(8, 16, 32, 132, None), label=
     """GB/s of ``launch(max_programs)`` at each budget for each tile of ``variants`` set as the
     ``name`` row_blocks key's; printed as ``label`` (default: name)."""
     for bl in variants:
-        old, old_b = _config.GPU_BLOCKS[name], _config.BUDGET_BLOCKS.get(name)
-        _config.GPU_BLOCKS[name] = _config.BUDGET_BLOCKS[name] = bl
-        row = []
-        for mp in budgets:
-            t = time_us(lambda mp=mp: launch(mp))
-            row.append(f"{mp}:{nbytes / t / 1e3:5.0f}")
-        _config.GPU_BLOCKS[name] = old
-        if old_b is not None:
-            _config.BUDGET_BLOCKS[name] = old_b
-        else:
-            del _config.BUDGET_BLOCKS[name]
+        # NB: patch.dict restores both tables however the timing ends (a key it added is removed)
+        with mock.patch.dict(_config.GPU_BLOCKS, {name: bl}), mock.patch.dict(_config.BUDGET_BLOCKS, {name: bl}):
+            row = [f"{mp}:{nbytes / time_us(lambda mp=mp: launch(mp)) / 1e3:5.0f}" for mp in budgets]
         print(f"  {label or name} {bl}: GB/s " + " ".join(row), flush=True)
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from unittest import mock
 
 import torch
 
@@ -109,15 +110,12 @@ def sweep_layout(T: int) -> None:
     configs += [(0, block_chosen, chosen["GPU_BLOCK_NUM_WARPS"], b) for b in (32, 64)]
     for one_program, block_s, warps, buckets in configs:
         block_s = block_s or block_chosen  # one program: the blocks unused, left as chosen
-        for k, v in zip(knobs, (one_program, warps, block_s, block_s, warps, buckets)):
-            setattr(routing, k, v)
-        fn = lambda: routing.plan_slots(topk_idx, E, 1)  # noqa: E731
         name = (f"one program, {warps:2} warps" if one_program
                 else f"three kernels, {block_s:3} slots, {warps} warps, {buckets:2} buckets a scan program")
-        assert all(torch.equal(g, w) for g, w in zip(fn(), want)), f"plan_slots != torch: {name}"
-        results.append((graph_us(fn), median_us(fn), name))
-    for k, v in chosen.items():
-        setattr(routing, k, v)
+        with mock.patch.multiple(routing, **dict(zip(knobs, (one_program, warps, block_s, block_s, warps, buckets)))):
+            fn = lambda: routing.plan_slots(topk_idx, E, 1)  # noqa: E731
+            assert all(torch.equal(g, w) for g, w in zip(fn(), want)), f"plan_slots != torch: {name}"
+            results.append((graph_us(fn), median_us(fn), name))
     for g, eager, name in sorted(results):
         print(f"  plan_slots {name}: graph {g:6.1f} us, eager {eager:6.1f} us")
 
@@ -132,11 +130,10 @@ def sweep_budget_layout(T: int, max_programs: int) -> None:
     chosen = routing.BUDGET_BLOCK_S, routing.BUDGET_BLOCK_NUM_WARPS
     results = []
     for block_s, warps in itertools.product([64, 128, 256], [4, 8, 16]):
-        routing.BUDGET_BLOCK_S, routing.BUDGET_BLOCK_NUM_WARPS = block_s, warps
-        fn = lambda: routing.plan_slots(topk_idx, E, 1, max_programs)  # noqa: E731
-        assert all(torch.equal(g, w) for g, w in zip(fn(), want)), f"plan_slots != torch: {block_s}, {warps}"
-        results.append((graph_us(fn), block_s, warps))
-    routing.BUDGET_BLOCK_S, routing.BUDGET_BLOCK_NUM_WARPS = chosen
+        with mock.patch.multiple(routing, BUDGET_BLOCK_S=block_s, BUDGET_BLOCK_NUM_WARPS=warps):
+            fn = lambda: routing.plan_slots(topk_idx, E, 1, max_programs)  # noqa: E731
+            assert all(torch.equal(g, w) for g, w in zip(fn(), want)), f"plan_slots != torch: {block_s}, {warps}"
+            results.append((graph_us(fn), block_s, warps))
     print(f"layout T = {T} (N = {T * K}) on {max_programs} programs, {chosen} in use; best first:")
     for us, block_s, warps in sorted(results):
         print(f"  plan_slots three kernels, {block_s:3} slots, {warps:2} warps: graph {us:6.1f} us")
@@ -239,14 +236,12 @@ def _seq_pieces_steps(S: int, W: int, configs: list) -> dict:
     exchanges = (("seq_to_head", lambda r, b: symm_seq_to_head_op(seqs[r], b, 1, 2, [], False), heads),
                  ("head_to_seq", lambda r, b: symm_head_to_seq_op(heads[r], b, 1, 2, [H] * 3, [], False), seqs))
     steps = {"copy": lambda: copy.copy_(flat)}
-    chosen = _config.GPU_BLOCKS["seq_pieces"]
     for cfg, (name, fn, want) in itertools.product(configs, exchanges):
-        _config.GPU_BLOCKS["seq_pieces"] = cfg
-        graph = Captured(lambda stream, f=fn: run_simulated(f, bufs, stream=stream), True, relaxed=True)
-        got = graph.run()
+        with mock.patch.dict(_config.GPU_BLOCKS, seq_pieces=cfg):  # NB: the graph keeps the kernels it captured
+            graph = Captured(lambda stream, f=fn: run_simulated(f, bufs, stream=stream), True, relaxed=True)
+            got = graph.run()
         assert all(torch.equal(g, w) for r in range(W) for g, w in zip(got[r], want[r])), (name, W, cfg)
         steps[f"{name} {cfg}"] = graph.replay
-    _config.GPU_BLOCKS["seq_pieces"] = chosen
     return steps
 
 

@@ -413,20 +413,30 @@ def _pull_rows_kernel(
                 tl.store(out_ptr + o_r[:, None, None] * X_OUT + o_h[None, :, :], b_value, mask=m_write[:, :, None])
                 tl.store(p_tail[:, None] + o_b[None, :], b_block_scale, mask=m_write)
         else:
-            for i_h in range(tl.cdiv(X, BLOCK_H)):
-                o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
-                m_h = (o_h < X)[None, :]
-                b_x = tl.load(p_src[:, None] + o_h[None, :], mask=m_valid[:, None] & m_h, other=0)
+            # NB: a step is [REPS, BLOCK_R, LANES]: a warp's 32 threads take 16 bytes each of one
+            # row (LANES elements), REPS times over the step's columns, so a thread loads one
+            # row's code, source row and stage base. A [BLOCK_R, BLOCK_H] step spread the
+            # columns over the warps, 8 rows a thread at the budget tile: on 8 / 16 / 32
+            # programs of an H100 the pull moved 525 / 999 / 1847 GB/s that way, 549 / 1046 /
+            # 1902 this way (the same without a budget).
+            LANES: tl.constexpr = min(BLOCK_H, 4096 // out_ptr.dtype.element_ty.primitive_bitwidth)
+            o_c = (tl.arange(0, BLOCK_H // LANES)[:, None] * LANES + tl.arange(0, LANES)[None, :])[:, None, :]
+            m_valid_3 = m_valid[None, :, None]  # [1, BR, 1]
+            m_routed_3 = m_routed[None, :, None]
+            p_src_3 = p_src[None, :, None]
+            for i_h in range(0, X, BLOCK_H):
+                o_h = i_h + o_c  # [REPS, 1, LANES] columns
+                m_h = o_h < X
+                b_x = tl.load(p_src_3 + o_h, mask=m_valid_3 & m_h, other=0)
                 if HAS_SCALE:  # fp32 (fp64) product, rounded once
-                    b_x = cast_rne(upcast(b_x, ACC_DTYPE) * b_scale[:, None], out_ptr.dtype.element_ty)
+                    b_x = cast_rne(upcast(b_x, ACC_DTYPE) * b_scale[None, :, None], out_ptr.dtype.element_ty)
                 if HAS_TAIL:  # columns [0, X_OUT) to out, [X_OUT, X) to tail
-                    m_out = (o_h < X_OUT)[None, :]
-                    tl.store(out_ptr + o_r[:, None] * X_OUT + o_h[None, :], b_x,
-                             mask=m_routed[:, None] & m_h & m_out)
-                    tl.store(tail_ptr + o_r[:, None] * (X - X_OUT) + (o_h - X_OUT)[None, :], b_x,
-                             mask=m_routed[:, None] & m_h & ~m_out)
+                    m_out = o_h < X_OUT
+                    tl.store(out_ptr + o_r[None, :, None] * X_OUT + o_h, b_x, mask=m_routed_3 & m_h & m_out)
+                    tl.store(tail_ptr + o_r[None, :, None] * (X - X_OUT) + (o_h - X_OUT), b_x,
+                             mask=m_routed_3 & m_h & ~m_out)
                 else:
-                    tl.store(out_ptr + o_r[:, None] * X + o_h[None, :], b_x, mask=m_routed[:, None] & m_h)
+                    tl.store(out_ptr + o_r[None, :, None] * X + o_h, b_x, mask=m_routed_3 & m_h)
         tl.store(row_src_ptr + o_r, b_code, mask=m_routed)
     if not ROW_MAP:
         # NB: each program owns its row blocks across all of X, so resetting their tags cannot
