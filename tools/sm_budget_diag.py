@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import sys
 import time
-from unittest import mock
 from functools import partial
+from unittest import mock
 
 import torch
 
