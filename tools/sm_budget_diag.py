@@ -117,14 +117,19 @@ def part_a():
 
 
 
+def rates(launch, nbytes, budgets) -> str:
+    """``GB/s budget:rate ...``, the rate being ``nbytes`` over the time of ``launch(max_programs)``."""
+    return "GB/s " + " ".join(f"{mp}:{nbytes / time_us(lambda mp=mp: launch(mp)) / 1e3:5.0f}" for mp in budgets)
+
+
 def sweep(name, launch, nbytes, variants, budgets=(8, 16, 32, 132, None), label=None):
     """GB/s of ``launch(max_programs)`` at each budget for each tile of ``variants`` set as the
     ``name`` row_blocks key's; printed as ``label`` (default: name)."""
     for bl in variants:
         # NB: patch.dict restores both tables however the timing ends (a key it added is removed)
         with mock.patch.dict(_config.GPU_BLOCKS, {name: bl}), mock.patch.dict(_config.BUDGET_BLOCKS, {name: bl}):
-            row = [f"{mp}:{nbytes / time_us(lambda mp=mp: launch(mp)) / 1e3:5.0f}" for mp in budgets]
-        print(f"  {label or name} {bl}: GB/s " + " ".join(row), flush=True)
+            row = rates(launch, nbytes, budgets)
+        print(f"  {label or name} {bl}: {row}", flush=True)
 
 
 def part_d():
@@ -181,18 +186,14 @@ def part_s():
     out = torch.empty(N, H, device=dev).bfloat16()
     row_src = torch.empty(N, device=dev, dtype=torch.int64)
     n_routed = torch.tensor([N], device=dev)
-
-    def rates(move) -> str:
-        """GB/s (N rows read and written) of ``move(max_programs)`` at 8 / 16 / 32 programs and uncapped."""
-        return "GB/s " + " ".join(f"{mp}:{2 * N * H * 2 / time_us(lambda mp=mp: move(mp)) / 1e3:5.0f}"
-                                  for mp in (8, 16, 32, None))
+    move_rates = partial(rates, nbytes=2 * N * H * 2, budgets=(8, 16, 32, None))  # N rows read and written
 
     def pull(mp, tags, ntags, region, stage_table):
         tags.copy_(ntags)  # the pull resets the codes it read
         k.pull_rows(region, n_routed, out, row_src, stage_table=stage_table, src_stride=1000, max_programs=mp)
 
     big = torch.randn(N, H, device=dev, generator=g).bfloat16()
-    print("  plain scatter: " + rates(partial(scatter_rows, big, torch.randperm(N, device=dev, generator=g), out)),
+    print("  plain scatter: " + move_rates(partial(scatter_rows, big, torch.randperm(N, device=dev, generator=g), out)),
           flush=True)
     for W in (1, 2, 4, 8):
         stages = torch.randn(W * T, H, device=dev, generator=g).bfloat16()
@@ -201,9 +202,9 @@ def part_s():
         ntags = torch.stack([peer * 1000, src_row, torch.zeros_like(peer)], 1)
         tags = ntags.clone()
         print(f"  {W} stages, {W * T * H * 2 >> 20} MiB: plain gather of the rows "
-              + rates(partial(gather_rows, stages, peer * T + src_row, out)), flush=True)
+              + move_rates(partial(gather_rows, stages, peer * T + src_row, out)), flush=True)
         pull_w = partial(pull, tags=tags, ntags=ntags, region=Region.of(tags), stage_table=stage_table)
-        print(f"  {W} stages, {W * T * H * 2 >> 20} MiB: pull_rows " + rates(pull_w), flush=True)
+        print(f"  {W} stages, {W * T * H * 2 >> 20} MiB: pull_rows " + move_rates(pull_w), flush=True)
 
 
 if __name__ == "__main__":
