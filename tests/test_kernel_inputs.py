@@ -407,7 +407,8 @@ _PLACE_TENSORS = {"meta_ptr": (1, E_ + 3), "meta_table_ptr": (1, 1), "idx_ptr": 
 _PLACE_SCALARS = dict(meta_index=0, L_in=E_ + 3, N=N_, E=E_, e=E_, rank=0, L_out=L_, alignment=1, max_slots=N_,
                       capacity=N_, col_failed=FAILED, col_call=CALL, col_alignment=ALIGNMENT, col_bad_ids=0,
                       col_n_slots=N_SLOTS, WORLD_SIZE=1, ONE_RANK=True, META_AT_ADDRESS=False, CHECK_OVERFLOW=True,
-                      ASSERT_CHECKS=True, BLOCK_W=1, BLOCK_E=E_, BLOCK_S=N_, BLOCK_L=32, PLAN=False, NP=1, NB=1)
+                      ASSERT_CHECKS=True, BLOCK_W=1, BLOCK_E=E_, BLOCK_S=N_, BLOCK_L=32, BLOCK_PAD=4, PLAN=False, NP=1,
+                      NB=1)
 _DTYPES = {  # kernel: the dtype of a tensor argument other than int64
     "row_put._pull_rows_kernel[one rank, fp8 dequantized]": {"rows_ptr": "uint8", "out_ptr": "bfloat16",
                                                              "tail_ptr": "uint8"},

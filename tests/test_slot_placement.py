@@ -178,6 +178,7 @@ def test_more_than_one_tile(W, e, max_programs):
     (40, 3, 7, 4, 120, 50),  # padded groups past C: dropped slots
     (40, 3, 7, 1, 119, 200),  # T * K above max_slots: bit 4
     (300, 4, 5, 8, 1200, 1240),  # many slots per expert, wide padding
+    (16, 2, 1024, 9, 32, 300),  # 1024 experts: each one's 8 padding rows in two tiles (PAD_ELEMENTS)
 ])
 def test_one_rank_reads_the_plan(T, K, E, alignment, max_slots, capacity):
     # One rank: no exchange, the kernel reads the plan's send_meta (1, E + 3) and writes the row

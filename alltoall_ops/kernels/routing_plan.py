@@ -301,9 +301,11 @@ def plan_blocks_first(idx_ptr, position_ptr, send_meta_ptr, N, E, NP: tl.constex
     """One rank, the first step of every program of a kernel that strides over blocks of BLOCK_S
     of the N <= NP slots: the positions of its own blocks' slots, as ``plan_slots``' (a slot's
     position is the number of slots whose key (bucket, slot) is smaller: (BLOCK_S, BLOCK_J)
-    comparisons with all N, no sort, nothing shared between programs), and send_meta (1, E + 3)
+    comparisons with all NP, no sort, nothing shared between programs), and send_meta (1, E + 3)
     of all N slots, each program its own copy; then a thread barrier, after which the program
-    reads both back."""
+    reads both back. NB: the comparisons are unrolled (NP is a compile-time constant), so their
+    loads are all in flight at once: a loop over N waited for each in turn (5.4 against 6.7 us
+    of a program's 8.8 at N = 1024 on an H100, clock marks in the kernel)."""
     o_a = tl.arange(0, NP)  # [NP] all slots
     b_idx = tl.load(idx_ptr + o_a, mask=o_a < N, other=-1).to(tl.int64)
     b_bucket = _buckets(b_idx, o_a < N, E, NB)
@@ -313,7 +315,7 @@ def plan_blocks_first(idx_ptr, position_ptr, send_meta_ptr, N, E, NP: tl.constex
         o_s = i_s + tl.arange(0, BLOCK_S)  # [BS] slots
         b_key = _keys(idx_ptr, o_s, N, E, NP, NB)
         b_smaller = tl.zeros([BLOCK_S, BLOCK_J], dtype=tl.int32)
-        for j in range(0, N, BLOCK_J):
+        for j in tl.static_range(0, NP, BLOCK_J):
             o_j = j + tl.arange(0, BLOCK_J)  # [BJ] slots to compare with; past N: larger than every key
             b_smaller += (_keys(idx_ptr, o_j, N, E, NP, NB)[None, :] < b_key[:, None]).to(tl.int32)
         tl.store(position_ptr + o_s, tl.sum(b_smaller, axis=1).to(tl.int64), mask=o_s < N)

@@ -42,7 +42,8 @@ Every program computes each expert's ``start[rank, g] - counts[rank, :g].sum()``
 BLOCK_E experts; ``expert_start`` as a cumulative sum over all experts minus that of the
 group's first expert, read back from a scratch row) into its scratch row, then places its
 blocks of slots with a gather from that row. Program 0 alone writes the per-expert outputs,
-the checks and ``meta_out``.
+the checks and ``meta_out``; the padding rows of one rank's ``row_slot`` are dealt out over the
+programs by expert.
 """
 
 from __future__ import annotations
@@ -59,14 +60,22 @@ from .routing_plan import NOT_PLANNED_FIRST, PlannedFirst, plan_blocks_first
 
 GPU_BLOCK_S = 1024
 """Slots a program places per step."""
-PLAN_BLOCK_S = 64
-"""Slots a program plans and places per step where it plans first (one rank): each compares them
-with all N slots, so small blocks spread that work over more programs."""
-MAX_PROGRAMS = 16
-"""Most programs: each recomputes the (W, E) tables, so more only pay for many slots."""
+PLAN_BLOCK_S, PLAN_NUM_WARPS = 32, 4
+"""Slots a program plans and places per step where it plans first (one rank), and its warps: each
+compares its slots with all N, so small blocks spread that work over more programs
+(``PLAN_MAX_PROGRAMS``). On an H100 (E = 256, K = 8, CUDA graphs; docs/benchmarks.md,
+twenty-second session) the placement of T = 8 / 32 / 128 tokens took 8.7 / 9.5 / 11.2 us at
+alignment 1 (11.8 / 12.3 / 15.0 at alignment 16) against 10.0 / 10.2 / 13.0 (12.0 / 12.3 / 15.0)
+at the previous 64 slots, 8 warps and 16 programs; 8 warps here gave 9.3 / 10.0 / 12.0 (10.6 /
+11.1 / 13.0), better with padding, worse without (the default alignment is 1)."""
+MAX_PROGRAMS, PLAN_MAX_PROGRAMS = 16, 32
+"""Most programs, without and with the plan first: each recomputes the (W, E) tables (and plans
+all N slots), so more only pay for many slots."""
 GPU_NUM_WARPS = 8
 MAX_BLOCK_E = 1024
 """Most experts per tile."""
+PAD_ELEMENTS = 4096
+"""Most elements of a tile of padding rows ([BLOCK_E, BLOCK_PAD]; one rank, alignment > 1)."""
 
 
 @triton.jit
@@ -85,7 +94,7 @@ def _place_slots_kernel(
     WORLD_SIZE: tl.constexpr, ONE_RANK: tl.constexpr, META_AT_ADDRESS: tl.constexpr, CHECK_OVERFLOW: tl.constexpr,
     ASSERT_CHECKS: tl.constexpr,
     BLOCK_W: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr,
-    PLAN: tl.constexpr, NP: tl.constexpr, NB: tl.constexpr,
+    BLOCK_PAD: tl.constexpr, PLAN: tl.constexpr, NP: tl.constexpr, NB: tl.constexpr,
 ):
     order_after(token_ptr)
     pid = tl.program_id(0)
@@ -127,6 +136,15 @@ def _place_slots_kernel(
         tl.store(p_offset + o_g, b_expert_start + b_before - (b_sent_incl - b_own), mask=m_g)
         padded_carry += tl.sum(b_padded, axis=0)
         sent_carry += tl.sum(b_own, axis=0)
+        if ONE_RANK:  # the padding rows of each expert (alignment - 1 at most): no slot; the experts
+            # dealt out over the programs, in [BE, BP] tiles along each expert's padding rows
+            # (contiguous), so that a warp's stores share cache lines
+            m_mine = m_g & (o_g % tl.num_programs(0) == pid)
+            for i_p in range(0, alignment - 1, BLOCK_PAD):
+                o_p = i_p + tl.arange(0, BLOCK_PAD)  # [BP] padding rows of an expert
+                o_pad = (b_expert_start + b_total)[:, None] + o_p[None, :]  # [BE, BP] rows
+                m_pad = m_mine[:, None] & (b_total[:, None] + o_p[None, :] < b_padded[:, None]) & (o_pad < capacity)
+                tl.store(row_slot_ptr + o_pad, tl.full([BLOCK_E, BLOCK_PAD], -1, tl.int64), mask=m_pad)
         if first:
             overflow |= _any(b_expert_start + b_padded > capacity, m_g)
             m_own = m_g & (o_g // e == rank)
@@ -139,12 +157,7 @@ def _place_slots_kernel(
                 b_counts = tl.load(meta_ptr + s * L_in + o_g, mask=m_g, other=0)
                 b_dropped += tl.minimum(tl.maximum(b_start + b_counts - capacity, 0), b_counts)
                 b_start += b_counts
-            tl.atomic_add(dropped_ptr + o_g // e, b_dropped, mask=m_g & (b_dropped > 0))
-            if ONE_RANK:  # the padding rows of each expert (alignment - 1 at most): no slot
-                for j in range(alignment - 1):
-                    o_pad = b_expert_start + b_total + j  # [BE]
-                    tl.store(row_slot_ptr + o_pad, tl.full([BLOCK_E], -1, tl.int64),
-                             mask=m_g & (b_total + j < b_padded) & (o_pad < capacity))
+            tl.atomic_add(dropped_ptr + o_g // e, b_dropped, mask=m_g & (b_dropped > 0), sem="relaxed")
     if first:
         p_row = meta_ptr + o_w * L_in + E  # [BW] each rank's first column past the counts
         failed = _any(tl.load(p_row + col_bad_ids, mask=m_w, other=0) > 0, m_w) << 3
@@ -251,7 +264,8 @@ def place_slots(
         raise ValueError(f"place_slots: to plan first, pass meta and position both None, with world_size 1 (got "
                          f"world_size {W})")
     block_s = PLAN_BLOCK_S if plan_first else GPU_BLOCK_S
-    programs = program_grid(min(MAX_PROGRAMS, max(1, triton.cdiv(N, block_s))), 1, max_programs)[0]
+    most = PLAN_MAX_PROGRAMS if plan_first else MAX_PROGRAMS
+    programs = program_grid(min(most, max(1, triton.cdiv(N, block_s))), 1, max_programs)[0]
     plan = NOT_PLANNED_FIRST
     if plan_first:  # meta: each program's copy of the plan's send_meta
         _, position, meta, plan = PlannedFirst.of(topk_idx, E, W, "place_slots", copies=programs)
@@ -274,6 +288,7 @@ def place_slots(
     num_routed_1 = torch.empty(1, dtype=torch.int64, device=dev)
     dropped_W = torch.empty(W, dtype=torch.int64, device=dev)
     scratch = torch.empty(programs, 2, E, dtype=torch.int64, device=dev)
+    block_e = min(MAX_BLOCK_E, triton.next_power_of_2(E))
     with LAUNCH_LOCK:
         launch(_place_slots_kernel, topk_idx)[(programs,)](
             meta_tensor, meta_table, meta_index, meta_columns_in, topk_idx.reshape(N).contiguous(),
@@ -282,8 +297,10 @@ def place_slots(
             or_new_token(token, dev), N, E, e, rank, meta_columns, expert_alignment, max_slots, capacity, *columns,
             WORLD_SIZE=W, ONE_RANK=one_rank, META_AT_ADDRESS=at_address, CHECK_OVERFLOW=check_overflow,
             ASSERT_CHECKS=assert_checks and dev.type == "cuda",
-            BLOCK_W=triton.next_power_of_2(W), BLOCK_E=min(MAX_BLOCK_E, triton.next_power_of_2(E)),
-            BLOCK_S=block_s, BLOCK_L=triton.next_power_of_2(min(meta_columns, 1024)), num_warps=GPU_NUM_WARPS,
+            BLOCK_W=triton.next_power_of_2(W), BLOCK_E=block_e,
+            BLOCK_S=block_s, BLOCK_L=triton.next_power_of_2(min(meta_columns, 1024)),
+            BLOCK_PAD=min(triton.next_power_of_2(max(expert_alignment - 1, 1)), max(1, PAD_ELEMENTS // block_e)),
+            num_warps=PLAN_NUM_WARPS if plan_first else GPU_NUM_WARPS,
             **assert_options(topk_idx), **plan,
         )
     return Placement(meta_WL, failed_checks_1, slot_dst_N, row_slot_C, tokens_per_expert_e, num_routed_1, dropped_W,
