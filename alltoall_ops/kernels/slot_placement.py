@@ -263,8 +263,8 @@ def place_slots(
     if plan_first and (meta is not None or position is not None or W != 1):
         raise ValueError(f"place_slots: to plan first, pass meta and position both None, with world_size 1 (got "
                          f"world_size {W})")
-    block_s = PLAN_BLOCK_S if plan_first else GPU_BLOCK_S
-    most = PLAN_MAX_PROGRAMS if plan_first else MAX_PROGRAMS
+    block_s, most, num_warps = ((PLAN_BLOCK_S, PLAN_MAX_PROGRAMS, PLAN_NUM_WARPS) if plan_first
+                                else (GPU_BLOCK_S, MAX_PROGRAMS, GPU_NUM_WARPS))
     programs = program_grid(min(most, max(1, triton.cdiv(N, block_s))), 1, max_programs)[0]
     plan = NOT_PLANNED_FIRST
     if plan_first:  # meta: each program's copy of the plan's send_meta
@@ -300,7 +300,7 @@ def place_slots(
             BLOCK_W=triton.next_power_of_2(W), BLOCK_E=block_e,
             BLOCK_S=block_s, BLOCK_L=triton.next_power_of_2(min(meta_columns, 1024)),
             BLOCK_PAD=min(triton.next_power_of_2(max(expert_alignment - 1, 1)), max(1, PAD_ELEMENTS // block_e)),
-            num_warps=PLAN_NUM_WARPS if plan_first else GPU_NUM_WARPS,
+            num_warps=num_warps,
             **assert_options(topk_idx), **plan,
         )
     return Placement(meta_WL, failed_checks_1, slot_dst_N, row_slot_C, tokens_per_expert_e, num_routed_1, dropped_W,
