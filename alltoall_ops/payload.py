@@ -60,6 +60,11 @@ class Format:
             into.copy_(part)
         return out_TP
 
+    def kernel_quantizes(self, x_scale_TB: Optional[torch.Tensor]) -> bool:
+        """Whether a kernel that moves x's rows may encode them on the way, as :meth:`encode_packed`
+        (``row_put.post_slots(quantize=True)``: fp8 of an x not quantized yet)."""
+        return False
+
     def decode(self, values_RH: torch.Tensor, scale_RB: Optional[torch.Tensor],
                out_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor]:
         """The moved parts -> routed (R, H) and routed_scale (R, B). (symm_mem's pull
@@ -103,6 +108,9 @@ class FP8Format(Format):
             out_TP = x_TH.new_empty(x_TH.shape[0], self.wire_bytes(x_TH.shape[1], x_TH.dtype), dtype=torch.uint8)
         loader.load().quantize_rows(x_TH, max_programs=max_programs, out_TP=out_TP)
         return out_TP
+
+    def kernel_quantizes(self, x_scale_TB):
+        return x_scale_TB is None
 
     def decode(self, values_RH, scale_RB, out_dtype):
         if out_dtype is None:

@@ -383,7 +383,7 @@ _PULL_SCALARS = dict(tags_index=0, n_rows=N_, X=16, X_OUT=16, K=8, SRC_STRIDE=N_
 _POST_TENSORS = {"src_ptr": (8, 16), "scale_ptr": (N_,), "dst_ptr": (N_,), "tag_index_ptr": (N_,),
                  "stage_table_ptr": (1, 2), "tags_table_ptr": (1, 2), "token_ptr": (1,), **_EPILOGUE_TENSORS}
 _POST_SCALARS = dict(n_slots=N_, n_src=8, X=16, world_size=2, rank=0, tag_base=0, K=8, DST_STRIDE=N_, HAS_SCALE=True,
-                     STAGE=True, ACC_DTYPE="tl.float32", BLOCK_R=2, BLOCK_H=16, BLOCK_S=N_)
+                     STAGE=True, QUANTIZE=False, ACC_DTYPE="tl.float32", BLOCK_R=2, BLOCK_H=16, BLOCK_S=N_)
 _META_TENSORS = {"send_meta_ptr": (2, E_ // 2 + 3), "call_ptr": (1,), "meta_table_ptr": (1, 2), "token_ptr": (1,),
                  "idx_ptr": (N_,), "position_ptr": (N_,), **_EPILOGUE_TENSORS}
 _META_SCALARS = dict(rank=0, world_size=2, E=E_, e=E_ // 2, L=L_, n_status=3, n_slots=N_, alignment=1, failed=0,
@@ -412,6 +412,7 @@ _PLACE_SCALARS = dict(meta_index=0, L_in=E_ + 3, N=N_, E=E_, e=E_, rank=0, L_out
 _DTYPES = {  # kernel: the dtype of a tensor argument other than int64
     "row_put._pull_rows_kernel[one rank, fp8 dequantized]": {"rows_ptr": "uint8", "out_ptr": "bfloat16",
                                                              "tail_ptr": "uint8"},
+    "row_put._post_slots_kernel[fp8 quantized into the stage]": {"src_ptr": "bfloat16"},
 }
 KERNELS = {  # kernel: (tensor arguments' shapes, other arguments, the tensors it writes)
     "slot_placement._place_slots_kernel": (
@@ -425,6 +426,9 @@ KERNELS = {  # kernel: (tensor arguments' shapes, other arguments, the tensors i
     # the dispatch's two halves write the buffers through addresses only: inductor sees the token
     "row_put._post_slots_kernel": (_POST_TENSORS, dict(_POST_SCALARS, **_NO_EPILOGUE), ["token_ptr"]),
     "row_put._post_slots_kernel[barrier after]": (_POST_TENSORS, dict(_POST_SCALARS, **_EPILOGUE), ["token_ptr"]),
+    "row_put._post_slots_kernel[fp8 quantized into the stage]": (  # the stage: by address
+        {**_POST_TENSORS, "src_ptr": (8, 128)}, dict(_POST_SCALARS, X=128, HAS_SCALE=False, QUANTIZE=True,
+                                                    **_EPILOGUE), ["token_ptr"]),
     "row_put._pull_rows_kernel": (
         {**_PULL_TENSORS, "stage_table_ptr": (1, 2), "tags_table_ptr": (1, 2)}, dict(_PULL_STAGED, **_NO_EPILOGUE),
         ["out_ptr", "row_src_ptr", "token_ptr"]),
@@ -546,8 +550,8 @@ _FUSED = {  # kernel: (its constexprs with the barrier, barriers in it)
     "put_meta[the plan first]": (dict(BLOCK_L=32, BARRIER=True, PLAN=True, NP=64, NB=32, BLOCK_W=2), 2),
     "put_rows": (dict(K=8, DST_STRIDE=64, HAS_SCALE=False, ONE_OUT=False, HAS_COUNT=True, ACC_DTYPE="tl.float32",
                       BLOCK_R=2, BLOCK_H=16, BARRIER=True), 1),
-    "post_slots": (dict(K=8, DST_STRIDE=64, HAS_SCALE=True, STAGE=True, ACC_DTYPE="tl.float32", BLOCK_R=2,
-                        BLOCK_H=16, BLOCK_S=64, BARRIER=True), 1),
+    "post_slots": (dict(K=8, DST_STRIDE=64, HAS_SCALE=True, STAGE=True, QUANTIZE=False, ACC_DTYPE="tl.float32",
+                        BLOCK_R=2, BLOCK_H=16, BLOCK_S=64, BARRIER=True), 1),
     "pull_rows": (dict(K=8, SRC_STRIDE=64, ROW_MAP=False, STAGED=True, HAS_SCALE=True, ACC_DTYPE="tl.float32",
                        HAS_TAIL=False, BLOCK_R=2, BLOCK_H=16, BARRIER=True, DEQUANTIZE=False), 1),
     "topk_reduce": (dict(RET_AT_ADDRESS=True, HAS_TOKEN=True, READ_AT_SLOT_DST=False, K=2, HAS_SLOT_DST=True,

@@ -1097,10 +1097,10 @@ def test_a_dispatch_writes_each_row_once(W, payload_dtype):
     # Every kernel's stores and every torch op's outputs, over the payload (each valid slot's row
     # once). The pull writes each routed row once into routed; with peers each token's row goes
     # once more into its sender's stage (1/K of the payload); an fp8 token's wire row is written
-    # once by its quantize (1/K), with peers straight into the stage (no copy after it: the post
-    # writes the tags only). Left: the tags and row_src (32 bytes a row of 2048 here) and the CPU
-    # plan's torch ops. Writing each row twice (a put into the receiver's buffer, then a
-    # copy-out) is 2x and more.
+    # once (1/K): by the quantize on one rank, with peers by the post, which quantizes it straight
+    # into the stage (no quantize beside it, no copy after it). Left: the tags and row_src (32
+    # bytes a row of 2048 here) and the CPU plan's torch ops. Writing each row twice (a put into
+    # the receiver's buffer, then a copy-out) is 2x and more.
     from tools.bytes_written import dispatch_bytes
 
     K = 8
@@ -1110,5 +1110,6 @@ def test_a_dispatch_writes_each_row_once(W, payload_dtype):
     assert sum(written.values()) / payload < rows_once + slack, written.most_common(5)
     assert written["_pull_rows_kernel"] / payload < 1.03, "a routed row written more than once"
     if payload_dtype is not None:
-        assert written["_quantize_rows_kernel"] / payload < 1 / K + 0.01, written.most_common(5)
-        assert written["_post_slots_kernel"] / payload < 0.03, "wire rows copied into the stage after the quantize"
+        wire = written["_post_slots_kernel" if W > 1 else "_quantize_rows_kernel"]  # the post: the tags too
+        assert wire / payload < 1 / K + 0.03, written.most_common(5)
+        assert W == 1 or not written["_quantize_rows_kernel"], "wire rows quantized apart from the post"

@@ -61,8 +61,11 @@ def _cases() -> list[Case]:
              dict(K=1, DST_STRIDE=4096, HAS_SCALE=False, ONE_OUT=False, HAS_COUNT=True, ACC_DTYPE=f32,
                   WORLD_SIZE=W), bf16, ("put_rows", H, 2), barrier=True),
         Case("post_slots (dispatch, into the stage)", "row_put", "_post_slots_kernel",
-             dict(K=K, DST_STRIDE=4096, HAS_SCALE=False, STAGE=True, ACC_DTYPE=f32, BLOCK_S=64,
+             dict(K=K, DST_STRIDE=4096, HAS_SCALE=False, STAGE=True, QUANTIZE=False, ACC_DTYPE=f32, BLOCK_S=64,
                   WORLD_SIZE=W), bf16, ("put_rows", H, 2), barrier=True),
+        Case("post_slots (fp8 dispatch, quantized into the stage)", "row_put", "_post_slots_kernel",
+             dict(K=K, DST_STRIDE=4096, HAS_SCALE=False, STAGE=True, QUANTIZE=True, ACC_DTYPE=f32, BLOCK_H=128,
+                  BLOCK_S=64, WORLD_SIZE=W), bf16, ("quantize",), barrier=True),
         Case("pull_rows (dispatch, bf16)", "row_put", "_pull_rows_kernel", pull, bf16, ("pull_rows", H, 2),
              barrier=True),
         Case("pull_rows (fp8 wire rows)", "row_put", "_pull_rows_kernel", dict(pull, HAS_TAIL=True), wire,
@@ -126,7 +129,7 @@ def measure(case: Case, budget: bool) -> Resources:
     kernel = getattr(importlib.import_module(f"alltoall_ops.kernels.{case.module}"), case.kernel)
     max_programs = 16 if budget else None
     if case.tile == ("quantize",):
-        rows, warps = quantize._blocks(4096, max_programs)
+        _, rows, warps = quantize.tiles(4096, 7168, max_programs)
         tile = dict(BLOCK_R=rows)
         shape = (rows, 128, warps)
     else:

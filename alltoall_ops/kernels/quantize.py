@@ -18,7 +18,7 @@ conversion does not round to nearest even).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -49,6 +49,20 @@ def e4m3_bits(v):
 
 
 @triton.jit
+def quantize_block(b_x, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr):
+    """A loaded fp32 tile [BR, 128] (rows, one channel block) -> its float8_e4m3fn bits [BR, 128]
+    uint8 and each row's scale [BR] fp32, as ``fp8.quantize``. (The tile comes in loaded and
+    the results go out as values: a helper's pointer arguments would count as written for
+    inductor, ``tests/test_kernel_inputs.py``.)"""
+    b_amax = tl.maximum(tl.max(tl.abs(b_x), axis=1), AMAX_FLOOR)  # [BR]
+    # NB: a NaN makes its block's amax NaN, as torch's amax does (a GPU max skips NaN): the
+    # whole block then dequantizes to NaN instead of a NaN turning into a finite value.
+    b_amax = tl.where(tl.max((b_x != b_x).to(tl.int32), axis=1) > 0, float("nan"), b_amax)
+    b_max = tl.full(b_amax.shape, FP8_MAX, tl.float32)
+    return e4m3_bits(b_x * tl.math.div_rn(b_max, b_amax)[:, None]), tl.math.div_rn(b_amax, b_max)
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr, values_ptr, scales_ptr, T, H, B, values_stride, scales_stride,
     FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -59,14 +73,9 @@ def _quantize_rows_kernel(
         for i_b in range(tl.program_id(1), B, tl.num_programs(1)):  # 128-channel blocks
             o_c = i_b * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC] channels of this block
             b_x = upcast(tl.load(x_ptr + o_r[:, None] * H + o_c[None, :], mask=m_r[:, None], other=0), tl.float32)
-            b_amax = tl.maximum(tl.max(tl.abs(b_x), axis=1), AMAX_FLOOR)  # [BR]
-            # NB: a NaN makes its block's amax NaN, as torch's amax does (a GPU max skips NaN): the
-            # whole block then dequantizes to NaN instead of a NaN turning into a finite value.
-            b_amax = tl.where(tl.max((b_x != b_x).to(tl.int32), axis=1) > 0, float("nan"), b_amax)
-            b_max = tl.full([BLOCK_R], FP8_MAX, tl.float32)
-            b_values = e4m3_bits(b_x * tl.math.div_rn(b_max, b_amax)[:, None])  # [BR, BC]
+            b_values, b_scale = quantize_block(b_x, FP8_MAX, AMAX_FLOOR)  # [BR, BC], [BR]
             tl.store(values_ptr + o_r[:, None] * values_stride + o_c[None, :], b_values, mask=m_r[:, None])
-            tl.store(scales_ptr + o_r * scales_stride + i_b, tl.math.div_rn(b_amax, b_max), mask=m_r)
+            tl.store(scales_ptr + o_r * scales_stride + i_b, b_scale, mask=m_r)
 
 
 GPU_BLOCK_R, GPU_NUM_WARPS = 8, 2
@@ -79,11 +88,26 @@ BUDGET_BLOCK_R, BUDGET_NUM_WARPS = 64, 8
 """The same under an SM budget: one program per SM, so more tokens a step (as _config.BUDGET_BLOCKS)."""
 
 
-def _blocks(n_rows: int, max_programs: Optional[int]) -> tuple[int, int]:
-    """(tokens per program step, warps) of both kernels."""
+class Tiles(NamedTuple):
+    """How a kernel that quantizes rows is launched: ``grid`` (token blocks, channel blocks),
+    ``block_r`` tokens a program step (of one 128-channel block), ``num_warps``."""
+
+    grid: tuple[int, int]
+    block_r: int
+    num_warps: int
+
+
+def tiles(n_rows: int, hidden: int, max_programs: Optional[int] = None) -> Tiles:
+    """The launch of ``_quantize_rows_kernel``, and of ``row_put.post_slots`` quantizing, for
+    n_rows rows of ``hidden`` channels; ``max_programs``: an SM budget."""
     if interpreting():
-        return triton.next_power_of_2(max(1, min(n_rows, 256))), 1
-    return (GPU_BLOCK_R, GPU_NUM_WARPS) if max_programs is None else (BUDGET_BLOCK_R, BUDGET_NUM_WARPS)
+        block_r, num_warps = triton.next_power_of_2(max(1, min(n_rows, 256))), 1
+    elif max_programs is None:
+        block_r, num_warps = GPU_BLOCK_R, GPU_NUM_WARPS
+    else:
+        block_r, num_warps = BUDGET_BLOCK_R, BUDGET_NUM_WARPS
+    return Tiles(program_grid(triton.cdiv(max(n_rows, 1), block_r), max(hidden // BLOCK, 1), max_programs),
+                 block_r, num_warps)
 
 
 def quantize_rows(x_TH: torch.Tensor, max_programs: Optional[int] = None,
@@ -104,12 +128,12 @@ def quantize_rows(x_TH: torch.Tensor, max_programs: Optional[int] = None,
     if T == 0 or H == 0:
         return values_TH, scales_TB
     x_TH = x_TH.contiguous()
-    block_r, num_warps = _blocks(T, max_programs)
-    grid = program_grid(triton.cdiv(T, block_r), B, max_programs)
+    launch_tiles = tiles(T, H, max_programs)
     with LAUNCH_LOCK:
-        launch(_quantize_rows_kernel, x_TH)[grid](
+        launch(_quantize_rows_kernel, x_TH)[launch_tiles.grid](
             x_TH, values_TH, scales_TB, T, H, B, values_TH.stride(0), scales_TB.stride(0),
-            FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, BLOCK_R=block_r, BLOCK_C=BLOCK, num_warps=num_warps,
+            FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, BLOCK_R=launch_tiles.block_r, BLOCK_C=BLOCK,
+            num_warps=launch_tiles.num_warps,
         )
     return values_TH, scales_TB
 

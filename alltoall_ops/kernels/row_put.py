@@ -48,9 +48,9 @@ import triton.language as tl
 
 from ._config import (LAUNCH_LOCK, cast_rne, interpreting, launch, order_after, program_grid, require_contiguous,
                       row_blocks, tl_acc_dtype, upcast)
-from ..fp8 import BLOCK
+from ..fp8 import AMAX_FLOOR, BLOCK, FP8_MAX
 from .barrier import Epilogue, advance_call, arrive_and_wait, barrier_alone, epilogue_args, last_program_arrives
-from .quantize import e4m3_value
+from .quantize import e4m3_value, quantize_block, tiles as quantize_tiles
 from .region import TAG_COLUMNS, Region, or_new_token
 from .routing_plan import GPU_NUM_WARPS as PLAN_NUM_WARPS, NOT_PLANNED_FIRST, PlannedFirst, plan_first
 
@@ -250,6 +250,7 @@ def put_meta(send_meta: Optional[torch.Tensor], header: tuple[int, int, int], ca
 
 _TAG_COLUMNS = tl.constexpr(TAG_COLUMNS)
 _FP8_BLOCK = tl.constexpr(BLOCK)
+_FP8_MAX, _AMAX_FLOOR = tl.constexpr(FP8_MAX), tl.constexpr(AMAX_FLOOR)
 _SLOTS_PER_BLOCK = 1024
 """Slots per block of post_slots' tag loop."""
 
@@ -260,11 +261,25 @@ def _post_slots_kernel(
     n_slots, n_src, X, world_size, rank, tag_base,
     pads_table_ptr, counters_ptr, barrier_call_ptr, barrier_rank, timeout_ms, barrier_op,
     K: tl.constexpr, DST_STRIDE: tl.constexpr, HAS_SCALE: tl.constexpr, STAGE: tl.constexpr,
-    ACC_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-    BARRIER: tl.constexpr, WORLD_SIZE: tl.constexpr,
+    QUANTIZE: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr, BARRIER: tl.constexpr, WORLD_SIZE: tl.constexpr,
 ):
     order_after(token_ptr)
-    if STAGE:  # this rank's rows, once each, into its own stage, where the receivers read them
+    if QUANTIZE:  # this rank's rows, once each, quantized into fp8 wire rows in its own stage
+        # (``payload.pack``'s: X value bytes, then X / 128 fp32 scales), where the receivers read them
+        wire_ptr = tl.multiple_of(tl.load(stage_table_ptr + rank).to(tl.pointer_type(tl.uint8)), 16)
+        P = X + X // _FP8_BLOCK * 4
+        for i_r in range(tl.program_id(0), tl.cdiv(n_src, BLOCK_R), tl.num_programs(0)):
+            o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR] source rows
+            m_r = o_r < n_src
+            for i_b in range(tl.program_id(1), X // _FP8_BLOCK, tl.num_programs(1)):  # 128-channel blocks
+                o_c = i_b * _FP8_BLOCK + tl.arange(0, _FP8_BLOCK)  # [128]
+                b_x = upcast(tl.load(src_ptr + o_r[:, None] * X + o_c[None, :], mask=m_r[:, None], other=0),
+                             tl.float32)
+                b_values, b_scale = quantize_block(b_x, _FP8_MAX, _AMAX_FLOOR)  # [BR, 128], [BR]
+                tl.store(wire_ptr + o_r[:, None] * P + o_c[None, :], b_values, mask=m_r[:, None])
+                tl.store((wire_ptr + o_r * P + X + i_b * 4).to(tl.pointer_type(tl.float32)), b_scale, mask=m_r)
+    elif STAGE:  # this rank's rows, once each, into its own stage, where the receivers read them
         stage_ptr = tl.multiple_of(tl.load(stage_table_ptr + rank).to(tl.pointer_type(src_ptr.dtype.element_ty)), 16)
         for i_r in range(tl.program_id(0), tl.cdiv(n_src, BLOCK_R), tl.num_programs(0)):
             o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR] source rows
@@ -314,6 +329,7 @@ def post_slots(
     token: Optional[torch.Tensor] = None,
     max_programs: Optional[int] = None,
     epilogue: Optional[Epilogue] = None,
+    quantize: bool = False,
 ) -> None:
     """The sender's half of a pulled exchange: for every slot i < N = ``dst.numel()`` with a
     destination code ``dst[i] = peer * dst_stride + row`` (-1: none), the tag of that row of
@@ -322,26 +338,33 @@ def post_slots(
     ``scale.flat[i]`` in ``acc_dtype`` or 0). With ``stage_table`` ((W,) base addresses of every
     rank's stage, 16-byte aligned), this rank's ``rows`` (n, X) are also copied into its own
     stage, once each, where ``pull_rows`` of the receivers reads them (without it they read
-    ``rows`` itself: one rank). token, max_programs, epilogue: as put_rows'."""
+    ``rows`` itself: one rank); ``quantize``: float rows (n, H), H a multiple of 128, quantized
+    there into fp8 wire rows instead (``fp8.quantize``, ``payload.pack``'s rows of P = H + 4 H /
+    128 bytes), in the same pass. token, max_programs, epilogue: as put_rows'."""
     n_src, X = rows.shape
+    if quantize and (stage_table is None or X % BLOCK):
+        raise ValueError(f"post_slots: quantize needs a stage and rows of a multiple of {BLOCK} channels, got "
+                         f"{X} channels{'' if stage_table is not None else ' and no stage'}")
     N = dst.numel()
     rows, dst, scale, tag_index, tags_table = (
         None if t is None else t.contiguous() for t in (rows, dst, scale, tag_index, tags_table))
     world_size = tags_table.numel()
     blocks = row_blocks("put_rows", n_src, X, rows.element_size(), max_programs)
-    if stage_table is not None:
+    block_r, num_warps = blocks.BLOCK_R, blocks.num_warps
+    if quantize:
+        (row_programs, h_programs), block_r, num_warps = quantize_tiles(n_src, X, max_programs)
+    elif stage_table is not None:
         row_programs, h_programs = blocks.grid(n_src, X)
+        row_programs, h_programs = program_grid(max(row_programs, 1), h_programs, max_programs)
     else:
-        row_programs, h_programs = triton.cdiv(max(N, 1), _SLOTS_PER_BLOCK), 1
-    row_programs, h_programs = program_grid(max(row_programs, 1), h_programs, max_programs)
+        row_programs, h_programs = program_grid(triton.cdiv(max(N, 1), _SLOTS_PER_BLOCK), 1, max_programs)
     with LAUNCH_LOCK:
         launch(_post_slots_kernel, rows)[(row_programs, h_programs)](
             rows, scale if scale is not None else rows, dst, tag_index,
             stage_table if stage_table is not None else tags_table, tags_table, or_new_token(token, rows.device),
             N, n_src, X, world_size, rank, tag_base, K=top_k, DST_STRIDE=dst_stride, HAS_SCALE=scale is not None,
-            STAGE=stage_table is not None, ACC_DTYPE=tl_acc_dtype(acc_dtype), BLOCK_R=blocks.BLOCK_R,
-            BLOCK_H=blocks.BLOCK_H, BLOCK_S=_SLOTS_PER_BLOCK,
-            num_warps=blocks.num_warps, **epilogue_args(epilogue, dst),
+            STAGE=stage_table is not None, QUANTIZE=quantize, ACC_DTYPE=tl_acc_dtype(acc_dtype), BLOCK_R=block_r,
+            BLOCK_H=blocks.BLOCK_H, BLOCK_S=_SLOTS_PER_BLOCK, num_warps=num_warps, **epilogue_args(epilogue, dst),
         )
 
 

@@ -251,11 +251,13 @@ def symm_dispatch_op(
                                    buffers, values_CH)
     else:
         # NB: each slot moves one wire row (values' bytes, then its scales'), encoded where it is
-        # posted (with peers: straight into this rank's stage); the pull splits the received ones
+        # posted (with peers: straight into this rank's stage, by the post itself where it can
+        # quantize x, one launch with the tags); the pull splits the received ones
         # into values and scale bytes, rows < n only, and with out_dtype dequantizes the values
         # on the way (fp8's decode in the same pass).
         wire_TP = Encoded(lambda out_TP: fmt.encode_packed(x_TH, x_scale_TB, buffers.num_sms, out_TP=out_TP),
-                          (x_TH.shape[0], fmt.wire_bytes(H, x_TH.dtype)), torch.uint8)
+                          (x_TH.shape[0], fmt.wire_bytes(H, x_TH.dtype)), torch.uint8,
+                          x_TH if fmt.kernel_quantizes(x_scale_TB) else None)
         values_CH = x_TH.new_empty(C, H, dtype=torch.uint8 if out_dtype is None else out_dtype)
         scale_CB = x_TH.new_empty(C, fmt.scale_columns(H), dtype=fmt.scale_dtype)
         row_src_C = _post_and_pull(wire_TP, None, position_TK, slot_dst_N, row_slot_C, num_routed_1, call_1, buffers,
@@ -267,11 +269,14 @@ def symm_dispatch_op(
 
 class Encoded(NamedTuple):
     """Rows a dispatch encodes where they are posted (fp8's wire rows): ``write(out_TX)`` writes
-    the (T, X) rows of ``dtype`` into out_TX and returns it."""
+    the (T, X) rows of ``dtype`` into out_TX and returns it. ``x_TH``: the float rows (T, H) that
+    the post quantizes into the stage itself, in the same pass (``post_slots(quantize=True)``), or
+    None (``write`` encodes them)."""
 
     write: Callable[[torch.Tensor], torch.Tensor]
     shape: tuple[int, int]
     dtype: torch.dtype
+    x_TH: Optional[torch.Tensor]
 
 
 def _post_and_pull(
@@ -317,14 +322,15 @@ def _post_and_pull(
                             f"{stage_bytes} bytes")
     tables, token_1 = _addresses(buffers), _token(buffers, device)
     # NB: peers read only symmetric memory: the rows go through this rank's stage (the ROWS region)
-    if encoded:  # encoded into the stage now (the peers are done with it): the post writes the tags only
+    quantize = encoded and rows_TX.x_TH is not None  # the post quantizes them into the stage
+    if encoded and not quantize:  # encoded into the stage now (the peers are done with it); the post: tags only
         stage_bytes_TX = buffers.rows.view(-1).view(torch.uint8)[:T * X * dtype.itemsize]  # the ROWS region's start
         rows_TX = rows_TX.write(stage_bytes_TX.view(dtype).view(T, X))
     with buffers._segments.barrier_after(DISPATCH_OP, call_1, token_1) as epilogue:
-        k.post_slots(rows_TX, slot_dst_N, C, tables[TAGS], position_TK.reshape(-1), rank=buffers.rank,
-                     tag_base=buffers.rank * buffers.max_slots, top_k=K, scale=scale_TK,
-                     stage_table=None if encoded else tables[ROWS], acc_dtype=acc, token=token_1,
-                     max_programs=buffers.num_sms, epilogue=epilogue)
+        k.post_slots(rows_TX.x_TH if quantize else rows_TX, slot_dst_N, C, tables[TAGS], position_TK.reshape(-1),
+                     rank=buffers.rank, tag_base=buffers.rank * buffers.max_slots, top_k=K, scale=scale_TK,
+                     stage_table=tables[ROWS] if quantize or not encoded else None, acc_dtype=acc, token=token_1,
+                     max_programs=buffers.num_sms, epilogue=epilogue, quantize=quantize)
     with buffers._segments.barrier_after(DISPATCH_OP, call_1, token_1) as epilogue:
         k.pull_rows(_own(buffers, tables, TAGS, (C, TAG_COLUMNS), torch.int64), num_routed_1, out_CX, row_src_C,
                     stage_table=tables[ROWS], src_stride=buffers.max_slots, scaled=scale_TK is not None,
