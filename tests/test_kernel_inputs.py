@@ -382,8 +382,9 @@ _PULL_SCALARS = dict(tags_index=0, n_rows=N_, X=16, X_OUT=16, K=8, SRC_STRIDE=N_
                      ACC_DTYPE="tl.float32", HAS_TAIL=False, BLOCK_R=2, BLOCK_H=16, DEQUANTIZE=False)
 _POST_TENSORS = {"src_ptr": (8, 16), "scale_ptr": (N_,), "dst_ptr": (N_,), "tag_index_ptr": (N_,),
                  "stage_table_ptr": (1, 2), "tags_table_ptr": (1, 2), "token_ptr": (1,), **_EPILOGUE_TENSORS}
-_POST_SCALARS = dict(n_slots=N_, n_src=8, X=16, world_size=2, rank=0, tag_base=0, K=8, DST_STRIDE=N_, HAS_SCALE=True,
-                     STAGE=True, QUANTIZE=False, ACC_DTYPE="tl.float32", BLOCK_R=2, BLOCK_H=16, BLOCK_S=N_)
+_POST_SCALARS = dict(n_slots=N_, n_src=8, X=16, P=16, world_size=2, rank=0, tag_base=0, K=8, DST_STRIDE=N_,
+                     HAS_SCALE=True, STAGE=True, QUANTIZE=False, ACC_DTYPE="tl.float32", BLOCK_R=2, BLOCK_H=16,
+                     BLOCK_S=N_)
 _META_TENSORS = {"send_meta_ptr": (2, E_ // 2 + 3), "call_ptr": (1,), "meta_table_ptr": (1, 2), "token_ptr": (1,),
                  "idx_ptr": (N_,), "position_ptr": (N_,), **_EPILOGUE_TENSORS}
 _META_SCALARS = dict(rank=0, world_size=2, E=E_, e=E_ // 2, L=L_, n_status=3, n_slots=N_, alignment=1, failed=0,
@@ -427,7 +428,7 @@ KERNELS = {  # kernel: (tensor arguments' shapes, other arguments, the tensors i
     "row_put._post_slots_kernel": (_POST_TENSORS, dict(_POST_SCALARS, **_NO_EPILOGUE), ["token_ptr"]),
     "row_put._post_slots_kernel[barrier after]": (_POST_TENSORS, dict(_POST_SCALARS, **_EPILOGUE), ["token_ptr"]),
     "row_put._post_slots_kernel[fp8 quantized into the stage]": (  # the stage: by address
-        {**_POST_TENSORS, "src_ptr": (8, 128)}, dict(_POST_SCALARS, X=128, HAS_SCALE=False, QUANTIZE=True,
+        {**_POST_TENSORS, "src_ptr": (8, 128)}, dict(_POST_SCALARS, X=128, P=132, HAS_SCALE=False, QUANTIZE=True,
                                                     **_EPILOGUE), ["token_ptr"]),
     "row_put._pull_rows_kernel": (
         {**_PULL_TENSORS, "stage_table_ptr": (1, 2), "tags_table_ptr": (1, 2)}, dict(_PULL_STAGED, **_NO_EPILOGUE),
@@ -592,11 +593,12 @@ def test_barrier_reads_the_clock_in_every_wait_loop(kernel, world_size):
 
 _PTX_OPS = _SM90_PTX + """
 import collections, re
-from alltoall_ops.kernels import row_put, topk_reduce
+from alltoall_ops.kernels import quantize, row_put, topk_reduce
 
 out = []
 for kernel, constexprs, pointers, *warps in json.loads(sys.argv[1]):  # pointers: {name: type} where not *i64
     kernel = {"pull_rows": row_put._pull_rows_kernel, "put_rows": row_put._put_rows_kernel,
+              "post_slots": row_put._post_slots_kernel, "quantize_rows": quantize._quantize_rows_kernel,
               "topk_reduce": topk_reduce._topk_reduce_kernel}[kernel]
     constexprs = constants(constexprs)
     names = [n for n in kernel.arg_names if n not in constexprs]
@@ -664,6 +666,31 @@ def test_movers_reach_their_peers_without_reducing_across_threads():
     # A warp moves one row of the pull's block, so a thread loads one row's code, source row and
     # stage base (8-byte loads; with the columns spread over the warps, 8 rows a thread: 27 in all)
     assert pull_ops["ld.global.b64"] <= 12, pull_ops
+
+
+def test_the_quantizing_post_stores_its_rows_as_the_quantize_does():
+    # The fp8 dispatch with peers quantizes each token in its post, straight into the stage. With
+    # the wire rows' stride computed in the kernel (H + H / 32 bytes) the compiler knew them only
+    # 4-byte aligned: each thread stored its values as 16 single bytes, and the post took 67 us
+    # where the quantize and the post had taken 45 (H100, T = 4096, H = 7168, W = 2). With the
+    # stride an argument (a multiple of 16 at H = 7168, as a launch tells the compiler) the post
+    # loads and stores a tile as the quantize kernel does. PTX for sm_90 at the GPU tile, built
+    # on the CPU.
+    from alltoall_ops.kernels.quantize import tiles
+
+    _, block_r, warps = tiles(4096, 7168)
+    quantize = dict(FP8_MAX=448.0, AMAX_FLOOR=1e-4, BLOCK_R=block_r, BLOCK_C=128)
+    post = dict(K=8, DST_STRIDE=4096, HAS_SCALE=False, STAGE=True, QUANTIZE=True, ACC_DTYPE="tl.float32",
+                BLOCK_R=block_r, BLOCK_H=128, BLOCK_S=1024, BARRIER=False, WORLD_SIZE=2)
+    cases = [["quantize_rows", quantize, dict(x_ptr="*bf16", values_ptr="*u8", scales_ptr="*fp32"), warps],
+             ["post_slots", post, dict(src_ptr="*bf16"), warps]]
+    quantize_ops, post_ops = json.loads(_without_interpreter(_PTX_OPS, cases, timeout=600))
+
+    def rows(ops):  # the tile's accesses (the post's tags and token are 8-byte)
+        return {op: n for op, n in ops.items() if op.startswith(("ld.global", "st.global")) and not op.endswith("b64")}
+
+    assert rows(quantize_ops).get("st.global.v4.b32"), quantize_ops  # the values as vectors
+    assert rows(post_ops) == rows(quantize_ops), (post_ops, quantize_ops)
 
 
 def test_the_dequantizing_pull_loads_each_block_scale_once_and_converts_in_hardware():

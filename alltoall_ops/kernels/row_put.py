@@ -48,7 +48,7 @@ import triton.language as tl
 
 from ._config import (LAUNCH_LOCK, cast_rne, interpreting, launch, order_after, program_grid, require_contiguous,
                       row_blocks, tl_acc_dtype, upcast)
-from ..fp8 import AMAX_FLOOR, BLOCK, FP8_MAX
+from ..fp8 import AMAX_FLOOR, BLOCK, FP8_MAX, packed_width
 from .barrier import Epilogue, advance_call, arrive_and_wait, barrier_alone, epilogue_args, last_program_arrives
 from .quantize import e4m3_value, quantize_block, tiles as quantize_tiles
 from .region import TAG_COLUMNS, Region, or_new_token
@@ -258,7 +258,7 @@ _SLOTS_PER_BLOCK = 1024
 @triton.jit
 def _post_slots_kernel(
     src_ptr, scale_ptr, dst_ptr, tag_index_ptr, stage_table_ptr, tags_table_ptr, token_ptr,
-    n_slots, n_src, X, world_size, rank, tag_base,
+    n_slots, n_src, X, P, world_size, rank, tag_base,
     pads_table_ptr, counters_ptr, barrier_call_ptr, barrier_rank, timeout_ms, barrier_op,
     K: tl.constexpr, DST_STRIDE: tl.constexpr, HAS_SCALE: tl.constexpr, STAGE: tl.constexpr,
     QUANTIZE: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -266,9 +266,10 @@ def _post_slots_kernel(
 ):
     order_after(token_ptr)
     if QUANTIZE:  # this rank's rows, once each, quantized into fp8 wire rows in its own stage
-        # (``payload.pack``'s: X value bytes, then X / 128 fp32 scales), where the receivers read them
+        # (``payload.pack``'s of P bytes: X values, then X / 128 fp32 scales), where the receivers
+        # read them. NB: P is an argument, so that the launch tells the compiler its alignment (the
+        # rows' stores are vectors only where P is a multiple of 16)
         wire_ptr = tl.multiple_of(tl.load(stage_table_ptr + rank).to(tl.pointer_type(tl.uint8)), 16)
-        P = X + X // _FP8_BLOCK * 4
         for i_r in range(tl.program_id(0), tl.cdiv(n_src, BLOCK_R), tl.num_programs(0)):
             o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR] source rows
             m_r = o_r < n_src
@@ -362,9 +363,10 @@ def post_slots(
         launch(_post_slots_kernel, rows)[(row_programs, h_programs)](
             rows, scale if scale is not None else rows, dst, tag_index,
             stage_table if stage_table is not None else tags_table, tags_table, or_new_token(token, rows.device),
-            N, n_src, X, world_size, rank, tag_base, K=top_k, DST_STRIDE=dst_stride, HAS_SCALE=scale is not None,
-            STAGE=stage_table is not None, QUANTIZE=quantize, ACC_DTYPE=tl_acc_dtype(acc_dtype), BLOCK_R=block_r,
-            BLOCK_H=blocks.BLOCK_H, BLOCK_S=_SLOTS_PER_BLOCK, num_warps=num_warps, **epilogue_args(epilogue, dst),
+            N, n_src, X, packed_width(X) if quantize else X, world_size, rank, tag_base, K=top_k,
+            DST_STRIDE=dst_stride, HAS_SCALE=scale is not None, STAGE=stage_table is not None, QUANTIZE=quantize,
+            ACC_DTYPE=tl_acc_dtype(acc_dtype), BLOCK_R=block_r, BLOCK_H=blocks.BLOCK_H, BLOCK_S=_SLOTS_PER_BLOCK,
+            num_warps=num_warps, **epilogue_args(epilogue, dst),
         )
 
 
