@@ -671,14 +671,14 @@ def test_movers_reach_their_peers_without_reducing_across_threads():
 def test_the_quantizing_post_stores_its_rows_as_the_quantize_does():
     # The fp8 dispatch with peers quantizes each token in its post, straight into the stage. With
     # the wire rows' stride computed in the kernel (H + H / 32 bytes) the compiler knew them only
-    # 4-byte aligned: each thread stored its values as 16 single bytes, and the post took 67 us
-    # where the quantize and the post had taken 45 (H100, T = 4096, H = 7168, W = 2). With the
-    # stride an argument (a multiple of 16 at H = 7168, as a launch tells the compiler) the post
-    # loads and stores a tile as the quantize kernel does. PTX for sm_90 at the GPU tile, built
-    # on the CPU.
+    # 4-byte aligned: each thread stored its values as 16 single bytes, and the post took 67 us a
+    # rank where quantize_rows and the tags' post take about 39 and 6 (H100, T = 4096, H = 7168,
+    # W = 2; docs/benchmarks.md, twenty-third session). With the stride an argument (a multiple
+    # of 16 at H = 7168, as a launch tells the compiler) the post loads and stores a tile as the
+    # quantize kernel does. PTX for sm_90 at the post's GPU tile, built on the CPU.
     from alltoall_ops.kernels.quantize import tiles
 
-    _, block_r, warps = tiles(4096, 7168)
+    _, block_r, warps = tiles(4096, 7168, post=True)
     quantize = dict(FP8_MAX=448.0, AMAX_FLOOR=1e-4, BLOCK_R=block_r, BLOCK_C=128)
     post = dict(K=8, DST_STRIDE=4096, HAS_SCALE=False, STAGE=True, QUANTIZE=True, ACC_DTYPE="tl.float32",
                 BLOCK_R=block_r, BLOCK_H=128, BLOCK_S=1024, BARRIER=False, WORLD_SIZE=2)

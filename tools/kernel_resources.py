@@ -43,7 +43,7 @@ class Case:
     kernel: str
     constexprs: dict
     pointers: dict  # argument -> Triton pointer type, where not *i64
-    tile: tuple  # (row_blocks key, row width X, element size) or ("quantize",)
+    tile: tuple  # (row_blocks key, row width X, element size), ("quantize",) or ("quantize", "post")
     tile_names: tuple = ("BLOCK_R", "BLOCK_H")  # the kernel's names for rows and columns per step
     barrier: bool = False  # the path with peers fuses a barrier (and its asserts) into it
 
@@ -65,7 +65,7 @@ def _cases() -> list[Case]:
                   WORLD_SIZE=W), bf16, ("put_rows", H, 2), barrier=True),
         Case("post_slots (fp8 dispatch, quantized into the stage)", "row_put", "_post_slots_kernel",
              dict(K=K, DST_STRIDE=4096, HAS_SCALE=False, STAGE=True, QUANTIZE=True, ACC_DTYPE=f32, BLOCK_H=128,
-                  BLOCK_S=64, WORLD_SIZE=W), bf16, ("quantize",), barrier=True),
+                  BLOCK_S=64, WORLD_SIZE=W), bf16, ("quantize", "post"), barrier=True),
         Case("pull_rows (dispatch, bf16)", "row_put", "_pull_rows_kernel", pull, bf16, ("pull_rows", H, 2),
              barrier=True),
         Case("pull_rows (fp8 wire rows)", "row_put", "_pull_rows_kernel", dict(pull, HAS_TAIL=True), wire,
@@ -128,8 +128,8 @@ def measure(case: Case, budget: bool) -> Resources:
 
     kernel = getattr(importlib.import_module(f"alltoall_ops.kernels.{case.module}"), case.kernel)
     max_programs = 16 if budget else None
-    if case.tile == ("quantize",):
-        _, rows, warps = quantize.tiles(4096, 7168, max_programs)
+    if case.tile[0] == "quantize":
+        _, rows, warps = quantize.tiles(4096, 7168, max_programs, post=case.tile == ("quantize", "post"))
         tile = dict(BLOCK_R=rows)
         shape = (rows, 128, warps)
     else:
@@ -170,7 +170,7 @@ def measure_all(only: str = "") -> list[Resources]:
         if only not in case.name:
             continue
         out.append(measure(case, budget=False))
-        if case.tile == ("quantize",) or case.tile[0] in _config.BUDGET_BLOCKS:
+        if case.tile[0] == "quantize" or case.tile[0] in _config.BUDGET_BLOCKS:
             out.append(measure(case, budget=True))
     return out
 

@@ -84,6 +84,13 @@ Swept on an H200 at H = 7168 (block 1..64 x warps 1..8): 38.7 us at T = 4096 (fl
 took 44.0, the best 37.9), 6.3 us at T = 128; torch ops (``fp8.quantize``) take 355 / 68 us. That
 was before the subnormal rounding took one add: on an H100 (same run) T = 4096 went from 44.3 to
 38.5 us, 73% -> 84% of a copy of the same bytes (docs/benchmarks.md, fourteenth session)."""
+POST_BLOCK_R, POST_NUM_WARPS, POST_CHANNEL_PROGRAMS = 16, 4, 14
+"""The same where the symm_mem post quantizes (``row_put.post_slots(quantize=True)``, a kernel of
+more registers: the tags, the barrier), and programs along the channels: each strides over
+every 14th block (4 of H = 7168's 56). On an H100 (T = 4096, H = 7168, K = 8; docs/benchmarks.md,
+twenty-third session) the post took 46.4 us at this tile, 64.5 at quantize_rows' (8, 2, a
+program a block), 48.1 at (16, 4, a program a block), 51.2 at (32, 4, 7), 59.2 at (8, 4, a
+program a block); quantize_rows and the post of the tags alone took 49.9."""
 BUDGET_BLOCK_R, BUDGET_NUM_WARPS = 64, 8
 """The same under an SM budget: one program per SM, so more tokens a step (as _config.BUDGET_BLOCKS)."""
 
@@ -97,16 +104,20 @@ class Tiles(NamedTuple):
     num_warps: int
 
 
-def tiles(n_rows: int, hidden: int, max_programs: Optional[int] = None) -> Tiles:
-    """The launch of ``_quantize_rows_kernel``, and of ``row_put.post_slots`` quantizing, for
-    n_rows rows of ``hidden`` channels; ``max_programs``: an SM budget."""
+def tiles(n_rows: int, hidden: int, max_programs: Optional[int] = None, post: bool = False) -> Tiles:
+    """The launch of ``_quantize_rows_kernel`` (``post``: of ``row_put.post_slots`` quantizing)
+    for n_rows rows of ``hidden`` channels; ``max_programs``: an SM budget."""
+    channel_programs = max(hidden // BLOCK, 1)
     if interpreting():
         block_r, num_warps = triton.next_power_of_2(max(1, min(n_rows, 256))), 1
-    elif max_programs is None:
-        block_r, num_warps = GPU_BLOCK_R, GPU_NUM_WARPS
-    else:
+    elif max_programs is not None:
         block_r, num_warps = BUDGET_BLOCK_R, BUDGET_NUM_WARPS
-    return Tiles(program_grid(triton.cdiv(max(n_rows, 1), block_r), max(hidden // BLOCK, 1), max_programs),
+    elif post:
+        block_r, num_warps = POST_BLOCK_R, POST_NUM_WARPS
+        channel_programs = min(channel_programs, POST_CHANNEL_PROGRAMS)
+    else:
+        block_r, num_warps = GPU_BLOCK_R, GPU_NUM_WARPS
+    return Tiles(program_grid(triton.cdiv(max(n_rows, 1), block_r), channel_programs, max_programs),
                  block_r, num_warps)
 
 

@@ -353,7 +353,7 @@ def post_slots(
     blocks = row_blocks("put_rows", n_src, X, rows.element_size(), max_programs)
     block_r, num_warps = blocks.BLOCK_R, blocks.num_warps
     if quantize:
-        (row_programs, h_programs), block_r, num_warps = quantize_tiles(n_src, X, max_programs)
+        (row_programs, h_programs), block_r, num_warps = quantize_tiles(n_src, X, max_programs, post=True)
     elif stage_table is not None:
         row_programs, h_programs = blocks.grid(n_src, X)
         row_programs, h_programs = program_grid(max(row_programs, 1), h_programs, max_programs)
