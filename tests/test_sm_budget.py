@@ -13,9 +13,11 @@ import pytest
 import torch
 
 import alltoall_ops as a2a
+from alltoall_ops import fp8
 from alltoall_ops.backends.symm_mem import run_simulated
 from alltoall_ops.kernels import loader
 from alltoall_ops.kernels.region import Region
+from alltoall_ops.payload import pack
 
 needs_interpreter = pytest.mark.skipif(
     not loader.load().interpreting(), reason="the kernels run on CPU tensors only in Triton's interpreter"
@@ -115,6 +117,35 @@ def test_post_slots(n, H):
     assert torch.equal(want[0][1, : src.shape[0]], src)  # this rank's rows, staged once each
     for cap in CAPS:
         _same(run(cap), want)
+
+
+@pytest.mark.parametrize("n", ROWS)
+def test_post_slots_quantizing(n):
+    # The fp8 dispatch's post with peers: each row quantized into this rank's stage (fp8.quantize's
+    # bits and scales, packed as one wire row) and the tags the plain post writes, in one launch,
+    # the same under every budget; without a stage it raises before any launch.
+    k = loader.load()
+    K, rows_out, W, H = 2, 20, 2, 256  # two channel blocks
+    g = torch.Generator().manual_seed(n)
+    src = torch.randn(n // K + 1, H, generator=g).bfloat16()
+    dst = torch.randperm(W * rows_out, generator=g)[:n]
+    dst[::3] = -1
+
+    def run(max_programs, quantize=True):
+        stages = torch.zeros(W, rows_out, fp8.packed_width(H), dtype=torch.uint8)
+        tags = torch.full((W, rows_out, 3), -1)
+        k.post_slots(src, dst, rows_out, torch.tensor([t.data_ptr() for t in tags]), dst.flip(0), rank=1,
+                     tag_base=100, top_k=K, stage_table=torch.tensor([t.data_ptr() for t in stages]) if quantize
+                     else None, max_programs=max_programs, quantize=quantize)
+        return stages, tags
+
+    want = run(None)
+    assert torch.equal(want[0][1, : src.shape[0]], pack(*fp8.quantize(src)))  # this rank's rows, once each
+    assert torch.equal(want[1], run(None, quantize=False)[1])  # the plain post's tags
+    for cap in CAPS:
+        _same(run(cap), want)
+    with pytest.raises(ValueError, match="quantize needs a stage"):
+        k.post_slots(src, dst, rows_out, torch.zeros(W, dtype=torch.int64), dst, rank=1, tag_base=0, quantize=True)
 
 
 @pytest.mark.parametrize("tail", [False, True])

@@ -12,6 +12,7 @@ Reference semantics (``tables[r]`` is rank r's buffer)::
     put_meta:   for peer in range(W): meta[peer][rank] = row   # row: counts, status, header (put_meta's doc)
                 (with topk_idx: the routing plan first, routing_plan's one program: send_meta, position)
     post_slots: stage[rank][:n] = rows                                       # with a stage (W > 1)
+                (quantize: stage[rank][:n] = pack(*fp8.quantize(rows)), fp8 wire rows)
                 for i in range(N): if dst[i] >= 0:
                     peer, row = divmod(dst[i], stride)
                     tags[peer][row] = (tag_base + tag_index[i], i // K, bits(scale.flat[i]) or 0)
