@@ -676,12 +676,11 @@ def test_the_quantizing_post_stores_its_rows_as_the_quantize_does():
     # W = 2; docs/benchmarks.md, twenty-third session). With the stride an argument (a multiple
     # of 16 at H = 7168, as a launch tells the compiler) the post loads and stores a tile as the
     # quantize kernel does. PTX for sm_90 at the post's GPU tile, built on the CPU.
-    from alltoall_ops.kernels.quantize import tiles
+    from alltoall_ops.kernels.quantize import POST_BLOCK_R as block_r, POST_NUM_WARPS as warps
 
-    _, block_r, warps = tiles(4096, 7168, post=True)
     quantize = dict(FP8_MAX=448.0, AMAX_FLOOR=1e-4, BLOCK_R=block_r, BLOCK_C=128)
     post = dict(K=8, DST_STRIDE=4096, HAS_SCALE=False, STAGE=True, QUANTIZE=True, ACC_DTYPE="tl.float32",
-                BLOCK_R=block_r, BLOCK_H=128, BLOCK_S=1024, BARRIER=False, WORLD_SIZE=2)
+                BLOCK_R=block_r, BLOCK_H=128, BLOCK_S=64, BARRIER=False, WORLD_SIZE=2)
     cases = [["quantize_rows", quantize, dict(x_ptr="*bf16", values_ptr="*u8", scales_ptr="*fp32"), warps],
              ["post_slots", post, dict(src_ptr="*bf16"), warps]]
     quantize_ops, post_ops = json.loads(_without_interpreter(_PTX_OPS, cases, timeout=600))
