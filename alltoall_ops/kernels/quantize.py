@@ -5,6 +5,8 @@ before its rows are put in send order (quantizing in the row put itself, once pe
 Reference semantics::
 
     quantize_rows:    values, scales = fp8.quantize(x)               # values as uint8 bits
+    quantize_block:   the same for one loaded tile of 128 channels (shared with symm_mem's post,
+                      which quantizes each token once into its stage: ``row_put.post_slots``)
     e4m3_value:       the fp32 value of float8_e4m3fn bits (the symm_mem pull dequantizes with it:
                       ``row_put.pull_rows(dequantize=True)``)
 
@@ -96,8 +98,9 @@ BUDGET_BLOCK_R, BUDGET_NUM_WARPS = 64, 8
 
 
 class Tiles(NamedTuple):
-    """How a kernel that quantizes rows is launched: ``grid`` (token blocks, channel blocks),
-    ``block_r`` tokens a program step (of one 128-channel block), ``num_warps``."""
+    """How a kernel that quantizes rows is launched: ``grid`` (programs along the token blocks,
+    programs along the 128-channel blocks; each strides over its blocks), ``block_r`` tokens a
+    program step (of one channel block), ``num_warps``."""
 
     grid: tuple[int, int]
     block_r: int
