@@ -290,26 +290,29 @@ def _post_slots_kernel(
                 m = (o_r < n_src)[:, None] & (o_h < X)[None, :]
                 b_x = tl.load(src_ptr + o_r[:, None] * X + o_h[None, :], mask=m)
                 tl.store(stage_ptr + o_r[:, None] * X + o_h[None, :], b_x, mask=m)
-    if tl.program_id(1) == 0:  # each slot's tag into the row its destination will pull
+    # each slot's tag into this rank's tags, where the receivers read them: a header (rows, slots
+    # a row), then (destination code or -1, source code, scale bits) per slot
+    p_tags = tl.load(tags_table_ptr + rank).to(tl.pointer_type(tl.int64))
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(p_tags, tl.full([], n_src, tl.int64))
+        tl.store(p_tags + 1, tl.full([], K, tl.int64))
+    if tl.program_id(1) == 0:
         for i_s in range(tl.program_id(0), tl.cdiv(n_slots, BLOCK_S), tl.num_programs(0)):
             o_s = (i_s * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)  # [BS] slots t * K + k
-            b_dst = tl.load(dst_ptr + o_s, mask=o_s < n_slots, other=-1)
-            m_s = (o_s < n_slots) & (b_dst >= 0) & (b_dst < world_size * DST_STRIDE) & (o_s // K < n_src)
-            # NB: DST_STRIDE is a compile-time constant: the division is a multiply and a shift
-            b_peer = tl.where(m_s, b_dst // DST_STRIDE, 0)
-            p_tag = tl.load(tags_table_ptr + b_peer).to(tl.pointer_type(tl.int64)) + tl.where(
-                m_s, b_dst % DST_STRIDE, 0) * _TAG_COLUMNS
-            b_code = tag_base + tl.load(tag_index_ptr + o_s, mask=m_s, other=0)
+            m_s = o_s < n_slots
+            b_dst = tl.load(dst_ptr + o_s, mask=m_s, other=-1)
+            m_dst = m_s & (b_dst >= 0) & (b_dst < world_size * DST_STRIDE) & (o_s // K < n_src)
             b_bits = tl.zeros([BLOCK_S], dtype=tl.int64)
             if HAS_SCALE:
-                b_scale = upcast(tl.load(scale_ptr + o_s, mask=m_s, other=0), ACC_DTYPE)
+                b_scale = upcast(tl.load(scale_ptr + o_s, mask=m_dst, other=0), ACC_DTYPE)
                 if ACC_DTYPE == tl.float64:
                     b_bits = b_scale.to(tl.int64, bitcast=True)
                 else:
                     b_bits = b_scale.to(tl.int32, bitcast=True).to(tl.int64)
-            tl.store(p_tag + 1, o_s // K, mask=m_s)
+            p_tag = p_tags + (1 + o_s) * _TAG_COLUMNS
+            tl.store(p_tag, tl.where(m_dst, b_dst, -1), mask=m_s)
+            tl.store(p_tag + 1, tag_base + tl.load(tag_index_ptr + o_s, mask=m_dst, other=0), mask=m_s)
             tl.store(p_tag + 2, b_bits, mask=m_s)
-            tl.store(p_tag, b_code, mask=m_s)
     if BARRIER:
         last_program_arrives(pads_table_ptr, counters_ptr, barrier_rank, timeout_ms, barrier_call_ptr, barrier_op,
                              WORLD_SIZE, False)
@@ -333,16 +336,17 @@ def post_slots(
     epilogue: Optional[Epilogue] = None,
     quantize: bool = False,
 ) -> None:
-    """The sender's half of a pulled exchange: for every slot i < N = ``dst.numel()`` with a
-    destination code ``dst[i] = peer * dst_stride + row`` (-1: none), the tag of that row of
-    ``peer`` (``tags_table``: (W,) int64 base addresses of every rank's (stride, TAG_COLUMNS) tags)
-    = (``tag_base + tag_index[i]``, the slot's source row ``i // top_k``, the bits of
-    ``scale.flat[i]`` in ``acc_dtype`` or 0). With ``stage_table`` ((W,) base addresses of every
-    rank's stage, 16-byte aligned), this rank's ``rows`` (n, X) are also copied into its own
-    stage, once each, where ``pull_rows`` of the receivers reads them (without it they read
-    ``rows`` itself: one rank); ``quantize``: float rows (n, H), H a multiple of 128, quantized
-    there into fp8 wire rows instead (``fp8.quantize``, ``payload.pack``'s rows of P = H + 4 H /
-    128 bytes), in the same pass. token, max_programs, epilogue: as put_rows'."""
+    """The sender's half of a pulled exchange, into this rank's tags (``tags_table``: (W,) int64
+    base addresses of every rank's (1 + N_max, TAG_COLUMNS) tags; row ``rank``'s written): a
+    header (n = ``rows.shape[0]``, ``top_k``), then for every slot i < N = ``dst.numel()`` its
+    tag (destination code ``dst[i] = peer * dst_stride + row``, -1 where none or out of range,
+    source code ``tag_base + tag_index[i]``, the bits of ``scale.flat[i]`` in ``acc_dtype`` or
+    0), which the receivers' ``pull_rows`` read. With ``stage_table`` ((W,) base addresses of
+    every rank's stage, 16-byte aligned), this rank's ``rows`` (n, X) are also copied into its
+    own stage, once each, where the receivers read them (without it they read ``rows`` itself:
+    tests); ``quantize``: float rows (n, H), H a multiple of 128, quantized there into fp8 wire
+    rows instead (``fp8.quantize``, ``payload.pack``'s rows of P = H + 4 H / 128 bytes), in the
+    same pass. token, max_programs, epilogue: as put_rows'."""
     n_src, X = rows.shape
     if quantize and (stage_table is None or X % BLOCK):
         raise ValueError(f"post_slots: quantize needs a stage and rows of a multiple of {BLOCK} channels, got "
@@ -372,126 +376,180 @@ def post_slots(
 
 
 @triton.jit
+def _of_slot(b_tile, o_k, k):
+    """Column k of a [BR, K] tile: [BR]."""
+    return tl.sum(tl.where(o_k[None, :] == k, b_tile, 0), axis=1)
+
+
+@triton.jit
 def _pull_rows_kernel(
-    rows_ptr, stage_table_ptr, tags_table_ptr, tags_index, row_map_ptr, position_ptr, scale_ptr, num_routed_ptr,
-    out_ptr, tail_ptr, row_src_ptr, token_ptr, n_rows, X, X_OUT,
+    rows_ptr, stage_table_ptr, tags_table_ptr, rank, dst_stride, world_size, row_map_ptr, position_ptr, scale_ptr,
+    num_routed_ptr, pads_ptr, n_pads, out_ptr, tail_ptr, row_src_ptr, token_ptr, n_rows, X, X_OUT,
     pads_table_ptr, counters_ptr, barrier_call_ptr, barrier_rank, timeout_ms, barrier_op,
-    K: tl.constexpr, SRC_STRIDE: tl.constexpr, ROW_MAP: tl.constexpr, STAGED: tl.constexpr, HAS_SCALE: tl.constexpr,
+    K: tl.constexpr, ROW_MAP: tl.constexpr, STAGED: tl.constexpr, HAS_SCALE: tl.constexpr,
     ACC_DTYPE: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-    BARRIER: tl.constexpr, WORLD_SIZE: tl.constexpr, DEQUANTIZE: tl.constexpr,
+    BLOCK_W: tl.constexpr, BARRIER: tl.constexpr, WORLD_SIZE: tl.constexpr, DEQUANTIZE: tl.constexpr,
 ):
     order_after(token_ptr)
-    # NB: the tags' base is loaded here, not in a helper: inductor's analysis of which arguments
-    # a kernel writes would see a store through a helper's result as a store into the helper's
-    # arguments (the address tables, constants of the graph).
-    if not ROW_MAP:
-        tags_ptr = tl.load(tags_table_ptr + tags_index).to(tl.pointer_type(tl.int64))
-    n_routed = tl.minimum(tl.load(num_routed_ptr), n_rows)  # rows [0, n_routed) are written, the rest left as they are
-    for i_r in range(tl.program_id(0), tl.cdiv(n_routed, BLOCK_R), tl.num_programs(0)):  # row blocks
-        o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR]
-        m_routed = o_r < n_routed
-        if ROW_MAP:  # [BR] each row's slot i (-1: none): its code is its send position
-            b_slot = tl.load(row_map_ptr + o_r, mask=m_routed, other=-1)
-            b_code = tl.load(position_ptr + b_slot, mask=m_routed & (b_slot >= 0), other=-1)
-        else:
-            b_code = tl.load(tags_ptr + o_r * _TAG_COLUMNS, mask=m_routed, other=-1)  # [BR] source code, -1: none
-        m_valid = m_routed & (b_code >= 0)
-        if ROW_MAP:
-            b_src_row = b_slot // K  # [BR] row in its source
-        else:
-            # NB: masked by the routed rows, not the valid ones, so it does not wait for the codes
-            b_src_row = tl.load(tags_ptr + o_r * _TAG_COLUMNS + 1, mask=m_routed, other=0)
-        if STAGED:
-            # NB: each row's stage base is a load from the (W,) table (a cached hit). A select
-            # over the table held in registers cost more with every rank: on 8 programs of an
-            # H100 the pull moved 656 / 498 / 395 / 275 GB/s at W = 1 / 2 / 4 / 8 that way,
-            # 523-532 at every W this way. 16-byte aligned bases (every region of
-            # SymmBuffers): vector loads.
-            p_src = tl.multiple_of(tl.load(stage_table_ptr + b_code // SRC_STRIDE, mask=m_valid, other=0).to(
-                tl.pointer_type(tail_ptr.dtype.element_ty)), 16) + b_src_row * X  # [BR]
-        else:
-            p_src = rows_ptr + b_src_row * X
-        if HAS_SCALE and ROW_MAP:
-            b_scale = upcast(tl.load(scale_ptr + b_slot, mask=m_valid, other=0), ACC_DTYPE)
-        elif HAS_SCALE:
-            b_bits = tl.load(tags_ptr + o_r * _TAG_COLUMNS + 2, mask=m_valid, other=0)
-            if ACC_DTYPE == tl.float64:
-                b_scale = b_bits.to(tl.float64, bitcast=True)
+    BLOCK_B: tl.constexpr = BLOCK_H // _FP8_BLOCK if BLOCK_H >= _FP8_BLOCK else 1  # dequantize: scale blocks a step
+    n_scales = X_OUT // _FP8_BLOCK
+    o_c = tl.arange(0, _FP8_BLOCK)  # [128] columns of a scale block
+    if ROW_MAP:  # one rank: a block of rows at a time, each row's slot from the placement's row map
+        n_routed = tl.minimum(tl.load(num_routed_ptr), n_rows)  # rows [0, n_routed) written, the rest left as they are
+        for i_r in range(tl.program_id(0), tl.cdiv(n_routed, BLOCK_R), tl.num_programs(0)):  # row blocks
+            o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR]
+            m_routed = o_r < n_routed
+            b_slot = tl.load(row_map_ptr + o_r, mask=m_routed, other=-1)  # [BR] each row's slot i, -1: none
+            b_code = tl.load(position_ptr + b_slot, mask=m_routed & (b_slot >= 0), other=-1)  # its send position
+            m_valid = m_routed & (b_code >= 0)
+            p_src = rows_ptr + (b_slot // K) * X  # [BR]
+            if HAS_SCALE:
+                b_scale = upcast(tl.load(scale_ptr + b_slot, mask=m_valid, other=0), ACC_DTYPE)
+            if DEQUANTIZE:  # fp8 values times the fp32 scale of their 128-column block, rounded once
+                # NB: a step is [BLOCK_R, BLOCK_B, 128]: whole scale blocks, each block's scale loaded
+                # once and broadcast over its columns in the tile's own layout. The scales (the
+                # wire row's tail) go to tail as they are.
+                p_scale = (p_src + X_OUT).to(tl.pointer_type(tl.float32))  # [BR] each row's scales
+                for i_b in range(0, n_scales, BLOCK_B):
+                    o_b = i_b + tl.arange(0, BLOCK_B)  # [BB] blocks
+                    m_read = m_valid[:, None] & (o_b < n_scales)[None, :]  # [BR, BB]
+                    b_block_scale = tl.load(p_scale[:, None] + o_b[None, :], mask=m_read, other=0)  # [BR, BB]
+                    o_h = o_b[:, None] * _FP8_BLOCK + o_c[None, :]  # [BB, 128]
+                    b_bits = tl.load(p_src[:, None, None] + o_h[None, :, :], mask=m_read[:, :, None], other=0)
+                    b_value = cast_rne(e4m3_value(b_bits) * b_block_scale[:, :, None], out_ptr.dtype.element_ty)
+                    _store_dequantized(out_ptr, tail_ptr, o_r, m_routed, o_b, o_h, b_value, b_block_scale, n_scales,
+                                       X_OUT)
             else:
-                b_scale = b_bits.to(tl.int32).to(tl.float32, bitcast=True)
-        if DEQUANTIZE:  # fp8 values times the fp32 scale of their 128-column block, rounded once
-            # NB: a step is [BLOCK_R, BLOCK_B, 128]: whole scale blocks, each block's scale loaded
-            # once and broadcast over its columns in the tile's own layout. The scales (the
-            # wire row's tail) go to tail as they are.
-            BLOCK_B: tl.constexpr = BLOCK_H // _FP8_BLOCK if BLOCK_H >= _FP8_BLOCK else 1
-            n_blocks = X_OUT // _FP8_BLOCK
-            p_scale = (p_src + X_OUT).to(tl.pointer_type(tl.float32))  # [BR] each row's scales
-            p_tail = tail_ptr.to(tl.pointer_type(tl.float32)) + o_r * n_blocks  # [BR]
-            o_c = tl.arange(0, _FP8_BLOCK)  # [128] columns of a block
-            for i_b in range(0, n_blocks, BLOCK_B):
-                o_b = i_b + tl.arange(0, BLOCK_B)  # [BB] blocks
-                m_read = m_valid[:, None] & (o_b < n_blocks)[None, :]  # [BR, BB]
-                m_write = m_routed[:, None] & (o_b < n_blocks)[None, :]
-                b_block_scale = tl.load(p_scale[:, None] + o_b[None, :], mask=m_read, other=0)  # [BR, BB]
-                o_h = o_b[:, None] * _FP8_BLOCK + o_c[None, :]  # [BB, 128]
-                b_bits = tl.load(p_src[:, None, None] + o_h[None, :, :], mask=m_read[:, :, None], other=0)
-                b_value = cast_rne(e4m3_value(b_bits) * b_block_scale[:, :, None], out_ptr.dtype.element_ty)
-                tl.store(out_ptr + o_r[:, None, None] * X_OUT + o_h[None, :, :], b_value, mask=m_write[:, :, None])
-                tl.store(p_tail[:, None] + o_b[None, :], b_block_scale, mask=m_write)
-        else:
-            # NB: a step is [REPS, BLOCK_R, LANES]: a warp's 32 threads take 16 bytes each of one
-            # row (LANES elements), REPS times over the step's columns, so a thread loads one
-            # row's code, source row and stage base. A [BLOCK_R, BLOCK_H] step spread the
-            # columns over the warps, 8 rows a thread at the budget tile: on 8 / 16 / 32
-            # programs of an H100 the pull moved 525 / 999 / 1847 GB/s that way, 549 / 1046 /
-            # 1902 this way (the same without a budget).
-            LANES: tl.constexpr = min(BLOCK_H, 4096 // out_ptr.dtype.element_ty.primitive_bitwidth)
-            o_c = (tl.arange(0, BLOCK_H // LANES)[:, None] * LANES + tl.arange(0, LANES)[None, :])[:, None, :]
-            m_valid_3 = m_valid[None, :, None]  # [1, BR, 1]
-            m_routed_3 = m_routed[None, :, None]
-            p_src_3 = p_src[None, :, None]
-            for i_h in range(0, X, BLOCK_H):
-                o_h = i_h + o_c  # [REPS, 1, LANES] columns
-                m_h = o_h < X
-                b_x = tl.load(p_src_3 + o_h, mask=m_valid_3 & m_h, other=0)
-                if HAS_SCALE:  # fp32 (fp64) product, rounded once
-                    b_x = cast_rne(upcast(b_x, ACC_DTYPE) * b_scale[None, :, None], out_ptr.dtype.element_ty)
-                if HAS_TAIL:  # columns [0, X_OUT) to out, [X_OUT, X) to tail
-                    m_out = o_h < X_OUT
-                    tl.store(out_ptr + o_r[None, :, None] * X_OUT + o_h, b_x, mask=m_routed_3 & m_h & m_out)
-                    tl.store(tail_ptr + o_r[None, :, None] * (X - X_OUT) + (o_h - X_OUT), b_x,
-                             mask=m_routed_3 & m_h & ~m_out)
+                # NB: a step is [REPS, BLOCK_R, LANES]: a warp's 32 threads take 16 bytes each of one
+                # row (LANES elements), REPS times over the step's columns, so a thread loads one
+                # row's code, source row and stage base. A [BLOCK_R, BLOCK_H] step spread the
+                # columns over the warps, 8 rows a thread at the budget tile: on 8 / 16 / 32
+                # programs of an H100 the pull moved 525 / 999 / 1847 GB/s that way, 549 / 1046 /
+                # 1902 this way (the same without a budget).
+                LANES: tl.constexpr = min(BLOCK_H, 4096 // out_ptr.dtype.element_ty.primitive_bitwidth)
+                o_lanes = (tl.arange(0, BLOCK_H // LANES)[:, None] * LANES + tl.arange(0, LANES)[None, :])[:, None, :]
+                for i_h in range(0, X, BLOCK_H):
+                    o_h = i_h + o_lanes  # [REPS, 1, LANES] columns
+                    b_x = tl.load(p_src[None, :, None] + o_h, mask=m_valid[None, :, None] & (o_h < X), other=0)
+                    if HAS_SCALE:  # fp32 (fp64) product, rounded once
+                        b_x = cast_rne(upcast(b_x, ACC_DTYPE) * b_scale[None, :, None], out_ptr.dtype.element_ty)
+                    _store_columns(out_ptr, tail_ptr, o_r[None, :, None], m_routed[None, :, None], o_h, b_x, X, X_OUT,
+                                   HAS_TAIL)
+            tl.store(row_src_ptr + o_r, b_code, mask=m_routed)
+    else:  # peers: a block of one sender's tokens at a time, each token's row loaded once and stored
+        # into every row of this rank that one of its slots goes to. NB: the tags' bases are loaded
+        # here, not in a helper: inductor's analysis of which arguments a kernel writes would see
+        # a store through a helper's result as a store into the helper's arguments (the address
+        # tables, constants of the graph).
+        o_w = tl.arange(0, BLOCK_W)
+        m_w = o_w < world_size
+        p_header_w = tl.load(tags_table_ptr + o_w, mask=m_w, other=0).to(tl.pointer_type(tl.int64))  # [BW]
+        b_tokens_w = tl.load(p_header_w, mask=m_w, other=0)  # [BW] each sender's tokens, its header's first word
+        b_top_k_w = tl.load(p_header_w + 1, mask=m_w, other=1)  # [BW] and its slots a token
+        n_token_blocks = tl.max(tl.cdiv(b_tokens_w, BLOCK_R), axis=0)
+        o_k = tl.arange(0, K)  # K: a power of 2, at least every sender's slots a token
+        own_first = rank * dst_stride  # destination codes of this rank's rows: [own_first, own_first + dst_stride)
+        for i_item in range(tl.program_id(0), n_token_blocks * world_size, tl.num_programs(0)):
+            s = i_item % world_size  # the senders in turn: the programs running at once read from all of them
+            n_tokens = tl.sum(tl.where(o_w == s, b_tokens_w, 0), axis=0)
+            if (i_item // world_size) * BLOCK_R < n_tokens:
+                top_k = tl.sum(tl.where(o_w == s, b_top_k_w, 0), axis=0)
+                p_tags = tl.load(tags_table_ptr + s).to(tl.pointer_type(tl.int64))
+                o_t = ((i_item // world_size) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR] its tokens
+                m_tk = (o_t < n_tokens)[:, None] & (o_k < top_k)[None, :]
+                p_tag = p_tags + (1 + o_t[:, None] * top_k + o_k[None, :]) * _TAG_COLUMNS  # [BR, K] slots' tags
+                b_dst = tl.load(p_tag, mask=m_tk, other=-1)
+                m_mine = m_tk & (b_dst >= own_first) & (b_dst < own_first + dst_stride)  # [BR, K]
+                b_row = tl.where(m_mine, b_dst - own_first, 0)
+                b_code = tl.load(p_tag + 1, mask=m_mine, other=-1)
+                if HAS_SCALE:
+                    b_bits = tl.load(p_tag + 2, mask=m_mine, other=0)
+                    if ACC_DTYPE == tl.float64:
+                        b_scales = b_bits.to(tl.float64, bitcast=True)
+                    else:
+                        b_scales = b_bits.to(tl.int32).to(tl.float32, bitcast=True)
+                m_any = tl.max(m_mine.to(tl.int32), axis=1) > 0  # [BR] tokens with a row here
+                if STAGED:  # 16-byte aligned stages (every region of SymmBuffers): vector loads
+                    p_src = tl.multiple_of(tl.load(stage_table_ptr + s).to(tl.pointer_type(tail_ptr.dtype.element_ty)),
+                                           16) + o_t * X  # [BR]
                 else:
-                    tl.store(out_ptr + o_r[None, :, None] * X + o_h, b_x, mask=m_routed_3 & m_h)
-        tl.store(row_src_ptr + o_r, b_code, mask=m_routed)
-    if not ROW_MAP:
-        # NB: each program owns its row blocks across all of X, so resetting their tags cannot
-        # race with another program's read of them; within the program, every thread holding a
-        # copy of a tag must have loaded it before one of them resets it: the barrier (without
-        # it, slow programs read -1 and dropped rows; seen on the H200 only under an SM budget).
-        # One barrier after the moves, not one a block: a barrier a block kept the program's
-        # warps in step, each block's reads waiting for the slowest warp's (on 8-32 programs of
-        # an H100 a minimal pull without it moved 1.4-1.9x the bytes). Past n_routed the tags
-        # stay -1.
-        tl.debug_barrier()
-        for i_r in range(tl.program_id(0), tl.cdiv(n_routed, BLOCK_R), tl.num_programs(0)):
-            o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-            tl.store(tags_ptr + o_r * _TAG_COLUMNS, tl.full([BLOCK_R], -1, tl.int64), mask=o_r < n_routed)
-    if BARRIER:  # every rank is done reading the stages before any writes them again
+                    p_src = rows_ptr + o_t * X
+                for k in tl.static_range(K):
+                    m_k = _of_slot(m_mine.to(tl.int32), o_k, k) > 0
+                    tl.store(row_src_ptr + _of_slot(b_row, o_k, k), _of_slot(b_code, o_k, k), mask=m_k)
+                if DEQUANTIZE:
+                    p_scale = (p_src + X_OUT).to(tl.pointer_type(tl.float32))  # [BR]
+                    for i_b in range(0, n_scales, BLOCK_B):
+                        o_b = i_b + tl.arange(0, BLOCK_B)  # [BB] blocks
+                        m_read = m_any[:, None] & (o_b < n_scales)[None, :]  # [BR, BB]
+                        b_block_scale = tl.load(p_scale[:, None] + o_b[None, :], mask=m_read, other=0)  # [BR, BB]
+                        o_h = o_b[:, None] * _FP8_BLOCK + o_c[None, :]  # [BB, 128]
+                        b_bits = tl.load(p_src[:, None, None] + o_h[None, :, :], mask=m_read[:, :, None], other=0)
+                        b_value = cast_rne(e4m3_value(b_bits) * b_block_scale[:, :, None], out_ptr.dtype.element_ty)
+                        for k in tl.static_range(K):
+                            _store_dequantized(out_ptr, tail_ptr, _of_slot(b_row, o_k, k),
+                                               _of_slot(m_mine.to(tl.int32), o_k, k) > 0, o_b, o_h, b_value,
+                                               b_block_scale, n_scales, X_OUT)
+                else:
+                    for i_h in range(0, X, BLOCK_H):
+                        o_h = i_h + tl.arange(0, BLOCK_H)[None, :]  # [1, BH] columns
+                        b_x = tl.load(p_src[:, None] + o_h, mask=m_any[:, None] & (o_h < X), other=0)  # [BR, BH]
+                        for k in tl.static_range(K):
+                            b_y = b_x
+                            if HAS_SCALE:  # fp32 (fp64) product, rounded once
+                                b_y = cast_rne(upcast(b_x, ACC_DTYPE) * _of_slot(b_scales, o_k, k)[:, None],
+                                               out_ptr.dtype.element_ty)
+                            _store_columns(out_ptr, tail_ptr, _of_slot(b_row, o_k, k)[:, None],
+                                           (_of_slot(m_mine.to(tl.int32), o_k, k) > 0)[:, None], o_h, b_y, X, X_OUT,
+                                           HAS_TAIL)
+        for i_pad in range(tl.program_id(0), n_pads, tl.num_programs(0)):  # a local expert's padding rows: zero
+            for row in range(tl.load(pads_ptr + i_pad), tl.load(pads_ptr + n_pads + i_pad)):
+                for i_h in range(0, X, BLOCK_H):
+                    o_h = i_h + tl.arange(0, BLOCK_H)
+                    _store_columns(out_ptr, tail_ptr, row, o_h < X, o_h,
+                                   tl.zeros([BLOCK_H], dtype=tail_ptr.dtype.element_ty), X, X_OUT, HAS_TAIL)
+                tl.store(row_src_ptr + row, -1)
+    if BARRIER:  # every rank is done reading the stages and tags before any writes them again
         last_program_arrives(pads_table_ptr, counters_ptr, barrier_rank, timeout_ms, barrier_call_ptr, barrier_op,
                              WORLD_SIZE, False)
+
+
+@triton.jit
+def _store_columns(out_ptr, tail_ptr, o_row, m_row, o_h, b_x, X, X_OUT, HAS_TAIL: tl.constexpr):
+    """Columns o_h < X of rows o_row (masked by m_row): [0, X_OUT) into out, [X_OUT, X) into tail
+    (with HAS_TAIL; else X_OUT = X)."""
+    m_h = o_h < X
+    if HAS_TAIL:
+        m_out = o_h < X_OUT
+        tl.store(out_ptr + o_row * X_OUT + o_h, b_x.to(out_ptr.dtype.element_ty), mask=m_row & m_h & m_out)
+        tl.store(tail_ptr + o_row * (X - X_OUT) + (o_h - X_OUT), b_x.to(tail_ptr.dtype.element_ty),
+                 mask=m_row & m_h & ~m_out)
+    else:
+        tl.store(out_ptr + o_row * X + o_h, b_x, mask=m_row & m_h)
+
+
+@triton.jit
+def _store_dequantized(out_ptr, tail_ptr, o_row, m_row, o_b, o_h, b_value, b_block_scale, n_scales, X_OUT):
+    """Rows o_row [BR] (masked by m_row) of dequantized values [BR, BB, 128] of scale blocks o_b
+    [BB] (columns o_h [BB, 128]) into out, and their scales [BR, BB] into tail."""
+    m_write = m_row[:, None] & (o_b < n_scales)[None, :]  # [BR, BB]
+    tl.store(out_ptr + o_row[:, None, None] * X_OUT + o_h[None, :, :], b_value, mask=m_write[:, :, None])
+    tl.store(tail_ptr.to(tl.pointer_type(tl.float32)) + o_row[:, None] * n_scales + o_b[None, :], b_block_scale,
+             mask=m_write)
 
 
 def pull_rows(
     tags: Optional[Region], num_routed: torch.Tensor, out: torch.Tensor, row_src: torch.Tensor, *,
     rows: Optional[torch.Tensor] = None,
     stage_table: Optional[torch.Tensor] = None,
-    src_stride: int = 1,
+    dst_stride: int = 0,
     scaled: bool = False,
+    pads: Optional[torch.Tensor] = None,
     row_map: Optional[torch.Tensor] = None,
     position: Optional[torch.Tensor] = None,
     scale: Optional[torch.Tensor] = None,
     top_k: int = 1,
+    tokens: int = 1,
     acc_dtype: torch.dtype = torch.float32,
     tail: Optional[torch.Tensor] = None,
     token: Optional[torch.Tensor] = None,
@@ -499,41 +557,43 @@ def pull_rows(
     epilogue: Optional[Epilogue] = None,
     dequantize: bool = False,
 ) -> None:
-    """The receiver's half of a pulled exchange: for the first n = ``num_routed`` rows d of this
-    rank's tags (C, TAG_COLUMNS) (a region named by address, ``_config.Region``), ``out[d]`` =
-    row ``tags[d, 1]`` of the source's rows, times the scale of ``tags[d, 2]`` when ``scaled``
-    (in ``acc_dtype``, rounded once), zero where ``tags[d, 0]`` is -1; rows [n, C) of ``out`` are
-    not written. The source's rows: ``stage_table[tags[d, 0] // src_stride]`` (every rank's
-    stage, (W,) base addresses; ``post_slots`` put them there), or ``rows`` (one rank: the rows
-    themselves). ``num_routed``: a one-element int64 device tensor (no host sync). ``row_src``
-    (C,) gets each routed row's source code, rows [n, C) not written; the tags' codes are reset
-    to -1 for the next call.
-    One rank without tags: ``row_map`` (C,) (the placement's row_slot: each row's slot i, -1
-    none) instead of ``tags``, with ``rows``, ``position`` (N,) and ``scale`` (N,) or None: row
-    d is ``rows[i // top_k]`` times ``scale[i]``, its code ``position[i]``.
+    """The receiver's half of a pulled exchange, into ``out`` (C, X) and ``row_src`` (C,).
+
+    With ``tags`` (a region of this rank's tags, ``_config.Region``, whose table names every
+    rank's, ``post_slots``' layout: a header (rows n_s, slots a row K_s), then a tag (destination
+    code, source code, scale bits) per slot): for every sender s and slot i < n_s K_s whose
+    destination code is ``tags.index * dst_stride + d``, ``out[d]`` = row i // K_s of s's rows,
+    times the slot's scale when ``scaled`` (in ``acc_dtype``, rounded once), and ``row_src[d]``
+    its source code. Each sender's row is loaded once, and stored into every row of this rank
+    that one of its slots goes to. s's rows: ``stage_table[s]`` (every rank's stage, (W,) base
+    addresses), or ``rows`` (every sender's, tests). ``pads`` (2, e): each local expert's
+    padding rows [pads[0, j], pads[1, j]), zero with row_src -1 (the placement's, with peers).
+    ``top_k``: at least every sender's K_s; ``tokens``: the rows a sender posts, for the grid
+    (more are still pulled). ``num_routed`` is not read: the rows written are the ones the
+    senders' slots and the pads name, all below it.
+
+    One rank, without tags: ``row_map`` (C,) (the placement's row_slot: each row's slot i, -1
+    none), with ``rows``, ``position`` (N,) and ``scale`` (N,) or None: for the first n =
+    ``num_routed`` rows d (a one-element int64 device tensor, no host sync), row d is ``rows[i //
+    top_k]`` times ``scale[i]``, zero where i is -1, its code ``position[i]``; rows [n, C) of
+    out and row_src are not written.
+
     With ``tail`` (C, X - X_out) of out's dtype, out (C, X_out) takes the first X_out columns
     of each row and tail the rest (fp8 wire rows into values and scale bytes); ``dequantize``:
     out (C, X_out) is float and takes each fp8 value (the row's first X_out bytes) times the fp32
     scale of its 128-column block (the row's tail bytes), rounded once, as ``fp8.dequantize``
-    (tail and the source rows uint8: one pass, where a dequantizing kernel after the pull read
-    the values again). At most ``MAX_COUNTED_PROGRAMS`` programs, or max_programs (an SM
-    budget), each striding over the row blocks below n. token: as put_rows'.
+    (tail and the source rows uint8: one pass). At most ``MAX_COUNTED_PROGRAMS`` programs, or
+    max_programs (an SM budget), each striding over its blocks. token: as put_rows'.
     ``epilogue``: the barrier after the reads (no rank writes a stage or tags again before every
     rank is done with them), run by the kernel's last program."""
     if (tags is None) == (row_map is None):
         raise ValueError("pull_rows: pass exactly one of tags and row_map")
     if row_map is not None and (rows is None or position is None):
         raise ValueError("pull_rows: a row_map needs rows and position (one rank)")
-    C = tags.shape[0] if tags is not None else row_map.shape[0]
-    if C == 0:
-        if epilogue is not None:
-            barrier_alone(epilogue, token)
-        elif token is not None:
-            token.zero_()
-        return
     if (rows is None) == (stage_table is None):
         raise ValueError("pull_rows: pass exactly one of rows and stage_table")
     require_contiguous("pull_rows", out=out, row_src=row_src, tail=tail)
+    C = out.shape[0]
     X = out.shape[1] + (0 if tail is None else tail.shape[1])
     wire = out.dtype if tail is None else tail.dtype  # the source rows' dtype
     if dequantize and (tail is None or wire != torch.uint8 or not out.dtype.is_floating_point or scaled
@@ -545,20 +605,38 @@ def pull_rows(
         raise ValueError(f"pull_rows: out and tail must have one dtype, got {out.dtype} and {tail.dtype}")
     if rows is not None and (rows.dtype != wire or rows.shape[1] != X):
         raise ValueError(f"pull_rows: rows must be (n, {X}) {wire}, got {tuple(rows.shape)} {rows.dtype}")
-    rows, row_map, position, scale = (None if t is None else t.contiguous() for t in (rows, row_map, position, scale))
-    tags_table, tags_index = (tags.table, tags.index) if tags is not None else (row_map, 0)  # NB: unread with a row map
+    if tags is not None and C > dst_stride:
+        raise ValueError(f"pull_rows: out of {C} rows, more than the destination codes' stride {dst_stride}")
+    if C == 0 or (tags is not None and tags.table.numel() == 0):
+        if epilogue is not None:
+            barrier_alone(epilogue, token)
+        elif token is not None:
+            token.zero_()
+        return
+    rows, row_map, position, scale, pads = (None if t is None else t.contiguous()
+                                            for t in (rows, row_map, position, scale, pads))
     # NB: a dequantizing tile holds fp32 products: sized as 4-byte elements, as many registers as a plain one
-    blocks = row_blocks("pull_rows", C, X, 4 if dequantize else wire.itemsize, max_programs)
-    with LAUNCH_LOCK:  # NB: one program per row block across all of X (see the kernel)
-        launch(_pull_rows_kernel, out)[program_grid(min(blocks.grid(C, X)[0], MAX_COUNTED_PROGRAMS), 1,
-                                                    max_programs)[:1]](
+    element_size = 4 if dequantize else wire.itemsize
+    if tags is None:
+        blocks = row_blocks("pull_rows", C, X, element_size, max_programs)
+        programs, K = blocks.grid(C, X)[0], top_k  # NB: one program per row block across all of X (see the kernel)
+        tags_table, world_size = row_map, 1  # unread
+    else:
+        blocks = row_blocks("pull_tokens", tokens, X, element_size, max_programs)
+        world_size = tags.table.numel()
+        programs, K = world_size * triton.cdiv(max(tokens, 1), blocks.BLOCK_R), triton.next_power_of_2(top_k)
+        tags_table = tags.table
+    with LAUNCH_LOCK:
+        launch(_pull_rows_kernel, out)[program_grid(min(programs, MAX_COUNTED_PROGRAMS), 1, max_programs)[:1]](
             rows if rows is not None else out, stage_table if stage_table is not None else tags_table, tags_table,
-            tags_index, row_map if row_map is not None else row_src, position if position is not None else row_src,
-            scale if scale is not None else num_routed, num_routed, out, tail if tail is not None else out, row_src,
-            or_new_token(token, out.device), C, X, out.shape[1], K=top_k, SRC_STRIDE=src_stride,
+            0 if tags is None else tags.index, dst_stride, world_size,
+            row_map if row_map is not None else row_src, position if position is not None else row_src,
+            scale if scale is not None else num_routed, num_routed, pads if pads is not None else row_src,
+            0 if pads is None else pads.numel() // 2, out, tail if tail is not None else out, row_src,
+            or_new_token(token, out.device), C, X, out.shape[1], K=K,
             ROW_MAP=row_map is not None, STAGED=stage_table is not None,
             HAS_SCALE=scaled if row_map is None else scale is not None, ACC_DTYPE=tl_acc_dtype(acc_dtype),
             HAS_TAIL=tail is not None, BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H,
-            num_warps=blocks.num_warps, DEQUANTIZE=dequantize,
+            BLOCK_W=triton.next_power_of_2(world_size), num_warps=blocks.num_warps, DEQUANTIZE=dequantize,
             **epilogue_args(epilogue, out),
         )

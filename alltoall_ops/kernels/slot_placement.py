@@ -17,6 +17,7 @@ order)::
     num_routed      = tokens_per_expert.sum()
     dropped[r]      = sum over s and g of r of min(max(start[s, g] + counts[s, g] - C, 0), counts[s, g])
     row_slot[row(slot)] = slot, row_slot[padding row] = -1      # one rank, rows < num_routed
+    row_slot[j], row_slot[e + j] = each local expert j's padding rows [first, end) below C   # with peers
     failed_checks   = (any(col(failed) != 0)                         << 0    # a rank's own error
                      | any(col(call) != meta[rank, E + call])        << 1    # ranks out of step
                      | any(col(alignment) != a)                      << 2    # alignments differ
@@ -150,6 +151,11 @@ def _place_slots_kernel(
             m_own = m_g & (o_g // e == rank)
             b_tokens = tl.minimum(b_padded, tl.maximum(capacity - b_expert_start, 0))
             tl.store(tokens_ptr + o_g - rank * e, b_tokens, mask=m_own)
+            if not ONE_RANK:  # each local expert's padding rows [first, end) below C, which the pull zeroes
+                b_pad_first = tl.minimum(b_expert_start + b_total, capacity)
+                tl.store(row_slot_ptr + o_g - rank * e, b_pad_first, mask=m_own)
+                b_pad_end = tl.maximum(tl.minimum(b_expert_start + b_tokens, capacity), b_pad_first)
+                tl.store(row_slot_ptr + e + o_g - rank * e, b_pad_end, mask=m_own)
             num_routed += tl.sum(tl.where(m_own, b_tokens, 0), axis=0)
             b_start = b_expert_start
             b_dropped = tl.zeros([BLOCK_E], dtype=tl.int64)
@@ -249,7 +255,8 @@ def place_slots(
     topk_idx, position: (T, K) of this rank; columns: offsets past E of (failed, call, alignment,
     bad ids, n_slots). Returns meta_WL (W, L) (one rank: the row with this call's header),
     failed_checks (1,) (bit i: check i failed), slot_dst (N,), row_slot (one rank: (C,), rows
-    past num_routed not written; else (0,)), tokens_per_expert (e,),
+    past num_routed not written; else (2 e,): the local experts' padding rows, the pull's
+    ``pads``), tokens_per_expert (e,),
     num_routed (1,), dropped (W,), position (T, K). assert_checks (CUDA): a failed check is also a
     device-side assert of the kernel (no host sync, no launch of its own; the CUDA context is
     unusable after it). token: as ``row_put.put_rows``'; ``max_programs``: an SM budget.
@@ -283,7 +290,7 @@ def place_slots(
     meta_WL = torch.empty(W, meta_columns, dtype=torch.int64, device=dev)
     failed_checks_1 = torch.empty(1, dtype=torch.int64, device=dev)
     slot_dst_N = torch.empty(N, dtype=torch.int64, device=dev)
-    row_slot_C = torch.empty(capacity if one_rank else 0, dtype=torch.int64, device=dev)
+    row_slot_C = torch.empty(capacity if one_rank else 2 * e, dtype=torch.int64, device=dev)
     tokens_per_expert_e = torch.empty(e, dtype=torch.int64, device=dev)
     num_routed_1 = torch.empty(1, dtype=torch.int64, device=dev)
     dropped_W = torch.empty(W, dtype=torch.int64, device=dev)
@@ -293,7 +300,7 @@ def place_slots(
         launch(_place_slots_kernel, topk_idx)[(programs,)](
             meta_tensor, meta_table, meta_index, meta_columns_in, topk_idx.reshape(N).contiguous(),
             position.reshape(N).contiguous(), meta_WL, failed_checks_1, slot_dst_N,
-            row_slot_C if one_rank else slot_dst_N, tokens_per_expert_e, num_routed_1, dropped_W, scratch,
+            row_slot_C, tokens_per_expert_e, num_routed_1, dropped_W, scratch,
             or_new_token(token, dev), N, E, e, rank, meta_columns, expert_alignment, max_slots, capacity, *columns,
             WORLD_SIZE=W, ONE_RANK=one_rank, META_AT_ADDRESS=at_address, CHECK_OVERFLOW=check_overflow,
             ASSERT_CHECKS=assert_checks and dev.type == "cuda",

@@ -28,11 +28,12 @@ class SymmMemHandle(DispatchHandle):
     """What ``combine`` needs to undo one symm_mem ``dispatch``; tensors, ints and the buffers.
 
     position_TK: each slot's send position; meta_WL: every rank's counts; slot_dst_N:
-    destination of each slot; row_slot_C: one rank's slot of each routed row ((0,) with peers);
-    row_src_C: source of each routed row (rows past num_routed_1 unwritten); num_routed_1: (1,) rows of
-    routed with data, tokens_per_expert.sum(); call_1: (1,) the call number of the dispatch's
-    metadata exchange, which its combine's barriers carry; dropped_W: slots past each rank's
-    capacity (overflow='drop'); num_rows: C."""
+    destination of each slot; row_slot_C: one rank's slot of each routed row (with peers (2 e,):
+    each local expert's padding rows); row_src_C: source of each routed row (rows past
+    num_routed_1 unwritten); num_routed_1: (1,) rows of routed with data,
+    tokens_per_expert.sum(); call_1: (1,) the call number of the dispatch's metadata exchange,
+    which its combine's barriers carry; dropped_W: slots past each rank's capacity
+    (overflow='drop'); num_rows: C."""
 
     position_TK: torch.Tensor
     meta_WL: torch.Tensor

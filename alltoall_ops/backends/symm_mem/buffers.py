@@ -73,7 +73,7 @@ class _Config:
         # an fp8 dispatch).
         wire_bytes = format_of(self.payload_dtype).wire_bytes(self.hidden, self.dtype)
         rows_bytes = max(N_max * self.hidden * itemsize, self.max_tokens_per_rank * wire_bytes)
-        sizes = [self.capacity * TAG_COLUMNS * 8, rows_bytes, self.world_size * meta_cols * 8]
+        sizes = [(1 + N_max) * TAG_COLUMNS * 8, rows_bytes, self.world_size * meta_cols * 8]
         offsets, total = [], 0
         for size in sizes:
             offsets.append(total)
@@ -329,7 +329,7 @@ class SymmBuffers(PeerBuffers):
         self.max_slots = cfg.max_tokens_per_rank * cfg.top_k  # N_max
         self.meta_columns = cfg.num_experts + META_EXTRA  # L
         offsets, segment_bytes = cfg.region_offsets()
-        C, H, W = cfg.capacity, cfg.hidden, cfg.world_size
+        H, W = cfg.hidden, cfg.world_size
 
         def region(i: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
             n = 1
@@ -338,17 +338,16 @@ class SymmBuffers(PeerBuffers):
             itemsize = torch.empty((), dtype=dtype).element_size()
             return segments.local[offsets[i] : offsets[i] + n * itemsize].view(dtype).view(shape)
 
-        self.tags = region(TAGS, torch.int64, (C, TAG_COLUMNS))
+        self.tags = region(TAGS, torch.int64, (1 + self.max_slots, TAG_COLUMNS))  # a header, then a tag a slot
         self.rows = region(ROWS, cfg.dtype, (self.max_slots, H))  # returned rows, or a dispatch's stage
         self.meta = region(META, torch.int64, (W, self.meta_columns))
-        self.tags.fill_(-1)
         # (1, W) int64 base addresses of region i (TAGS, ROWS, META) on every rank; immutable.
         # NB: one tensor per region, so that compiled code holds each as a constant and indexes
         # none of them with a torch op (inductor would fold it on the real tensor); 2-D, since
         # inductor writes a 1-D constant of up to 8 elements into its code as literals, made
         # into a fresh tensor by a kernel of its own at every use.
         self.tables = tuple(address_table([base + off for base in segments.bases], cfg.device) for off in offsets)
-        segments.setup_barrier()  # every rank's tags are -1 before any peer writes
+        segments.setup_barrier()  # every rank's segment exists before any peer reaches it
         logger.info("%r: %.1f MiB per rank (%s)", self, segment_bytes / 2**20, type(segments).__name__)
 
     def __repr__(self) -> str:

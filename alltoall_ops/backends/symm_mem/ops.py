@@ -161,7 +161,8 @@ def symm_exchange_meta_op(
     topk_idx_TK: torch.Tensor, buffers: SymmBuffers, expert_alignment: int, failed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's topk_idx (T, K) -> position (T, K) (each slot's place in send order, the
-    routing plan's), meta_WL (W, L), slot_dst (N,), row_slot (one rank: (C,), else (0,)),
+    routing plan's), meta_WL (W, L), slot_dst (N,), row_slot (one rank: (C,); with peers (2 e,),
+    each local expert's padding rows, which the dispatch's pull zeroes),
     tokens_per_expert (e,), num_routed (1,), dropped (W,), int64.
 
     The routing plan (``layout.plan_routing``) counts this rank's slots per expert. Every rank
@@ -208,7 +209,7 @@ def symm_exchange_meta_op(
 def _(topk_idx_TK, buffers, expert_alignment, failed=False):
     W, e = buffers.world_size, buffers.num_local_experts
     sizes = (topk_idx_TK.shape, (W, buffers.meta_columns), (topk_idx_TK.numel(),),
-             (0 if buffers.peer_path else buffers.capacity,), (e,), (1,), (W,))
+             (2 * e if buffers.peer_path else buffers.capacity,), (e,), (1,), (W,))
     return tuple(topk_idx_TK.new_empty(size, dtype=torch.int64) for size in sizes)
 
 
@@ -332,10 +333,10 @@ def _post_and_pull(
                      stage_table=tables[ROWS] if quantize or not encoded else None, acc_dtype=acc, token=token_1,
                      max_programs=buffers.num_sms, epilogue=epilogue, quantize=quantize)
     with buffers._segments.barrier_after(DISPATCH_OP, call_1, token_1) as epilogue:
-        k.pull_rows(_own(buffers, tables, TAGS, (C, TAG_COLUMNS), torch.int64), num_routed_1, out_CX, row_src_C,
-                    stage_table=tables[ROWS], src_stride=buffers.max_slots, scaled=scale_TK is not None,
-                    acc_dtype=acc, tail=tail, token=token_1, max_programs=buffers.num_sms, epilogue=epilogue,
-                    dequantize=dequantize)
+        k.pull_rows(_own(buffers, tables, TAGS, (1 + buffers.max_slots, TAG_COLUMNS), torch.int64), num_routed_1,
+                    out_CX, row_src_C, stage_table=tables[ROWS], dst_stride=C, scaled=scale_TK is not None,
+                    pads=row_slot_C, top_k=buffers.top_k, tokens=T, acc_dtype=acc, tail=tail, token=token_1,
+                    max_programs=buffers.num_sms, epilogue=epilogue, dequantize=dequantize)
     return row_src_C
 
 
