@@ -345,17 +345,21 @@ def test_the_pull_dequantizes_as_the_reference(C, blocks, dtype, data):
 
 
 def test_pull_rows_splits_wire_rows():
-    """pull_rows with ``tail``: each pulled row's first columns into out, the rest into tail
-    (rows < n; a row with no tag reads zero); nothing past n is written."""
+    """pull_rows with ``tail``, from a sender's tags: each pulled row's first columns into out,
+    the rest into tail; a padding row reads zero; rows no slot names are not written."""
     g = torch.Generator().manual_seed(2)
-    C, H, B = 6, 128, 1
-    wire = torch.randint(0, 256, (C, H + 4 * B), generator=g, dtype=torch.uint8)
-    code, src_row = torch.tensor([3, -1, 0, 5, 9, 2]), torch.tensor([4, 0, 1, 5, 2, 3])
-    tags = torch.stack([code, src_row, torch.zeros(C, dtype=torch.int64)], 1)
+    T, H, B = 6, 128, 1
+    wire = torch.randint(0, 256, (T, H + 4 * B), generator=g, dtype=torch.uint8)
+    dst = torch.tensor([3, -1, 0, 5, 2, 9])  # token t's row here (K = 1); 9: another rank's
+    tag_a_slot = torch.stack([dst, 100 + torch.arange(T), torch.zeros(T, dtype=torch.int64)], 1)
+    tags = torch.cat([torch.tensor([[T, 1, 0]]), tag_a_slot])  # the header: T tokens, 1 slot a token
+    C = 8
     out, tail = torch.full((C, H), 7, dtype=torch.uint8), torch.full((C, 4 * B), 7, dtype=torch.uint8)
     row_src = torch.full((C,), 12345)
-    loader.load().pull_rows(Region.of(tags), torch.tensor([4]), out, row_src, rows=wire, tail=tail)
-    expected = torch.where((code[:4] >= 0)[:, None], wire[src_row[:4]], 0)
-    assert torch.equal(out[:4], expected[:, :H]) and torch.equal(tail[:4], expected[:, H:])
-    assert (out[4:] == 7).all() and (tail[4:] == 7).all()
-    assert row_src.tolist() == [3, -1, 0, 5, 12345, 12345] and tags[:4, 0].tolist() == [-1] * 4
+    loader.load().pull_rows(Region.of(tags), torch.tensor([C]), out, row_src, rows=wire, tail=tail, dst_stride=C,
+                            pads=torch.tensor([4, 5]))
+    expected = torch.full((C, H + 4 * B), 7, dtype=torch.uint8)
+    expected[[3, 0, 5, 2]] = wire[[0, 2, 3, 4]]
+    expected[4] = 0
+    assert torch.equal(out, expected[:, :H]) and torch.equal(tail, expected[:, H:])
+    assert row_src.tolist() == [102, 12345, 104, 100, -1, 103, 12345, 12345]

@@ -126,7 +126,7 @@ def _launcher_cases() -> dict:
         return out, buf
 
     def post_slots(src, dst, scale, tag_index):  # two ranks' tags, this rank's stage
-        stages, tags = torch.zeros(2, T, H, **f64), torch.full((2, N, 3), -1)
+        stages, tags = torch.zeros(2, T, H, **f64), torch.full((2, 1 + N, 3), -1)
         k.post_slots(src, dst, N // 2, torch.tensor([t.data_ptr() for t in tags]), tag_index, rank=1, tag_base=100,
                      top_k=K, scale=scale, stage_table=torch.tensor([t.data_ptr() for t in stages]),
                      acc_dtype=torch.float64)
@@ -188,12 +188,12 @@ def test_launchers_reject_strided_outputs():
     position = torch.arange(4).view(2, 2)
     with pytest.raises(ValueError, match="put_rows: out must be contiguous"):
         k.put_rows(x, torch.arange(4), 4, out=strided(torch.empty(4, H)))
-    tags = Region.of(torch.full((4, 3), -1))  # NB: regions are contiguous by construction
+    tags = Region.of(torch.full((5, 3), -1))  # NB: regions are contiguous by construction
     for i, name in enumerate(("out", "row_src")):
         outs = [torch.empty(4, H), torch.empty(4, dtype=torch.int64)]
         outs[i] = strided(outs[i])
         with pytest.raises(ValueError, match=f"pull_rows: {name} must be contiguous"):
-            k.pull_rows(tags, torch.tensor([4]), *outs, rows=x)
+            k.pull_rows(tags, torch.tensor([4]), *outs, rows=x, dst_stride=4)
     with pytest.raises(ValueError, match="topk_reduce: y must be contiguous"):
         k.topk_reduce(x, position, None, w, strided(torch.empty(2, H)), None, torch.float32)
     with pytest.raises(ValueError, match="topk_reduce: returned must be contiguous"):
@@ -376,9 +376,9 @@ _EPILOGUE_TENSORS = {"pads_table_ptr": (2,), "counters_ptr": (1, 2), "barrier_ca
 _NO_EPILOGUE = dict(barrier_rank=0, timeout_ms=0, barrier_op=0, BARRIER=False, WORLD_SIZE=1)
 _EPILOGUE = dict(barrier_rank=0, timeout_ms=1000, barrier_op=2, BARRIER=True, WORLD_SIZE=2)
 _PULL_TENSORS = {"rows_ptr": (8, 16), "row_map_ptr": (N_,), "position_ptr": (N_,), "scale_ptr": (N_,),
-                 "num_routed_ptr": (1,), "out_ptr": (N_, 16), "tail_ptr": (N_, 16), "row_src_ptr": (N_,),
-                 "token_ptr": (1,), **_EPILOGUE_TENSORS}
-_PULL_SCALARS = dict(tags_index=0, n_rows=N_, X=16, X_OUT=16, K=8, SRC_STRIDE=N_, HAS_SCALE=True,
+                 "num_routed_ptr": (1,), "pads_ptr": (4,), "out_ptr": (N_, 16), "tail_ptr": (N_, 16),
+                 "row_src_ptr": (N_,), "token_ptr": (1,), **_EPILOGUE_TENSORS}
+_PULL_SCALARS = dict(rank=0, dst_stride=N_, world_size=2, n_pads=2, n_rows=N_, X=16, X_OUT=16, K=8, HAS_SCALE=True,
                      ACC_DTYPE="tl.float32", HAS_TAIL=False, BLOCK_R=2, BLOCK_H=16, DEQUANTIZE=False)
 _POST_TENSORS = {"src_ptr": (8, 16), "scale_ptr": (N_,), "dst_ptr": (N_,), "tag_index_ptr": (N_,),
                  "stage_table_ptr": (1, 2), "tags_table_ptr": (1, 2), "token_ptr": (1,), **_EPILOGUE_TENSORS}
@@ -553,7 +553,7 @@ _FUSED = {  # kernel: (its constexprs with the barrier, barriers in it)
                       BLOCK_R=2, BLOCK_H=16, BARRIER=True), 1),
     "post_slots": (dict(K=8, DST_STRIDE=64, HAS_SCALE=True, STAGE=True, QUANTIZE=False, ACC_DTYPE="tl.float32",
                         BLOCK_R=2, BLOCK_H=16, BLOCK_S=64, BARRIER=True), 1),
-    "pull_rows": (dict(K=8, SRC_STRIDE=64, ROW_MAP=False, STAGED=True, HAS_SCALE=True, ACC_DTYPE="tl.float32",
+    "pull_rows": (dict(K=8, ROW_MAP=False, STAGED=True, HAS_SCALE=True, ACC_DTYPE="tl.float32",
                        HAS_TAIL=False, BLOCK_R=2, BLOCK_H=16, BARRIER=True, DEQUANTIZE=False), 1),
     "topk_reduce": (dict(RET_AT_ADDRESS=True, HAS_TOKEN=True, READ_AT_SLOT_DST=False, K=2, HAS_SLOT_DST=True,
                          HAS_WEIGHTS=True, SAVE_RETURNED=True, ACC_DTYPE="tl.float32", BLOCK_T=8, BLOCK_H=16,
@@ -625,7 +625,7 @@ def test_rows_reached_by_address_move_as_vectors():
     rows = dict(K=8, BLOCK_H=1024, ACC_DTYPE="tl.float32")
     reduce = dict(rows, HAS_TOKEN=True, HAS_SLOT_DST=True, HAS_WEIGHTS=True, SAVE_RETURNED=False, BLOCK_T=2,
                   BARRIER=False, WORLD_SIZE=2)
-    pull = dict(rows, SRC_STRIDE=64, HAS_SCALE=False, HAS_TAIL=False, BLOCK_R=4, BARRIER=False,
+    pull = dict(rows, HAS_SCALE=False, HAS_TAIL=False, BLOCK_R=4, BARRIER=False,
                 WORLD_SIZE=2, DEQUANTIZE=False)
     bf16 = "*bf16"
     cases = [["topk_reduce", dict(reduce, RET_AT_ADDRESS=True, READ_AT_SLOT_DST=False), dict(y_ptr=bf16)],
@@ -652,7 +652,7 @@ def test_movers_reach_their_peers_without_reducing_across_threads():
     # twentieth session). At the budget tiles, W = 8, PTX for sm_90 built on the CPU: no shuffle,
     # no shared memory, no barrier but the pull's one before it resets the tags it read.
     (pull_r, pull_h, pull_warps), (put_r, put_h, put_warps) = (BUDGET_BLOCKS[k] for k in ("pull_rows", "put_rows"))
-    pull = dict(K=8, SRC_STRIDE=4096, ROW_MAP=False, STAGED=True, HAS_SCALE=False, ACC_DTYPE="tl.float32",
+    pull = dict(K=8, ROW_MAP=False, STAGED=True, HAS_SCALE=False, ACC_DTYPE="tl.float32",
                 HAS_TAIL=False, BLOCK_R=pull_r, BLOCK_H=pull_h, BARRIER=False, WORLD_SIZE=8, DEQUANTIZE=False)
     put = dict(K=8, DST_STRIDE=4096, HAS_SCALE=False, ONE_OUT=False, HAS_COUNT=True, ACC_DTYPE="tl.float32",
                BLOCK_R=put_r, BLOCK_H=put_h, BARRIER=False, WORLD_SIZE=8)
@@ -701,7 +701,7 @@ def test_the_dequantizing_pull_loads_each_block_scale_once_and_converts_in_hardw
     # registers a thread at its old tile, and its dispatch took 2.4x the bf16 dispatch's time).
     tile = dict(BLOCK_R=4, BLOCK_H=1024)  # the GPU tile of pull_rows for 4-byte elements (fp32 products)
     threads = 8 * 32
-    pull = dict(tile, K=8, SRC_STRIDE=64, ROW_MAP=False, STAGED=True, HAS_SCALE=False, ACC_DTYPE="tl.float32",
+    pull = dict(tile, K=8, ROW_MAP=False, STAGED=True, HAS_SCALE=False, ACC_DTYPE="tl.float32",
                 HAS_TAIL=True, BARRIER=False, WORLD_SIZE=2, DEQUANTIZE=True)
     pointers = dict(out_ptr="*bf16", tail_ptr="*u8", rows_ptr="*u8")
     (accesses,) = json.loads(_without_interpreter(_PTX_OPS, [["pull_rows", pull, pointers]], timeout=600))

@@ -60,7 +60,10 @@ def _reference_placement(counts_WE: torch.Tensor, topk_idx_TK: torch.Tensor, pos
     own_start_e = starts_WE[0].view(W, e)[rank]  # source rank 0's blocks start the expert groups
     tokens_per_expert_e = torch.minimum(padded_E.view(W, e)[rank], (C - own_start_e).clamp(min=0))
     dropped_W = torch.minimum((starts_WE + counts_WE - C).clamp(min=0), counts_WE).sum(0).view(W, e).sum(1)
-    return slot_dst_N, tokens_per_expert_e, tokens_per_expert_e.sum().reshape(1), dropped_W
+    own_end_e = torch.minimum(own_start_e + tokens_per_expert_e, torch.tensor(C))
+    pad_first_e = torch.minimum(own_start_e + counts_WE.sum(0).view(W, e)[rank], torch.tensor(C))
+    pads = torch.cat([pad_first_e, torch.maximum(own_end_e, pad_first_e)])  # with peers: the padding rows
+    return slot_dst_N, tokens_per_expert_e, tokens_per_expert_e.sum().reshape(1), dropped_W, pads
 
 
 def _place(meta: Optional[torch.Tensor], topk_idx_TK: torch.Tensor, position_TK: Optional[torch.Tensor], *, W: int,
@@ -86,12 +89,15 @@ def _routing(T: int, K: int, E: int, seed: int) -> tuple[torch.Tensor, torch.Ten
     return topk_idx, plan.position.cpu(), plan.send_meta.cpu()
 
 
-def _assert_placement(p, expected) -> None:
-    names = ("slot_dst", "tokens_per_expert", "num_routed", "dropped")
-    for name, got, want in zip(names, (p.slot_dst_N, p.tokens_per_expert_e, p.num_routed_1, p.dropped_W), expected):
+def _assert_placement(p, expected, one_rank: bool = False) -> None:
+    """``one_rank``: the placement from a plan's send_meta, whose row_slot is each row's slot; else
+    row_slot holds each local expert's padding rows [first, end)."""
+    names = ("slot_dst", "tokens_per_expert", "num_routed", "dropped", "pads")
+    outputs = (p.slot_dst_N, p.tokens_per_expert_e, p.num_routed_1, p.dropped_W) + (() if one_rank else (p.row_slot_C,))
+    for name, got, want in zip(names, outputs, expected):
         assert torch.equal(got.cpu(), want), f"{name}: {got.tolist()} != {want.tolist()}"
-    slot_dst_N, _, num_routed_1, _ = expected
-    if p.row_slot_C.numel():  # one rank: each routed row's slot (the inverse of slot_dst), -1 for padding
+    slot_dst_N, _, num_routed_1, _, _ = expected
+    if one_rank:  # each routed row's slot (the inverse of slot_dst), -1 for padding
         n, sent = int(num_routed_1), slot_dst_N >= 0
         row_slot = torch.full((n,), -1)
         row_slot[slot_dst_N[sent]] = torch.arange(slot_dst_N.numel())[sent]
@@ -190,7 +196,8 @@ def test_one_rank_reads_the_plan(T, K, E, alignment, max_slots, capacity):
     assert torch.equal(p.meta_WL.cpu(), row)
     expected = _reference_checks(row, E, 0, alignment, max_slots, capacity, True)
     assert int(p.failed_checks_1) == expected and (expected >> 4 & 1) == (T * K > max_slots)
-    _assert_placement(p, _reference_placement(row[:, :E], topk_idx, position, 0, alignment, max_slots, capacity))
+    _assert_placement(p, _reference_placement(row[:, :E], topk_idx, position, 0, alignment, max_slots, capacity),
+                      one_rank=True)
     if T * K > loader.load().routing_plan.ONE_PROGRAM_SLOTS:
         return
     # up to 1024 slots the kernel may plan them first itself (one rank's metadata stage in one launch)
@@ -198,7 +205,8 @@ def test_one_rank_reads_the_plan(T, K, E, alignment, max_slots, capacity):
                      capacity=capacity)
     assert torch.equal(planned.position_TK.cpu(), position) and torch.equal(planned.meta_WL.cpu(), row)
     assert int(planned.failed_checks_1) == expected
-    _assert_placement(planned, _reference_placement(row[:, :E], topk_idx, position, 0, alignment, max_slots, capacity))
+    _assert_placement(planned, _reference_placement(row[:, :E], topk_idx, position, 0, alignment, max_slots, capacity),
+                      one_rank=True)
 
 
 def test_placement_plans_first_only_what_one_program_plans():
@@ -231,7 +239,7 @@ def test_the_placement_plans_its_blocks_as_plan_routing(N, K, E, max_programs, a
     assert torch.equal(planned.position_TK.cpu(), position) and torch.equal(planned.meta_WL.cpu(), row)
     assert int(planned.failed_checks_1) == _reference_checks(row, E, 0, alignment, T * K, kwargs["capacity"], True)
     _assert_placement(planned, _reference_placement(row[:, :E], topk_idx, position, 0, alignment, T * K,
-                                                    kwargs["capacity"]))
+                                                    kwargs["capacity"]), one_rank=True)
 
 
 @settings(max_examples=40, deadline=None)

@@ -107,7 +107,7 @@ def test_post_slots(n, H):
 
     def run(max_programs):
         stages = torch.full((W, rows_out, H), float("nan"), **F64)
-        tags = torch.full((W, rows_out, 3), -1)
+        tags = torch.full((W, 1 + n, 3), -7)
         k.post_slots(src, dst, rows_out, torch.tensor([t.data_ptr() for t in tags]), dst.flip(0), rank=1,
                      tag_base=100, top_k=K, scale=scale, stage_table=torch.tensor([t.data_ptr() for t in stages]),
                      acc_dtype=torch.float64, max_programs=max_programs)
@@ -115,6 +115,9 @@ def test_post_slots(n, H):
 
     want = run(None)
     assert torch.equal(want[0][1, : src.shape[0]], src)  # this rank's rows, staged once each
+    # this rank's tags alone: the header (rows, K), then each slot's destination, source code, scale bits
+    assert (want[1][0] == -7).all() and want[1][1, 0, :2].tolist() == [src.shape[0], K]
+    assert torch.equal(want[1][1, 1:], torch.stack([dst, 100 + dst.flip(0), scale.view(torch.int64)], 1))
     for cap in CAPS:
         _same(run(cap), want)
 
@@ -133,7 +136,7 @@ def test_post_slots_quantizing(n):
 
     def run(max_programs, quantize=True):
         stages = torch.zeros(W, rows_out, fp8.packed_width(H), dtype=torch.uint8)
-        tags = torch.full((W, rows_out, 3), -1)
+        tags = torch.full((W, 1 + n, 3), -7)
         k.post_slots(src, dst, rows_out, torch.tensor([t.data_ptr() for t in tags]), dst.flip(0), rank=1,
                      tag_base=100, top_k=K, stage_table=torch.tensor([t.data_ptr() for t in stages]) if quantize
                      else None, max_programs=max_programs, quantize=quantize)
@@ -151,25 +154,33 @@ def test_post_slots_quantizing(n):
 @pytest.mark.parametrize("tail", [False, True])
 @pytest.mark.parametrize("C", ROWS)
 def test_pull_rows(C, tail):
+    # One sender's tags (K = 2): a token block at a time, each token's row stored into its rows
+    # here; the padding rows zeroed by the programs in turn.
     k = loader.load()
-    X, x_out, n_src = 6, 4, 7
+    X, x_out, T, K = 6, 4, 7, 2
     g = torch.Generator().manual_seed(C)
-    rows = torch.randn(n_src, X, generator=g, **F64)
-    code = torch.arange(C).masked_fill(torch.rand(C, generator=g) < 0.3, -1)
-    tags0 = torch.stack([code, torch.randint(0, n_src, (C,), generator=g), torch.zeros(C, dtype=torch.int64)], 1)
-    for n in sorted({0, C // 2 + 1, C}):  # num_routed: none, part (not a block boundary), all
-        def run(max_programs, n=n):
-            tags = tags0.clone()
-            out = torch.full((C, x_out if tail else X), float("nan"), **F64)
-            rest = torch.full((C, X - x_out), float("nan"), **F64) if tail else None
-            row_src = torch.full((C,), -7)
-            k.pull_rows(Region.of(tags), torch.tensor([n]), out, row_src, rows=rows, tail=rest,
-                        max_programs=max_programs)
-            return out, row_src, tags, *(() if rest is None else (rest,))
+    rows = torch.randn(T, X, generator=g, **F64)
+    n_pad = min(C, 2)
+    dst = torch.full((T * K,), -1)
+    mine = torch.randperm(T * K, generator=g)[: C - n_pad]
+    dst[mine] = n_pad + torch.arange(mine.numel())  # rows [n_pad, C) from the slots, [0, n_pad) padding
+    tags = torch.cat([torch.tensor([[T, K, 0]]), torch.stack([dst, torch.arange(T * K), 0 * dst], 1)])
+    pads = torch.tensor([0, 0, 1, n_pad])  # two experts' padding rows: [0, 1) and [0 + 1, n_pad)
 
-        want = run(None)
-        for cap in CAPS:
-            _same(run(cap), want)
+    def run(max_programs):
+        out = torch.full((C, x_out if tail else X), float("nan"), **F64)
+        rest = torch.full((C, X - x_out), float("nan"), **F64) if tail else None
+        row_src = torch.full((C,), -7)
+        k.pull_rows(Region.of(tags), torch.tensor([C]), out, row_src, rows=rows, tail=rest, dst_stride=max(C, 1),
+                    pads=pads, top_k=K, tokens=2, max_programs=max_programs)
+        return out, row_src, *(() if rest is None else (rest,))
+
+    want = run(None)
+    whole = torch.cat(want[::2], 1) if tail else want[0]
+    assert torch.equal(whole[n_pad:], rows[mine.sort().indices.new_tensor(mine.tolist()) // K])
+    assert (whole[:n_pad] == 0).all() and torch.equal(want[1], torch.cat([torch.full((n_pad,), -1), mine]))
+    for cap in CAPS:
+        _same(run(cap), want)
 
 
 @pytest.mark.parametrize("H", [3, 6])

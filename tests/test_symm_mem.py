@@ -700,32 +700,61 @@ def pull_programs(request, monkeypatch):
         monkeypatch.setattr(row_put, "MAX_COUNTED_PROGRAMS", request.param)
 
 
+def _senders_tags(T_W, K_W, C, stride, me, pads, g):
+    """Each sender's tags (header (T_s, K_s), then a tag a slot: destination code, source code,
+    scale bits) with random destinations: half of the slots to rows of rank ``me`` (distinct, none
+    in the padding spans ``pads`` (2, e)), the rest to another rank or nowhere (-1)."""
+    padding = torch.zeros(C, dtype=torch.bool)
+    for first, end in pads.view(2, -1).t().tolist():
+        padding[first:end] = True
+    free = torch.arange(C)[~padding][torch.randperm(int((~padding).sum()), generator=g)].tolist()
+    tags = []
+    for T_s, K_s in zip(T_W, K_W):
+        kind = torch.randint(0, 4, (T_s * K_s,), generator=g)
+        mine = kind < 2
+        mine &= torch.cumsum(mine.to(torch.int64), 0) <= len(free)
+        dst = torch.where(kind == 2, (me + 1) * stride + torch.randint(0, C, (T_s * K_s,), generator=g), -1)
+        dst[mine] = me * stride + torch.tensor(free[:int(mine.sum())], dtype=torch.int64)
+        free = free[int(mine.sum()):]
+        code = torch.randint(0, 10**6, (T_s * K_s,), generator=g)
+        scale = torch.randn(T_s * K_s, generator=g, dtype=torch.float64).view(torch.int64)
+        header = torch.tensor([[T_s, K_s, 0]])
+        tags.append(torch.cat([header, torch.stack([dst, code, scale], 1)]))
+    return tags
+
+
 @pytest.mark.parametrize("staged", [False, True])
-@pytest.mark.parametrize("n", [0, 1, 255, 256, 300, 600])
-def test_pull_rows_writes_rows_below_n_only(n, staged, pull_programs):
-    # C = 600 rows in the interpreter's blocks of 256: a block that straddles n, and (n < 512)
-    # blocks past n, which skip the row copy. Rows arrive below n only; rows below n that got
-    # none (padding) must come out zero. Each row comes from source row tags[d, 1] of its sender
-    # (tags[d, 0] // stride: one of two stages, or one rank's rows), times the scale in tags[d, 2].
-    C, H_, n_src, stride = 600, 5, 40, 1000
-    g = torch.Generator().manual_seed(n)
-    sources = torch.randn(2 if staged else 1, n_src, H_, generator=g, dtype=torch.float64)
-    arrived = (torch.rand(C, generator=g) < 0.7) & (torch.arange(C) < n)
-    sender = torch.randint(0, sources.shape[0], (C,), generator=g)
-    src_row = torch.randint(0, n_src, (C,), generator=g)
-    scale = torch.randn(C, generator=g, dtype=torch.float64)
-    code = torch.where(arrived, sender * stride + torch.randperm(C, generator=g), -1)
-    tags = torch.stack([code, src_row, scale.view(torch.int64)], 1)
+@pytest.mark.parametrize("seed", range(3))
+def test_pull_rows_from_the_senders_tags(seed, staged, pull_programs):
+    # Three senders of different T and K (rank 1 receives), each row loaded once and stored into
+    # every row of this rank that one of its slots names, times that slot's scale; rows no slot
+    # names are not written, except the local experts' padding rows: zero, row_src -1.
+    C, H_, stride, me = 300, 5, 1000, 1
+    g = torch.Generator().manual_seed(seed)
+    T_W, K_W = [int(t) for t in torch.randint(0, 40, (3,), generator=g)], [3, 1, 4]
+    pads = torch.tensor([10, 200, 250, 13, 200, 254])  # 3 experts: [10, 13), none, [250, 254)
+    tags = _senders_tags(T_W, K_W, C, stride, me, pads, g)
+    sources = [torch.randn(T_s, H_, generator=g, dtype=torch.float64) for T_s in T_W]
+    if not staged:  # every sender's rows are `rows`
+        sources = [torch.randn(max(T_W), H_, generator=g, dtype=torch.float64)] * 3
     out = torch.full((C, H_), float("nan"), dtype=torch.float64)
     row_src = torch.full((C,), 12345)
     where = ({"stage_table": torch.tensor([s.data_ptr() for s in sources])} if staged else {"rows": sources[0]})
-    loader.load().pull_rows(Region.of(tags), torch.tensor([n]), out, row_src, src_stride=stride, scaled=True,
-                            acc_dtype=torch.float64, **where)
-    expected = sources[sender[:n], src_row[:n]] * scale[:n, None]
-    assert torch.equal(out[:n], torch.where(arrived[:n, None], expected, 0))
-    assert torch.isnan(out[n:]).all(), "rows past n must not be written"
-    assert torch.equal(row_src[:n], code[:n]) and (row_src[n:] == 12345).all(), "row_src past n must not be written"
-    assert (tags[:, 0] == -1).all(), "tags not reset for the next call"
+    table = torch.tensor([t.data_ptr() for t in tags])
+    loader.load().pull_rows(Region(table, me, (1, 3), torch.int64), torch.tensor([C]), out, row_src,
+                            dst_stride=stride, scaled=True, pads=pads, top_k=4, tokens=5, acc_dtype=torch.float64,
+                            **where)
+    expected, expected_src = torch.full_like(out, float("nan")), torch.full_like(row_src, 12345)
+    for s, (t_s, (T_s, K_s)) in enumerate(zip(tags, zip(T_W, K_W))):
+        dst, code, scale = t_s[1:, 0], t_s[1:, 1], t_s[1:, 2].view(torch.float64)
+        mine = (dst >= me * stride) & (dst < (me + 1) * stride)
+        rows = dst[mine] - me * stride
+        expected[rows] = sources[s][torch.arange(T_s * K_s)[mine] // K_s] * scale[mine, None]
+        expected_src[rows] = code[mine]
+    for first, end in pads.view(2, -1).t().tolist():
+        expected[first:end], expected_src[first:end] = 0, -1
+    assert torch.equal(out.isnan(), expected.isnan()), "rows written where no slot names them, or not written"
+    assert torch.equal(torch.nan_to_num(out), torch.nan_to_num(expected)) and torch.equal(row_src, expected_src)
 
 
 @pytest.mark.parametrize("n", [0, 1, 255, 300, 600])

@@ -52,7 +52,7 @@ def _cases() -> list[Case]:
     f32 = "tl.float32"
     bf16 = {"src_ptr": "*bf16", "out_ptr": "*bf16", "rows_ptr": "*bf16", "tail_ptr": "*bf16", "scale_ptr": "*fp32"}
     wire = dict(bf16, rows_ptr="*u8", out_ptr="*u8", tail_ptr="*u8")
-    pull = dict(K=K, SRC_STRIDE=64, ROW_MAP=False, STAGED=True, HAS_SCALE=False, ACC_DTYPE=f32, HAS_TAIL=False,
+    pull = dict(K=K, ROW_MAP=False, STAGED=True, HAS_SCALE=False, ACC_DTYPE=f32, HAS_TAIL=False,
                 WORLD_SIZE=W, DEQUANTIZE=False)
     seq = dict(Q0=128, Q1=128, Q2=128, TENSORS=3)
     seq_tensors = {f"{p}{i}": "*bf16" for p in "xy" for i in range(3)}

@@ -304,14 +304,14 @@ def _post_slots_kernel(
             m_dst = m_s & (b_dst >= 0) & (b_dst < world_size * DST_STRIDE) & (o_s // K < n_src)
             b_bits = tl.zeros([BLOCK_S], dtype=tl.int64)
             if HAS_SCALE:
-                b_scale = upcast(tl.load(scale_ptr + o_s, mask=m_dst, other=0), ACC_DTYPE)
+                b_scale = upcast(tl.load(scale_ptr + o_s, mask=m_s, other=0), ACC_DTYPE)
                 if ACC_DTYPE == tl.float64:
                     b_bits = b_scale.to(tl.int64, bitcast=True)
                 else:
                     b_bits = b_scale.to(tl.int32, bitcast=True).to(tl.int64)
             p_tag = p_tags + (1 + o_s) * _TAG_COLUMNS
             tl.store(p_tag, tl.where(m_dst, b_dst, -1), mask=m_s)
-            tl.store(p_tag + 1, tag_base + tl.load(tag_index_ptr + o_s, mask=m_dst, other=0), mask=m_s)
+            tl.store(p_tag + 1, tag_base + tl.load(tag_index_ptr + o_s, mask=m_s, other=0), mask=m_s)
             tl.store(p_tag + 2, b_bits, mask=m_s)
     if BARRIER:
         last_program_arrives(pads_table_ptr, counters_ptr, barrier_rank, timeout_ms, barrier_call_ptr, barrier_op,
@@ -376,19 +376,13 @@ def post_slots(
 
 
 @triton.jit
-def _of_slot(b_tile, o_k, k):
-    """Column k of a [BR, K] tile: [BR]."""
-    return tl.sum(tl.where(o_k[None, :] == k, b_tile, 0), axis=1)
-
-
-@triton.jit
 def _pull_rows_kernel(
     rows_ptr, stage_table_ptr, tags_table_ptr, rank, dst_stride, world_size, row_map_ptr, position_ptr, scale_ptr,
     num_routed_ptr, pads_ptr, n_pads, out_ptr, tail_ptr, row_src_ptr, token_ptr, n_rows, X, X_OUT,
     pads_table_ptr, counters_ptr, barrier_call_ptr, barrier_rank, timeout_ms, barrier_op,
     K: tl.constexpr, ROW_MAP: tl.constexpr, STAGED: tl.constexpr, HAS_SCALE: tl.constexpr,
     ACC_DTYPE: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_W: tl.constexpr, BARRIER: tl.constexpr, WORLD_SIZE: tl.constexpr, DEQUANTIZE: tl.constexpr,
+    BARRIER: tl.constexpr, WORLD_SIZE: tl.constexpr, DEQUANTIZE: tl.constexpr,
 ):
     order_after(token_ptr)
     BLOCK_B: tl.constexpr = BLOCK_H // _FP8_BLOCK if BLOCK_H >= _FP8_BLOCK else 1  # dequantize: scale blocks a step
@@ -437,46 +431,38 @@ def _pull_rows_kernel(
                                    HAS_TAIL)
             tl.store(row_src_ptr + o_r, b_code, mask=m_routed)
     else:  # peers: a block of one sender's tokens at a time, each token's row loaded once and stored
-        # into every row of this rank that one of its slots goes to. NB: the tags' bases are loaded
-        # here, not in a helper: inductor's analysis of which arguments a kernel writes would see
-        # a store through a helper's result as a store into the helper's arguments (the address
-        # tables, constants of the graph).
-        o_w = tl.arange(0, BLOCK_W)
-        m_w = o_w < world_size
-        p_header_w = tl.load(tags_table_ptr + o_w, mask=m_w, other=0).to(tl.pointer_type(tl.int64))  # [BW]
-        b_tokens_w = tl.load(p_header_w, mask=m_w, other=0)  # [BW] each sender's tokens, its header's first word
-        b_top_k_w = tl.load(p_header_w + 1, mask=m_w, other=1)  # [BW] and its slots a token
-        n_token_blocks = tl.max(tl.cdiv(b_tokens_w, BLOCK_R), axis=0)
-        o_k = tl.arange(0, K)  # K: a power of 2, at least every sender's slots a token
+        # into every row of this rank that one of its slots goes to. NB: each tag (a few bytes, a
+        # cache hit after the first) is loaded where it is used, a [BLOCK_R] vector per slot k,
+        # never picked out of a [BLOCK_R, K] tile: that is a sum across threads (shuffles, shared
+        # memory, barriers) for every slot of every step. The tags' bases are loaded here, not in
+        # a helper: inductor's analysis of which arguments a kernel writes would see a store
+        # through a helper's result as a store into the helper's arguments (the address tables).
+        n_token_blocks = tl.zeros([], dtype=tl.int64)
+        for w in range(world_size):  # each sender's tokens: its header's first word
+            n_tokens_w = tl.load(tl.load(tags_table_ptr + w).to(tl.pointer_type(tl.int64)))
+            n_token_blocks = tl.maximum(n_token_blocks, tl.cdiv(n_tokens_w, BLOCK_R))
         own_first = rank * dst_stride  # destination codes of this rank's rows: [own_first, own_first + dst_stride)
         for i_item in range(tl.program_id(0), n_token_blocks * world_size, tl.num_programs(0)):
             s = i_item % world_size  # the senders in turn: the programs running at once read from all of them
-            n_tokens = tl.sum(tl.where(o_w == s, b_tokens_w, 0), axis=0)
+            p_tags = tl.load(tags_table_ptr + s).to(tl.pointer_type(tl.int64))
+            n_tokens, top_k = tl.load(p_tags), tl.load(p_tags + 1)  # the header: K = top_k >= K_s
             if (i_item // world_size) * BLOCK_R < n_tokens:
-                top_k = tl.sum(tl.where(o_w == s, b_top_k_w, 0), axis=0)
-                p_tags = tl.load(tags_table_ptr + s).to(tl.pointer_type(tl.int64))
-                o_t = ((i_item // world_size) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR] its tokens
-                m_tk = (o_t < n_tokens)[:, None] & (o_k < top_k)[None, :]
-                p_tag = p_tags + (1 + o_t[:, None] * top_k + o_k[None, :]) * _TAG_COLUMNS  # [BR, K] slots' tags
-                b_dst = tl.load(p_tag, mask=m_tk, other=-1)
-                m_mine = m_tk & (b_dst >= own_first) & (b_dst < own_first + dst_stride)  # [BR, K]
-                b_row = tl.where(m_mine, b_dst - own_first, 0)
-                b_code = tl.load(p_tag + 1, mask=m_mine, other=-1)
-                if HAS_SCALE:
-                    b_bits = tl.load(p_tag + 2, mask=m_mine, other=0)
-                    if ACC_DTYPE == tl.float64:
-                        b_scales = b_bits.to(tl.float64, bitcast=True)
-                    else:
-                        b_scales = b_bits.to(tl.int32).to(tl.float32, bitcast=True)
-                m_any = tl.max(m_mine.to(tl.int32), axis=1) > 0  # [BR] tokens with a row here
+                o_t = ((i_item // world_size) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR] tokens
+                m_t = o_t < n_tokens
+                p_tag = p_tags + (1 + o_t * top_k) * _TAG_COLUMNS  # [BR] each token's first slot's tag
+                m_any = o_t < 0  # [BR] tokens with a row here
+                for k in tl.static_range(K):  # NB: o_t against a scalar, not m_t & a scalar (the interpreter)
+                    b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=o_t < tl.where(top_k > k, n_tokens, 0),
+                                    other=-1)
+                    m_k = (b_dst >= own_first) & (b_dst < own_first + dst_stride)
+                    m_any |= m_k
+                    tl.store(row_src_ptr + b_dst - own_first, tl.load(p_tag + k * _TAG_COLUMNS + 1, mask=m_k),
+                             mask=m_k)
                 if STAGED:  # 16-byte aligned stages (every region of SymmBuffers): vector loads
                     p_src = tl.multiple_of(tl.load(stage_table_ptr + s).to(tl.pointer_type(tail_ptr.dtype.element_ty)),
                                            16) + o_t * X  # [BR]
                 else:
                     p_src = rows_ptr + o_t * X
-                for k in tl.static_range(K):
-                    m_k = _of_slot(m_mine.to(tl.int32), o_k, k) > 0
-                    tl.store(row_src_ptr + _of_slot(b_row, o_k, k), _of_slot(b_code, o_k, k), mask=m_k)
                 if DEQUANTIZE:
                     p_scale = (p_src + X_OUT).to(tl.pointer_type(tl.float32))  # [BR]
                     for i_b in range(0, n_scales, BLOCK_B):
@@ -487,21 +473,29 @@ def _pull_rows_kernel(
                         b_bits = tl.load(p_src[:, None, None] + o_h[None, :, :], mask=m_read[:, :, None], other=0)
                         b_value = cast_rne(e4m3_value(b_bits) * b_block_scale[:, :, None], out_ptr.dtype.element_ty)
                         for k in tl.static_range(K):
-                            _store_dequantized(out_ptr, tail_ptr, _of_slot(b_row, o_k, k),
-                                               _of_slot(m_mine.to(tl.int32), o_k, k) > 0, o_b, o_h, b_value,
+                            m_slot = m_any & (o_t < tl.where(top_k > k, n_tokens, 0))
+                            b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=m_slot, other=-1)
+                            m_k = (b_dst >= own_first) & (b_dst < own_first + dst_stride)
+                            _store_dequantized(out_ptr, tail_ptr, b_dst - own_first, m_k, o_b, o_h, b_value,
                                                b_block_scale, n_scales, X_OUT)
                 else:
                     for i_h in range(0, X, BLOCK_H):
                         o_h = i_h + tl.arange(0, BLOCK_H)[None, :]  # [1, BH] columns
                         b_x = tl.load(p_src[:, None] + o_h, mask=m_any[:, None] & (o_h < X), other=0)  # [BR, BH]
                         for k in tl.static_range(K):
+                            m_slot = m_any & (o_t < tl.where(top_k > k, n_tokens, 0))
+                            b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=m_slot, other=-1)
+                            m_k = (b_dst >= own_first) & (b_dst < own_first + dst_stride)
                             b_y = b_x
                             if HAS_SCALE:  # fp32 (fp64) product, rounded once
-                                b_y = cast_rne(upcast(b_x, ACC_DTYPE) * _of_slot(b_scales, o_k, k)[:, None],
-                                               out_ptr.dtype.element_ty)
-                            _store_columns(out_ptr, tail_ptr, _of_slot(b_row, o_k, k)[:, None],
-                                           (_of_slot(m_mine.to(tl.int32), o_k, k) > 0)[:, None], o_h, b_y, X, X_OUT,
-                                           HAS_TAIL)
+                                b_bits = tl.load(p_tag + k * _TAG_COLUMNS + 2, mask=m_k, other=0)
+                                if ACC_DTYPE == tl.float64:
+                                    b_scale = b_bits.to(tl.float64, bitcast=True)
+                                else:
+                                    b_scale = b_bits.to(tl.int32).to(tl.float32, bitcast=True)
+                                b_y = cast_rne(upcast(b_x, ACC_DTYPE) * b_scale[:, None], out_ptr.dtype.element_ty)
+                            _store_columns(out_ptr, tail_ptr, (b_dst - own_first)[:, None], m_k[:, None], o_h, b_y,
+                                           X, X_OUT, HAS_TAIL)
         for i_pad in range(tl.program_id(0), n_pads, tl.num_programs(0)):  # a local expert's padding rows: zero
             for row in range(tl.load(pads_ptr + i_pad), tl.load(pads_ptr + n_pads + i_pad)):
                 for i_h in range(0, X, BLOCK_H):
@@ -624,7 +618,7 @@ def pull_rows(
     else:
         blocks = row_blocks("pull_tokens", tokens, X, element_size, max_programs)
         world_size = tags.table.numel()
-        programs, K = world_size * triton.cdiv(max(tokens, 1), blocks.BLOCK_R), triton.next_power_of_2(top_k)
+        programs, K = world_size * triton.cdiv(max(tokens, 1), blocks.BLOCK_R), top_k
         tags_table = tags.table
     with LAUNCH_LOCK:
         launch(_pull_rows_kernel, out)[program_grid(min(programs, MAX_COUNTED_PROGRAMS), 1, max_programs)[:1]](
@@ -637,6 +631,6 @@ def pull_rows(
             ROW_MAP=row_map is not None, STAGED=stage_table is not None,
             HAS_SCALE=scaled if row_map is None else scale is not None, ACC_DTYPE=tl_acc_dtype(acc_dtype),
             HAS_TAIL=tail is not None, BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H,
-            BLOCK_W=triton.next_power_of_2(world_size), num_warps=blocks.num_warps, DEQUANTIZE=dequantize,
+            num_warps=blocks.num_warps, DEQUANTIZE=dequantize,
             **epilogue_args(epilogue, out),
         )
