@@ -5,8 +5,10 @@
     python3 -m tools.sm_budget_diag s      # the pull's GB/s by the size of the stages it gathers from (16-128 MiB),
                                            # beside a plain gather of the same rows
 
-(T, H, K) = (4096, 2048, 6) bf16, W = 2 destination buffers. Bytes: each input row read once,
-each output row written once. The whole exchange under every budget: tests/test_sm_budget_gpu.py.
+(T, H, K) = (4096, 2048, 6) bf16, W = 2 destination buffers (``SHAPE``). Bytes: each input row
+read once, each output row written once (the pull: each sender's token with a slot here once,
+``pulled_bytes``). The pull reads every sender's tags as ``post_slots`` writes them
+(``senders_tags``). The whole exchange under every budget: tests/test_sm_budget_gpu.py.
 """
 from __future__ import annotations
 
@@ -18,19 +20,40 @@ from unittest import mock
 import torch
 
 from alltoall_ops.kernels import _config, loader
-from alltoall_ops.kernels.region import Region
+from alltoall_ops.kernels.region import TAG_COLUMNS, Region
 from alltoall_ops.testing import timer
 
 dev = torch.device("cuda")
 k = loader.load()
 BUDGETS = [1, 2, 3, 8, 16, 24, 32, 64, 132, None]
+SHAPE = (4096, 2048, 6, 2)
+"""(T, H, K, W) of parts A and D (part S: T, H, K, its own W)."""
 time_us = timer(dev)
+
+
+def senders_tags(codes: torch.Tensor, K: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Every sender's tags as ``post_slots`` writes them, for W senders of T = N / K tokens whose
+    slots' destination codes are ``codes`` (W, N): a header (T, K, 0), then a tag a slot (its
+    code, source code s * N + i, scale bits 0); and the (W,) int64 table of their addresses (the
+    tags must outlive it)."""
+    W, N = codes.shape
+    slot = torch.arange(N, device=codes.device)
+    tags = [torch.cat([codes.new_tensor([[N // K, K, 0]]), torch.stack([c, s * N + slot, torch.zeros_like(c)], 1)])
+            for s, c in enumerate(codes)]
+    return tags, torch.tensor([t.data_ptr() for t in tags], device=codes.device)
+
+
+def pulled_bytes(codes: torch.Tensor, K: int, me: int, stride: int, H: int) -> int:
+    """Bytes of bf16 rows of H the pull into rank ``me`` moves for the senders' destination codes
+    ``codes`` (W, T * K): each sender's token with a slot here read once, each row here written once."""
+    mine = (codes >= me * stride) & (codes < (me + 1) * stride)
+    return (int(mine.view(codes.shape[0], -1, K).any(-1).sum()) + int(mine.sum())) * H * 2
 
 
 def part_a():
     print("== A: kernels alone, budget vs none (bitwise)", flush=True)
     g = torch.Generator(device=dev).manual_seed(0)
-    T, H, K, W = 4096, 2048, 6, 2
+    T, H, K, W = SHAPE
     N = T * K
     C = N
     src = torch.randn(T, H, device=dev, generator=g).bfloat16()
@@ -48,7 +71,7 @@ def part_a():
 
     def post(mp):
         stages = [torch.full((T, H), float("nan"), device=dev).bfloat16() for _ in range(W)]
-        tags = [torch.full((C, 3), -1, device=dev, dtype=torch.int64) for _ in range(W)]
+        tags = [torch.full((1 + N, TAG_COLUMNS), -1, device=dev, dtype=torch.int64) for _ in range(W)]
         k.post_slots(src, dst, C, torch.tensor([t.data_ptr() for t in tags], device=dev), perm, rank=1, tag_base=0,
                      top_k=K, scale=scale, stage_table=torch.tensor([s.data_ptr() for s in stages], device=dev),
                      max_programs=mp)
@@ -61,17 +84,24 @@ def part_a():
         return [out]
 
     recv = torch.randn(C, H, device=dev, generator=g).bfloat16()
-    n_routed = torch.tensor([C - 1000], device=dev)
+    # The pull into rank `me` from W senders (stages: recv's rows [0, T) and [T, 2T)), each of T
+    # tokens of K slots: the W * N slots name each of the W * C destination rows once (so every
+    # row is written by one slot at most: no race), every seventh slot none, none of them the
+    # last P rows here, two local experts' padding.
+    me, P = 1, min(96, C // 4)
+    codes = torch.randperm(W * C, device=dev, generator=g)[:W * N].view(W, N)
+    codes[:, ::7] = -1
+    codes[(codes >= me * C + C - P) & (codes < (me + 1) * C)] = -1
+    pads = torch.tensor([C - P, C - P // 2, C - P // 2, C], device=dev)
+    pull_tags, pull_table = senders_tags(codes, K)  # the tags: alive while the table is used
+    pull_stages = torch.tensor([recv.data_ptr(), recv[T].data_ptr()], device=dev)
 
     def pull(mp):
-        gen = torch.Generator(device=dev).manual_seed(3)
-        code = torch.randint(-1, W * 1000, (C,), device=dev, generator=gen)
-        tags = torch.stack([code, torch.randint(0, T, (C,), device=dev, generator=gen), torch.zeros_like(code)], 1)
         out = torch.full((C, H), float("nan"), device=dev).bfloat16()
         row_src = torch.full((C,), -7, device=dev, dtype=torch.int64)
-        k.pull_rows(Region.of(tags), n_routed, out, row_src, stage_table=torch.tensor(
-            [recv.data_ptr(), recv[T].data_ptr()], device=dev), src_stride=1000, max_programs=mp)
-        return [out, row_src, tags]
+        k.pull_rows(Region(pull_table, me, (1 + N, TAG_COLUMNS), torch.int64), torch.tensor([C], device=dev), out,
+                    row_src, stage_table=pull_stages, dst_stride=C, pads=pads, top_k=K, tokens=T, max_programs=mp)
+        return [out, row_src]
 
     position = torch.randperm(N, device=dev, generator=g).view(T, K)
     w = torch.rand(T, K, device=dev, generator=g)
@@ -135,13 +165,13 @@ def sweep(name, launch, nbytes, variants, budgets=(8, 16, 32, 132, None), label=
 def part_d():
     print("== D: bandwidth per kernel (bytes: each input row read once, each output row written once)", flush=True)
     g = torch.Generator(device=dev).manual_seed(0)
-    T, H, K, W = 4096, 2048, 6, 2
+    T, H, K, W = SHAPE
     N = C = T * K
     src = torch.randn(T, H, device=dev, generator=g).bfloat16()
     big = torch.randn(N, H, device=dev, generator=g).bfloat16()
     dst = torch.randperm(W * C, device=dev, generator=g)[:N]
     bufs = [torch.empty((C, H), device=dev).bfloat16() for _ in range(W)]
-    tags = [torch.full((C, 3), -1, device=dev, dtype=torch.int64) for _ in range(W)]
+    tags = [torch.full((1 + N, TAG_COLUMNS), -1, device=dev, dtype=torch.int64) for _ in range(W)]
     table = torch.tensor([b.data_ptr() for b in bufs], device=dev)
     ttable = torch.tensor([t.data_ptr() for t in tags], device=dev)
     stages = [torch.empty((T, H), device=dev).bfloat16() for _ in range(W)]
@@ -160,15 +190,18 @@ def part_d():
     sweep("put_rows", lambda mp: k.post_slots(src, dst, C, ttable, perm, rank=0, tag_base=0, top_k=K,
                                               stage_table=stage_table, max_programs=mp),
           2 * T * H * 2, put_variants[:3], label="post_slots")  # its stage takes put_rows' blocks
-    ntags = torch.stack([torch.randint(0, W * 1000, (C,), device=dev, generator=g),
-                         torch.randint(0, T, (C,), device=dev, generator=g), torch.zeros(C, device=dev).long()], 1)
-    n_routed = torch.tensor([C], device=dev)
+    # the pull into rank 0 from the W stages: the senders' W * N slots name each of the W * C
+    # destination rows once, so all C rows here are written; its tile is pull_tokens' (tokens)
+    codes = torch.randperm(W * C, device=dev, generator=g)[:W * N].view(W, N)
+    pull_tags, pull_table = senders_tags(codes, K)  # the tags: alive while the table is used
+    tags_region = Region(pull_table, 0, (1 + N, TAG_COLUMNS), torch.int64)
+    n_routed = torch.tensor([C], device=dev)  # not read with tags
     row_src = torch.empty(C, device=dev, dtype=torch.int64)
-    tags_buf = ntags.clone()
-    tags_region = Region.of(tags_buf)
-    sweep("pull_rows", lambda mp: (tags_buf.copy_(ntags), k.pull_rows(
-        tags_region, n_routed, out, row_src, stage_table=stage_table, src_stride=1000, max_programs=mp)),
-          2 * N * H * 2, [(4, 2048, 8), (8, 2048, 16), (8, 2048, 32), (16, 2048, 32), (32, 2048, 32)])
+    sweep("pull_tokens", lambda mp: k.pull_rows(tags_region, n_routed, out, row_src, stage_table=stage_table,
+                                                dst_stride=C, top_k=K, tokens=T, max_programs=mp),
+          pulled_bytes(codes, K, 0, C, H),
+          [(1, 4096, 4), (4, 2048, 8), (8, 2048, 16), (8, 2048, 32), (16, 2048, 32), (32, 2048, 32)],
+          label="pull_rows")
     position = perm.view(T, K)
     w = torch.rand(T, K, device=dev, generator=g)
     y = torch.empty(T, H, device=dev).bfloat16()
@@ -181,30 +214,36 @@ def part_s():
           "beside a plain gather of those rows and a plain scatter", flush=True)
     from benchmarks.scatter_kernel import gather_rows, scatter_rows
     g = torch.Generator(device=dev).manual_seed(0)
-    T, H, K = 4096, 2048, 6
+    T, H, K, _ = SHAPE
     N = T * K
     out = torch.empty(N, H, device=dev).bfloat16()
     row_src = torch.empty(N, device=dev, dtype=torch.int64)
-    n_routed = torch.tensor([N], device=dev)
-    move_rates = partial(rates, nbytes=2 * N * H * 2, budgets=(8, 16, 32, None))  # N rows read and written
+    n_routed = torch.tensor([N], device=dev)  # not read with tags
+    move_rates = partial(rates, budgets=(8, 16, 32, None))
 
-    def pull(mp, tags, ntags, region, stage_table):
-        tags.copy_(ntags)  # the pull resets the codes it read
-        k.pull_rows(region, n_routed, out, row_src, stage_table=stage_table, src_stride=1000, max_programs=mp)
+    def pull(mp, region, stage_table):
+        k.pull_rows(region, n_routed, out, row_src, stage_table=stage_table, dst_stride=N, top_k=K, tokens=T,
+                    max_programs=mp)
 
     big = torch.randn(N, H, device=dev, generator=g).bfloat16()
-    print("  plain scatter: " + move_rates(partial(scatter_rows, big, torch.randperm(N, device=dev, generator=g), out)),
-          flush=True)
+    print("  plain scatter: " + move_rates(partial(scatter_rows, big, torch.randperm(N, device=dev, generator=g), out),
+                                           2 * N * H * 2), flush=True)  # N rows read and written
     for W in (1, 2, 4, 8):
         stages = torch.randn(W * T, H, device=dev, generator=g).bfloat16()
         stage_table = torch.tensor([stages[r * T].data_ptr() for r in range(W)], device=dev)
-        peer, src_row = (torch.randint(0, n, (N,), device=dev, generator=g) for n in (W, T))
-        ntags = torch.stack([peer * 1000, src_row, torch.zeros_like(peer)], 1)
-        tags = ntags.clone()
+        # W senders of T tokens, K slots each (slot j = s * N + i: stage row j // K): N of their
+        # W * N slots, at random, name the N rows here in a random order, the rest none (-1)
+        codes = torch.full((W * N,), -1, device=dev, dtype=torch.int64)
+        slots = torch.randperm(W * N, device=dev, generator=g)[:N]
+        codes[slots] = torch.randperm(N, device=dev, generator=g)
+        source_row = torch.empty(N, device=dev, dtype=torch.int64)
+        source_row[codes[slots]] = slots // K  # each row's stage row: the plain gather's
+        tags, table = senders_tags(codes.view(W, N), K)  # the tags: alive while the table is used
+        nbytes = pulled_bytes(codes.view(W, N), K, 0, N, H)  # each token with a slot here read once, N rows written
         print(f"  {W} stages, {W * T * H * 2 >> 20} MiB: plain gather of the rows "
-              + move_rates(partial(gather_rows, stages, peer * T + src_row, out)), flush=True)
-        pull_w = partial(pull, tags=tags, ntags=ntags, region=Region.of(tags), stage_table=stage_table)
-        print(f"  {W} stages, {W * T * H * 2 >> 20} MiB: pull_rows " + move_rates(pull_w), flush=True)
+              + move_rates(partial(gather_rows, stages, source_row, out), nbytes), flush=True)
+        pull_w = partial(pull, region=Region(table, 0, (1 + N, TAG_COLUMNS), torch.int64), stage_table=stage_table)
+        print(f"  {W} stages, {W * T * H * 2 >> 20} MiB: pull_rows " + move_rates(pull_w, nbytes), flush=True)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,10 @@ Kernels (bf16, H = 7168, K = 8, E = 256, fresh random top-k routing):
 - ``put_rows`` (dispatch, every backend): x (T, H) -> (T*K, H) rows in send order, each token
   read once; bytes (T + T*K) * H * 2.
 - ``topk_reduce``: (T*K, H) rows -> (T, H) weighted top-k sums; same bytes.
-- ``pull_rows``: routed rows, C = T*K, all C written (num_routed = C), each read from row
-  ``tags[d, 1]`` of x (one rank's source); bytes 2 * C * H * 2.
+- ``pull_rows`` from a sender's tags (its tile: ``GPU_BLOCKS["pull_tokens"]``, tokens a program):
+  the tags ``post_slots`` writes for one sender (x, T tokens of K slots), whose T*K slots name
+  the C = T*K rows here in a random order (all C written), each token read once and stored into
+  its K rows; bytes (T + C) * H * 2. (The one-rank pull by a row map, ``"pull_rows"``: not swept.)
 - ``weight_grad``: reads grad_y (T, H) and (T*K, H) rows; bytes (T + T*K) * H * 2.
 - ``quantize`` (fp8): x (T, H) bf16 into the dispatch's wire rows, by tokens a program and warps
   (``kernels/quantize.py``'s ``GPU_BLOCK_R`` / ``GPU_NUM_WARPS``); bytes T * H * 2 read plus the
@@ -38,13 +40,14 @@ from alltoall_ops import layout
 from alltoall_ops.kernels import _config
 from alltoall_ops.kernels import routing_plan as routing
 from alltoall_ops.kernels import loader
-from alltoall_ops.kernels.region import Region
+from alltoall_ops.kernels.region import TAG_COLUMNS, Region
 from alltoall_ops.testing import timer
 
 H, K, E = 7168, 8, 256
+DEVICE = torch.device("cuda")
 
 
-median_us = timer(torch.device("cuda"))
+median_us = timer(DEVICE)
 
 
 def _use_blocks(name: str, cfg: tuple) -> None:
@@ -147,7 +150,7 @@ def copy_bandwidth(dev: torch.device) -> float:
 
 def sweep_rows(T: int, bandwidth: float, top: int) -> None:
     """Sweep the row kernels' launch blocks at T tokens (H, K, E of this module)."""
-    dev, k = torch.device("cuda"), loader.load()
+    dev, k = DEVICE, loader.load()
     rows, widths, warps = [1, 2, 4, 8], [1024, 2048, 4096], [4, 8]
     N = T * K
     print(f"\n===== T = {T}, H = {H}, K = {K}, E = {E}")
@@ -174,16 +177,23 @@ def sweep_rows(T: int, bandwidth: float, top: int) -> None:
     sweep("topk_reduce", lambda: k.topk_reduce(ret, plan.position, None, weights, y, None, torch.float32),
           nbytes, bandwidth, itertools.product([1, 2, 4], widths, warps), top)
 
-    tags = torch.full((N, 3), -1, dtype=torch.int64, device=dev)
+    # one sender's tags, as its post writes them (a header, then each slot's destination row here:
+    # a random order, so every row is written; source code: the slot), once: the pull leaves them
+    tags = torch.empty(1 + N, TAG_COLUMNS, dtype=torch.int64, device=dev)
+    tags_region, dst = Region.of(tags), torch.randperm(N, device=dev)
+    slots = torch.arange(N, device=dev)
+    k.post_slots(x, dst, N, tags_region.table, slots, rank=0, tag_base=0, top_k=K)
     row_src = torch.empty(N, dtype=torch.int64, device=dev)
-    num_routed = torch.full((1,), N, dtype=torch.int64, device=dev)  # every row written
-    tags_region, source_row = Region.of(tags), torch.randint(0, T, (N,), device=dev)
+    num_routed = torch.full((1,), N, dtype=torch.int64, device=dev)  # not read with tags
 
     def pull_rows():
-        tags[::2, 0], tags[:, 1] = 1, source_row  # half the rows arrived
-        k.pull_rows(tags_region, num_routed, send, row_src, rows=x)
+        k.pull_rows(tags_region, num_routed, send, row_src, rows=x, dst_stride=N, top_k=K, tokens=T)
 
-    sweep("pull_rows", pull_rows, 2 * N * H * 2, bandwidth, itertools.product([2, 4, 8], [2048, 4096], warps), top)
+    pull_rows()
+    assert torch.equal(send[dst], x.repeat_interleave(K, 0)) and torch.equal(row_src[dst], slots), \
+        "pull_rows != each slot's token"
+    sweep("pull_tokens", pull_rows, nbytes, bandwidth, itertools.product(rows, [2048, 4096], warps), top,
+          legend="(tokens a program, BLOCK_H at 2 bytes, num_warps)")
     sweep_quantize(x, bandwidth, top)
     grad_w = torch.empty(T, K, device=dev)
     sweep("weight_grad", lambda: k.weight_grad(x, ret, plan.position, grad_w, torch.float32),

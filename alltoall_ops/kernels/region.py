@@ -9,9 +9,10 @@ import torch
 
 
 TAG_COLUMNS = 3
-"""Columns of a received row's tag (int64; ``kernels.row_put``): its source code (``rank *
-stride + send position``, -1: no row), the row's index in its source's rows, and its scale (the
-bits of one value of the accumulation dtype, 0 without a scale)."""
+"""Columns of a sent slot's tag (int64; ``kernels.row_put``, in its sender's tags after a header
+row (rows, slots a row, 0)): its destination code (``peer * stride + row``, -1: no row), its
+source code (``rank * N_max + send position``), and its scale (the bits of one value of the
+accumulation dtype, 0 without a scale)."""
 
 
 SEQ_HEADER_FIELDS = ("op", "exchange", "ulysses_attention arguments", "dtype", "ndim", "seq_dim", "head_dim", "shape")

@@ -13,23 +13,26 @@ Reference semantics (``tables[r]`` is rank r's buffer)::
                 (with topk_idx: the routing plan first, routing_plan's one program: send_meta, position)
     post_slots: stage[rank][:n] = rows                                       # with a stage (W > 1)
                 (quantize: stage[rank][:n] = pack(*fp8.quantize(rows)), fp8 wire rows)
-                for i in range(N): if dst[i] >= 0:
-                    peer, row = divmod(dst[i], stride)
-                    tags[peer][row] = (tag_base + tag_index[i], i // K, bits(scale.flat[i]) or 0)
-    pull_rows:  for d in range(n):                                           # n = num_routed
-                    code, j, bits = tags[d]
-                    out[d] = source(code)[j] * scale(bits) if code >= 0 else 0; row_src[d] = code
-                    tags[d, 0] = -1
-                (out[n:], row_src[n:] not written)
-                (source(code): stage[code // stride], or one rank's rows; with ``tail``: out[d],
-                 tail[d] = the first and the last columns of that row; with a ``row_map`` (one
-                 rank, no tags): i = row_map[d], code, j, bits = position.flat[i], i // K,
-                 scale.flat[i] if i >= 0, and the tags are not touched)
+                tags[rank][0] = (n, K, 0)                                    # the header
+                for i in range(N): tags[rank][1 + i] = (dst[i] if 0 <= dst[i] < W * stride else -1,
+                                                        tag_base + tag_index[i], bits(scale.flat[i]) or 0)
+    pull_rows:  for s in range(W): n_s, K_s = tags[s][0][:2]                 # every sender
+                    for t in range(n_s):                                 # source(s)[t] loaded once
+                        for k in range(K_s): dst, code, bits = tags[s][1 + t * K_s + k]
+                            if dst // stride == rank: d = dst % stride
+                                out[d] = source(s)[t] * scale(bits); row_src[d] = code
+                for each padding span [a, b) of ``pads``: out[a:b] = 0, row_src[a:b] = -1
+                (rows no slot names and no span covers are not written; source(s): stage[s], or
+                 ``rows``; with ``tail``: out[d], tail[d] = the first and the last columns of that
+                 row; with a ``row_map`` (one rank, no tags), for d < n = num_routed: i =
+                 row_map[d], code, bits = position.flat[i], scale.flat[i] if i >= 0; out[d] =
+                 rows[i // K] * scale or 0; out[n:] not written)
 
 A dispatch is ``post_slots``, a barrier, then ``pull_rows``: each row is written once where it
 is used (the receiver's fresh output), and each token's row once more into its sender's stage
-(W > 1), since peers can read only symmetric memory. One rank pulls by the placement's row map
-alone (one launch). Combine (few rows per token) puts.
+(W > 1), since peers can read only symmetric memory; each receiver reads a token's row once,
+however many of its slots it receives. One rank pulls by the placement's row map alone (one
+launch). Combine (few rows per token) puts.
 
 ``max_programs`` (put_rows, post_slots, pull_rows; None: one program per row block): at most
 that many programs, each striding over row blocks i, i + P, ... (``_config.program_grid``), as a
@@ -376,6 +379,30 @@ def post_slots(
 
 
 @triton.jit
+def _store_columns(out_ptr, tail_ptr, o_row, m_row, o_h, b_x, X, X_OUT, HAS_TAIL: tl.constexpr):
+    """Columns o_h < X of rows o_row (masked by m_row): [0, X_OUT) into out, [X_OUT, X) into tail
+    (with HAS_TAIL; else X_OUT = X)."""
+    m_h = o_h < X
+    if HAS_TAIL:
+        m_out = o_h < X_OUT
+        tl.store(out_ptr + o_row * X_OUT + o_h, b_x.to(out_ptr.dtype.element_ty), mask=m_row & m_h & m_out)
+        tl.store(tail_ptr + o_row * (X - X_OUT) + (o_h - X_OUT), b_x.to(tail_ptr.dtype.element_ty),
+                 mask=m_row & m_h & ~m_out)
+    else:
+        tl.store(out_ptr + o_row * X + o_h, b_x, mask=m_row & m_h)
+
+
+@triton.jit
+def _store_dequantized(out_ptr, tail_ptr, o_row, m_row, o_b, o_h, b_value, b_block_scale, n_scales, X_OUT):
+    """Rows o_row [BR] (masked by m_row) of dequantized values [BR, BB, 128] of scale blocks o_b
+    [BB] (columns o_h [BB, 128]) into out, and their scales [BR, BB] into tail."""
+    m_write = m_row[:, None] & (o_b < n_scales)[None, :]  # [BR, BB]
+    tl.store(out_ptr + o_row[:, None, None] * X_OUT + o_h[None, :, :], b_value, mask=m_write[:, :, None])
+    tl.store(tail_ptr.to(tl.pointer_type(tl.float32)) + o_row[:, None] * n_scales + o_b[None, :], b_block_scale,
+             mask=m_write)
+
+
+@triton.jit
 def _pull_rows_kernel(
     rows_ptr, stage_table_ptr, tags_table_ptr, rank, dst_stride, world_size, row_map_ptr, position_ptr, scale_ptr,
     num_routed_ptr, pads_ptr, n_pads, out_ptr, tail_ptr, row_src_ptr, token_ptr, n_rows, X, X_OUT,
@@ -448,7 +475,6 @@ def _pull_rows_kernel(
             n_tokens, top_k = tl.load(p_tags), tl.load(p_tags + 1)  # the header: K = top_k >= K_s
             if (i_item // world_size) * BLOCK_R < n_tokens:
                 o_t = ((i_item // world_size) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR] tokens
-                m_t = o_t < n_tokens
                 p_tag = p_tags + (1 + o_t * top_k) * _TAG_COLUMNS  # [BR] each token's first slot's tag
                 m_any = o_t < 0  # [BR] tokens with a row here
                 for k in tl.static_range(K):  # NB: o_t against a scalar, not m_t & a scalar (the interpreter)
@@ -506,30 +532,6 @@ def _pull_rows_kernel(
     if BARRIER:  # every rank is done reading the stages and tags before any writes them again
         last_program_arrives(pads_table_ptr, counters_ptr, barrier_rank, timeout_ms, barrier_call_ptr, barrier_op,
                              WORLD_SIZE, False)
-
-
-@triton.jit
-def _store_columns(out_ptr, tail_ptr, o_row, m_row, o_h, b_x, X, X_OUT, HAS_TAIL: tl.constexpr):
-    """Columns o_h < X of rows o_row (masked by m_row): [0, X_OUT) into out, [X_OUT, X) into tail
-    (with HAS_TAIL; else X_OUT = X)."""
-    m_h = o_h < X
-    if HAS_TAIL:
-        m_out = o_h < X_OUT
-        tl.store(out_ptr + o_row * X_OUT + o_h, b_x.to(out_ptr.dtype.element_ty), mask=m_row & m_h & m_out)
-        tl.store(tail_ptr + o_row * (X - X_OUT) + (o_h - X_OUT), b_x.to(tail_ptr.dtype.element_ty),
-                 mask=m_row & m_h & ~m_out)
-    else:
-        tl.store(out_ptr + o_row * X + o_h, b_x, mask=m_row & m_h)
-
-
-@triton.jit
-def _store_dequantized(out_ptr, tail_ptr, o_row, m_row, o_b, o_h, b_value, b_block_scale, n_scales, X_OUT):
-    """Rows o_row [BR] (masked by m_row) of dequantized values [BR, BB, 128] of scale blocks o_b
-    [BB] (columns o_h [BB, 128]) into out, and their scales [BR, BB] into tail."""
-    m_write = m_row[:, None] & (o_b < n_scales)[None, :]  # [BR, BB]
-    tl.store(out_ptr + o_row[:, None, None] * X_OUT + o_h[None, :, :], b_value, mask=m_write[:, :, None])
-    tl.store(tail_ptr.to(tl.pointer_type(tl.float32)) + o_row[:, None] * n_scales + o_b[None, :], b_block_scale,
-             mask=m_write)
 
 
 def pull_rows(

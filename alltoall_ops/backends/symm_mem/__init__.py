@@ -11,8 +11,9 @@ peer can read and write, holds three regions; one (1, W) int64 *address table* p
 the device gives its address on every rank, and the kernels reach every region through them
 (compiled code holds the tables as constants, never the regions):
 
-    tags  (C, 3) int64  of each row this rank receives, written by its sender: source code
-                        ``src_rank * N_max + send_position`` (-1 none), row in the source, scale bits
+    tags  (1 + N_max, 3) int64  of each slot this rank sends, after a header (T, K, 0), read by
+                        its receivers: destination code (-1 none), source code ``rank * N_max +
+                        send_position``, scale bits
     rows  (N_max, H)    this rank's slots coming back from combine, in send order; during a
                         dispatch, its stage: this rank's rows (once per token), which peers read
                         (sized for T_max fp8 wire rows too)

@@ -107,7 +107,7 @@ class SlotArgs(NamedTuple):
 
 
 # --------------------------------------------------------------------------------------------
-# Ops. Each: kernel writes into peers' buffers (dispatch: the tags, and its rows into its own
+# Ops. Each: kernel writes into peers' buffers (dispatch: its tags and its rows into its own
 # stage), barrier (all writes landed), reads into fresh tensors (dispatch: each row pulled from
 # its sender's stage), barrier (every rank is done reading what a peer writes next). No op has
 # an entry barrier: the last barrier of the op before it, on every rank, comes after every read
@@ -293,15 +293,16 @@ def _post_and_pull(
     tail: Optional[torch.Tensor] = None,
     dequantize: bool = False,
 ) -> torch.Tensor:
-    """The body of a dispatch: ``post_slots``: each slot's tag (source code, source row, scale)
-    into the row of its destination's tags, and (W > 1) the rows ``rows_TX`` (T, X), once each,
-    into this rank's stage (the ROWS region; :class:`Encoded` rows are encoded there instead);
-    barrier; ``pull_rows``: each of the first num_routed rows of this rank's tags read from its
-    sender's stage (one rank: from rows_TX itself), times its scale, into ``out_CX`` (with
-    ``tail``: its first columns, the rest into tail; ``dequantize``: fp8 values into a float
-    out_CX, ``pull_rows``'; rows past num_routed not written); barrier.
-    Each row is written once where it is used. One rank: only the pull, by the placement's
-    ``row_slot_C`` (no peers, no tags, no barrier). Returns row_src (C,)."""
+    """The body of a dispatch: ``post_slots``: each slot's tag (destination, source code, scale)
+    into this rank's tags, and (W > 1) the rows ``rows_TX`` (T, X), once each, into this rank's
+    stage (the ROWS region; :class:`Encoded` rows are encoded there instead); barrier;
+    ``pull_rows``: every sender's tokens with a slot here, each read once from its stage and
+    stored, times each slot's scale, into the rows of ``out_CX`` its slots name (with ``tail``:
+    their first columns, the rest into tail; ``dequantize``: fp8 values into a float out_CX,
+    ``pull_rows``'), and the local experts' padding rows (``row_slot_C``, the placement's) zero;
+    rows past num_routed not written; barrier. Each row is written once where it is used. One
+    rank: only the pull, by the placement's ``row_slot_C`` (no peers, no tags, no barrier).
+    Returns row_src (C,)."""
     k, device = loader.load(), out_CX.device
     (T, K), C = position_TK.shape, buffers.capacity
     encoded = isinstance(rows_TX, Encoded)
