@@ -379,6 +379,12 @@ def post_slots(
 
 
 @triton.jit
+def _lands_here(b_dst, own_first, dst_stride):
+    """Which destination codes name a row of the rank whose codes are [own_first, own_first + dst_stride)."""
+    return (b_dst >= own_first) & (b_dst < own_first + dst_stride)
+
+
+@triton.jit
 def _store_columns(out_ptr, tail_ptr, o_row, m_row, o_h, b_x, X, X_OUT, HAS_TAIL: tl.constexpr):
     """Columns o_h < X of rows o_row (masked by m_row): [0, X_OUT) into out, [X_OUT, X) into tail
     (with HAS_TAIL; else X_OUT = X)."""
@@ -480,7 +486,7 @@ def _pull_rows_kernel(
                 for k in tl.static_range(K):  # NB: o_t against a scalar, not m_t & a scalar (the interpreter)
                     b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=o_t < tl.where(top_k > k, n_tokens, 0),
                                     other=-1)
-                    m_k = (b_dst >= own_first) & (b_dst < own_first + dst_stride)
+                    m_k = _lands_here(b_dst, own_first, dst_stride)
                     m_any |= m_k
                     tl.store(row_src_ptr + b_dst - own_first, tl.load(p_tag + k * _TAG_COLUMNS + 1, mask=m_k),
                              mask=m_k)
@@ -501,7 +507,7 @@ def _pull_rows_kernel(
                         for k in tl.static_range(K):
                             m_slot = m_any & (o_t < tl.where(top_k > k, n_tokens, 0))
                             b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=m_slot, other=-1)
-                            m_k = (b_dst >= own_first) & (b_dst < own_first + dst_stride)
+                            m_k = _lands_here(b_dst, own_first, dst_stride)
                             _store_dequantized(out_ptr, tail_ptr, b_dst - own_first, m_k, o_b, o_h, b_value,
                                                b_block_scale, n_scales, X_OUT)
                 else:
@@ -511,7 +517,7 @@ def _pull_rows_kernel(
                         for k in tl.static_range(K):
                             m_slot = m_any & (o_t < tl.where(top_k > k, n_tokens, 0))
                             b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=m_slot, other=-1)
-                            m_k = (b_dst >= own_first) & (b_dst < own_first + dst_stride)
+                            m_k = _lands_here(b_dst, own_first, dst_stride)
                             b_y = b_x
                             if HAS_SCALE:  # fp32 (fp64) product, rounded once
                                 b_bits = tl.load(p_tag + k * _TAG_COLUMNS + 2, mask=m_k, other=0)
@@ -603,7 +609,7 @@ def pull_rows(
         raise ValueError(f"pull_rows: rows must be (n, {X}) {wire}, got {tuple(rows.shape)} {rows.dtype}")
     if tags is not None and C > dst_stride:
         raise ValueError(f"pull_rows: out of {C} rows, more than the destination codes' stride {dst_stride}")
-    if C == 0 or (tags is not None and tags.table.numel() == 0):
+    if C == 0:
         if epilogue is not None:
             barrier_alone(epilogue, token)
         elif token is not None:
