@@ -592,10 +592,16 @@ def pull_rows(
         raise ValueError("pull_rows: pass exactly one of tags and row_map")
     if row_map is not None and (rows is None or position is None):
         raise ValueError("pull_rows: a row_map needs rows and position (one rank)")
+    C = out.shape[0]
+    if C == 0:
+        if epilogue is not None:
+            barrier_alone(epilogue, token)
+        elif token is not None:
+            token.zero_()
+        return
     if (rows is None) == (stage_table is None):
         raise ValueError("pull_rows: pass exactly one of rows and stage_table")
     require_contiguous("pull_rows", out=out, row_src=row_src, tail=tail)
-    C = out.shape[0]
     X = out.shape[1] + (0 if tail is None else tail.shape[1])
     wire = out.dtype if tail is None else tail.dtype  # the source rows' dtype
     if dequantize and (tail is None or wire != torch.uint8 or not out.dtype.is_floating_point or scaled
@@ -609,12 +615,6 @@ def pull_rows(
         raise ValueError(f"pull_rows: rows must be (n, {X}) {wire}, got {tuple(rows.shape)} {rows.dtype}")
     if tags is not None and C > dst_stride:
         raise ValueError(f"pull_rows: out of {C} rows, more than the destination codes' stride {dst_stride}")
-    if C == 0:
-        if epilogue is not None:
-            barrier_alone(epilogue, token)
-        elif token is not None:
-            token.zero_()
-        return
     rows, row_map, position, scale, pads = (None if t is None else t.contiguous()
                                             for t in (rows, row_map, position, scale, pads))
     # NB: a dequantizing tile holds fp32 products: sized as 4-byte elements, as many registers as a plain one
