@@ -4,6 +4,7 @@ configuration's time against the byte floor (the measured copy bandwidth), best 
     python tools/tune_kernels.py [--tokens 4096 8192] [--top 6]
     python tools/tune_kernels.py --layout-only --layout-tokens 4096 --layout-sms 8 16 32
     python tools/tune_kernels.py --ulysses [4096 32768] [--worlds 2 4] [--rounds 3]
+    python tools/tune_kernels.py --pull [--tokens 4096] [--worlds 2 4]
 
 Kernels (bf16, H = 7168, K = 8, E = 256, fresh random top-k routing):
 - ``put_rows`` (dispatch, every backend): x (T, H) -> (T*K, H) rows in send order, each token
@@ -13,6 +14,11 @@ Kernels (bf16, H = 7168, K = 8, E = 256, fresh random top-k routing):
   the tags ``post_slots`` writes for one sender (x, T tokens of K slots), whose T*K slots name
   the C = T*K rows here in a random order (all C written), each token read once and stored into
   its K rows; bytes (T + C) * H * 2. (The one-rank pull by a row map, ``"pull_rows"``: not swept.)
+- ``--pull``: only ``pull_tokens``, as the dispatch runs it: rank 0 of W pulls from W senders
+  of T tokens each (their own fresh routing; a slot lands here when its expert is one of the
+  first E / W), each token with a slot here read once and stored into each of its rows here
+  (expert-major), in three payloads: bf16 rows, fp8 wire rows split into values and scale bytes,
+  and fp8 wire rows dequantized to bf16; each checked against torch.
 - ``weight_grad``: reads grad_y (T, H) and (T*K, H) rows; bytes (T + T*K) * H * 2.
 - ``quantize`` (fp8): x (T, H) bf16 into the dispatch's wire rows, by tokens a program and warps
   (``kernels/quantize.py``'s ``GPU_BLOCK_R`` / ``GPU_NUM_WARPS``); bytes T * H * 2 read plus the
@@ -36,7 +42,7 @@ from unittest import mock
 
 import torch
 
-from alltoall_ops import layout
+from alltoall_ops import layout, testing
 from alltoall_ops.kernels import _config
 from alltoall_ops.kernels import routing_plan as routing
 from alltoall_ops.kernels import loader
@@ -55,10 +61,10 @@ def _use_blocks(name: str, cfg: tuple) -> None:
 
 
 def sweep(name: str, fn, nbytes: int, bandwidth: float, configs, top: int, use=_use_blocks,
-          legend: str = "(BLOCK_R, BLOCK_H at 2 bytes, num_warps)") -> None:
+          legend: str = "(BLOCK_R, BLOCK_H at 2 bytes, num_warps)") -> list[tuple[float, tuple]]:
     """Time ``fn`` with each of ``configs`` in use (``use(name, cfg)``; by default the kernel's
-    ``_config.GPU_BLOCKS`` entry), print the fastest against the copy floor of ``nbytes``, and
-    keep the best in use."""
+    ``_config.GPU_BLOCKS`` entry), print the fastest against the copy floor of ``nbytes``, keep
+    the best in use, and return every (us, cfg), fastest first."""
     floor = nbytes / bandwidth * 1e6
     results = []
     for cfg in configs:
@@ -73,6 +79,7 @@ def sweep(name: str, fn, nbytes: int, bandwidth: float, configs, top: int, use=_
     print(f"{name}: floor {floor:.1f} us; {legend} best first")
     for us, cfg in results[:top]:
         print(f"  {str(cfg):>18} {us:8.1f} us  x{us / floor:.2f}")
+    return results
 
 
 def graph_us(fn) -> float:
@@ -200,6 +207,71 @@ def sweep_rows(T: int, bandwidth: float, top: int) -> None:
           nbytes, bandwidth, itertools.product([1, 2, 4], [2048, 4096], warps), top)
 
 
+def _pull_case(T: int, W: int) -> tuple[torch.Tensor, int]:
+    """Destination codes (W, T * K) of W senders' slots as rank 0 of W receives them: each sender
+    its own fresh routing (E experts, K a token); a slot whose expert is one of the first E / W
+    lands here, in expert-major order (senders, then slots, within an expert), its code its row in
+    [0, C); every other slot's code is C (another rank's row). Returns (codes, C)."""
+    experts = torch.stack([testing.routing(T, K, E, seed=s, device=DEVICE)[0].reshape(-1) for s in range(W)])
+    here = experts < E // W
+    C = int(here.sum())
+    order = torch.sort(torch.where(here, experts, E).reshape(-1), stable=True).indices[:C]  # row d <- slot order[d]
+    codes = torch.full((W * T * K,), C, dtype=torch.int64, device=DEVICE)
+    codes[order] = torch.arange(C, device=DEVICE)
+    return codes.view(W, T * K), C
+
+
+def sweep_pull(T: int, W: int, bandwidth: float, top: int) -> None:
+    """``pull_tokens`` (the dispatch's pull) into rank 0 of W from W senders of T tokens
+    (:func:`_pull_case`), in each of its payloads, each result checked against torch, the tile
+    in use restored after each payload's sweep. Bytes: every sender's token with a slot here read
+    once, every row here written once."""
+    from alltoall_ops import fp8
+    from tools.sm_budget_diag import senders_tags
+
+    k, N, P = loader.load(), T * K, fp8.packed_width(H)
+    codes, C = _pull_case(T, W)
+    tags, table = senders_tags(codes, K)  # the tags: alive while the table is used
+    region = Region(table, 0, (1 + N, TAG_COLUMNS), torch.int64)
+    order = torch.argsort(codes.reshape(-1))[:C]  # row d <- slot order[d] of sender order // N
+    stage_row = order // N * T + order % N // K  # row d's row of the W stages (W * T rows)
+    tokens_read = int((codes < C).view(W, T, K).any(-1).sum())
+    num_routed = torch.full((1,), C, dtype=torch.int64, device=DEVICE)  # not read with tags
+    row_src = torch.empty(C, dtype=torch.int64, device=DEVICE)
+    x = torch.randn(W * T, H, device=DEVICE).bfloat16()
+    values, scales = fp8.quantize(x)
+    wire = torch.cat([values.view(torch.uint8), scales.view(torch.uint8)], 1)  # (W * T, P)
+    payloads = {  # name: (stages, out, tail, want: the rows here, the tail's, bytes of a row in and out)
+        "bf16": (x, x.new_empty(C, H), None, (x[stage_row],), H * 2, H * 2),
+        "fp8 wire": (wire, wire.new_empty(C, H), wire.new_empty(C, P - H), (wire[stage_row, :H], wire[stage_row, H:]),
+                     P, P),
+        "fp8 dequantized": (wire, x.new_empty(C, H), wire.new_empty(C, P - H),
+                            (fp8.dequantize(values, scales)[stage_row], wire[stage_row, H:]), P, H * 2 + P - H),
+    }
+    chosen = _config.GPU_BLOCKS["pull_tokens"]
+    configs = list(itertools.product([1, 2, 4], [2048, 4096, 8192], [4, 8, 16]))
+    print(f"\n===== pull into rank 0 of W = {W}: T = {T} a sender, C = {C} rows here, {tokens_read} tokens read; "
+          f"{chosen} in use")
+    for name, (stages, out, tail, want, row_in, row_out) in payloads.items():
+        stage_table = torch.tensor([stages[s * T].data_ptr() for s in range(W)], device=DEVICE)
+
+        def pull(out=out, tail=tail, stage_table=stage_table, dequantize=name == "fp8 dequantized"):
+            k.pull_rows(region, num_routed, out, row_src, stage_table=stage_table, dst_stride=C, top_k=K, tokens=T,
+                        tail=tail, dequantize=dequantize)
+
+        for cfg in configs:  # every tile checked
+            with mock.patch.dict(_config.GPU_BLOCKS, pull_tokens=cfg):
+                out.zero_()
+                pull()
+                got = (out,) if tail is None else (out, tail)
+                assert all(torch.equal(g, w) for g, w in zip(got, want)), f"pull_rows {name} != torch at {cfg}"
+        with mock.patch.dict(_config.GPU_BLOCKS):
+            ranked = sweep("pull_tokens", pull, tokens_read * row_in + C * row_out, bandwidth, configs, top,
+                           legend=f"{name}: (tokens a program, BLOCK_H at 2 bytes, num_warps)")
+        print(f"  in use {chosen}: " + ", ".join(f"{us:.1f} us" for us, cfg in ranked if cfg == chosen))
+    del tags
+
+
 def sweep_quantize(x: torch.Tensor, bandwidth: float, top: int) -> None:
     """The fp8 quantize (``kernels/quantize.py``) of x (T, H) into wire rows, as the dispatch
     runs it, by tokens a program and warps (its ``GPU_BLOCK_R``, ``GPU_NUM_WARPS``), each result
@@ -290,7 +362,8 @@ def main() -> None:
                         help="also sweep the plan's budget blocks on P programs (an SM budget)")
     parser.add_argument("--ulysses", type=int, nargs="*", default=None, metavar="S",
                         help="only the Ulysses exchange's tiles, at these sequence lengths (default 4096 32768)")
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="simulated ranks (--ulysses)")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="simulated ranks (--ulysses, --pull)")
+    parser.add_argument("--pull", action="store_true", help="only the dispatch's pull (pull_tokens), at --tokens")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (--ulysses)")
     args = parser.parse_args()
     if args.ulysses is not None:
@@ -298,6 +371,10 @@ def main() -> None:
         return
     bandwidth = copy_bandwidth(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write)")
+    if args.pull:
+        for T, W in itertools.product(args.tokens, args.worlds):
+            sweep_pull(T, W, bandwidth, args.top)
+        return
     for T in args.layout_tokens:
         sweep_layout(T)
         for max_programs in args.layout_sms:
