@@ -4,7 +4,7 @@ configuration's time against the byte floor (the measured copy bandwidth), best 
     python tools/tune_kernels.py [--tokens 4096 8192] [--top 6]
     python tools/tune_kernels.py --layout-only --layout-tokens 4096 --layout-sms 8 16 32
     python tools/tune_kernels.py --ulysses [4096 32768] [--worlds 2 4] [--rounds 3]
-    python tools/tune_kernels.py --pull [--tokens 4096] [--worlds 2 4]
+    python tools/tune_kernels.py --pull [--tokens 4096] [--worlds 2 4] [--pull-sms 16 32]
 
 Kernels (bf16, H = 7168, K = 8, E = 256, fresh random top-k routing):
 - ``put_rows`` (dispatch, every backend): x (T, H) -> (T*K, H) rows in send order, each token
@@ -14,11 +14,12 @@ Kernels (bf16, H = 7168, K = 8, E = 256, fresh random top-k routing):
   the tags ``post_slots`` writes for one sender (x, T tokens of K slots), whose T*K slots name
   the C = T*K rows here in a random order (all C written), each token read once and stored into
   its K rows; bytes (T + C) * H * 2. (The one-rank pull by a row map, ``"pull_rows"``: not swept.)
-- ``--pull``: only ``pull_tokens``, as the dispatch runs it: rank 0 of W pulls from W senders
-  of T tokens each (their own fresh routing; a slot lands here when its expert is one of the
-  first E / W), each token with a slot here read once and stored into each of its rows here
-  (expert-major), in three payloads: bf16 rows, fp8 wire rows split into values and scale bytes,
-  and fp8 wire rows dequantized to bf16; each checked against torch.
+- ``--pull``: only the dispatch's pull, as the dispatch runs it: rank 0 of W pulls from W
+  senders of T tokens each (their own fresh routing; a slot lands here when its expert is one of
+  the first E / W), each token with a slot here read once and stored into each of its rows here
+  (expert-major), in three payloads: bf16 rows and fp8 wire rows split into values and scale
+  bytes (tile ``pull_tokens``), fp8 wire rows dequantized to bf16 (``pull_tokens_dequantize``);
+  every tile's result checked against torch; ``--pull-sms``: their budget tiles instead.
 - ``weight_grad``: reads grad_y (T, H) and (T*K, H) rows; bytes (T + T*K) * H * 2.
 - ``quantize`` (fp8): x (T, H) bf16 into the dispatch's wire rows, by tokens a program and warps
   (``kernels/quantize.py``'s ``GPU_BLOCK_R`` / ``GPU_NUM_WARPS``); bytes T * H * 2 read plus the
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from typing import Optional
 from unittest import mock
 
 import torch
@@ -221,11 +223,12 @@ def _pull_case(T: int, W: int) -> tuple[torch.Tensor, int]:
     return codes.view(W, T * K), C
 
 
-def sweep_pull(T: int, W: int, bandwidth: float, top: int) -> None:
-    """``pull_tokens`` (the dispatch's pull) into rank 0 of W from W senders of T tokens
-    (:func:`_pull_case`), in each of its payloads, each result checked against torch, the tile
-    in use restored after each payload's sweep. Bytes: every sender's token with a slot here read
-    once, every row here written once."""
+def sweep_pull(T: int, W: int, bandwidth: float, top: int, budget: Optional[int] = None) -> None:
+    """The dispatch's pull into rank 0 of W from W senders of T tokens (:func:`_pull_case`), in
+    each of its payloads, on its tile (``pull_tokens``; dequantizing: ``pull_tokens_dequantize``),
+    or with ``budget`` on at most that many programs and its budget tile; each result checked
+    against torch, the tile in use restored after each sweep. Bytes: every sender's token with a
+    slot here read once, every row here written once."""
     from alltoall_ops import fp8
     from tools.sm_budget_diag import senders_tags
 
@@ -248,25 +251,32 @@ def sweep_pull(T: int, W: int, bandwidth: float, top: int) -> None:
         "fp8 dequantized": (wire, x.new_empty(C, H), wire.new_empty(C, P - H),
                             (fp8.dequantize(values, scales)[stage_row], wire[stage_row, H:]), P, H * 2 + P - H),
     }
-    chosen = _config.GPU_BLOCKS["pull_tokens"]
-    configs = list(itertools.product([1, 2, 4], [2048, 4096, 8192], [4, 8, 16]))
-    print(f"\n===== pull into rank 0 of W = {W}: T = {T} a sender, C = {C} rows here, {tokens_read} tokens read; "
-          f"{chosen} in use")
+    table_of_tiles = _config.GPU_BLOCKS if budget is None else _config.BUDGET_BLOCKS
+    configs = list(itertools.product([1, 2, 4], [2048, 4096, 8192], [4, 8, 16]) if budget is None else
+                   itertools.product([4, 8, 16, 32], [2048, 4096], [8, 16, 32]))
+    print(f"\n===== pull into rank 0 of W = {W}{'' if budget is None else f' on {budget} programs'}: T = {T} a "
+          f"sender, C = {C} rows here, {tokens_read} tokens read")
     for name, (stages, out, tail, want, row_in, row_out) in payloads.items():
         stage_table = torch.tensor([stages[s * T].data_ptr() for s in range(W)], device=DEVICE)
+        dequantize = name == "fp8 dequantized"
+        key = "pull_tokens_dequantize" if dequantize else "pull_tokens"
+        chosen = table_of_tiles[key]
 
-        def pull(out=out, tail=tail, stage_table=stage_table, dequantize=name == "fp8 dequantized"):
+        def pull(out=out, tail=tail, stage_table=stage_table, dequantize=dequantize):
             k.pull_rows(region, num_routed, out, row_src, stage_table=stage_table, dst_stride=C, top_k=K, tokens=T,
-                        tail=tail, dequantize=dequantize)
+                        tail=tail, dequantize=dequantize, max_programs=budget)
 
-        for cfg in configs:  # every tile checked
-            with mock.patch.dict(_config.GPU_BLOCKS, pull_tokens=cfg):
+        def use(_name: str, cfg: tuple, key=key) -> None:
+            table_of_tiles[key] = cfg
+
+        with mock.patch.dict(table_of_tiles):  # every tile checked, then timed; the tile in use restored
+            for cfg in configs:
+                use(key, cfg)
                 out.zero_()
                 pull()
                 got = (out,) if tail is None else (out, tail)
                 assert all(torch.equal(g, w) for g, w in zip(got, want)), f"pull_rows {name} != torch at {cfg}"
-        with mock.patch.dict(_config.GPU_BLOCKS):
-            ranked = sweep("pull_tokens", pull, tokens_read * row_in + C * row_out, bandwidth, configs, top,
+            ranked = sweep(key, pull, tokens_read * row_in + C * row_out, bandwidth, configs, top, use,
                            legend=f"{name}: (tokens a program, BLOCK_H at 2 bytes, num_warps)")
         print(f"  in use {chosen}: " + ", ".join(f"{us:.1f} us" for us, cfg in ranked if cfg == chosen))
     del tags
@@ -364,6 +374,8 @@ def main() -> None:
                         help="only the Ulysses exchange's tiles, at these sequence lengths (default 4096 32768)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="simulated ranks (--ulysses, --pull)")
     parser.add_argument("--pull", action="store_true", help="only the dispatch's pull (pull_tokens), at --tokens")
+    parser.add_argument("--pull-sms", type=int, nargs="+", default=[], metavar="P",
+                        help="instead, sweep the pull's budget tiles on P programs (an SM budget; --pull)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (--ulysses)")
     args = parser.parse_args()
     if args.ulysses is not None:
@@ -372,8 +384,8 @@ def main() -> None:
     bandwidth = copy_bandwidth(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write)")
     if args.pull:
-        for T, W in itertools.product(args.tokens, args.worlds):
-            sweep_pull(T, W, bandwidth, args.top)
+        for T, W, budget in itertools.product(args.tokens, args.worlds, args.pull_sms or [None]):
+            sweep_pull(T, W, bandwidth, args.top, budget)
         return
     for T in args.layout_tokens:
         sweep_layout(T)

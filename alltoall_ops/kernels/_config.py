@@ -112,6 +112,7 @@ GPU_BLOCKS: dict[str, tuple[int, int, int]] = {
     "topk_reduce": (2, 1024, 8),
     "pull_rows": (4, 2048, 8),
     "pull_tokens": (1, 4096, 4),  # tokens (each stored into its rows here), not rows; H100, twenty-fourth session
+    "pull_tokens_dequantize": (4, 8192, 4),  # the same, fp8 wire rows dequantized; H100, tune_kernels --pull
     "weight_grad": (1, 4096, 8),
     "seq_pieces": (2, 2048, 4),  # Ulysses rows: a rank's heads of a position (h * D elements); H100, --ulysses
 }
@@ -124,6 +125,7 @@ BUDGET_BLOCKS: dict[str, tuple[int, int, int]] = {
     "topk_reduce": (8, 2048, 32),
     "pull_rows": (32, 2048, 32),
     "pull_tokens": (32, 2048, 32),  # as pull_rows' (not swept on its own)
+    "pull_tokens_dequantize": (32, 2048, 32),  # as pull_rows' (not swept on its own)
     "weight_grad": (8, 2048, 16),
     "seq_pieces": (8, 2048, 16),
 }

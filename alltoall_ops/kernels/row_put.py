@@ -624,7 +624,8 @@ def pull_rows(
         programs, K = blocks.grid(C, X)[0], top_k  # NB: one program per row block across all of X (see the kernel)
         tags_table, world_size = row_map, 1  # unread
     else:
-        blocks = row_blocks("pull_tokens", tokens, X, element_size, max_programs)
+        blocks = row_blocks("pull_tokens_dequantize" if dequantize else "pull_tokens", tokens, X, element_size,
+                            max_programs)
         world_size = tags.table.numel()
         programs, K = world_size * triton.cdiv(max(tokens, 1), blocks.BLOCK_R), top_k
         tags_table = tags.table
