@@ -652,7 +652,7 @@ def test_movers_reach_their_peers_without_reducing_across_threads():
     # twentieth session). The pull loads each slot's tag as a [rows] vector where it uses it, never
     # picking it out of a [rows, K] tile (a sum across threads per slot and step). At the budget
     # tiles, W = 8, PTX for sm_90 built on the CPU: no shuffle, no shared memory, no barrier.
-    (pull_r, pull_h, pull_warps), (put_r, put_h, put_warps) = (BUDGET_BLOCKS[k] for k in ("pull_rows", "put_rows"))
+    (pull_r, pull_h, pull_warps), (put_r, put_h, put_warps) = (BUDGET_BLOCKS[k] for k in ("pull_tokens", "put_rows"))
     pull = dict(K=8, ROW_MAP=False, STAGED=True, HAS_SCALE=False, ACC_DTYPE="tl.float32",
                 HAS_TAIL=False, BLOCK_R=pull_r, BLOCK_H=pull_h, BARRIER=False, WORLD_SIZE=8, DEQUANTIZE=False)
     put = dict(K=8, DST_STRIDE=4096, HAS_SCALE=False, ONE_OUT=False, HAS_COUNT=True, ACC_DTYPE="tl.float32",

@@ -19,7 +19,8 @@ Kernels (bf16, H = 7168, K = 8, E = 256, fresh random top-k routing):
   the first E / W), each token with a slot here read once and stored into each of its rows here
   (expert-major), in three payloads: bf16 rows and fp8 wire rows split into values and scale
   bytes (tile ``pull_tokens``), fp8 wire rows dequantized to bf16 (``pull_tokens_dequantize``);
-  every tile's result checked against torch; ``--pull-sms``: their budget tiles instead.
+  every tile's result checked against torch; ``--pull-sms``: their budget tiles instead, beside
+  a plain gather of the rows here on as many programs (``benchmarks/scatter_kernel.py``).
 - ``weight_grad``: reads grad_y (T, H) and (T*K, H) rows; bytes (T + T*K) * H * 2.
 - ``quantize`` (fp8): x (T, H) bf16 into the dispatch's wire rows, by tokens a program and warps
   (``kernels/quantize.py``'s ``GPU_BLOCK_R`` / ``GPU_NUM_WARPS``); bytes T * H * 2 read plus the
@@ -253,7 +254,7 @@ def sweep_pull(T: int, W: int, bandwidth: float, top: int, budget: Optional[int]
     }
     table_of_tiles = _config.GPU_BLOCKS if budget is None else _config.BUDGET_BLOCKS
     configs = list(itertools.product([1, 2, 4], [2048, 4096, 8192], [4, 8, 16]) if budget is None else
-                   itertools.product([4, 8, 16, 32], [2048, 4096], [8, 16, 32]))
+                   itertools.product([4, 8, 16, 32], [2048, 8192], [16, 32]))
     print(f"\n===== pull into rank 0 of W = {W}{'' if budget is None else f' on {budget} programs'}: T = {T} a "
           f"sender, C = {C} rows here, {tokens_read} tokens read")
     for name, (stages, out, tail, want, row_in, row_out) in payloads.items():
@@ -276,9 +277,19 @@ def sweep_pull(T: int, W: int, bandwidth: float, top: int, budget: Optional[int]
                 pull()
                 got = (out,) if tail is None else (out, tail)
                 assert all(torch.equal(g, w) for g, w in zip(got, want)), f"pull_rows {name} != torch at {cfg}"
-            ranked = sweep(key, pull, tokens_read * row_in + C * row_out, bandwidth, configs, top, use,
+            nbytes = tokens_read * row_in + C * row_out
+            ranked = sweep(key, pull, nbytes, bandwidth, configs, top, use,
                            legend=f"{name}: (tokens a program, BLOCK_H at 2 bytes, num_warps)")
-        print(f"  in use {chosen}: " + ", ".join(f"{us:.1f} us" for us, cfg in ranked if cfg == chosen))
+        print(f"  best {nbytes / ranked[0][0] / 1e3:.0f} GB/s; in use {chosen}: "
+              + ", ".join(f"{us:.1f} us, {nbytes / us / 1e3:.0f} GB/s" for us, cfg in ranked if cfg == chosen))
+    if budget is not None:  # the reference of bandwidth per SM: a plain gather of the rows here, bf16
+        from benchmarks.scatter_kernel import gather_rows
+
+        gathered = x.new_empty(C, H)
+        us = median_us(lambda: gather_rows(x, stage_row, gathered, budget))
+        assert torch.equal(gathered, x[stage_row])
+        print(f"  plain gather of the C rows (bf16) on {budget} programs: {us:.1f} us, "
+              f"{2 * C * H * 2 / us / 1e3:.0f} GB/s")
     del tags
 
 
