@@ -464,11 +464,13 @@ def _pull_rows_kernel(
                                    HAS_TAIL)
             tl.store(row_src_ptr + o_r, b_code, mask=m_routed)
     else:  # peers: a block of one sender's tokens at a time, each token's row loaded once and stored
-        # into every row of this rank that one of its slots goes to. NB: each slot's tag is loaded
-        # once, a [BLOCK_R] vector per slot k held in a tuple for every column step (reloaded in
-        # each step, the loads sat between the stores, which the compiler cannot move them past),
+        # into every row of this rank that one of its slots goes to. NB: each tag (a few bytes, a
+        # cache hit after the first) is loaded where it is used, a [BLOCK_R] vector per slot k,
         # never picked out of a [BLOCK_R, K] tile: that is a sum across threads (shuffles, shared
-        # memory, barriers) for every slot of every step. The tags' bases are loaded here, not in
+        # memory, barriers) for every slot of every step. Nor held across the column steps in a
+        # tuple: each thread holds every token's tag of a [BLOCK_R] vector, K of them spill (H100,
+        # W = 4, fp8 wire rows: 1095 -> 4408 us on 16 programs, 140 -> 169 us on all; twenty-fifth
+        # session, docs/benchmarks.md). The tags' bases are loaded here, not in
         # a helper: inductor's analysis of which arguments a kernel writes would see a store
         # through a helper's result as a store into the helper's arguments (the address tables).
         n_token_blocks = tl.zeros([], dtype=tl.int64)
@@ -484,8 +486,6 @@ def _pull_rows_kernel(
                 o_t = ((i_item // world_size) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR] tokens
                 p_tag = p_tags + (1 + o_t * top_k) * _TAG_COLUMNS  # [BR] each token's first slot's tag
                 m_any = o_t < 0  # [BR] tokens with a row here
-                rows_here = ()  # K [BR] vectors: slot k's row here, -1 none (kept in registers for every step)
-                scale_bits = ()  # with HAS_SCALE: K [BR] vectors, slot k's scale bits
                 for k in tl.static_range(K):  # NB: o_t against a scalar, not m_t & a scalar (the interpreter)
                     b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=o_t < tl.where(top_k > k, n_tokens, 0),
                                     other=-1)
@@ -493,9 +493,6 @@ def _pull_rows_kernel(
                     m_any |= m_k
                     tl.store(row_src_ptr + b_dst - own_first, tl.load(p_tag + k * _TAG_COLUMNS + 1, mask=m_k),
                              mask=m_k)
-                    rows_here = rows_here + (tl.where(m_k, b_dst - own_first, -1),)
-                    if HAS_SCALE:
-                        scale_bits = scale_bits + (tl.load(p_tag + k * _TAG_COLUMNS + 2, mask=m_k, other=0),)
                 if STAGED:  # 16-byte aligned stages (every region of SymmBuffers): vector loads
                     p_src = tl.multiple_of(tl.load(stage_table_ptr + s).to(tl.pointer_type(tail_ptr.dtype.element_ty)),
                                            16) + o_t * X  # [BR]
@@ -511,22 +508,29 @@ def _pull_rows_kernel(
                         b_bits = tl.load(p_src[:, None, None] + o_h[None, :, :], mask=m_read[:, :, None], other=0)
                         b_value = cast_rne(e4m3_value(b_bits) * b_block_scale[:, :, None], out_ptr.dtype.element_ty)
                         for k in tl.static_range(K):
-                            _store_dequantized(out_ptr, tail_ptr, rows_here[k], rows_here[k] >= 0, o_b, o_h, b_value,
+                            m_slot = m_any & (o_t < tl.where(top_k > k, n_tokens, 0))
+                            b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=m_slot, other=-1)
+                            m_k = _lands_here(b_dst, own_first, dst_stride)
+                            _store_dequantized(out_ptr, tail_ptr, b_dst - own_first, m_k, o_b, o_h, b_value,
                                                b_block_scale, n_scales, X_OUT)
                 else:
                     for i_h in range(0, X, BLOCK_H):
                         o_h = i_h + tl.arange(0, BLOCK_H)[None, :]  # [1, BH] columns
                         b_x = tl.load(p_src[:, None] + o_h, mask=m_any[:, None] & (o_h < X), other=0)  # [BR, BH]
                         for k in tl.static_range(K):
+                            m_slot = m_any & (o_t < tl.where(top_k > k, n_tokens, 0))
+                            b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=m_slot, other=-1)
+                            m_k = _lands_here(b_dst, own_first, dst_stride)
                             b_y = b_x
                             if HAS_SCALE:  # fp32 (fp64) product, rounded once
+                                b_bits = tl.load(p_tag + k * _TAG_COLUMNS + 2, mask=m_k, other=0)
                                 if ACC_DTYPE == tl.float64:
-                                    b_scale = scale_bits[k].to(tl.float64, bitcast=True)
+                                    b_scale = b_bits.to(tl.float64, bitcast=True)
                                 else:
-                                    b_scale = scale_bits[k].to(tl.int32).to(tl.float32, bitcast=True)
+                                    b_scale = b_bits.to(tl.int32).to(tl.float32, bitcast=True)
                                 b_y = cast_rne(upcast(b_x, ACC_DTYPE) * b_scale[:, None], out_ptr.dtype.element_ty)
-                            _store_columns(out_ptr, tail_ptr, rows_here[k][:, None], rows_here[k][:, None] >= 0, o_h,
-                                           b_y, X, X_OUT, HAS_TAIL)
+                            _store_columns(out_ptr, tail_ptr, (b_dst - own_first)[:, None], m_k[:, None], o_h, b_y,
+                                           X, X_OUT, HAS_TAIL)
         for i_pad in range(tl.program_id(0), n_pads, tl.num_programs(0)):  # a local expert's padding rows: zero
             for row in range(tl.load(pads_ptr + i_pad), tl.load(pads_ptr + n_pads + i_pad)):
                 for i_h in range(0, X, BLOCK_H):
