@@ -1,6 +1,8 @@
 """Registers, spills and shared memory of the data-moving kernels at the tiles they launch with on
 an H100 / H200 (sm_90), built on the CPU: Triton compiles each kernel to a cubin for sm_90 and
-``cuobjdump -res-usage`` (bundled with Triton) reads its resources. No GPU needed.
+``cuobjdump -res-usage`` (bundled with Triton) reads its resources, ``cuobjdump -sass`` its
+instructions (a static count: a loop's body once; where one SM runs a kernel alone, under an SM
+budget, instructions rather than bytes can set its pace). No GPU needed.
 
     python -m tools.kernel_resources            # the table; exit status 1 if a tile has a problem
     python -m tools.kernel_resources pull       # the cases whose name has "pull"
@@ -105,6 +107,7 @@ class Resources:
     registers: int  # a thread's
     local: int  # bytes of local memory a thread (spills)
     shared: int  # bytes a program
+    instructions: int  # SASS instructions of the kernel (static: a loop's body counts once)
 
     def problems(self) -> list[str]:
         """What this tile should not have: spills; a GPU tile two of whose programs do not fit an SM."""
@@ -157,8 +160,11 @@ def measure(case: Case, budget: bool) -> Resources:
         f.flush()
         cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
         usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     fields = dict(re.findall(r"(REG|LOCAL|SHARED):(\d+)", usage))
-    return Resources(case.name, budget, shape, int(fields["REG"]), int(fields["LOCAL"]), int(fields["SHARED"]))
+    instructions = len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+\S", sass, re.M))  # "/*0040*/  LDG.E.128 ..." lines
+    return Resources(case.name, budget, shape, int(fields["REG"]), int(fields["LOCAL"]), int(fields["SHARED"]),
+                     instructions)
 
 
 def measure_all(only: str = "") -> list[Resources]:
@@ -180,11 +186,12 @@ def main(argv: list[str]) -> int:
         sys.exit("tools.kernel_resources: run it as a program (it imports Triton to compile, not to interpret)")
     os.environ["TRITON_INTERPRET"] = "0"  # compile for sm_90 on any machine (alltoall_ops would interpret without CUDA)
     rows = measure_all(argv[0] if argv else "")
-    print(f"{'kernel':40s} {'tile':7s} {'rows x cols, warps':20s} {'regs':>5s} {'local':>6s} {'shared':>7s}  problems")
+    print(f"{'kernel':40s} {'tile':7s} {'rows x cols, warps':20s} {'regs':>5s} {'local':>6s} {'shared':>7s} "
+          f"{'SASS':>5s}  problems")
     for r in rows:
         tile = f"{r.tile[0]} x {r.tile[1]}, {r.tile[2]}"
         print(f"{r.case:40s} {'budget' if r.budget else 'GPU':7s} {tile:20s} {r.registers:5d} {r.local:6d} "
-              f"{r.shared:7d}  {'; '.join(r.problems()) or '-'}")
+              f"{r.shared:7d} {r.instructions:5d}  {'; '.join(r.problems()) or '-'}")
     return 1 if any(r.problems() for r in rows) else 0
 
 
