@@ -6,6 +6,7 @@ TORCH_DEV_CONSTRAINT ?= torch==2.13.0
 WORLD_SIZE ?= 4
 DEVICE_TRITON ?= 3.6.0
 DEVICE_TRITON_DIR ?= .triton-device
+DEVICE_TRITON_DIST := $(DEVICE_TRITON_DIR)/triton-$(DEVICE_TRITON).dist-info
 
 .PHONY: install test demo bench lint clean gpu-check kernel-resources
 
@@ -21,7 +22,7 @@ install: $(PY)
 
 # The tests that compile kernels for sm_90 on the CPU (tests/test_kernel_inputs.py) build them with
 # the GPU host's Triton, so that what they read is the code the GPU runs (README, "Without CUDA").
-test: install $(DEVICE_TRITON_DIR)/.installed
+test: install $(DEVICE_TRITON_DIST)
 	ALLTOALL_OPS_DEVICE_TRITON=$(DEVICE_TRITON_DIR) $(PY) -m pytest -q -x --durations=15
 
 demo: install
@@ -42,12 +43,11 @@ clean:
 
 # The GPU host's Triton (3.6), beside the one installed here: it lays tiles out differently
 # (docs/benchmarks.md, twenty-sixth session). Needs the network once, for the wheel.
-$(DEVICE_TRITON_DIR)/.installed: | $(PY)
+$(DEVICE_TRITON_DIST): | $(PY)
 	$(PY) -m pip install -q --no-deps --upgrade --target $(DEVICE_TRITON_DIR) "triton==$(DEVICE_TRITON)"
-	touch $@
 
 # Registers, spills and SASS of the data-moving kernels as the GPU host builds them.
-kernel-resources: install $(DEVICE_TRITON_DIR)/.installed
+kernel-resources: install $(DEVICE_TRITON_DIST)
 	PYTHONPATH=$(DEVICE_TRITON_DIR) $(PY) -m tools.kernel_resources $(KERNELS)
 
 # On the GPU host (system python3 with torch preinstalled, no venv, no network): every test marked
