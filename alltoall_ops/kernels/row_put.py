@@ -513,10 +513,13 @@ def _pull_rows_kernel(
                             m_k = _lands_here(b_dst, own_first, dst_stride)
                             _store_dequantized(out_ptr, tail_ptr, b_dst - own_first, m_k, o_b, o_h, b_value,
                                                b_block_scale, n_scales, X_OUT)
-                else:
+                else:  # NB: a step is [REPS, BLOCK_R, LANES], a warp's threads on one token's row, as the row map's
+                    LANES: tl.constexpr = min(BLOCK_H, 4096 // out_ptr.dtype.element_ty.primitive_bitwidth)
+                    o_lanes = tl.arange(0, BLOCK_H // LANES)[:, None] * LANES + tl.arange(0, LANES)[None, :]
+                    o_lanes = o_lanes[:, None, :]
                     for i_h in range(0, X, BLOCK_H):
-                        o_h = i_h + tl.arange(0, BLOCK_H)[None, :]  # [1, BH] columns
-                        b_x = tl.load(p_src[:, None] + o_h, mask=m_any[:, None] & (o_h < X), other=0)  # [BR, BH]
+                        o_h = i_h + o_lanes  # [REPS, 1, LANES] columns
+                        b_x = tl.load(p_src[None, :, None] + o_h, mask=m_any[None, :, None] & (o_h < X), other=0)
                         for k in tl.static_range(K):
                             m_slot = m_any & (o_t < tl.where(top_k > k, n_tokens, 0))
                             b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=m_slot, other=-1)
@@ -528,9 +531,10 @@ def _pull_rows_kernel(
                                     b_scale = b_bits.to(tl.float64, bitcast=True)
                                 else:
                                     b_scale = b_bits.to(tl.int32).to(tl.float32, bitcast=True)
-                                b_y = cast_rne(upcast(b_x, ACC_DTYPE) * b_scale[:, None], out_ptr.dtype.element_ty)
-                            _store_columns(out_ptr, tail_ptr, (b_dst - own_first)[:, None], m_k[:, None], o_h, b_y,
-                                           X, X_OUT, HAS_TAIL)
+                                b_y = cast_rne(upcast(b_x, ACC_DTYPE) * b_scale[None, :, None],
+                                               out_ptr.dtype.element_ty)
+                            _store_columns(out_ptr, tail_ptr, (b_dst - own_first)[None, :, None], m_k[None, :, None],
+                                           o_h, b_y, X, X_OUT, HAS_TAIL)
         for i_pad in range(tl.program_id(0), n_pads, tl.num_programs(0)):  # a local expert's padding rows: zero
             for row in range(tl.load(pads_ptr + i_pad), tl.load(pads_ptr + n_pads + i_pad)):
                 for i_h in range(0, X, BLOCK_H):
