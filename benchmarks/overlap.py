@@ -21,8 +21,9 @@ For each SM budget (8 / 16 / 32 SMs, and ``all``: ``num_sms=None``, no cap):
   exchange's launches wait for them (a higher stream priority did not help: docs/benchmarks.md);
 - ``serial``: exchange + gemm, what ``both`` would be without any overlap;
 - ``GB/s``: the exchange's bytes (every kernel's rows read once and written once: per rank
-  3 T + N + 4 n rows of H, n rows received: the dispatch stages T rows and pulls n, the combine
-  puts n rows back and reduces N into T) over its time, and the same for a plain 30-line
+  3 T + N + 3 n + P rows of H, n rows received, P the rank's (token, destination rank) pairs:
+  the dispatch stages T rows, and its receivers read each pair's row once and write n rows; the
+  combine puts n rows back and reduces N into T) over its time, and the same for a plain 30-line
   scatter kernel of bf16 rows to a permuted destination on as many programs (``scatter``, its
   best tile of 8 rows and 16 warps): the bandwidth per SM the exchange keeps.
 
@@ -104,10 +105,12 @@ class Exchange:
 
     def nbytes(self) -> int:
         """Bytes one replay reads and writes (every rank's rows, each read once and written once)."""
-        total = 0
+        W, total = len(self.xs), 0
         for (topk_idx, _), (_, tpe, _) in zip(self.routes, self.graph.outs):
             T, n, N = topk_idx.shape[0], int(tpe.sum()), int((topk_idx >= 0).sum())
-            total += (3 * T + N + 4 * n) * self.xs[0].shape[1] * self.xs[0].element_size()
+            dest = torch.where(topk_idx >= 0, topk_idx // (self.E // W), W)  # (T, K) each slot's rank, W: none
+            P = int(torch.nn.functional.one_hot(dest, W + 1)[..., :W].amax(1).sum())  # (token, rank) pairs
+            total += (3 * T + N + 3 * n + P) * self.xs[0].shape[1] * self.xs[0].element_size()
         return total
 
     def results(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
