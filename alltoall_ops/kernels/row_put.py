@@ -419,19 +419,64 @@ def _pull_rows_kernel(
 ):
     order_after(token_ptr)
     BLOCK_B: tl.constexpr = BLOCK_H // _FP8_BLOCK if BLOCK_H >= _FP8_BLOCK else 1  # dequantize: scale blocks a step
+    SLOTS: tl.constexpr = 1 if ROW_MAP else K  # rows a loaded row is stored into: a token's slots (peers)
     n_scales = X_OUT // _FP8_BLOCK
     o_c = tl.arange(0, _FP8_BLOCK)  # [128] columns of a scale block
-    if ROW_MAP:  # one rank: a block of rows at a time, each row's slot from the placement's row map
+    # An item: one rank, a block of rows d, each row's slot from the placement's row map; peers, a
+    # block of one sender's tokens, each token's row loaded once and stored into every row of this
+    # rank that one of its slots goes to, the senders in turn (the programs running at once read
+    # from all of them). NB: each tag (a few bytes, a cache hit after the first) is loaded where it
+    # is used, a [BLOCK_R] vector per slot k, never picked out of a [BLOCK_R, K] tile: that is a
+    # sum across threads (shuffles, shared memory, barriers) for every slot of every step. Nor held
+    # across the column steps in a tuple: each thread holds every token's tag of a [BLOCK_R]
+    # vector, K of them spill (H100, W = 4, fp8 wire rows: 1095 -> 4408 us on 16 programs, 140 ->
+    # 169 us on all; twenty-fifth session, docs/benchmarks.md). The tags' bases are loaded here,
+    # not in a helper: inductor's analysis of which arguments a kernel writes would see a store
+    # through a helper's result as a store into the helper's arguments (the address tables).
+    if ROW_MAP:
         n_routed = tl.minimum(tl.load(num_routed_ptr), n_rows)  # rows [0, n_routed) written, the rest left as they are
-        for i_r in range(tl.program_id(0), tl.cdiv(n_routed, BLOCK_R), tl.num_programs(0)):  # row blocks
-            o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR]
-            m_routed = o_r < n_routed
-            b_slot = tl.load(row_map_ptr + o_r, mask=m_routed, other=-1)  # [BR] each row's slot i, -1: none
-            b_code = tl.load(position_ptr + b_slot, mask=m_routed & (b_slot >= 0), other=-1)  # its send position
-            m_valid = m_routed & (b_code >= 0)
-            p_src = rows_ptr + (b_slot // K) * X  # [BR]
-            if HAS_SCALE:
-                b_scale = upcast(tl.load(scale_ptr + b_slot, mask=m_valid, other=0), ACC_DTYPE)
+        n_items = tl.cdiv(n_routed, BLOCK_R)
+    else:
+        n_token_blocks = tl.zeros([], dtype=tl.int64)
+        for w in range(world_size):  # each sender's tokens: its header's first word
+            n_tokens_w = tl.load(tl.load(tags_table_ptr + w).to(tl.pointer_type(tl.int64)))
+            n_token_blocks = tl.maximum(n_token_blocks, tl.cdiv(n_tokens_w, BLOCK_R))
+        n_items = n_token_blocks * world_size
+        own_first = rank * dst_stride  # destination codes of this rank's rows: [own_first, own_first + dst_stride)
+    for i_item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+        if ROW_MAP:
+            first, n_first = i_item * BLOCK_R, n_routed
+        else:
+            s = i_item % world_size
+            p_tags = tl.load(tags_table_ptr + s).to(tl.pointer_type(tl.int64))
+            n_tokens, top_k = tl.load(p_tags), tl.load(p_tags + 1)  # the header: K = top_k >= K_s
+            first, n_first = (i_item // world_size) * BLOCK_R, n_tokens
+        if first < n_first:
+            o_i = (first + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR] rows here (row map) or the sender's tokens
+            if ROW_MAP:
+                m_routed = o_i < n_routed
+                b_slot = tl.load(row_map_ptr + o_i, mask=m_routed, other=-1)  # [BR] each row's slot i, -1: none
+                b_code = tl.load(position_ptr + b_slot, mask=m_routed & (b_slot >= 0), other=-1)  # its send position
+                m_src = m_routed & (b_code >= 0)  # [BR] rows to load
+                p_src = rows_ptr + (b_slot // K) * X  # [BR]
+                if HAS_SCALE:
+                    b_scale = upcast(tl.load(scale_ptr + b_slot, mask=m_src, other=0), ACC_DTYPE)
+                tl.store(row_src_ptr + o_i, b_code, mask=m_routed)
+            else:
+                p_tag = p_tags + (1 + o_i * top_k) * _TAG_COLUMNS  # [BR] each token's first slot's tag
+                m_src = o_i < 0  # [BR] tokens with a row here
+                for k in tl.static_range(K):  # NB: o_i against a scalar, not m_t & a scalar (the interpreter)
+                    b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=o_i < tl.where(top_k > k, n_tokens, 0),
+                                    other=-1)
+                    m_k = _lands_here(b_dst, own_first, dst_stride)
+                    m_src |= m_k
+                    tl.store(row_src_ptr + b_dst - own_first, tl.load(p_tag + k * _TAG_COLUMNS + 1, mask=m_k),
+                             mask=m_k)
+                if STAGED:  # 16-byte aligned stages (every region of SymmBuffers): vector loads
+                    p_src = tl.multiple_of(tl.load(stage_table_ptr + s).to(tl.pointer_type(tail_ptr.dtype.element_ty)),
+                                           16) + o_i * X  # [BR]
+                else:
+                    p_src = rows_ptr + o_i * X
             if DEQUANTIZE:  # fp8 values times the fp32 scale of their 128-column block, rounded once
                 # NB: a step is [BLOCK_R, BLOCK_B, 128]: whole scale blocks, each block's scale loaded
                 # once and broadcast over its columns in the tile's own layout. The scales (the
@@ -439,108 +484,57 @@ def _pull_rows_kernel(
                 p_scale = (p_src + X_OUT).to(tl.pointer_type(tl.float32))  # [BR] each row's scales
                 for i_b in range(0, n_scales, BLOCK_B):
                     o_b = i_b + tl.arange(0, BLOCK_B)  # [BB] blocks
-                    m_read = m_valid[:, None] & (o_b < n_scales)[None, :]  # [BR, BB]
+                    m_read = m_src[:, None] & (o_b < n_scales)[None, :]  # [BR, BB]
                     b_block_scale = tl.load(p_scale[:, None] + o_b[None, :], mask=m_read, other=0)  # [BR, BB]
                     o_h = o_b[:, None] * _FP8_BLOCK + o_c[None, :]  # [BB, 128]
                     b_bits = tl.load(p_src[:, None, None] + o_h[None, :, :], mask=m_read[:, :, None], other=0)
                     b_value = cast_rne(e4m3_value(b_bits) * b_block_scale[:, :, None], out_ptr.dtype.element_ty)
-                    _store_dequantized(out_ptr, tail_ptr, o_r, m_routed, o_b, o_h, b_value, b_block_scale, n_scales,
-                                       X_OUT)
+                    for k in tl.static_range(SLOTS):
+                        if ROW_MAP:
+                            o_dst, m_dst = o_i, m_routed
+                        else:
+                            m_slot = m_src & (o_i < tl.where(top_k > k, n_tokens, 0))
+                            b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=m_slot, other=-1)
+                            o_dst, m_dst = b_dst - own_first, _lands_here(b_dst, own_first, dst_stride)
+                        _store_dequantized(out_ptr, tail_ptr, o_dst, m_dst, o_b, o_h, b_value, b_block_scale, n_scales,
+                                           X_OUT)
             else:
                 # NB: a step is [REPS, BLOCK_R, LANES]: a warp's 32 threads take 16 bytes each of one
                 # row (LANES elements), REPS times over the step's columns, so a thread loads one
-                # row's code, source row and stage base. A [BLOCK_R, BLOCK_H] step spread the
-                # columns over the warps, 8 rows a thread at the budget tile: on 8 / 16 / 32
-                # programs of an H100 the pull moved 525 / 999 / 1847 GB/s that way, 549 / 1046 /
-                # 1902 this way (the same without a budget).
+                # row's code (one token's tags), source row and stage base. A [BLOCK_R, BLOCK_H]
+                # step spread the columns over the warps, 8 rows a thread at the budget tile: on 8 /
+                # 16 / 32 programs of an H100 the one-rank pull moved 525 / 999 / 1847 GB/s that
+                # way, 549 / 1046 / 1902 this way (the same without a budget).
                 LANES: tl.constexpr = min(BLOCK_H, 4096 // out_ptr.dtype.element_ty.primitive_bitwidth)
                 o_lanes = (tl.arange(0, BLOCK_H // LANES)[:, None] * LANES + tl.arange(0, LANES)[None, :])[:, None, :]
                 for i_h in range(0, X, BLOCK_H):
                     o_h = i_h + o_lanes  # [REPS, 1, LANES] columns
-                    b_x = tl.load(p_src[None, :, None] + o_h, mask=m_valid[None, :, None] & (o_h < X), other=0)
-                    if HAS_SCALE:  # fp32 (fp64) product, rounded once
-                        b_x = cast_rne(upcast(b_x, ACC_DTYPE) * b_scale[None, :, None], out_ptr.dtype.element_ty)
-                    _store_columns(out_ptr, tail_ptr, o_r[None, :, None], m_routed[None, :, None], o_h, b_x, X, X_OUT,
-                                   HAS_TAIL)
-            tl.store(row_src_ptr + o_r, b_code, mask=m_routed)
-    else:  # peers: a block of one sender's tokens at a time, each token's row loaded once and stored
-        # into every row of this rank that one of its slots goes to. NB: each tag (a few bytes, a
-        # cache hit after the first) is loaded where it is used, a [BLOCK_R] vector per slot k,
-        # never picked out of a [BLOCK_R, K] tile: that is a sum across threads (shuffles, shared
-        # memory, barriers) for every slot of every step. Nor held across the column steps in a
-        # tuple: each thread holds every token's tag of a [BLOCK_R] vector, K of them spill (H100,
-        # W = 4, fp8 wire rows: 1095 -> 4408 us on 16 programs, 140 -> 169 us on all; twenty-fifth
-        # session, docs/benchmarks.md). The tags' bases are loaded here, not in
-        # a helper: inductor's analysis of which arguments a kernel writes would see a store
-        # through a helper's result as a store into the helper's arguments (the address tables).
-        n_token_blocks = tl.zeros([], dtype=tl.int64)
-        for w in range(world_size):  # each sender's tokens: its header's first word
-            n_tokens_w = tl.load(tl.load(tags_table_ptr + w).to(tl.pointer_type(tl.int64)))
-            n_token_blocks = tl.maximum(n_token_blocks, tl.cdiv(n_tokens_w, BLOCK_R))
-        own_first = rank * dst_stride  # destination codes of this rank's rows: [own_first, own_first + dst_stride)
-        for i_item in range(tl.program_id(0), n_token_blocks * world_size, tl.num_programs(0)):
-            s = i_item % world_size  # the senders in turn: the programs running at once read from all of them
-            p_tags = tl.load(tags_table_ptr + s).to(tl.pointer_type(tl.int64))
-            n_tokens, top_k = tl.load(p_tags), tl.load(p_tags + 1)  # the header: K = top_k >= K_s
-            if (i_item // world_size) * BLOCK_R < n_tokens:
-                o_t = ((i_item // world_size) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR] tokens
-                p_tag = p_tags + (1 + o_t * top_k) * _TAG_COLUMNS  # [BR] each token's first slot's tag
-                m_any = o_t < 0  # [BR] tokens with a row here
-                for k in tl.static_range(K):  # NB: o_t against a scalar, not m_t & a scalar (the interpreter)
-                    b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=o_t < tl.where(top_k > k, n_tokens, 0),
-                                    other=-1)
-                    m_k = _lands_here(b_dst, own_first, dst_stride)
-                    m_any |= m_k
-                    tl.store(row_src_ptr + b_dst - own_first, tl.load(p_tag + k * _TAG_COLUMNS + 1, mask=m_k),
-                             mask=m_k)
-                if STAGED:  # 16-byte aligned stages (every region of SymmBuffers): vector loads
-                    p_src = tl.multiple_of(tl.load(stage_table_ptr + s).to(tl.pointer_type(tail_ptr.dtype.element_ty)),
-                                           16) + o_t * X  # [BR]
-                else:
-                    p_src = rows_ptr + o_t * X
-                if DEQUANTIZE:
-                    p_scale = (p_src + X_OUT).to(tl.pointer_type(tl.float32))  # [BR]
-                    for i_b in range(0, n_scales, BLOCK_B):
-                        o_b = i_b + tl.arange(0, BLOCK_B)  # [BB] blocks
-                        m_read = m_any[:, None] & (o_b < n_scales)[None, :]  # [BR, BB]
-                        b_block_scale = tl.load(p_scale[:, None] + o_b[None, :], mask=m_read, other=0)  # [BR, BB]
-                        o_h = o_b[:, None] * _FP8_BLOCK + o_c[None, :]  # [BB, 128]
-                        b_bits = tl.load(p_src[:, None, None] + o_h[None, :, :], mask=m_read[:, :, None], other=0)
-                        b_value = cast_rne(e4m3_value(b_bits) * b_block_scale[:, :, None], out_ptr.dtype.element_ty)
-                        for k in tl.static_range(K):
-                            m_slot = m_any & (o_t < tl.where(top_k > k, n_tokens, 0))
+                    b_x = tl.load(p_src[None, :, None] + o_h, mask=m_src[None, :, None] & (o_h < X), other=0)
+                    for k in tl.static_range(SLOTS):
+                        if ROW_MAP:
+                            o_dst, m_dst = o_i, m_routed
+                        else:
+                            m_slot = m_src & (o_i < tl.where(top_k > k, n_tokens, 0))
                             b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=m_slot, other=-1)
-                            m_k = _lands_here(b_dst, own_first, dst_stride)
-                            _store_dequantized(out_ptr, tail_ptr, b_dst - own_first, m_k, o_b, o_h, b_value,
-                                               b_block_scale, n_scales, X_OUT)
-                else:  # NB: a step is [REPS, BLOCK_R, LANES], a warp's threads on one token's row, as the row map's
-                    LANES: tl.constexpr = min(BLOCK_H, 4096 // out_ptr.dtype.element_ty.primitive_bitwidth)
-                    o_lanes = tl.arange(0, BLOCK_H // LANES)[:, None] * LANES + tl.arange(0, LANES)[None, :]
-                    o_lanes = o_lanes[:, None, :]
-                    for i_h in range(0, X, BLOCK_H):
-                        o_h = i_h + o_lanes  # [REPS, 1, LANES] columns
-                        b_x = tl.load(p_src[None, :, None] + o_h, mask=m_any[None, :, None] & (o_h < X), other=0)
-                        for k in tl.static_range(K):
-                            m_slot = m_any & (o_t < tl.where(top_k > k, n_tokens, 0))
-                            b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=m_slot, other=-1)
-                            m_k = _lands_here(b_dst, own_first, dst_stride)
-                            b_y = b_x
-                            if HAS_SCALE:  # fp32 (fp64) product, rounded once
-                                b_bits = tl.load(p_tag + k * _TAG_COLUMNS + 2, mask=m_k, other=0)
+                            o_dst, m_dst = b_dst - own_first, _lands_here(b_dst, own_first, dst_stride)
+                        b_y = b_x
+                        if HAS_SCALE:  # fp32 (fp64) product, rounded once
+                            if not ROW_MAP:  # the slot's scale bits
+                                b_bits = tl.load(p_tag + k * _TAG_COLUMNS + 2, mask=m_dst, other=0)
                                 if ACC_DTYPE == tl.float64:
                                     b_scale = b_bits.to(tl.float64, bitcast=True)
                                 else:
                                     b_scale = b_bits.to(tl.int32).to(tl.float32, bitcast=True)
-                                b_y = cast_rne(upcast(b_x, ACC_DTYPE) * b_scale[None, :, None],
-                                               out_ptr.dtype.element_ty)
-                            _store_columns(out_ptr, tail_ptr, (b_dst - own_first)[None, :, None], m_k[None, :, None],
-                                           o_h, b_y, X, X_OUT, HAS_TAIL)
+                            b_y = cast_rne(upcast(b_x, ACC_DTYPE) * b_scale[None, :, None], out_ptr.dtype.element_ty)
+                        _store_columns(out_ptr, tail_ptr, o_dst[None, :, None], m_dst[None, :, None], o_h, b_y, X,
+                                       X_OUT, HAS_TAIL)
+    if not ROW_MAP:
         for i_pad in range(tl.program_id(0), n_pads, tl.num_programs(0)):  # a local expert's padding rows: zero
             for row in range(tl.load(pads_ptr + i_pad), tl.load(pads_ptr + n_pads + i_pad)):
                 for i_h in range(0, X, BLOCK_H):
                     o_h = i_h + tl.arange(0, BLOCK_H)
-                    _store_columns(out_ptr, tail_ptr, row, o_h < X, o_h,
-                                   tl.zeros([BLOCK_H], dtype=tail_ptr.dtype.element_ty), X, X_OUT, HAS_TAIL)
+                    b_zero = tl.zeros([BLOCK_H], dtype=tail_ptr.dtype.element_ty)
+                    _store_columns(out_ptr, tail_ptr, row, o_h < X, o_h, b_zero, X, X_OUT, HAS_TAIL)
                 tl.store(row_src_ptr + row, -1)
     if BARRIER:  # every rank is done reading the stages and tags before any writes them again
         last_program_arrives(pads_table_ptr, counters_ptr, barrier_rank, timeout_ms, barrier_call_ptr, barrier_op,
