@@ -385,6 +385,14 @@ def _lands_here(b_dst, own_first, dst_stride):
 
 
 @triton.jit
+def _slot_rows(p_tag, k, m_tokens, o_t, n_tokens, top_k, own_first, dst_stride):
+    """Slot k's rows here (codes less own_first) of tokens o_t [BR] of a sender (masked by
+    m_tokens; p_tag [BR]: each token's first tag), and which of them name a row here."""
+    b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=m_tokens & (o_t < tl.where(top_k > k, n_tokens, 0)), other=-1)
+    return b_dst - own_first, _lands_here(b_dst, own_first, dst_stride)
+
+
+@triton.jit
 def _store_columns(out_ptr, tail_ptr, o_row, m_row, o_h, b_x, X, X_OUT, HAS_TAIL: tl.constexpr):
     """Columns o_h < X of rows o_row (masked by m_row): [0, X_OUT) into out, [X_OUT, X) into tail
     (with HAS_TAIL; else X_OUT = X)."""
@@ -493,9 +501,7 @@ def _pull_rows_kernel(
                         if ROW_MAP:
                             o_dst, m_dst = o_i, m_routed
                         else:
-                            m_slot = m_src & (o_i < tl.where(top_k > k, n_tokens, 0))
-                            b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=m_slot, other=-1)
-                            o_dst, m_dst = b_dst - own_first, _lands_here(b_dst, own_first, dst_stride)
+                            o_dst, m_dst = _slot_rows(p_tag, k, m_src, o_i, n_tokens, top_k, own_first, dst_stride)
                         _store_dequantized(out_ptr, tail_ptr, o_dst, m_dst, o_b, o_h, b_value, b_block_scale, n_scales,
                                            X_OUT)
             else:
@@ -514,9 +520,7 @@ def _pull_rows_kernel(
                         if ROW_MAP:
                             o_dst, m_dst = o_i, m_routed
                         else:
-                            m_slot = m_src & (o_i < tl.where(top_k > k, n_tokens, 0))
-                            b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=m_slot, other=-1)
-                            o_dst, m_dst = b_dst - own_first, _lands_here(b_dst, own_first, dst_stride)
+                            o_dst, m_dst = _slot_rows(p_tag, k, m_src, o_i, n_tokens, top_k, own_first, dst_stride)
                         b_y = b_x
                         if HAS_SCALE:  # fp32 (fp64) product, rounded once
                             if not ROW_MAP:  # the slot's scale bits
