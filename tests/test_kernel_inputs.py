@@ -666,6 +666,22 @@ def test_movers_reach_their_peers_without_reducing_across_threads():
         assert not ops.get("bar.sync"), ops
 
 
+def test_a_pull_thread_loads_one_tokens_tags_however_many_tokens_a_program_takes():
+    # Under an SM budget one program an SM takes many tokens a step. A [BLOCK_R, BLOCK_H] step
+    # spread a row's columns over the warps, so each thread held a vector of several tokens' rows
+    # and, for each of the K slots, loaded, compared and addressed every one of their tags: on 16
+    # / 32 programs of an H100 the pull moved 0.33 / 0.38 of a plain gather's GB/s (W = 4;
+    # docs/benchmarks.md, twenty-fifth session). With a [REPS, BLOCK_R, LANES] step a warp holds
+    # one token's row, and a thread's 8-byte loads (tags, header, stage base) do not grow with the
+    # tokens a program takes. PTX for sm_90 at 16 and 32 tokens a program, 32 warps, on the CPU.
+    pull = dict(K=8, ROW_MAP=False, STAGED=True, HAS_SCALE=False, ACC_DTYPE="tl.float32", HAS_TAIL=False,
+                BLOCK_H=2048, BARRIER=False, WORLD_SIZE=4, DEQUANTIZE=False)
+    cases = [["pull_rows", dict(pull, BLOCK_R=rows), dict(out_ptr="*bf16", tail_ptr="*bf16"), 32] for rows in (16, 32)]
+    loads = [sum(n for op, n in ops.items() if op.startswith("ld.global") and op.endswith("b64") and ".v" not in op)
+             for ops in json.loads(_without_interpreter(_PTX_OPS, cases, timeout=600))]
+    assert loads[0] == loads[1], loads
+
+
 def test_the_quantizing_post_stores_its_rows_as_the_quantize_does():
     # The fp8 dispatch with peers quantizes each token in its post, straight into the stage. With
     # the wire rows' stride computed in the kernel (H + H / 32 bytes) the compiler knew them only
