@@ -384,7 +384,8 @@ def main() -> None:
     parser.add_argument("--ulysses", type=int, nargs="*", default=None, metavar="S",
                         help="only the Ulysses exchange's tiles, at these sequence lengths (default 4096 32768)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="simulated ranks (--ulysses, --pull)")
-    parser.add_argument("--pull", action="store_true", help="only the dispatch's pull (pull_tokens), at --tokens")
+    parser.add_argument("--pull", action="store_true",
+                        help="only the dispatch's pull (pull_tokens, pull_tokens_dequantize), at --tokens")
     parser.add_argument("--pull-sms", type=int, nargs="+", default=[], metavar="P",
                         help="instead, sweep the pull's budget tiles on P programs (an SM budget; --pull)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (--ulysses)")
