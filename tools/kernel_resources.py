@@ -139,6 +139,10 @@ def measure(case: Case, budget: bool) -> Resources:
         key, X, element_size = case.tile
         blocks = _config.row_blocks(key, 65536, X, element_size, max_programs)
         tile = dict(zip(case.tile_names, (blocks.BLOCK_R, blocks.BLOCK_H)))
+        if case.kernel == "_pull_rows_kernel":  # the columns of one load, as pull_rows sets them
+            from alltoall_ops.kernels.row_put import row_piece
+
+            tile["BLOCK_C"] = row_piece(blocks, element_size)
         shape = (blocks.BLOCK_R, blocks.BLOCK_H, blocks.num_warps)
     constexprs = {k: getattr(tl, v[3:]) if isinstance(v, str) and v.startswith("tl.") else v
                   for k, v in {**case.constexprs, **tile}.items()}

@@ -57,6 +57,9 @@ DEVICE = torch.device("cuda")
 
 
 median_us = timer(DEVICE)
+PULL_PAYLOADS = ("bf16", "fp8 wire", "fp8 dequantized")
+"""The pull's payloads (``--pull``): bf16 rows, fp8 wire rows split into values and scale bytes,
+fp8 wire rows dequantized to bf16."""
 
 
 def _use_blocks(name: str, cfg: tuple) -> None:
@@ -224,12 +227,14 @@ def _pull_case(T: int, W: int) -> tuple[torch.Tensor, int]:
     return codes.view(W, T * K), C
 
 
-def sweep_pull(T: int, W: int, bandwidth: float, top: int, budget: Optional[int] = None) -> None:
+def sweep_pull(T: int, W: int, bandwidth: float, top: int, budget: Optional[int] = None,
+               payloads: Optional[list[str]] = None) -> None:
     """The dispatch's pull into rank 0 of W from W senders of T tokens (:func:`_pull_case`), in
-    each of its payloads, on its tile (``pull_tokens``; dequantizing: ``pull_tokens_dequantize``),
-    or with ``budget`` on at most that many programs and its budget tile; each result checked
-    against torch, the tile in use restored after each sweep. Bytes: every sender's token with a
-    slot here read once, every row here written once."""
+    each of its payloads (:data:`PULL_PAYLOADS`, or those in ``payloads``), on its tile
+    (``pull_tokens``; dequantizing: ``pull_tokens_dequantize``), or with ``budget`` on at most that
+    many programs and its budget tile; each result checked against torch, the tile in use restored
+    after each sweep. Bytes: every sender's token with a slot here read once, every row here
+    written once."""
     from alltoall_ops import fp8
     from tools.sm_budget_diag import senders_tags
 
@@ -245,7 +250,7 @@ def sweep_pull(T: int, W: int, bandwidth: float, top: int, budget: Optional[int]
     x = torch.randn(W * T, H, device=DEVICE).bfloat16()
     values, scales = fp8.quantize(x)
     wire = torch.cat([values.view(torch.uint8), scales.view(torch.uint8)], 1)  # (W * T, P)
-    payloads = {  # name: (stages, out, tail, want: the rows here, the tail's, bytes of a row in and out)
+    cases = {  # payload: (stages, out, tail, want: the rows here, the tail's, bytes of a row in and out)
         "bf16": (x, x.new_empty(C, H), None, (x[stage_row],), H * 2, H * 2),
         "fp8 wire": (wire, wire.new_empty(C, H), wire.new_empty(C, P - H), (wire[stage_row, :H], wire[stage_row, H:]),
                      P, P),
@@ -254,14 +259,17 @@ def sweep_pull(T: int, W: int, bandwidth: float, top: int, budget: Optional[int]
     }
     table_of_tiles = _config.GPU_BLOCKS if budget is None else _config.BUDGET_BLOCKS
     configs = list(itertools.product([1, 2, 4], [2048, 4096, 8192], [4, 8, 16]) if budget is None else
-                   itertools.product([4, 8, 16, 32], [2048, 8192], [16, 32]))
+                   itertools.product([8, 16, 32], [2048, 4096], [16, 32]))
     print(f"\n===== pull into rank 0 of W = {W}{'' if budget is None else f' on {budget} programs'}: T = {T} a "
           f"sender, C = {C} rows here, {tokens_read} tokens read")
-    for name, (stages, out, tail, want, row_in, row_out) in payloads.items():
+    for name, (stages, out, tail, want, row_in, row_out) in cases.items():
+        if payloads and name not in payloads:
+            continue
         stage_table = torch.tensor([stages[s * T].data_ptr() for s in range(W)], device=DEVICE)
         dequantize = name == "fp8 dequantized"
         key = "pull_tokens_dequantize" if dequantize else "pull_tokens"
         chosen = table_of_tiles[key]
+        tiles = configs + [chosen] * (chosen not in configs)  # the tile in use, always among them
 
         def pull(out=out, tail=tail, stage_table=stage_table, dequantize=dequantize):
             k.pull_rows(region, num_routed, out, row_src, stage_table=stage_table, dst_stride=C, top_k=K, tokens=T,
@@ -271,14 +279,14 @@ def sweep_pull(T: int, W: int, bandwidth: float, top: int, budget: Optional[int]
             table_of_tiles[key] = cfg
 
         with mock.patch.dict(table_of_tiles):  # every tile checked, then timed; the tile in use restored
-            for cfg in configs:
+            for cfg in tiles:
                 use(key, cfg)
                 out.zero_()
                 pull()
                 got = (out,) if tail is None else (out, tail)
                 assert all(torch.equal(g, w) for g, w in zip(got, want)), f"pull_rows {name} != torch at {cfg}"
             nbytes = tokens_read * row_in + C * row_out
-            ranked = sweep(key, pull, nbytes, bandwidth, configs, top, use,
+            ranked = sweep(key, pull, nbytes, bandwidth, tiles, top, use,
                            legend=f"{name}: (tokens a program, BLOCK_H at 2 bytes, num_warps)")
         print(f"  best {nbytes / ranked[0][0] / 1e3:.0f} GB/s; in use {chosen}: "
               + ", ".join(f"{us:.1f} us, {nbytes / us / 1e3:.0f} GB/s" for us, cfg in ranked if cfg == chosen))
@@ -388,6 +396,8 @@ def main() -> None:
                         help="only the dispatch's pull (pull_tokens, pull_tokens_dequantize), at --tokens")
     parser.add_argument("--pull-sms", type=int, nargs="+", default=[], metavar="P",
                         help="instead, sweep the pull's budget tiles on P programs (an SM budget; --pull)")
+    parser.add_argument("--pull-payloads", nargs="+", default=None, choices=PULL_PAYLOADS,
+                        help="only these payloads (--pull; default all)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (--ulysses)")
     args = parser.parse_args()
     if args.ulysses is not None:
@@ -397,7 +407,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write)")
     if args.pull:
         for T, W, budget in itertools.product(args.tokens, args.worlds, args.pull_sms or [None]):
-            sweep_pull(T, W, bandwidth, args.top, budget)
+            sweep_pull(T, W, bandwidth, args.top, budget, args.pull_payloads)
         return
     for T in args.layout_tokens:
         sweep_layout(T)

@@ -124,8 +124,8 @@ BUDGET_BLOCKS: dict[str, tuple[int, int, int]] = {
     "put_rows": (16, 2048, 32),
     "topk_reduce": (8, 2048, 32),
     "pull_rows": (32, 2048, 32),
-    "pull_tokens": (16, 2048, 32),  # H100, tune_kernels --pull --pull-sms 16 32 (W = 2, 4; bf16 and fp8 wire rows)
-    "pull_tokens_dequantize": (32, 4096, 16),  # the same sweep
+    "pull_tokens": (32, 2048, 32),  # H100, tune_kernels --pull --pull-sms 16 32 (W = 4; bf16 and fp8 wire rows)
+    "pull_tokens_dequantize": (32, 2048, 16),  # the same sweep
     "weight_grad": (8, 2048, 16),
     "seq_pieces": (8, 2048, 16),
 }

@@ -50,8 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import (LAUNCH_LOCK, cast_rne, interpreting, launch, order_after, program_grid, require_contiguous,
-                      row_blocks, tl_acc_dtype, upcast)
+from ._config import (LAUNCH_LOCK, RowBlocks, cast_rne, interpreting, launch, order_after, program_grid,
+                      require_contiguous, row_blocks, tl_acc_dtype, upcast)
 from ..fp8 import AMAX_FLOOR, BLOCK, FP8_MAX, packed_width
 from .barrier import Epilogue, advance_call, arrive_and_wait, barrier_alone, epilogue_args, last_program_arrives
 from .quantize import e4m3_value, quantize_block, tiles as quantize_tiles
@@ -385,14 +385,6 @@ def _lands_here(b_dst, own_first, dst_stride):
 
 
 @triton.jit
-def _slot_rows(p_tag, k, m_tokens, o_t, n_tokens, top_k, own_first, dst_stride):
-    """Slot k's rows here (codes less own_first) of tokens o_t [BR] of a sender (masked by
-    m_tokens; p_tag [BR]: each token's first tag), and which of them name a row here."""
-    b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=m_tokens & (o_t < tl.where(top_k > k, n_tokens, 0)), other=-1)
-    return b_dst - own_first, _lands_here(b_dst, own_first, dst_stride)
-
-
-@triton.jit
 def _store_columns(out_ptr, tail_ptr, o_row, m_row, o_h, b_x, X, X_OUT, HAS_TAIL: tl.constexpr):
     """Columns o_h < X of rows o_row (masked by m_row): [0, X_OUT) into out, [X_OUT, X) into tail
     (with HAS_TAIL; else X_OUT = X)."""
@@ -423,7 +415,7 @@ def _pull_rows_kernel(
     pads_table_ptr, counters_ptr, barrier_call_ptr, barrier_rank, timeout_ms, barrier_op,
     K: tl.constexpr, ROW_MAP: tl.constexpr, STAGED: tl.constexpr, HAS_SCALE: tl.constexpr,
     ACC_DTYPE: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-    BARRIER: tl.constexpr, WORLD_SIZE: tl.constexpr, DEQUANTIZE: tl.constexpr,
+    BLOCK_C: tl.constexpr, BARRIER: tl.constexpr, WORLD_SIZE: tl.constexpr, DEQUANTIZE: tl.constexpr,
 ):
     order_after(token_ptr)
     BLOCK_B: tl.constexpr = BLOCK_H // _FP8_BLOCK if BLOCK_H >= _FP8_BLOCK else 1  # dequantize: scale blocks a step
@@ -433,14 +425,14 @@ def _pull_rows_kernel(
     # An item: one rank, a block of rows d, each row's slot from the placement's row map; peers, a
     # block of one sender's tokens, each token's row loaded once and stored into every row of this
     # rank that one of its slots goes to, the senders in turn (the programs running at once read
-    # from all of them). NB: each tag (a few bytes, a cache hit after the first) is loaded where it
-    # is used, a [BLOCK_R] vector per slot k, never picked out of a [BLOCK_R, K] tile: that is a
-    # sum across threads (shuffles, shared memory, barriers) for every slot of every step. Nor held
-    # across the column steps in a tuple: each thread holds every token's tag of a [BLOCK_R]
-    # vector, K of them spill (H100, W = 4, fp8 wire rows: 1095 -> 4408 us on 16 programs, 140 ->
-    # 169 us on all; twenty-fifth session, docs/benchmarks.md). The tags' bases are loaded here,
-    # not in a helper: inductor's analysis of which arguments a kernel writes would see a store
-    # through a helper's result as a store into the helper's arguments (the address tables).
+    # from all of them). NB: each slot's tag is loaded once an item, a [BLOCK_R] vector per slot k,
+    # and its row here, mask (and scale) held in tuples for the item's column steps; never picked
+    # out of a [BLOCK_R, K] tile: that is a sum across threads (shuffles, shared memory, barriers).
+    # The tuples fit because a thread holds one token (the step's layout, below); where a thread
+    # held several tokens' rows they spilled (H100, W = 4, fp8 wire rows, 16 programs: 1095 ->
+    # 4408 us; twenty-fifth session, docs/benchmarks.md). The tags' bases are loaded here, not in
+    # a helper: inductor's analysis of which arguments a kernel writes would see a store through
+    # a helper's result as a store into the helper's arguments (the address tables).
     if ROW_MAP:
         n_routed = tl.minimum(tl.load(num_routed_ptr), n_rows)  # rows [0, n_routed) written, the rest left as they are
         n_items = tl.cdiv(n_routed, BLOCK_R)
@@ -467,12 +459,14 @@ def _pull_rows_kernel(
                 b_code = tl.load(position_ptr + b_slot, mask=m_routed & (b_slot >= 0), other=-1)  # its send position
                 m_src = m_routed & (b_code >= 0)  # [BR] rows to load
                 p_src = rows_ptr + (b_slot // K) * X  # [BR]
+                o_dsts, m_dsts = (o_i,), (m_routed,)
                 if HAS_SCALE:
-                    b_scale = upcast(tl.load(scale_ptr + b_slot, mask=m_src, other=0), ACC_DTYPE)
+                    b_scales = (upcast(tl.load(scale_ptr + b_slot, mask=m_src, other=0), ACC_DTYPE),)
                 tl.store(row_src_ptr + o_i, b_code, mask=m_routed)
             else:
                 p_tag = p_tags + (1 + o_i * top_k) * _TAG_COLUMNS  # [BR] each token's first slot's tag
                 m_src = o_i < 0  # [BR] tokens with a row here
+                o_dsts, m_dsts, b_scales = (), (), ()  # K [BR] vectors: slot k's row here, whether it has one, scale
                 for k in tl.static_range(K):  # NB: o_i against a scalar, not m_t & a scalar (the interpreter)
                     b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=o_i < tl.where(top_k > k, n_tokens, 0),
                                     other=-1)
@@ -480,6 +474,13 @@ def _pull_rows_kernel(
                     m_src |= m_k
                     tl.store(row_src_ptr + b_dst - own_first, tl.load(p_tag + k * _TAG_COLUMNS + 1, mask=m_k),
                              mask=m_k)
+                    o_dsts, m_dsts = o_dsts + (tl.where(m_k, b_dst - own_first, 0),), m_dsts + (m_k,)
+                    if HAS_SCALE:  # the slot's scale bits
+                        b_bits = tl.load(p_tag + k * _TAG_COLUMNS + 2, mask=m_k, other=0)
+                        if ACC_DTYPE == tl.float64:
+                            b_scales = b_scales + (b_bits.to(tl.float64, bitcast=True),)
+                        else:
+                            b_scales = b_scales + (b_bits.to(tl.int32).to(tl.float32, bitcast=True),)
                 if STAGED:  # 16-byte aligned stages (every region of SymmBuffers): vector loads
                     p_src = tl.multiple_of(tl.load(stage_table_ptr + s).to(tl.pointer_type(tail_ptr.dtype.element_ty)),
                                            16) + o_i * X  # [BR]
@@ -498,40 +499,42 @@ def _pull_rows_kernel(
                     b_bits = tl.load(p_src[:, None, None] + o_h[None, :, :], mask=m_read[:, :, None], other=0)
                     b_value = cast_rne(e4m3_value(b_bits) * b_block_scale[:, :, None], out_ptr.dtype.element_ty)
                     for k in tl.static_range(SLOTS):
-                        if ROW_MAP:
-                            o_dst, m_dst = o_i, m_routed
-                        else:
-                            o_dst, m_dst = _slot_rows(p_tag, k, m_src, o_i, n_tokens, top_k, own_first, dst_stride)
-                        _store_dequantized(out_ptr, tail_ptr, o_dst, m_dst, o_b, o_h, b_value, b_block_scale, n_scales,
-                                           X_OUT)
+                        _store_dequantized(out_ptr, tail_ptr, o_dsts[k], m_dsts[k], o_b, o_h, b_value, b_block_scale,
+                                           n_scales, X_OUT)
             else:
-                # NB: a step is [REPS, BLOCK_R, LANES]: a warp's 32 threads take 16 bytes each of one
-                # row (LANES elements), REPS times over the step's columns, so a thread loads one
-                # row's code (one token's tags), source row and stage base. A [BLOCK_R, BLOCK_H]
-                # step spread the columns over the warps, 8 rows a thread at the budget tile: on 8 /
-                # 16 / 32 programs of an H100 the one-rank pull moved 525 / 999 / 1847 GB/s that
-                # way, 549 / 1046 / 1902 this way (the same without a budget).
-                LANES: tl.constexpr = min(BLOCK_H, 4096 // out_ptr.dtype.element_ty.primitive_bitwidth)
-                o_lanes = (tl.arange(0, BLOCK_H // LANES)[:, None] * LANES + tl.arange(0, LANES)[None, :])[:, None, :]
-                for i_h in range(0, X, BLOCK_H):
-                    o_h = i_h + o_lanes  # [REPS, 1, LANES] columns
-                    b_x = tl.load(p_src[None, :, None] + o_h, mask=m_src[None, :, None] & (o_h < X), other=0)
-                    for k in tl.static_range(SLOTS):
-                        if ROW_MAP:
-                            o_dst, m_dst = o_i, m_routed
-                        else:
-                            o_dst, m_dst = _slot_rows(p_tag, k, m_src, o_i, n_tokens, top_k, own_first, dst_stride)
-                        b_y = b_x
-                        if HAS_SCALE:  # fp32 (fp64) product, rounded once
-                            if not ROW_MAP:  # the slot's scale bits
-                                b_bits = tl.load(p_tag + k * _TAG_COLUMNS + 2, mask=m_dst, other=0)
-                                if ACC_DTYPE == tl.float64:
-                                    b_scale = b_bits.to(tl.float64, bitcast=True)
-                                else:
-                                    b_scale = b_bits.to(tl.int32).to(tl.float32, bitcast=True)
-                            b_y = cast_rne(upcast(b_x, ACC_DTYPE) * b_scale[None, :, None], out_ptr.dtype.element_ty)
-                        _store_columns(out_ptr, tail_ptr, o_dst[None, :, None], m_dst[None, :, None], o_h, b_y, X,
-                                       X_OUT, HAS_TAIL)
+                # NB: a step is BLOCK_H // BLOCK_C loads of [BLOCK_R, BLOCK_C], all issued before the
+                # first store, then each stored into its slots' rows. The launcher sets BLOCK_C so
+                # that the warps spread over rows, not columns (a warp on a row at the budget tiles):
+                # a thread holds one row, so it loads one token's tags once an item, computes each
+                # slot's row address once a step and stores its pieces at constant offsets from it.
+                # With the columns of a step spread over the warps (a [BLOCK_R, BLOCK_H] or [REPS,
+                # BLOCK_R, LANES] step: Triton put the warps on the columns first), each thread held
+                # 4 rows and reloaded their tags each step: 669 instructions a step, and the pull
+                # moved 0.45x a plain gather's bytes a second on 16 programs of an H100 (ncu: issue-
+                # bound; twenty-sixth session, docs/benchmarks.md). The values and the tail (fp8
+                # scale bytes) are two passes over the columns, each with one address a slot: in one
+                # pass a slot's stores needed both, 118 registers a thread at the fp8 GPU tile.
+                o_cols = tl.arange(0, BLOCK_C)[None, :]  # [1, BC]
+                for i_part in tl.static_range(2 if HAS_TAIL else 1):  # columns [0, X_OUT) into out, the rest into tail
+                    if i_part == 0:
+                        p_part, col0, width = out_ptr, 0, X_OUT
+                    else:
+                        p_part, col0, width = tail_ptr, X_OUT, X - X_OUT
+                    for i_h in range(0, width, BLOCK_H):
+                        b_xs = ()  # BLOCK_H // BLOCK_C [BR, BC] pieces of the rows
+                        for i_c in tl.static_range(BLOCK_H // BLOCK_C):
+                            o_h = i_h + i_c * BLOCK_C + o_cols
+                            b_xs = b_xs + (tl.load(p_src[:, None] + col0 + o_h, mask=m_src[:, None] & (o_h < width),
+                                                   other=0),)
+                        for k in tl.static_range(SLOTS):
+                            for i_c in tl.static_range(BLOCK_H // BLOCK_C):
+                                o_h = i_h + i_c * BLOCK_C + o_cols
+                                b_y = b_xs[i_c]
+                                if HAS_SCALE:  # fp32 (fp64) product, rounded once
+                                    b_y = cast_rne(upcast(b_y, ACC_DTYPE) * b_scales[k][:, None],
+                                                   out_ptr.dtype.element_ty)
+                                tl.store(p_part + o_dsts[k][:, None] * width + o_h, b_y,
+                                         mask=m_dsts[k][:, None] & (o_h < width))
     if not ROW_MAP:
         for i_pad in range(tl.program_id(0), n_pads, tl.num_programs(0)):  # a local expert's padding rows: zero
             for row in range(tl.load(pads_ptr + i_pad), tl.load(pads_ptr + n_pads + i_pad)):
@@ -543,6 +546,13 @@ def _pull_rows_kernel(
     if BARRIER:  # every rank is done reading the stages and tags before any writes them again
         last_program_arrives(pads_table_ptr, counters_ptr, barrier_rank, timeout_ms, barrier_call_ptr, barrier_op,
                              WORLD_SIZE, False)
+
+
+def row_piece(blocks: RowBlocks, element_size: int) -> int:
+    """Columns of one load of the pull's step (``BLOCK_C``): 16 bytes a thread, a warp's 32
+    threads along a row, as many warps on a row as the program has more warps than rows (warps on
+    rows, not columns)."""
+    return min(blocks.BLOCK_H, 32 * 16 // element_size * max(1, blocks.num_warps // blocks.BLOCK_R))
 
 
 def pull_rows(
@@ -645,6 +655,7 @@ def pull_rows(
             ROW_MAP=row_map is not None, STAGED=stage_table is not None,
             HAS_SCALE=scaled if row_map is None else scale is not None, ACC_DTYPE=tl_acc_dtype(acc_dtype),
             HAS_TAIL=tail is not None, BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H,
+            BLOCK_C=blocks.BLOCK_H if interpreting() else row_piece(blocks, wire.itemsize),  # interpreter: one piece
             num_warps=blocks.num_warps, DEQUANTIZE=dequantize,
             **epilogue_args(epilogue, out),
         )
