@@ -385,6 +385,14 @@ def _lands_here(b_dst, own_first, dst_stride):
 
 
 @triton.jit
+def _slot_rows(p_tag, k, m_tokens, o_t, n_tokens, top_k, own_first, dst_stride):
+    """Slot k's rows here (codes less own_first) of tokens o_t [BR] of a sender (masked by
+    m_tokens; p_tag [BR]: each token's first tag), and which of them name a row here."""
+    b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=m_tokens & (o_t < tl.where(top_k > k, n_tokens, 0)), other=-1)
+    return b_dst - own_first, _lands_here(b_dst, own_first, dst_stride)
+
+
+@triton.jit
 def _store_columns(out_ptr, tail_ptr, o_row, m_row, o_h, b_x, X, X_OUT, HAS_TAIL: tl.constexpr):
     """Columns o_h < X of rows o_row (masked by m_row): [0, X_OUT) into out, [X_OUT, X) into tail
     (with HAS_TAIL; else X_OUT = X)."""
@@ -415,7 +423,8 @@ def _pull_rows_kernel(
     pads_table_ptr, counters_ptr, barrier_call_ptr, barrier_rank, timeout_ms, barrier_op,
     K: tl.constexpr, ROW_MAP: tl.constexpr, STAGED: tl.constexpr, HAS_SCALE: tl.constexpr,
     ACC_DTYPE: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_C: tl.constexpr, BARRIER: tl.constexpr, WORLD_SIZE: tl.constexpr, DEQUANTIZE: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BARRIER: tl.constexpr, WORLD_SIZE: tl.constexpr,
+    DEQUANTIZE: tl.constexpr,
 ):
     order_after(token_ptr)
     BLOCK_B: tl.constexpr = BLOCK_H // _FP8_BLOCK if BLOCK_H >= _FP8_BLOCK else 1  # dequantize: scale blocks a step
@@ -498,9 +507,15 @@ def _pull_rows_kernel(
                     o_h = o_b[:, None] * _FP8_BLOCK + o_c[None, :]  # [BB, 128]
                     b_bits = tl.load(p_src[:, None, None] + o_h[None, :, :], mask=m_read[:, :, None], other=0)
                     b_value = cast_rne(e4m3_value(b_bits) * b_block_scale[:, :, None], out_ptr.dtype.element_ty)
-                    for k in tl.static_range(SLOTS):
-                        _store_dequantized(out_ptr, tail_ptr, o_dsts[k], m_dsts[k], o_b, o_h, b_value, b_block_scale,
-                                           n_scales, X_OUT)
+                    for k in tl.static_range(SLOTS):  # NB: each slot's rows reloaded (held: 4 tokens a thread at
+                        # the GPU tile, 204 registers against 168, 2 programs an SM against 3; the
+                        # dispatch 3% slower at W = 4, H100, twenty-sixth session)
+                        if ROW_MAP:
+                            o_dst, m_dst = o_i, m_routed
+                        else:
+                            o_dst, m_dst = _slot_rows(p_tag, k, m_src, o_i, n_tokens, top_k, own_first, dst_stride)
+                        _store_dequantized(out_ptr, tail_ptr, o_dst, m_dst, o_b, o_h, b_value, b_block_scale, n_scales,
+                                           X_OUT)
             else:
                 # NB: a step is BLOCK_H // BLOCK_C loads of [BLOCK_R, BLOCK_C], all issued before the
                 # first store, then each stored into its slots' rows. The launcher sets BLOCK_C so
@@ -511,30 +526,32 @@ def _pull_rows_kernel(
                 # BLOCK_R, LANES] step: Triton put the warps on the columns first), each thread held
                 # 4 rows and reloaded their tags each step: 669 instructions a step, and the pull
                 # moved 0.45x a plain gather's bytes a second on 16 programs of an H100 (ncu: issue-
-                # bound; twenty-sixth session, docs/benchmarks.md). The values and the tail (fp8
-                # scale bytes) are two passes over the columns, each with one address a slot: in one
-                # pass a slot's stores needed both, 118 registers a thread at the fp8 GPU tile.
+                # bound; twenty-sixth session, docs/benchmarks.md). The tail (HAS_TAIL: fp8 scale
+                # bytes, X - X_OUT <= BLOCK_T) is loaded with the first values and stored after the
+                # last: one load's wait an item. Stored with each piece instead (two addresses a
+                # slot), the fp8 GPU tile took 118 registers a thread, 4 programs an SM.
                 o_cols = tl.arange(0, BLOCK_C)[None, :]  # [1, BC]
-                for i_part in tl.static_range(2 if HAS_TAIL else 1):  # columns [0, X_OUT) into out, the rest into tail
-                    if i_part == 0:
-                        p_part, col0, width = out_ptr, 0, X_OUT
-                    else:
-                        p_part, col0, width = tail_ptr, X_OUT, X - X_OUT
-                    for i_h in range(0, width, BLOCK_H):
-                        b_xs = ()  # BLOCK_H // BLOCK_C [BR, BC] pieces of the rows
+                if HAS_TAIL:
+                    o_tail = tl.arange(0, BLOCK_T)[None, :]  # [1, BT]
+                    m_tail = o_tail < X - X_OUT
+                    b_tail = tl.load(p_src[:, None] + X_OUT + o_tail, mask=m_src[:, None] & m_tail, other=0)
+                for i_h in range(0, X_OUT, BLOCK_H):
+                    b_xs = ()  # BLOCK_H // BLOCK_C [BR, BC] pieces of the rows
+                    for i_c in tl.static_range(BLOCK_H // BLOCK_C):
+                        o_h = i_h + i_c * BLOCK_C + o_cols
+                        b_xs = b_xs + (tl.load(p_src[:, None] + o_h, mask=m_src[:, None] & (o_h < X_OUT), other=0),)
+                    for k in tl.static_range(SLOTS):
                         for i_c in tl.static_range(BLOCK_H // BLOCK_C):
                             o_h = i_h + i_c * BLOCK_C + o_cols
-                            b_xs = b_xs + (tl.load(p_src[:, None] + col0 + o_h, mask=m_src[:, None] & (o_h < width),
-                                                   other=0),)
-                        for k in tl.static_range(SLOTS):
-                            for i_c in tl.static_range(BLOCK_H // BLOCK_C):
-                                o_h = i_h + i_c * BLOCK_C + o_cols
-                                b_y = b_xs[i_c]
-                                if HAS_SCALE:  # fp32 (fp64) product, rounded once
-                                    b_y = cast_rne(upcast(b_y, ACC_DTYPE) * b_scales[k][:, None],
-                                                   out_ptr.dtype.element_ty)
-                                tl.store(p_part + o_dsts[k][:, None] * width + o_h, b_y,
-                                         mask=m_dsts[k][:, None] & (o_h < width))
+                            b_y = b_xs[i_c]
+                            if HAS_SCALE:  # fp32 (fp64) product, rounded once
+                                b_y = cast_rne(upcast(b_y, ACC_DTYPE) * b_scales[k][:, None], out_ptr.dtype.element_ty)
+                            tl.store(out_ptr + o_dsts[k][:, None] * X_OUT + o_h, b_y,
+                                     mask=m_dsts[k][:, None] & (o_h < X_OUT))
+                if HAS_TAIL:
+                    for k in tl.static_range(SLOTS):
+                        tl.store(tail_ptr + o_dsts[k][:, None] * (X - X_OUT) + o_tail, b_tail,
+                                 mask=m_dsts[k][:, None] & m_tail)
     if not ROW_MAP:
         for i_pad in range(tl.program_id(0), n_pads, tl.num_programs(0)):  # a local expert's padding rows: zero
             for row in range(tl.load(pads_ptr + i_pad), tl.load(pads_ptr + n_pads + i_pad)):
@@ -656,6 +673,7 @@ def pull_rows(
             HAS_SCALE=scaled if row_map is None else scale is not None, ACC_DTYPE=tl_acc_dtype(acc_dtype),
             HAS_TAIL=tail is not None, BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H,
             BLOCK_C=blocks.BLOCK_H if interpreting() else row_piece(blocks, wire.itemsize),  # interpreter: one piece
+            BLOCK_T=triton.next_power_of_2(max(1, X - out.shape[1])),
             num_warps=blocks.num_warps, DEQUANTIZE=dequantize,
             **epilogue_args(epilogue, out),
         )
