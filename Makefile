@@ -4,8 +4,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_DEV_CONSTRAINT ?= torch==2.13.0
 WORLD_SIZE ?= 4
+DEVICE_TRITON ?= 3.6.0
+DEVICE_TRITON_DIR ?= .triton-device
 
-.PHONY: install test demo bench lint clean gpu-check
+.PHONY: install test demo bench lint clean gpu-check kernel-resources
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +36,14 @@ lint: install
 	$(VENV)/bin/ruff check alltoall_ops tests benchmarks examples tools
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis $(DEVICE_TRITON_DIR)
+
+# Registers, spills and SASS of the data-moving kernels as the GPU host builds them: its Triton
+# (3.6), not the one installed here, lays tiles out differently (docs/benchmarks.md, twenty-sixth
+# session). Needs the network once, for the wheel.
+kernel-resources: install
+	$(PY) -m pip install -q --no-deps --target $(DEVICE_TRITON_DIR) "triton==$(DEVICE_TRITON)"
+	PYTHONPATH=$(DEVICE_TRITON_DIR) $(PY) -m tools.kernel_resources $(KERNELS)
 
 # On the GPU host (system python3 with torch preinstalled, no venv, no network): every test marked
 # gpu, then the SM-budget benchmark. Under 8 minutes on one H200 (docs/gpu.md).

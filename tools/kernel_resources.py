@@ -6,6 +6,12 @@ budget, instructions rather than bytes can set its pace). No GPU needed.
 
     python -m tools.kernel_resources            # the table; exit status 1 if a tile has a problem
     python -m tools.kernel_resources pull       # the cases whose name has "pull"
+    make kernel-resources [KERNELS=pull]        # with the GPU host's Triton (3.6), as it builds them
+
+The layout Triton gives a tile, and so registers and instructions, can change between Triton
+versions: on the same source 3.9 put a pull step's warps on rows and 3.6 on its columns (1424 against
+2472 instructions; twenty-sixth session). Read them with the GPU host's version (the header names
+the one used).
 
 Each case is a kernel as a dispatch or combine with peers launches it at H = 7168, K = 8, W = 2
 (bf16 rows, fp8 wire rows of H + 4 H / 128 bytes), its tile from ``_config.row_blocks`` (the GPU
@@ -190,7 +196,10 @@ def main(argv: list[str]) -> int:
     if "triton" in sys.modules:
         sys.exit("tools.kernel_resources: run it as a program (it imports Triton to compile, not to interpret)")
     os.environ["TRITON_INTERPRET"] = "0"  # compile for sm_90 on any machine (alltoall_ops would interpret without CUDA)
+    import triton
+
     rows = measure_all(argv[0] if argv else "")
+    print(f"Triton {triton.__version__}, sm_90")
     print(f"{'kernel':40s} {'tile':7s} {'rows x cols, warps':20s} {'regs':>5s} {'local':>6s} {'shared':>7s} "
           f"{'SASS':>5s}  problems")
     for r in rows:
