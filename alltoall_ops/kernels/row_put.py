@@ -525,8 +525,8 @@ def _pull_rows_kernel(
                 # With the columns of a step spread over the warps (a [BLOCK_R, BLOCK_H] or [REPS,
                 # BLOCK_R, LANES] step: Triton put the warps on the columns first), each thread held
                 # 4 rows and reloaded their tags each step: 669 instructions a step, and the pull
-                # moved 0.45x a plain gather's bytes a second on 16 programs of an H100 (ncu: issue-
-                # bound; twenty-sixth session, docs/benchmarks.md). The tail (HAS_TAIL: fp8 scale
+                # moved 0.33x a plain gather's GB/s on 16 programs of an H100 (ncu: issue-bound;
+                # twenty-sixth session, docs/benchmarks.md). The tail (HAS_TAIL: fp8 scale
                 # bytes, X - X_OUT <= BLOCK_T) is loaded with the first values and stored after the
                 # last: one load's wait an item. Stored with each piece instead (two addresses a
                 # slot), the fp8 GPU tile took 118 registers a thread, 4 programs an SM.
