@@ -10,10 +10,9 @@ Kernels (bf16, H = 7168, K = 8, E = 256, fresh random top-k routing):
 - ``put_rows`` (dispatch, every backend): x (T, H) -> (T*K, H) rows in send order, each token
   read once; bytes (T + T*K) * H * 2.
 - ``topk_reduce``: (T*K, H) rows -> (T, H) weighted top-k sums; same bytes.
-- ``pull_rows`` from a sender's tags (its tile: ``GPU_BLOCKS["pull_tokens"]``, tokens a program):
-  the tags ``post_slots`` writes for one sender (x, T tokens of K slots), whose T*K slots name
-  the C = T*K rows here in a random order (all C written), each token read once and stored into
-  its K rows; bytes (T + C) * H * 2. (The one-rank pull by a row map, ``"pull_rows"``: not swept.)
+- ``pull_rows`` from the senders' tags (its tile: ``GPU_BLOCKS["pull_tokens"]``, tokens a
+  program), bf16, W = 2, as ``--pull`` below. (The one-rank pull by a row map, ``"pull_rows"``:
+  not swept.)
 - ``--pull``: only the dispatch's pull, as the dispatch runs it: rank 0 of W pulls from W
   senders of T tokens each (their own fresh routing; a slot lands here when its expert is one of
   the first E / W), each token with a slot here read once and stored into each of its rows here
@@ -190,23 +189,7 @@ def sweep_rows(T: int, bandwidth: float, top: int) -> None:
     sweep("topk_reduce", lambda: k.topk_reduce(ret, plan.position, None, weights, y, None, torch.float32),
           nbytes, bandwidth, itertools.product([1, 2, 4], widths, warps), top)
 
-    # one sender's tags, as its post writes them (a header, then each slot's destination row here:
-    # a random order, so every row is written; source code: the slot), once: the pull leaves them
-    tags = torch.empty(1 + N, TAG_COLUMNS, dtype=torch.int64, device=dev)
-    tags_region, dst = Region.of(tags), torch.randperm(N, device=dev)
-    slots = torch.arange(N, device=dev)
-    k.post_slots(x, dst, N, tags_region.table, slots, rank=0, tag_base=0, top_k=K)
-    row_src = torch.empty(N, dtype=torch.int64, device=dev)
-    num_routed = torch.full((1,), N, dtype=torch.int64, device=dev)  # not read with tags
-
-    def pull_rows():
-        k.pull_rows(tags_region, num_routed, send, row_src, rows=x, dst_stride=N, top_k=K, tokens=T)
-
-    pull_rows()
-    assert torch.equal(send[dst], x.repeat_interleave(K, 0)) and torch.equal(row_src[dst], slots), \
-        "pull_rows != each slot's token"
-    sweep("pull_tokens", pull_rows, nbytes, bandwidth, itertools.product(rows, [2048, 4096], warps), top,
-          legend="(tokens a program, BLOCK_H at 2 bytes, num_warps)")
+    sweep_pull(T, 2, bandwidth, top, payloads=["bf16"])  # pull_tokens: the dispatch's pull, as --pull (bf16)
     sweep_quantize(x, bandwidth, top)
     grad_w = torch.empty(T, K, device=dev)
     sweep("weight_grad", lambda: k.weight_grad(x, ret, plan.position, grad_w, torch.float32),
