@@ -26,7 +26,7 @@ from alltoall_ops import layout
 from alltoall_ops.backends import symm_mem
 from alltoall_ops.backends.symm_mem.buffers import ALIGNMENT, CALL, FAILED, META_EXTRA, N_SLOTS
 from alltoall_ops.kernels import loader
-from alltoall_ops.kernels._config import BUDGET_BLOCKS, RowBlocks
+from alltoall_ops.kernels._config import BUDGET_BLOCKS, GPU_BLOCKS, RowBlocks
 from alltoall_ops.kernels.row_put import row_piece
 from alltoall_ops.kernels.region import Region
 from alltoall_ops.backends.collective import dispatch_op
@@ -669,6 +669,22 @@ def test_movers_reach_their_peers_without_reducing_across_threads():
         assert ops.get("ld.global.v4.b32"), ops  # the rows move (as vectors)
         assert not {op: n for op, n in ops.items() if op.startswith("shfl") or ".shared" in op}, ops
         assert not ops.get("bar.sync"), ops
+
+
+@pytest.mark.parametrize("tiles", ["GPU", "budget"])
+def test_the_pulls_pieces_give_each_thread_its_own_16_bytes(tiles):
+    # The pull's step is pieces of [BLOCK_R, BLOCK_C] (row_put.row_piece), laid out 16 bytes a
+    # thread with the warps on rows. A piece with fewer 16-byte vectors than the program has
+    # threads is held twice over (Triton replicates it): those threads load and store the same
+    # bytes again. Every pull tile, bf16 and fp8 wire rows (1-byte elements), as pull_rows launches it.
+    table = GPU_BLOCKS if tiles == "GPU" else BUDGET_BLOCKS
+    for key in ("pull_tokens", "pull_rows"):
+        block_r, block_h, warps = table[key]
+        for element_size in (1, 2):
+            blocks = RowBlocks(block_r, block_h * 2 // element_size, warps)
+            block_c = row_piece(blocks, element_size)
+            assert blocks.BLOCK_H % block_c == 0, (key, blocks, block_c)
+            assert block_r * block_c * element_size // 16 >= 32 * warps, (key, blocks, block_c)
 
 
 def test_a_pull_thread_loads_one_tokens_tags_however_many_tokens_a_program_takes():
