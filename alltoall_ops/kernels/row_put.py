@@ -523,7 +523,7 @@ def _pull_rows_kernel(
                 # a thread holds one row, so it loads one token's tags once an item, computes each
                 # slot's row address once a step and stores its pieces at constant offsets from it.
                 # With the columns of a step spread over the warps (a [BLOCK_R, BLOCK_H] or [REPS,
-                # BLOCK_R, LANES] step: Triton put the warps on the columns first), each thread held
+                # BLOCK_R, LANES] step: Triton 3.6 put the warps on the columns first), each thread held
                 # 4 rows and reloaded their tags each step: 669 instructions a step, and the pull
                 # moved 0.33x a plain gather's GB/s on 16 programs of an H100 (ncu: issue-bound;
                 # twenty-sixth session, docs/benchmarks.md). The tail (HAS_TAIL: fp8 scale
