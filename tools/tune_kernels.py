@@ -245,9 +245,8 @@ def sweep_pull(T: int, W: int, bandwidth: float, top: int, budget: Optional[int]
                    itertools.product([8, 16, 32], [2048, 4096], [16, 32]))
     print(f"\n===== pull into rank 0 of W = {W}{'' if budget is None else f' on {budget} programs'}: T = {T} a "
           f"sender, C = {C} rows here, {tokens_read} tokens read")
-    for name, (stages, out, tail, want, row_in, row_out) in cases.items():
-        if payloads and name not in payloads:
-            continue
+    for name in payloads or PULL_PAYLOADS:
+        stages, out, tail, want, row_in, row_out = cases[name]
         stage_table = torch.tensor([stages[s * T].data_ptr() for s in range(W)], device=DEVICE)
         dequantize = name == "fp8 dequantized"
         key = "pull_tokens_dequantize" if dequantize else "pull_tokens"
