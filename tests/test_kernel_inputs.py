@@ -678,9 +678,9 @@ def test_the_pulls_pieces_give_each_thread_its_own_16_bytes(tiles):
     # threads is held twice over (Triton replicates it): those threads load and store the same
     # bytes again. Every pull tile, bf16 and fp8 wire rows (1-byte elements), as pull_rows launches it.
     table = GPU_BLOCKS if tiles == "GPU" else BUDGET_BLOCKS
-    for key in ("pull_tokens", "pull_rows"):
+    for key, element_sizes in (("pull_tokens", (2,)), ("pull_tokens_fp8", (1,)), ("pull_rows", (1, 2))):
         block_r, block_h, warps = table[key]
-        for element_size in (1, 2):
+        for element_size in element_sizes:
             blocks = RowBlocks(block_r, block_h * 2 // element_size, warps)
             block_c = row_piece(blocks, element_size)
             assert blocks.BLOCK_H % block_c == 0, (key, blocks, block_c)

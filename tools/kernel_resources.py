@@ -77,7 +77,7 @@ def _cases() -> list[Case]:
         Case("pull_rows (dispatch, bf16)", "row_put", "_pull_rows_kernel", pull, bf16, ("pull_tokens", H, 2),
              barrier=True),
         Case("pull_rows (fp8 wire rows)", "row_put", "_pull_rows_kernel", dict(pull, HAS_TAIL=True), wire,
-             ("pull_tokens", WIRE, 1), barrier=True),
+             ("pull_tokens_fp8", WIRE, 1), barrier=True),
         Case("pull_rows (fp8 dequantized)", "row_put", "_pull_rows_kernel",
              dict(pull, HAS_TAIL=True, DEQUANTIZE=True), dict(wire, out_ptr="*bf16"),
              ("pull_tokens_dequantize", WIRE, 4), barrier=True),

@@ -565,6 +565,12 @@ def _pull_rows_kernel(
                              WORLD_SIZE, False)
 
 
+def pull_tile(wire_rows: bool, dequantize: bool) -> str:
+    """The key of the token pull's tiles (``_config.GPU_BLOCKS``, ``BUDGET_BLOCKS``): fp8 wire rows
+    (values and their scales' tail) moved as they are, dequantized, or rows of one dtype."""
+    return "pull_tokens_dequantize" if dequantize else "pull_tokens_fp8" if wire_rows else "pull_tokens"
+
+
 def row_piece(blocks: RowBlocks, element_size: int) -> int:
     """Columns of one load of the pull's step (``BLOCK_C``): 16 bytes a thread, a warp's 32
     threads along a row, as many warps on a row as the program has more warps than rows (warps on
@@ -656,8 +662,7 @@ def pull_rows(
         programs, K = blocks.grid(C, X)[0], top_k  # NB: one program per row block across all of X (see the kernel)
         tags_table, world_size = row_map, 1  # unread
     else:
-        blocks = row_blocks("pull_tokens_dequantize" if dequantize else "pull_tokens", tokens, X, element_size,
-                            max_programs)
+        blocks = row_blocks(pull_tile(tail is not None, dequantize), tokens, X, element_size, max_programs)
         world_size = tags.table.numel()
         programs, K = world_size * triton.cdiv(max(tokens, 1), blocks.BLOCK_R), top_k
         tags_table = tags.table
