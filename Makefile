@@ -19,8 +19,10 @@ install: $(PY)
 	# torchtitan without its heavy dependencies (datasets, wandb, ...): its MoE is all tests/test_torchtitan.py needs
 	$(PY) -m pip install -q --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring_parser==0.18.0
 
-test: install
-	$(PY) -m pytest -q -x --durations=15
+# The tests that compile kernels for sm_90 on the CPU (tests/test_kernel_inputs.py) build them with
+# the GPU host's Triton, so that what they read is the code the GPU runs (README, "Without CUDA").
+test: install $(DEVICE_TRITON_DIR)/.installed
+	ALLTOALL_OPS_DEVICE_TRITON=$(DEVICE_TRITON_DIR) $(PY) -m pytest -q -x --durations=15
 
 demo: install
 	$(PY) -m examples.demo --world-size $(WORLD_SIZE)
@@ -38,11 +40,14 @@ lint: install
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis $(DEVICE_TRITON_DIR)
 
-# Registers, spills and SASS of the data-moving kernels as the GPU host builds them: its Triton
-# (3.6), not the one installed here, lays tiles out differently (docs/benchmarks.md, twenty-sixth
-# session). Needs the network once, for the wheel.
-kernel-resources: install
-	$(PY) -m pip install -q --no-deps --target $(DEVICE_TRITON_DIR) "triton==$(DEVICE_TRITON)"
+# The GPU host's Triton (3.6), beside the one installed here: it lays tiles out differently
+# (docs/benchmarks.md, twenty-sixth session). Needs the network once, for the wheel.
+$(DEVICE_TRITON_DIR)/.installed: | $(PY)
+	$(PY) -m pip install -q --no-deps --upgrade --target $(DEVICE_TRITON_DIR) "triton==$(DEVICE_TRITON)"
+	touch $@
+
+# Registers, spills and SASS of the data-moving kernels as the GPU host builds them.
+kernel-resources: install $(DEVICE_TRITON_DIR)/.installed
 	PYTHONPATH=$(DEVICE_TRITON_DIR) $(PY) -m tools.kernel_resources $(KERNELS)
 
 # On the GPU host (system python3 with torch preinstalled, no venv, no network): every test marked

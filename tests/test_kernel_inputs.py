@@ -336,8 +336,16 @@ def test_put_rows_stops_at_a_device_count_with_few_programs(monkeypatch, count):
 
 def _without_interpreter(script: str, arg, timeout: int = 300) -> str:
     """stdout of ``script`` given ``arg`` (as JSON) in a Python without Triton's interpreter,
-    where kernels compile for a CUDA target (no GPU needed); its stderr where it fails."""
+    where kernels compile for a CUDA target (no GPU needed); its stderr where it fails. With
+    ``ALLTOALL_OPS_DEVICE_TRITON`` (``make test``: the GPU host's Triton, whose layouts differ from
+    newer ones'), the Triton in that folder, checked."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    folder = os.environ.get("ALLTOALL_OPS_DEVICE_TRITON")
+    if folder:
+        folder = os.path.abspath(folder)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [folder, env.get("PYTHONPATH")]))
+        script = (f"import triton\nassert triton.__file__.startswith({folder!r}), "
+                  f"('not the device Triton', triton.__file__)\n{script}")
     out = subprocess.run([sys.executable, "-c", script, json.dumps(arg)], env=env, capture_output=True, text=True,
                          timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
