@@ -26,7 +26,8 @@ from alltoall_ops import layout
 from alltoall_ops.backends import symm_mem
 from alltoall_ops.backends.symm_mem.buffers import ALIGNMENT, CALL, FAILED, META_EXTRA, N_SLOTS
 from alltoall_ops.kernels import loader
-from alltoall_ops.kernels._config import BUDGET_BLOCKS
+from alltoall_ops.kernels._config import BUDGET_BLOCKS, GPU_BLOCKS, RowBlocks
+from alltoall_ops.kernels.row_put import row_piece
 from alltoall_ops.kernels.region import Region
 from alltoall_ops.backends.collective import dispatch_op
 from alltoall_ops.reference import reference_combine, reference_dispatch
@@ -387,7 +388,8 @@ _PULL_TENSORS = {"rows_ptr": (8, 16), "row_map_ptr": (N_,), "position_ptr": (N_,
                  "num_routed_ptr": (1,), "pads_ptr": (4,), "out_ptr": (N_, 16), "tail_ptr": (N_, 16),
                  "row_src_ptr": (N_,), "token_ptr": (1,), **_EPILOGUE_TENSORS}
 _PULL_SCALARS = dict(rank=0, dst_stride=N_, world_size=2, n_pads=2, n_rows=N_, X=16, X_OUT=16, K=8, HAS_SCALE=True,
-                     ACC_DTYPE="tl.float32", HAS_TAIL=False, BLOCK_R=2, BLOCK_H=16, DEQUANTIZE=False)
+                     ACC_DTYPE="tl.float32", HAS_TAIL=False, BLOCK_R=2, BLOCK_H=16, BLOCK_C=16, BLOCK_T=1,
+                     DEQUANTIZE=False)
 _POST_TENSORS = {"src_ptr": (8, 16), "scale_ptr": (N_,), "dst_ptr": (N_,), "tag_index_ptr": (N_,),
                  "stage_table_ptr": (1, 2), "tags_table_ptr": (1, 2), "token_ptr": (1,), **_EPILOGUE_TENSORS}
 _POST_SCALARS = dict(n_slots=N_, n_src=8, X=16, P=16, world_size=2, rank=0, tag_base=0, K=8, DST_STRIDE=N_,
@@ -562,7 +564,8 @@ _FUSED = {  # kernel: (its constexprs with the barrier, barriers in it)
     "post_slots": (dict(K=8, DST_STRIDE=64, HAS_SCALE=True, STAGE=True, QUANTIZE=False, ACC_DTYPE="tl.float32",
                         BLOCK_R=2, BLOCK_H=16, BLOCK_S=64, BARRIER=True), 1),
     "pull_rows": (dict(K=8, ROW_MAP=False, STAGED=True, HAS_SCALE=True, ACC_DTYPE="tl.float32",
-                       HAS_TAIL=False, BLOCK_R=2, BLOCK_H=16, BARRIER=True, DEQUANTIZE=False), 1),
+                       HAS_TAIL=False, BLOCK_R=2, BLOCK_H=16, BLOCK_C=16, BLOCK_T=1, BARRIER=True,
+                       DEQUANTIZE=False), 1),
     "topk_reduce": (dict(RET_AT_ADDRESS=True, HAS_TOKEN=True, READ_AT_SLOT_DST=False, K=2, HAS_SLOT_DST=True,
                          HAS_WEIGHTS=True, SAVE_RETURNED=True, ACC_DTYPE="tl.float32", BLOCK_T=8, BLOCK_H=16,
                          BARRIER=True), 1),
@@ -633,8 +636,9 @@ def test_rows_reached_by_address_move_as_vectors():
     rows = dict(K=8, BLOCK_H=1024, ACC_DTYPE="tl.float32")
     reduce = dict(rows, HAS_TOKEN=True, HAS_SLOT_DST=True, HAS_WEIGHTS=True, SAVE_RETURNED=False, BLOCK_T=2,
                   BARRIER=False, WORLD_SIZE=2)
-    pull = dict(rows, HAS_SCALE=False, HAS_TAIL=False, BLOCK_R=4, BARRIER=False,
-                WORLD_SIZE=2, DEQUANTIZE=False)
+    pull = dict(rows, HAS_SCALE=False, HAS_TAIL=False, BLOCK_R=4, BLOCK_T=1,
+                BLOCK_C=row_piece(RowBlocks(4, 1024, 8), 2),
+                BARRIER=False, WORLD_SIZE=2, DEQUANTIZE=False)
     bf16 = "*bf16"
     cases = [["topk_reduce", dict(reduce, RET_AT_ADDRESS=True, READ_AT_SLOT_DST=False), dict(y_ptr=bf16)],
              ["topk_reduce", dict(reduce, RET_AT_ADDRESS=False, READ_AT_SLOT_DST=False),
@@ -662,7 +666,8 @@ def test_movers_reach_their_peers_without_reducing_across_threads():
     # tiles, W = 8, PTX for sm_90 built on the CPU: no shuffle, no shared memory, no barrier.
     (pull_r, pull_h, pull_warps), (put_r, put_h, put_warps) = (BUDGET_BLOCKS[k] for k in ("pull_tokens", "put_rows"))
     pull = dict(K=8, ROW_MAP=False, STAGED=True, HAS_SCALE=False, ACC_DTYPE="tl.float32",
-                HAS_TAIL=False, BLOCK_R=pull_r, BLOCK_H=pull_h, BARRIER=False, WORLD_SIZE=8, DEQUANTIZE=False)
+                HAS_TAIL=False, BLOCK_R=pull_r, BLOCK_H=pull_h, BARRIER=False, WORLD_SIZE=8, DEQUANTIZE=False,
+                BLOCK_C=row_piece(RowBlocks(pull_r, pull_h, pull_warps), 2), BLOCK_T=1)
     put = dict(K=8, DST_STRIDE=4096, HAS_SCALE=False, ONE_OUT=False, HAS_COUNT=True, ACC_DTYPE="tl.float32",
                BLOCK_R=put_r, BLOCK_H=put_h, BARRIER=False, WORLD_SIZE=8)
     cases = [["pull_rows", pull, dict(out_ptr="*bf16", tail_ptr="*bf16"), pull_warps],
@@ -672,6 +677,40 @@ def test_movers_reach_their_peers_without_reducing_across_threads():
         assert ops.get("ld.global.v4.b32"), ops  # the rows move (as vectors)
         assert not {op: n for op, n in ops.items() if op.startswith("shfl") or ".shared" in op}, ops
         assert not ops.get("bar.sync"), ops
+
+
+@pytest.mark.parametrize("tiles", ["GPU", "budget"])
+def test_the_pulls_pieces_give_each_thread_its_own_16_bytes(tiles):
+    # The pull's step is pieces of [BLOCK_R, BLOCK_C] (row_put.row_piece), laid out 16 bytes a
+    # thread with the warps on rows. A piece with fewer 16-byte vectors than the program has
+    # threads is held twice over (Triton replicates it): those threads load and store the same
+    # bytes again. Every pull tile, bf16 and fp8 wire rows (1-byte elements), as pull_rows launches it.
+    table = GPU_BLOCKS if tiles == "GPU" else BUDGET_BLOCKS
+    for key, element_sizes in (("pull_tokens", (2,)), ("pull_tokens_fp8", (1,)), ("pull_rows", (1, 2))):
+        block_r, block_h, warps = table[key]
+        for element_size in element_sizes:
+            blocks = RowBlocks(block_r, block_h * 2 // element_size, warps)
+            block_c = row_piece(blocks, element_size)
+            assert blocks.BLOCK_H % block_c == 0, (key, blocks, block_c)
+            assert block_r * block_c * element_size // 16 >= 32 * warps, (key, blocks, block_c)
+
+
+def test_a_pull_thread_loads_one_tokens_tags_however_many_tokens_a_program_takes():
+    # Under an SM budget one program an SM takes many tokens a step. A [BLOCK_R, BLOCK_H] step
+    # spread a row's columns over the warps, so each thread held a vector of several tokens' rows
+    # and, for each of the K slots, loaded, compared and addressed every one of their tags: on 16
+    # / 32 programs of an H100 the pull moved 0.33 / 0.38 of a plain gather's GB/s (W = 4;
+    # docs/benchmarks.md, twenty-fifth session; ncu on Triton 3.6: issue-bound, 669 instructions a
+    # step, twenty-sixth). With [BLOCK_R, BLOCK_C] pieces whose warps lie on rows a thread holds one
+    # token's row, and its 8-byte loads (tags, header, stage base) do not grow with the tokens a
+    # program takes. PTX for sm_90 at 16 and 32 tokens a program, 32 warps, on the CPU.
+    pull = dict(K=8, ROW_MAP=False, STAGED=True, HAS_SCALE=False, ACC_DTYPE="tl.float32", HAS_TAIL=False,
+                BLOCK_H=2048, BARRIER=False, WORLD_SIZE=4, DEQUANTIZE=False)
+    cases = [["pull_rows", dict(pull, BLOCK_R=rows, BLOCK_C=row_piece(RowBlocks(rows, 2048, 32), 2), BLOCK_T=1),
+              dict(out_ptr="*bf16", tail_ptr="*bf16"), 32] for rows in (16, 32)]
+    loads = [sum(n for op, n in ops.items() if op.startswith("ld.global") and op.endswith("b64") and ".v" not in op)
+             for ops in json.loads(_without_interpreter(_PTX_OPS, cases, timeout=600))]
+    assert loads[0] == loads[1], loads
 
 
 def test_the_quantizing_post_stores_its_rows_as_the_quantize_does():
@@ -708,7 +747,7 @@ def test_the_dequantizing_pull_loads_each_block_scale_once_and_converts_in_hardw
     tile = dict(BLOCK_R=4, BLOCK_H=1024)  # the GPU tile of pull_rows for 4-byte elements (fp32 products)
     threads = 8 * 32
     pull = dict(tile, K=8, ROW_MAP=False, STAGED=True, HAS_SCALE=False, ACC_DTYPE="tl.float32",
-                HAS_TAIL=True, BARRIER=False, WORLD_SIZE=2, DEQUANTIZE=True)
+                HAS_TAIL=True, BLOCK_C=tile["BLOCK_H"], BLOCK_T=1, BARRIER=False, WORLD_SIZE=2, DEQUANTIZE=True)
     pointers = dict(out_ptr="*bf16", tail_ptr="*u8", rows_ptr="*u8")
     (accesses,) = json.loads(_without_interpreter(_PTX_OPS, [["pull_rows", pull, pointers]], timeout=600))
     scale_loads = accesses.get("ld.global.b32", 0)

@@ -77,7 +77,7 @@ def _cases() -> list[Case]:
         Case("pull_rows (dispatch, bf16)", "row_put", "_pull_rows_kernel", pull, bf16, ("pull_tokens", H, 2),
              barrier=True),
         Case("pull_rows (fp8 wire rows)", "row_put", "_pull_rows_kernel", dict(pull, HAS_TAIL=True), wire,
-             ("pull_tokens", WIRE, 1), barrier=True),
+             ("pull_tokens_fp8", WIRE, 1), barrier=True),
         Case("pull_rows (fp8 dequantized)", "row_put", "_pull_rows_kernel",
              dict(pull, HAS_TAIL=True, DEQUANTIZE=True), dict(wire, out_ptr="*bf16"),
              ("pull_tokens_dequantize", WIRE, 4), barrier=True),
@@ -145,6 +145,11 @@ def measure(case: Case, budget: bool) -> Resources:
         key, X, element_size = case.tile
         blocks = _config.row_blocks(key, 65536, X, element_size, max_programs)
         tile = dict(zip(case.tile_names, (blocks.BLOCK_R, blocks.BLOCK_H)))
+        if case.kernel == "_pull_rows_kernel":  # the columns of one load, as pull_rows sets them
+            from alltoall_ops.kernels.row_put import row_piece
+
+            tile["BLOCK_C"] = row_piece(blocks, element_size)
+            tile["BLOCK_T"] = triton.next_power_of_2(X - H) if case.constexprs["HAS_TAIL"] else 1  # the fp8 scales
         shape = (blocks.BLOCK_R, blocks.BLOCK_H, blocks.num_warps)
     constexprs = {k: getattr(tl, v[3:]) if isinstance(v, str) and v.startswith("tl.") else v
                   for k, v in {**case.constexprs, **tile}.items()}

@@ -16,8 +16,9 @@ Kernels (bf16, H = 7168, K = 8, E = 256, fresh random top-k routing):
 - ``--pull``: only the dispatch's pull, as the dispatch runs it: rank 0 of W pulls from W
   senders of T tokens each (their own fresh routing; a slot lands here when its expert is one of
   the first E / W), each token with a slot here read once and stored into each of its rows here
-  (expert-major), in three payloads: bf16 rows and fp8 wire rows split into values and scale
-  bytes (tile ``pull_tokens``), fp8 wire rows dequantized to bf16 (``pull_tokens_dequantize``);
+  (expert-major), in three payloads: bf16 rows (tile ``pull_tokens``), fp8 wire rows split into
+  values and scale bytes (``pull_tokens_fp8``), fp8 wire rows dequantized to bf16
+  (``pull_tokens_dequantize``);
   every tile's result checked against torch; ``--pull-sms``: their budget tiles instead, beside
   a plain gather of the rows here on as many programs (``benchmarks/scatter_kernel.py``).
 - ``weight_grad``: reads grad_y (T, H) and (T*K, H) rows; bytes (T + T*K) * H * 2.
@@ -49,6 +50,7 @@ from alltoall_ops.kernels import _config
 from alltoall_ops.kernels import routing_plan as routing
 from alltoall_ops.kernels import loader
 from alltoall_ops.kernels.region import TAG_COLUMNS, Region
+from alltoall_ops.kernels.row_put import pull_tile
 from alltoall_ops.testing import timer
 
 H, K, E = 7168, 8, 256
@@ -214,7 +216,7 @@ def sweep_pull(T: int, W: int, bandwidth: float, top: int, budget: Optional[int]
                payloads: Optional[list[str]] = None) -> None:
     """The dispatch's pull into rank 0 of W from W senders of T tokens (:func:`_pull_case`), in
     each of its payloads (:data:`PULL_PAYLOADS`, or those in ``payloads``), on its tile
-    (``pull_tokens``; dequantizing: ``pull_tokens_dequantize``), or with ``budget`` on at most that
+    (``row_put.pull_tile``'s), or with ``budget`` on at most that
     many programs and its budget tile; each result checked against torch, the tile in use restored
     after each sweep. Bytes: every sender's token with a slot here read once, every row here
     written once."""
@@ -249,7 +251,7 @@ def sweep_pull(T: int, W: int, bandwidth: float, top: int, budget: Optional[int]
         stages, out, tail, want, row_in, row_out = cases[name]
         stage_table = torch.tensor([stages[s * T].data_ptr() for s in range(W)], device=DEVICE)
         dequantize = name == "fp8 dequantized"
-        key = "pull_tokens_dequantize" if dequantize else "pull_tokens"
+        key = pull_tile(name != "bf16", dequantize)
         chosen = table_of_tiles[key]
         tiles = configs + [chosen] * (chosen not in configs)  # the tile in use, always among them
 

@@ -112,6 +112,7 @@ GPU_BLOCKS: dict[str, tuple[int, int, int]] = {
     "topk_reduce": (2, 1024, 8),
     "pull_rows": (4, 2048, 8),
     "pull_tokens": (1, 4096, 4),  # tokens (each stored into its rows here), not rows; H100, twenty-fourth session
+    "pull_tokens_fp8": (4, 2048, 4),  # the same, fp8 wire rows moved as they are; H100, twenty-seventh session
     "pull_tokens_dequantize": (4, 8192, 4),  # the same, fp8 wire rows dequantized; H100, tune_kernels --pull
     "weight_grad": (1, 4096, 8),
     "seq_pieces": (2, 2048, 4),  # Ulysses rows: a rank's heads of a position (h * D elements); H100, --ulysses
@@ -124,8 +125,9 @@ BUDGET_BLOCKS: dict[str, tuple[int, int, int]] = {
     "put_rows": (16, 2048, 32),
     "topk_reduce": (8, 2048, 32),
     "pull_rows": (32, 2048, 32),
-    "pull_tokens": (16, 2048, 32),  # H100, tune_kernels --pull --pull-sms 16 32 (W = 2, 4; bf16 and fp8 wire rows)
-    "pull_tokens_dequantize": (32, 4096, 16),  # the same sweep
+    "pull_tokens": (32, 2048, 32),  # H100, tune_kernels --pull --pull-sms 16 32 (W = 4; bf16 and fp8 wire rows)
+    "pull_tokens_fp8": (32, 2048, 32),  # the same sweep (the best tile of both payloads)
+    "pull_tokens_dequantize": (32, 2048, 16),  # the same sweep
     "weight_grad": (8, 2048, 16),
     "seq_pieces": (8, 2048, 16),
 }

@@ -50,8 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import (LAUNCH_LOCK, cast_rne, interpreting, launch, order_after, program_grid, require_contiguous,
-                      row_blocks, tl_acc_dtype, upcast)
+from ._config import (LAUNCH_LOCK, RowBlocks, cast_rne, interpreting, launch, order_after, program_grid,
+                      require_contiguous, row_blocks, tl_acc_dtype, upcast)
 from ..fp8 import AMAX_FLOOR, BLOCK, FP8_MAX, packed_width
 from .barrier import Epilogue, advance_call, arrive_and_wait, barrier_alone, epilogue_args, last_program_arrives
 from .quantize import e4m3_value, quantize_block, tiles as quantize_tiles
@@ -385,6 +385,14 @@ def _lands_here(b_dst, own_first, dst_stride):
 
 
 @triton.jit
+def _slot_rows(p_tag, k, m_tokens, o_t, n_tokens, top_k, own_first, dst_stride):
+    """Slot k's rows here (codes less own_first) of tokens o_t [BR] of a sender (masked by
+    m_tokens; p_tag [BR]: each token's first tag), and which of them name a row here."""
+    b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=m_tokens & (o_t < tl.where(top_k > k, n_tokens, 0)), other=-1)
+    return b_dst - own_first, _lands_here(b_dst, own_first, dst_stride)
+
+
+@triton.jit
 def _store_columns(out_ptr, tail_ptr, o_row, m_row, o_h, b_x, X, X_OUT, HAS_TAIL: tl.constexpr):
     """Columns o_h < X of rows o_row (masked by m_row): [0, X_OUT) into out, [X_OUT, X) into tail
     (with HAS_TAIL; else X_OUT = X)."""
@@ -415,23 +423,78 @@ def _pull_rows_kernel(
     pads_table_ptr, counters_ptr, barrier_call_ptr, barrier_rank, timeout_ms, barrier_op,
     K: tl.constexpr, ROW_MAP: tl.constexpr, STAGED: tl.constexpr, HAS_SCALE: tl.constexpr,
     ACC_DTYPE: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-    BARRIER: tl.constexpr, WORLD_SIZE: tl.constexpr, DEQUANTIZE: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BARRIER: tl.constexpr, WORLD_SIZE: tl.constexpr,
+    DEQUANTIZE: tl.constexpr,
 ):
     order_after(token_ptr)
     BLOCK_B: tl.constexpr = BLOCK_H // _FP8_BLOCK if BLOCK_H >= _FP8_BLOCK else 1  # dequantize: scale blocks a step
+    SLOTS: tl.constexpr = 1 if ROW_MAP else K  # rows a loaded row is stored into: a token's slots (peers)
     n_scales = X_OUT // _FP8_BLOCK
     o_c = tl.arange(0, _FP8_BLOCK)  # [128] columns of a scale block
-    if ROW_MAP:  # one rank: a block of rows at a time, each row's slot from the placement's row map
+    # An item: one rank, a block of rows d, each row's slot from the placement's row map; peers, a
+    # block of one sender's tokens, each token's row loaded once and stored into every row of this
+    # rank that one of its slots goes to, the senders in turn (the programs running at once read
+    # from all of them). NB: each slot's tag is loaded once an item, a [BLOCK_R] vector per slot k,
+    # and its row here, mask (and scale) held in tuples for the item's column steps; never picked
+    # out of a [BLOCK_R, K] tile: that is a sum across threads (shuffles, shared memory, barriers).
+    # The tuples fit because a thread holds one token (the step's layout, below); where a thread
+    # held several tokens' rows they spilled (H100, W = 4, fp8 wire rows, 16 programs: 1095 ->
+    # 4408 us; twenty-fifth session, docs/benchmarks.md). The tags' bases are loaded here, not in
+    # a helper: inductor's analysis of which arguments a kernel writes would see a store through
+    # a helper's result as a store into the helper's arguments (the address tables).
+    if ROW_MAP:
         n_routed = tl.minimum(tl.load(num_routed_ptr), n_rows)  # rows [0, n_routed) written, the rest left as they are
-        for i_r in range(tl.program_id(0), tl.cdiv(n_routed, BLOCK_R), tl.num_programs(0)):  # row blocks
-            o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR]
-            m_routed = o_r < n_routed
-            b_slot = tl.load(row_map_ptr + o_r, mask=m_routed, other=-1)  # [BR] each row's slot i, -1: none
-            b_code = tl.load(position_ptr + b_slot, mask=m_routed & (b_slot >= 0), other=-1)  # its send position
-            m_valid = m_routed & (b_code >= 0)
-            p_src = rows_ptr + (b_slot // K) * X  # [BR]
-            if HAS_SCALE:
-                b_scale = upcast(tl.load(scale_ptr + b_slot, mask=m_valid, other=0), ACC_DTYPE)
+        n_items = tl.cdiv(n_routed, BLOCK_R)
+    else:
+        n_token_blocks = tl.zeros([], dtype=tl.int64)
+        for w in range(world_size):  # each sender's tokens: its header's first word
+            n_tokens_w = tl.load(tl.load(tags_table_ptr + w).to(tl.pointer_type(tl.int64)))
+            n_token_blocks = tl.maximum(n_token_blocks, tl.cdiv(n_tokens_w, BLOCK_R))
+        n_items = n_token_blocks * world_size
+        own_first = rank * dst_stride  # destination codes of this rank's rows: [own_first, own_first + dst_stride)
+    for i_item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+        if ROW_MAP:
+            first, n_first = i_item * BLOCK_R, n_routed
+        else:
+            s = i_item % world_size
+            p_tags = tl.load(tags_table_ptr + s).to(tl.pointer_type(tl.int64))
+            n_tokens, top_k = tl.load(p_tags), tl.load(p_tags + 1)  # the header: K = top_k >= K_s
+            first, n_first = (i_item // world_size) * BLOCK_R, n_tokens
+        if first < n_first:
+            o_i = (first + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR] rows here (row map) or the sender's tokens
+            if ROW_MAP:
+                m_routed = o_i < n_routed
+                b_slot = tl.load(row_map_ptr + o_i, mask=m_routed, other=-1)  # [BR] each row's slot i, -1: none
+                b_code = tl.load(position_ptr + b_slot, mask=m_routed & (b_slot >= 0), other=-1)  # its send position
+                m_src = m_routed & (b_code >= 0)  # [BR] rows to load
+                p_src = rows_ptr + (b_slot // K) * X  # [BR]
+                o_dsts, m_dsts = (o_i,), (m_routed,)
+                if HAS_SCALE:
+                    b_scales = (upcast(tl.load(scale_ptr + b_slot, mask=m_src, other=0), ACC_DTYPE),)
+                tl.store(row_src_ptr + o_i, b_code, mask=m_routed)
+            else:
+                p_tag = p_tags + (1 + o_i * top_k) * _TAG_COLUMNS  # [BR] each token's first slot's tag
+                m_src = o_i < 0  # [BR] tokens with a row here
+                o_dsts, m_dsts, b_scales = (), (), ()  # K [BR] vectors: slot k's row here, whether it has one, scale
+                for k in tl.static_range(K):  # NB: o_i against a scalar, not m_t & a scalar (the interpreter)
+                    b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=o_i < tl.where(top_k > k, n_tokens, 0),
+                                    other=-1)
+                    m_k = _lands_here(b_dst, own_first, dst_stride)
+                    m_src |= m_k
+                    tl.store(row_src_ptr + b_dst - own_first, tl.load(p_tag + k * _TAG_COLUMNS + 1, mask=m_k),
+                             mask=m_k)
+                    o_dsts, m_dsts = o_dsts + (tl.where(m_k, b_dst - own_first, 0),), m_dsts + (m_k,)
+                    if HAS_SCALE:  # the slot's scale bits
+                        b_bits = tl.load(p_tag + k * _TAG_COLUMNS + 2, mask=m_k, other=0)
+                        if ACC_DTYPE == tl.float64:
+                            b_scales = b_scales + (b_bits.to(tl.float64, bitcast=True),)
+                        else:
+                            b_scales = b_scales + (b_bits.to(tl.int32).to(tl.float32, bitcast=True),)
+                if STAGED:  # 16-byte aligned stages (every region of SymmBuffers): vector loads
+                    p_src = tl.multiple_of(tl.load(stage_table_ptr + s).to(tl.pointer_type(tail_ptr.dtype.element_ty)),
+                                           16) + o_i * X  # [BR]
+                else:
+                    p_src = rows_ptr + o_i * X
             if DEQUANTIZE:  # fp8 values times the fp32 scale of their 128-column block, rounded once
                 # NB: a step is [BLOCK_R, BLOCK_B, 128]: whole scale blocks, each block's scale loaded
                 # once and broadcast over its columns in the tile's own layout. The scales (the
@@ -439,108 +502,80 @@ def _pull_rows_kernel(
                 p_scale = (p_src + X_OUT).to(tl.pointer_type(tl.float32))  # [BR] each row's scales
                 for i_b in range(0, n_scales, BLOCK_B):
                     o_b = i_b + tl.arange(0, BLOCK_B)  # [BB] blocks
-                    m_read = m_valid[:, None] & (o_b < n_scales)[None, :]  # [BR, BB]
+                    m_read = m_src[:, None] & (o_b < n_scales)[None, :]  # [BR, BB]
                     b_block_scale = tl.load(p_scale[:, None] + o_b[None, :], mask=m_read, other=0)  # [BR, BB]
                     o_h = o_b[:, None] * _FP8_BLOCK + o_c[None, :]  # [BB, 128]
                     b_bits = tl.load(p_src[:, None, None] + o_h[None, :, :], mask=m_read[:, :, None], other=0)
                     b_value = cast_rne(e4m3_value(b_bits) * b_block_scale[:, :, None], out_ptr.dtype.element_ty)
-                    _store_dequantized(out_ptr, tail_ptr, o_r, m_routed, o_b, o_h, b_value, b_block_scale, n_scales,
-                                       X_OUT)
+                    for k in tl.static_range(SLOTS):  # NB: each slot's rows reloaded (held: 4 tokens a thread at
+                        # the GPU tile, 204 registers against 168, 2 programs an SM against 3; the
+                        # dispatch 3% slower at W = 4, H100, twenty-sixth session)
+                        if ROW_MAP:
+                            o_dst, m_dst = o_i, m_routed
+                        else:
+                            o_dst, m_dst = _slot_rows(p_tag, k, m_src, o_i, n_tokens, top_k, own_first, dst_stride)
+                        _store_dequantized(out_ptr, tail_ptr, o_dst, m_dst, o_b, o_h, b_value, b_block_scale, n_scales,
+                                           X_OUT)
             else:
-                # NB: a step is [REPS, BLOCK_R, LANES]: a warp's 32 threads take 16 bytes each of one
-                # row (LANES elements), REPS times over the step's columns, so a thread loads one
-                # row's code, source row and stage base. A [BLOCK_R, BLOCK_H] step spread the
-                # columns over the warps, 8 rows a thread at the budget tile: on 8 / 16 / 32
-                # programs of an H100 the pull moved 525 / 999 / 1847 GB/s that way, 549 / 1046 /
-                # 1902 this way (the same without a budget).
-                LANES: tl.constexpr = min(BLOCK_H, 4096 // out_ptr.dtype.element_ty.primitive_bitwidth)
-                o_lanes = (tl.arange(0, BLOCK_H // LANES)[:, None] * LANES + tl.arange(0, LANES)[None, :])[:, None, :]
-                for i_h in range(0, X, BLOCK_H):
-                    o_h = i_h + o_lanes  # [REPS, 1, LANES] columns
-                    b_x = tl.load(p_src[None, :, None] + o_h, mask=m_valid[None, :, None] & (o_h < X), other=0)
-                    if HAS_SCALE:  # fp32 (fp64) product, rounded once
-                        b_x = cast_rne(upcast(b_x, ACC_DTYPE) * b_scale[None, :, None], out_ptr.dtype.element_ty)
-                    _store_columns(out_ptr, tail_ptr, o_r[None, :, None], m_routed[None, :, None], o_h, b_x, X, X_OUT,
-                                   HAS_TAIL)
-            tl.store(row_src_ptr + o_r, b_code, mask=m_routed)
-    else:  # peers: a block of one sender's tokens at a time, each token's row loaded once and stored
-        # into every row of this rank that one of its slots goes to. NB: each tag (a few bytes, a
-        # cache hit after the first) is loaded where it is used, a [BLOCK_R] vector per slot k,
-        # never picked out of a [BLOCK_R, K] tile: that is a sum across threads (shuffles, shared
-        # memory, barriers) for every slot of every step. Nor held across the column steps in a
-        # tuple: each thread holds every token's tag of a [BLOCK_R] vector, K of them spill (H100,
-        # W = 4, fp8 wire rows: 1095 -> 4408 us on 16 programs, 140 -> 169 us on all; twenty-fifth
-        # session, docs/benchmarks.md). The tags' bases are loaded here, not in
-        # a helper: inductor's analysis of which arguments a kernel writes would see a store
-        # through a helper's result as a store into the helper's arguments (the address tables).
-        n_token_blocks = tl.zeros([], dtype=tl.int64)
-        for w in range(world_size):  # each sender's tokens: its header's first word
-            n_tokens_w = tl.load(tl.load(tags_table_ptr + w).to(tl.pointer_type(tl.int64)))
-            n_token_blocks = tl.maximum(n_token_blocks, tl.cdiv(n_tokens_w, BLOCK_R))
-        own_first = rank * dst_stride  # destination codes of this rank's rows: [own_first, own_first + dst_stride)
-        for i_item in range(tl.program_id(0), n_token_blocks * world_size, tl.num_programs(0)):
-            s = i_item % world_size  # the senders in turn: the programs running at once read from all of them
-            p_tags = tl.load(tags_table_ptr + s).to(tl.pointer_type(tl.int64))
-            n_tokens, top_k = tl.load(p_tags), tl.load(p_tags + 1)  # the header: K = top_k >= K_s
-            if (i_item // world_size) * BLOCK_R < n_tokens:
-                o_t = ((i_item // world_size) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR] tokens
-                p_tag = p_tags + (1 + o_t * top_k) * _TAG_COLUMNS  # [BR] each token's first slot's tag
-                m_any = o_t < 0  # [BR] tokens with a row here
-                for k in tl.static_range(K):  # NB: o_t against a scalar, not m_t & a scalar (the interpreter)
-                    b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=o_t < tl.where(top_k > k, n_tokens, 0),
-                                    other=-1)
-                    m_k = _lands_here(b_dst, own_first, dst_stride)
-                    m_any |= m_k
-                    tl.store(row_src_ptr + b_dst - own_first, tl.load(p_tag + k * _TAG_COLUMNS + 1, mask=m_k),
-                             mask=m_k)
-                if STAGED:  # 16-byte aligned stages (every region of SymmBuffers): vector loads
-                    p_src = tl.multiple_of(tl.load(stage_table_ptr + s).to(tl.pointer_type(tail_ptr.dtype.element_ty)),
-                                           16) + o_t * X  # [BR]
-                else:
-                    p_src = rows_ptr + o_t * X
-                if DEQUANTIZE:
-                    p_scale = (p_src + X_OUT).to(tl.pointer_type(tl.float32))  # [BR]
-                    for i_b in range(0, n_scales, BLOCK_B):
-                        o_b = i_b + tl.arange(0, BLOCK_B)  # [BB] blocks
-                        m_read = m_any[:, None] & (o_b < n_scales)[None, :]  # [BR, BB]
-                        b_block_scale = tl.load(p_scale[:, None] + o_b[None, :], mask=m_read, other=0)  # [BR, BB]
-                        o_h = o_b[:, None] * _FP8_BLOCK + o_c[None, :]  # [BB, 128]
-                        b_bits = tl.load(p_src[:, None, None] + o_h[None, :, :], mask=m_read[:, :, None], other=0)
-                        b_value = cast_rne(e4m3_value(b_bits) * b_block_scale[:, :, None], out_ptr.dtype.element_ty)
-                        for k in tl.static_range(K):
-                            m_slot = m_any & (o_t < tl.where(top_k > k, n_tokens, 0))
-                            b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=m_slot, other=-1)
-                            m_k = _lands_here(b_dst, own_first, dst_stride)
-                            _store_dequantized(out_ptr, tail_ptr, b_dst - own_first, m_k, o_b, o_h, b_value,
-                                               b_block_scale, n_scales, X_OUT)
-                else:
-                    for i_h in range(0, X, BLOCK_H):
-                        o_h = i_h + tl.arange(0, BLOCK_H)[None, :]  # [1, BH] columns
-                        b_x = tl.load(p_src[:, None] + o_h, mask=m_any[:, None] & (o_h < X), other=0)  # [BR, BH]
-                        for k in tl.static_range(K):
-                            m_slot = m_any & (o_t < tl.where(top_k > k, n_tokens, 0))
-                            b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=m_slot, other=-1)
-                            m_k = _lands_here(b_dst, own_first, dst_stride)
-                            b_y = b_x
+                # NB: a step is BLOCK_H // BLOCK_C loads of [BLOCK_R, BLOCK_C], all issued before the
+                # first store, then each stored into its slots' rows. The launcher sets BLOCK_C so
+                # that the warps spread over rows, not columns (a warp on a row at the budget tiles):
+                # a thread holds one row, so it loads one token's tags once an item, computes each
+                # slot's row address once a step and stores its pieces at constant offsets from it.
+                # With the columns of a step spread over the warps (a [BLOCK_R, BLOCK_H] or [REPS,
+                # BLOCK_R, LANES] step: Triton 3.6 put the warps on the columns first), each thread held
+                # 4 rows and reloaded their tags each step: 669 instructions a step, and the pull
+                # moved 0.33x a plain gather's GB/s on 16 programs of an H100 (ncu: issue-bound;
+                # twenty-sixth session, docs/benchmarks.md). The tail (HAS_TAIL: fp8 scale
+                # bytes, X - X_OUT <= BLOCK_T) is loaded with the first values and stored after the
+                # last: one load's wait an item. Stored with each piece instead (two addresses a
+                # slot), the fp8 GPU tile took 118 registers a thread, 4 programs an SM.
+                o_cols = tl.arange(0, BLOCK_C)[None, :]  # [1, BC]
+                if HAS_TAIL:
+                    o_tail = tl.arange(0, BLOCK_T)[None, :]  # [1, BT]
+                    m_tail = o_tail < X - X_OUT
+                    b_tail = tl.load(p_src[:, None] + X_OUT + o_tail, mask=m_src[:, None] & m_tail, other=0)
+                for i_h in range(0, X_OUT, BLOCK_H):
+                    b_xs = ()  # BLOCK_H // BLOCK_C [BR, BC] pieces of the rows
+                    for i_c in tl.static_range(BLOCK_H // BLOCK_C):
+                        o_h = i_h + i_c * BLOCK_C + o_cols
+                        b_xs = b_xs + (tl.load(p_src[:, None] + o_h, mask=m_src[:, None] & (o_h < X_OUT), other=0),)
+                    for k in tl.static_range(SLOTS):
+                        for i_c in tl.static_range(BLOCK_H // BLOCK_C):
+                            o_h = i_h + i_c * BLOCK_C + o_cols
+                            b_y = b_xs[i_c]
                             if HAS_SCALE:  # fp32 (fp64) product, rounded once
-                                b_bits = tl.load(p_tag + k * _TAG_COLUMNS + 2, mask=m_k, other=0)
-                                if ACC_DTYPE == tl.float64:
-                                    b_scale = b_bits.to(tl.float64, bitcast=True)
-                                else:
-                                    b_scale = b_bits.to(tl.int32).to(tl.float32, bitcast=True)
-                                b_y = cast_rne(upcast(b_x, ACC_DTYPE) * b_scale[:, None], out_ptr.dtype.element_ty)
-                            _store_columns(out_ptr, tail_ptr, (b_dst - own_first)[:, None], m_k[:, None], o_h, b_y,
-                                           X, X_OUT, HAS_TAIL)
+                                b_y = cast_rne(upcast(b_y, ACC_DTYPE) * b_scales[k][:, None], out_ptr.dtype.element_ty)
+                            tl.store(out_ptr + o_dsts[k][:, None] * X_OUT + o_h, b_y,
+                                     mask=m_dsts[k][:, None] & (o_h < X_OUT))
+                if HAS_TAIL:
+                    for k in tl.static_range(SLOTS):
+                        tl.store(tail_ptr + o_dsts[k][:, None] * (X - X_OUT) + o_tail, b_tail,
+                                 mask=m_dsts[k][:, None] & m_tail)
+    if not ROW_MAP:
         for i_pad in range(tl.program_id(0), n_pads, tl.num_programs(0)):  # a local expert's padding rows: zero
             for row in range(tl.load(pads_ptr + i_pad), tl.load(pads_ptr + n_pads + i_pad)):
                 for i_h in range(0, X, BLOCK_H):
                     o_h = i_h + tl.arange(0, BLOCK_H)
-                    _store_columns(out_ptr, tail_ptr, row, o_h < X, o_h,
-                                   tl.zeros([BLOCK_H], dtype=tail_ptr.dtype.element_ty), X, X_OUT, HAS_TAIL)
+                    b_zero = tl.zeros([BLOCK_H], dtype=tail_ptr.dtype.element_ty)
+                    _store_columns(out_ptr, tail_ptr, row, o_h < X, o_h, b_zero, X, X_OUT, HAS_TAIL)
                 tl.store(row_src_ptr + row, -1)
     if BARRIER:  # every rank is done reading the stages and tags before any writes them again
         last_program_arrives(pads_table_ptr, counters_ptr, barrier_rank, timeout_ms, barrier_call_ptr, barrier_op,
                              WORLD_SIZE, False)
+
+
+def pull_tile(wire_rows: bool, dequantize: bool) -> str:
+    """The key of the token pull's tiles (``_config.GPU_BLOCKS``, ``BUDGET_BLOCKS``): fp8 wire rows
+    (values and their scales' tail) moved as they are, dequantized, or rows of one dtype."""
+    return "pull_tokens_dequantize" if dequantize else "pull_tokens_fp8" if wire_rows else "pull_tokens"
+
+
+def row_piece(blocks: RowBlocks, element_size: int) -> int:
+    """Columns of one load of the pull's step (``BLOCK_C``): 16 bytes a thread, a warp's 32
+    threads along a row, as many warps on a row as the program has more warps than rows (warps on
+    rows, not columns)."""
+    return min(blocks.BLOCK_H, 32 * 16 // element_size * max(1, blocks.num_warps // blocks.BLOCK_R))
 
 
 def pull_rows(
@@ -627,8 +662,7 @@ def pull_rows(
         programs, K = blocks.grid(C, X)[0], top_k  # NB: one program per row block across all of X (see the kernel)
         tags_table, world_size = row_map, 1  # unread
     else:
-        blocks = row_blocks("pull_tokens_dequantize" if dequantize else "pull_tokens", tokens, X, element_size,
-                            max_programs)
+        blocks = row_blocks(pull_tile(tail is not None, dequantize), tokens, X, element_size, max_programs)
         world_size = tags.table.numel()
         programs, K = world_size * triton.cdiv(max(tokens, 1), blocks.BLOCK_R), top_k
         tags_table = tags.table
@@ -643,6 +677,8 @@ def pull_rows(
             ROW_MAP=row_map is not None, STAGED=stage_table is not None,
             HAS_SCALE=scaled if row_map is None else scale is not None, ACC_DTYPE=tl_acc_dtype(acc_dtype),
             HAS_TAIL=tail is not None, BLOCK_R=blocks.BLOCK_R, BLOCK_H=blocks.BLOCK_H,
+            BLOCK_C=blocks.BLOCK_H if interpreting() else row_piece(blocks, wire.itemsize),  # interpreter: one piece
+            BLOCK_T=triton.next_power_of_2(max(1, X - out.shape[1])),
             num_warps=blocks.num_warps, DEQUANTIZE=dequantize,
             **epilogue_args(epilogue, out),
         )
