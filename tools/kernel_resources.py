@@ -134,6 +134,7 @@ def measure(case: Case, budget: bool) -> Resources:
     from triton.compiler import ASTSource
 
     from alltoall_ops.kernels import _config, quantize
+    from alltoall_ops.kernels.row_put import row_piece
 
     kernel = getattr(importlib.import_module(f"alltoall_ops.kernels.{case.module}"), case.kernel)
     max_programs = 16 if budget else None
@@ -146,8 +147,6 @@ def measure(case: Case, budget: bool) -> Resources:
         blocks = _config.row_blocks(key, 65536, X, element_size, max_programs)
         tile = dict(zip(case.tile_names, (blocks.BLOCK_R, blocks.BLOCK_H)))
         if case.kernel == "_pull_rows_kernel":  # the columns of one load, as pull_rows sets them
-            from alltoall_ops.kernels.row_put import row_piece
-
             tile["BLOCK_C"] = row_piece(blocks, element_size)
             tile["BLOCK_T"] = triton.next_power_of_2(X - H) if case.constexprs["HAS_TAIL"] else 1  # the fp8 scales
         shape = (blocks.BLOCK_R, blocks.BLOCK_H, blocks.num_warps)
