@@ -662,8 +662,9 @@ def pull_rows(
         programs, K = blocks.grid(C, X)[0], top_k  # NB: one program per row block across all of X (see the kernel)
         tags_table, world_size = row_map, 1  # unread
     else:
-        blocks = row_blocks(pull_tile(tail is not None, dequantize), tokens, X, element_size, max_programs)
-        world_size = tags.table.numel()
+        world_size = tags.table.numel()  # items: every sender's tokens
+        blocks = row_blocks(pull_tile(tail is not None, dequantize), world_size * tokens, X, element_size,
+                            max_programs, spread=True)
         programs, K = world_size * triton.cdiv(max(tokens, 1), blocks.BLOCK_R), top_k
         tags_table = tags.table
     with LAUNCH_LOCK:
