@@ -379,11 +379,12 @@ def post_slots(
 
 
 @triton.jit
-def _slot_rows(p_tag, k, m_tokens, o_t, n_tokens, top_k, own_first, dst_stride):
-    """Slot k's rows here (codes less own_first) of tokens o_t [BR] of a sender (masked by
-    m_tokens; p_tag [BR]: each token's first tag), and which of them name a row here: this rank's
-    destination codes are [own_first, own_first + dst_stride)."""
-    b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=m_tokens & (o_t < tl.where(top_k > k, n_tokens, 0)), other=-1)
+def _slot_rows(p_tag, k, o_t, n_tokens, top_k, own_first, dst_stride):
+    """Slot k's rows here (codes less own_first) of tokens o_t [BR] of a sender (p_tag [BR]: each
+    token's first tag), and which of them name a row here: this rank's destination codes are
+    [own_first, own_first + dst_stride)."""
+    # NB: o_t against a scalar, not a mask & a scalar (the interpreter)
+    b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=o_t < tl.where(top_k > k, n_tokens, 0), other=-1)
     return b_dst - own_first, (b_dst >= own_first) & (b_dst < own_first + dst_stride)
 
 
@@ -472,7 +473,7 @@ def _pull_rows_kernel(
                 m_src = o_i < 0  # [BR] tokens with a row here
                 o_dsts, m_dsts, b_scales = (), (), ()  # K [BR] vectors: slot k's row here, whether it has one, scale
                 for k in tl.static_range(K):
-                    o_dst, m_k = _slot_rows(p_tag, k, o_i >= 0, o_i, n_tokens, top_k, own_first, dst_stride)
+                    o_dst, m_k = _slot_rows(p_tag, k, o_i, n_tokens, top_k, own_first, dst_stride)
                     m_src |= m_k
                     tl.store(row_src_ptr + o_dst, tl.load(p_tag + k * _TAG_COLUMNS + 1, mask=m_k), mask=m_k)
                     o_dsts, m_dsts = o_dsts + (tl.where(m_k, o_dst, 0),), m_dsts + (m_k,)
@@ -505,7 +506,7 @@ def _pull_rows_kernel(
                         if ROW_MAP:
                             o_dst, m_dst = o_i, m_routed
                         else:
-                            o_dst, m_dst = _slot_rows(p_tag, k, m_src, o_i, n_tokens, top_k, own_first, dst_stride)
+                            o_dst, m_dst = _slot_rows(p_tag, k, o_i, n_tokens, top_k, own_first, dst_stride)
                         _store_dequantized(out_ptr, tail_ptr, o_dst, m_dst, o_b, o_h, b_value, b_block_scale, n_scales,
                                            X_OUT)
             else:
