@@ -11,6 +11,7 @@ Functions run on ranks are module-level (they travel to the pool's processes by 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -20,12 +21,15 @@ from unittest import mock
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import alltoall_ops as a2a
 from alltoall_ops import layout
 from alltoall_ops.backends import symm_mem
 from alltoall_ops.backends.symm_mem.buffers import ALIGNMENT, CALL, FAILED, META_EXTRA, N_SLOTS
 from alltoall_ops.kernels import loader
+from alltoall_ops.kernels import _config
 from alltoall_ops.kernels._config import BUDGET_BLOCKS, GPU_BLOCKS, RowBlocks
 from alltoall_ops.kernels.row_put import row_piece
 from alltoall_ops.kernels.region import Region
@@ -685,14 +689,37 @@ def test_the_pulls_pieces_give_each_thread_its_own_16_bytes(tiles):
     # thread with the warps on rows. A piece with fewer 16-byte vectors than the program has
     # threads is held twice over (Triton replicates it): those threads load and store the same
     # bytes again. Every pull tile, bf16 and fp8 wire rows (1-byte elements), as pull_rows launches it.
+    # Without a budget the token pull spreads (BLOCK_R halved down to 1, ``row_blocks(spread=True)``).
     table = GPU_BLOCKS if tiles == "GPU" else BUDGET_BLOCKS
     for key, element_sizes in (("pull_tokens", (2,)), ("pull_tokens_fp8", (1,)), ("pull_rows", (1, 2))):
-        block_r, block_h, warps = table[key]
-        for element_size in element_sizes:
-            blocks = RowBlocks(block_r, block_h * 2 // element_size, warps)
-            block_c = row_piece(blocks, element_size)
-            assert blocks.BLOCK_H % block_c == 0, (key, blocks, block_c)
-            assert block_r * block_c * element_size // 16 >= 32 * warps, (key, blocks, block_c)
+        largest, block_h, warps = table[key]
+        spreads = tiles == "GPU" and key != "pull_rows"
+        for block_r in [r for r in (1, 2, 4, 8, 16, 32) if r <= largest] if spreads else [largest]:
+            for element_size in element_sizes:
+                blocks = RowBlocks(block_r, block_h * 2 // element_size, warps)
+                block_c = row_piece(blocks, element_size)
+                assert blocks.BLOCK_H % block_c == 0, (key, blocks, block_c)
+                assert block_r * block_c * element_size // 16 >= 32 * warps, (key, blocks, block_c)
+
+
+@given(items=st.integers(1, 1 << 16), key=st.sampled_from(["pull_tokens", "pull_tokens_fp8", "pull_tokens_dequantize"]),
+       budget=st.sampled_from([None, 16, 32]))
+def test_a_small_token_pull_spreads_over_the_gpu(items, key, budget):
+    # The fp8 wire rows' GPU tile takes 4 tokens a program (the best at T = 4096). At T = 128, W = 2
+    # that is 64 programs on 132 SMs, and the dispatch took 4% longer than with 1 token a program
+    # (H100, twenty-eighth session). A spread launch halves the tokens a program until the grid
+    # has SPREAD_PROGRAMS programs or a program takes one token; a budget's tile never spreads.
+    with mock.patch.object(_config, "interpreting", lambda: False):
+        blocks = _config.row_blocks(key, items, 7168, 1, budget, spread=True)
+        table_r = (_config.BUDGET_BLOCKS if budget else GPU_BLOCKS)[key][0]
+        assert blocks == dataclasses.replace(_config.row_blocks(key, items, 7168, 1, budget), BLOCK_R=blocks.BLOCK_R)
+    if budget is not None:
+        assert blocks.BLOCK_R == table_r
+    else:
+        assert table_r % blocks.BLOCK_R == 0 and blocks.BLOCK_R & (blocks.BLOCK_R - 1) == 0, blocks
+        programs = -(-items // blocks.BLOCK_R)
+        assert blocks.BLOCK_R == 1 or programs >= _config.SPREAD_PROGRAMS, (items, blocks)
+        assert blocks.BLOCK_R == table_r or -(-items // (2 * blocks.BLOCK_R)) < _config.SPREAD_PROGRAMS, (items, blocks)
 
 
 def test_a_pull_thread_loads_one_tokens_tags_however_many_tokens_a_program_takes():

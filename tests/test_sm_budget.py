@@ -35,7 +35,7 @@ def _tiny_blocks(monkeypatch):
     their GPU blocks (8 rows, one 128-channel block a program), under a budget too."""
     from alltoall_ops.kernels import _config, quantize, row_put, topk_reduce, weight_grad
 
-    def tiny(kernel, n_rows, H, element_size=2, max_programs=None):  # 64 columns for fp8 rows (H = 128)
+    def tiny(kernel, n_rows, H, element_size=2, max_programs=None, spread=False):  # 64 columns for fp8 rows (H = 128)
         return _config.RowBlocks(4, 4 if H < 64 else 64, 1)
 
     for module in (row_put, topk_reduce, weight_grad):

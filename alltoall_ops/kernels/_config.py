@@ -138,10 +138,17 @@ the GPU tiles moved 69 (put_rows) / 246 (copy_out, now pull_rows) / 276 (topk_re
 978 / 902, a plain scatter kernel (``benchmarks/scatter_kernel.py``) 938; docs/benchmarks.md."""
 
 
+SPREAD_PROGRAMS = 264
+"""Programs a spread launch (``row_blocks(spread=True)``) keeps its rows a program from going
+under: two an SM of an H100 (132 SMs), so that a small launch still has every SM loading."""
+
+
 def row_blocks(kernel: str, n_rows: int, H: int, element_size: int = 2,
-               max_programs: Optional[int] = None) -> RowBlocks:
+               max_programs: Optional[int] = None, spread: bool = False) -> RowBlocks:
     """Launch blocks of ``kernel`` (a key of :data:`GPU_BLOCKS`) for n_rows rows of H elements;
     with ``max_programs`` (an SM budget) :data:`BUDGET_BLOCKS`' where it has the kernel.
+    ``spread`` (without a budget): BLOCK_R halves, down to 1, while n_rows would take fewer than
+    :data:`SPREAD_PROGRAMS` programs (a tile sized for T = 4096 leaves most SMs idle at T = 128).
 
     The interpreter runs programs one after another in Python, so there few large programs are
     fastest; on a GPU small tiles keep every SM busy with loads in flight."""
@@ -150,6 +157,8 @@ def row_blocks(kernel: str, n_rows: int, H: int, element_size: int = 2,
         return RowBlocks(block_r, triton.next_power_of_2(max(1, min(H, 4096))), 1)
     table = BUDGET_BLOCKS if max_programs is not None and kernel in BUDGET_BLOCKS else GPU_BLOCKS
     block_r, block_h, num_warps = table[kernel]
+    while spread and max_programs is None and block_r > 1 and triton.cdiv(n_rows, block_r) < SPREAD_PROGRAMS:
+        block_r //= 2
     block_h = max(16, block_h * 2 // max(element_size, 1))
     return RowBlocks(block_r, min(block_h, triton.next_power_of_2(max(16, H))), num_warps)
 

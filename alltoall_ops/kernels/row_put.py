@@ -379,17 +379,13 @@ def post_slots(
 
 
 @triton.jit
-def _lands_here(b_dst, own_first, dst_stride):
-    """Which destination codes name a row of the rank whose codes are [own_first, own_first + dst_stride)."""
-    return (b_dst >= own_first) & (b_dst < own_first + dst_stride)
-
-
-@triton.jit
-def _slot_rows(p_tag, k, m_tokens, o_t, n_tokens, top_k, own_first, dst_stride):
-    """Slot k's rows here (codes less own_first) of tokens o_t [BR] of a sender (masked by
-    m_tokens; p_tag [BR]: each token's first tag), and which of them name a row here."""
-    b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=m_tokens & (o_t < tl.where(top_k > k, n_tokens, 0)), other=-1)
-    return b_dst - own_first, _lands_here(b_dst, own_first, dst_stride)
+def _slot_rows(p_tag, k, o_t, n_tokens, top_k, own_first, dst_stride):
+    """Slot k's rows here (codes less own_first) of tokens o_t [BR] of a sender (p_tag [BR]: each
+    token's first tag), and which of them name a row here: this rank's destination codes are
+    [own_first, own_first + dst_stride)."""
+    # NB: o_t against a scalar, not a mask & a scalar (the interpreter)
+    b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=o_t < tl.where(top_k > k, n_tokens, 0), other=-1)
+    return b_dst - own_first, (b_dst >= own_first) & (b_dst < own_first + dst_stride)
 
 
 @triton.jit
@@ -476,14 +472,11 @@ def _pull_rows_kernel(
                 p_tag = p_tags + (1 + o_i * top_k) * _TAG_COLUMNS  # [BR] each token's first slot's tag
                 m_src = o_i < 0  # [BR] tokens with a row here
                 o_dsts, m_dsts, b_scales = (), (), ()  # K [BR] vectors: slot k's row here, whether it has one, scale
-                for k in tl.static_range(K):  # NB: o_i against a scalar, not m_t & a scalar (the interpreter)
-                    b_dst = tl.load(p_tag + k * _TAG_COLUMNS, mask=o_i < tl.where(top_k > k, n_tokens, 0),
-                                    other=-1)
-                    m_k = _lands_here(b_dst, own_first, dst_stride)
+                for k in tl.static_range(K):
+                    o_dst, m_k = _slot_rows(p_tag, k, o_i, n_tokens, top_k, own_first, dst_stride)
                     m_src |= m_k
-                    tl.store(row_src_ptr + b_dst - own_first, tl.load(p_tag + k * _TAG_COLUMNS + 1, mask=m_k),
-                             mask=m_k)
-                    o_dsts, m_dsts = o_dsts + (tl.where(m_k, b_dst - own_first, 0),), m_dsts + (m_k,)
+                    tl.store(row_src_ptr + o_dst, tl.load(p_tag + k * _TAG_COLUMNS + 1, mask=m_k), mask=m_k)
+                    o_dsts, m_dsts = o_dsts + (tl.where(m_k, o_dst, 0),), m_dsts + (m_k,)
                     if HAS_SCALE:  # the slot's scale bits
                         b_bits = tl.load(p_tag + k * _TAG_COLUMNS + 2, mask=m_k, other=0)
                         if ACC_DTYPE == tl.float64:
@@ -513,7 +506,7 @@ def _pull_rows_kernel(
                         if ROW_MAP:
                             o_dst, m_dst = o_i, m_routed
                         else:
-                            o_dst, m_dst = _slot_rows(p_tag, k, m_src, o_i, n_tokens, top_k, own_first, dst_stride)
+                            o_dst, m_dst = _slot_rows(p_tag, k, o_i, n_tokens, top_k, own_first, dst_stride)
                         _store_dequantized(out_ptr, tail_ptr, o_dst, m_dst, o_b, o_h, b_value, b_block_scale, n_scales,
                                            X_OUT)
             else:
@@ -662,8 +655,9 @@ def pull_rows(
         programs, K = blocks.grid(C, X)[0], top_k  # NB: one program per row block across all of X (see the kernel)
         tags_table, world_size = row_map, 1  # unread
     else:
-        blocks = row_blocks(pull_tile(tail is not None, dequantize), tokens, X, element_size, max_programs)
-        world_size = tags.table.numel()
+        world_size = tags.table.numel()  # items: every sender's tokens
+        blocks = row_blocks(pull_tile(tail is not None, dequantize), world_size * tokens, X, element_size,
+                            max_programs, spread=True)
         programs, K = world_size * triton.cdiv(max(tokens, 1), blocks.BLOCK_R), top_k
         tags_table = tags.table
     with LAUNCH_LOCK:
