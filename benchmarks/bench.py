@@ -592,6 +592,15 @@ def peer_reference(xs, idxs, ws, E: int):
     return routed, tpe, R, starts, y
 
 
+def note_above_design(b: Bench, W: int, design_bytes: int) -> None:
+    """Note the last row's time above ``design_bytes`` at the copy bandwidth, us a rank: what a
+    W-rank dispatch's design reads and writes (docs/design.md, "What bounds the dispatch")."""
+    row = b.rows[-1]
+    design_us = design_bytes / b.bandwidth * 1e6
+    b.note(f"{row.shape} {row.impl} {row.op}: the design's bytes take {design_us / row.floor_us:.2f}x the floor; "
+           f"the time above them is {(row.us - design_us) / W:.1f} us a rank")
+
+
 def bench_peers(b: Bench, shape, W: int) -> None:
     """symm_mem with W ranks simulated on this device, T tokens each: checked eagerly, then every
     rank's dispatch in one CUDA graph and every rank's combine in another, replays timed."""
@@ -625,6 +634,7 @@ def bench_peers(b: Bench, shape, W: int) -> None:
         b.note(f"{shape} symm.w{W}: a rank receives {max(recv)} rows > C = {C}; skipped")
         return
     peer_rows = sum(int((d != r).sum()) for r, d in enumerate(dests))
+    pairs = sum(int(torch.nn.functional.one_hot(d, W).amax(1).sum()) for d in dests)  # (token, rank): rows pulled
     nbytes, peer_bytes = W * (T + N) * row_bytes, peer_rows * row_bytes
 
     ref_routed, ref_tpe, R, starts, ref_y = peer_reference(xs, idxs, ws, E)
@@ -672,6 +682,7 @@ def bench_peers(b: Bench, shape, W: int) -> None:
            f"equivalent reference, eager and {'graph replay' if b.cuda else 'emulated replay'}; y: "
            f"{differ}/{differ_g} elements differ in bf16 rounding")
     b.measure(shape, impl, "dispatch", g_dispatch.replay, nbytes, peer_bytes)
+    note_above_design(b, W, (W * (2 * T + N) + pairs) * row_bytes)  # x read, the stage written; pulled, written
     b.measure(shape, impl, "combine", g_combine.replay, nbytes, peer_bytes)
     if b.skipped(f"symm.w{W}.fp8"):
         return
@@ -697,6 +708,7 @@ def bench_peers(b: Bench, shape, W: int) -> None:
     P = fp8.packed_width(H)
     fp8_bytes = W * (T * row_bytes + N * P)  # read x (bf16) once, write every slot's wire row
     b.measure(shape, label(f"symm.w{W}.fp8"), "dispatch", g_fp8.replay, fp8_bytes, peer_rows * P)
+    note_above_design(b, W, W * (T * row_bytes + T * P + N * P) + pairs * P)  # x read, wire rows staged; pulled
     if b.skipped(f"symm.w{W}.fp8.dequantize"):
         return
     # fp8 training's dispatch: fp8 on the wire, the rows dequantized to bf16 as the pull moves them
@@ -711,6 +723,7 @@ def bench_peers(b: Bench, shape, W: int) -> None:
         check_routed(f"symm W={W} fp8 dequantized graph rank {r}", routed, tpe,
                      ref_rows[starts[r] : starts[r] + R[r]], ref_tpe[r])
     b.measure(shape, label(f"symm.w{W}.fp8.dequantize"), "dispatch", g_deq.replay, nbytes, peer_rows * P)
+    note_above_design(b, W, W * (T * row_bytes + T * P + N * row_bytes) + pairs * P)
 
 
 # --- output ---------------------------------------------------------------------------------
