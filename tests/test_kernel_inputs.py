@@ -28,8 +28,7 @@ import alltoall_ops as a2a
 from alltoall_ops import layout
 from alltoall_ops.backends import symm_mem
 from alltoall_ops.backends.symm_mem.buffers import ALIGNMENT, CALL, FAILED, META_EXTRA, N_SLOTS
-from alltoall_ops.kernels import loader
-from alltoall_ops.kernels import _config
+from alltoall_ops.kernels import _config, loader
 from alltoall_ops.kernels._config import BUDGET_BLOCKS, GPU_BLOCKS, RowBlocks
 from alltoall_ops.kernels.row_put import row_piece
 from alltoall_ops.kernels.region import Region
@@ -706,9 +705,10 @@ def test_the_pulls_pieces_give_each_thread_its_own_16_bytes(tiles):
        budget=st.sampled_from([None, 16, 32]))
 def test_a_small_token_pull_spreads_over_the_gpu(items, key, budget):
     # The fp8 wire rows' GPU tile takes 4 tokens a program (the best at T = 4096). At T = 128, W = 2
-    # that is 64 programs on 132 SMs, and the dispatch took 4% longer than with 1 token a program
-    # (H100, twenty-eighth session). A spread launch halves the tokens a program until the grid
-    # has SPREAD_PROGRAMS programs or a program takes one token; a budget's tile never spreads.
+    # that is 64 programs on 132 SMs: the dispatch took 3-4% longer than with the pull's old step,
+    # one token a program (H100, twenty-eighth session), and spread takes 2.5% off it (twenty-ninth).
+    # A spread launch halves the tokens a program until the grid has SPREAD_PROGRAMS programs or a
+    # program takes one token; a budget's tile never spreads.
     with mock.patch.object(_config, "interpreting", lambda: False):
         blocks = _config.row_blocks(key, items, 7168, 1, budget, spread=True)
         table_r = (_config.BUDGET_BLOCKS if budget else GPU_BLOCKS)[key][0]
