@@ -19,7 +19,9 @@ Kernels (bf16, H = 7168, K = 8, E = 256, fresh random top-k routing):
   (expert-major), in three payloads: bf16 rows (tile ``pull_tokens``), fp8 wire rows split into
   values and scale bytes (``pull_tokens_fp8``), fp8 wire rows dequantized to bf16
   (``pull_tokens_dequantize``);
-  every tile's result checked against torch; ``--pull-sms``: their budget tiles instead, beside
+  every tile's result checked against torch, each tile run as labelled (not spread); where
+  ``pull_rows`` spreads the tile in use at this T (``row_blocks(spread=True)``), that launch is
+  timed too; ``--pull-sms``: their budget tiles instead, beside
   a plain gather of the rows here on as many programs (``benchmarks/scatter_kernel.py``).
 - ``weight_grad``: reads grad_y (T, H) and (T*K, H) rows; bytes (T + T*K) * H * 2.
 - ``quantize`` (fp8): x (T, H) bf16 into the dispatch's wire rows, by tokens a program and warps
@@ -262,7 +264,8 @@ def sweep_pull(T: int, W: int, bandwidth: float, top: int, budget: Optional[int]
         def use(_name: str, cfg: tuple, key=key) -> None:
             table_of_tiles[key] = cfg
 
-        with mock.patch.dict(table_of_tiles):  # every tile checked, then timed; the tile in use restored
+        # NB: the sweep's tiles run as labelled (no spread); the tile in use is then timed as launched
+        with mock.patch.dict(table_of_tiles), mock.patch.object(_config, "SPREAD_PROGRAMS", 0):
             for cfg in tiles:
                 use(key, cfg)
                 out.zero_()
@@ -274,6 +277,11 @@ def sweep_pull(T: int, W: int, bandwidth: float, top: int, budget: Optional[int]
                            legend=f"{name}: (tokens a program, BLOCK_H at 2 bytes, num_warps)")
         print(f"  best {nbytes / ranked[0][0] / 1e3:.0f} GB/s; in use {chosen}: "
               + ", ".join(f"{us:.1f} us, {nbytes / us / 1e3:.0f} GB/s" for us, cfg in ranked if cfg == chosen))
+        spread_r = _config.row_blocks(key, W * T, H, max_programs=budget, spread=True).BLOCK_R
+        if spread_r != chosen[0]:  # pull_rows spreads a small pull over more programs
+            us = median_us(pull)
+            print(f"  in use as launched at T = {T} (spread to {spread_r} tokens a program): {us:.1f} us, "
+                  f"{nbytes / us / 1e3:.0f} GB/s")
     if budget is not None:  # the reference of bandwidth per SM: a plain gather of the rows here, bf16
         from benchmarks.scatter_kernel import gather_rows
 
