@@ -19,7 +19,8 @@ Kernels (bf16, H = 7168, K = 8, E = 256, fresh random top-k routing):
   (expert-major), in three payloads: bf16 rows (tile ``pull_tokens``), fp8 wire rows split into
   values and scale bytes (``pull_tokens_fp8``), fp8 wire rows dequantized to bf16
   (``pull_tokens_dequantize``);
-  every tile's result checked against torch, each tile run as labelled (not spread); where
+  every tile's result checked against torch, each timed from a CUDA graph (at T = 128 an eager
+  launch takes longer than the kernel) and run as labelled (not spread); where
   ``pull_rows`` spreads the tile in use at this T (``row_blocks(spread=True)``), that launch is
   timed too; ``--pull-sms``: their budget tiles instead, beside
   a plain gather of the rows here on as many programs (``benchmarks/scatter_kernel.py``).
@@ -70,16 +71,18 @@ def _use_blocks(name: str, cfg: tuple) -> None:
 
 
 def sweep(name: str, fn, nbytes: int, bandwidth: float, configs, top: int, use=_use_blocks,
-          legend: str = "(BLOCK_R, BLOCK_H at 2 bytes, num_warps)") -> list[tuple[float, tuple]]:
-    """Time ``fn`` with each of ``configs`` in use (``use(name, cfg)``; by default the kernel's
-    ``_config.GPU_BLOCKS`` entry), print the fastest against the copy floor of ``nbytes``, keep
-    the best in use, and return every (us, cfg), fastest first."""
+          legend: str = "(BLOCK_R, BLOCK_H at 2 bytes, num_warps)", time_us=None) -> list[tuple[float, tuple]]:
+    """Time ``fn`` (``time_us(fn)``, by default :data:`median_us`) with each of ``configs`` in use
+    (``use(name, cfg)``; by default the kernel's ``_config.GPU_BLOCKS`` entry), print the fastest
+    against the copy floor of ``nbytes``, keep the best in use, and return every (us, cfg),
+    fastest first."""
+    time_us = time_us or median_us
     floor = nbytes / bandwidth * 1e6
     results = []
     for cfg in configs:
         use(name, cfg)
         try:
-            results.append((median_us(fn), cfg))
+            results.append((time_us(fn), cfg))
         except Exception as exc:  # noqa: BLE001 - an illegal config (registers, shared memory)
             print(f"  {name} {cfg}: {type(exc).__name__}")
     results.sort()
@@ -273,20 +276,20 @@ def sweep_pull(T: int, W: int, bandwidth: float, top: int, budget: Optional[int]
                 got = (out,) if tail is None else (out, tail)
                 assert all(torch.equal(g, w) for g, w in zip(got, want)), f"pull_rows {name} != torch at {cfg}"
             nbytes = tokens_read * row_in + C * row_out
-            ranked = sweep(key, pull, nbytes, bandwidth, tiles, top, use,
+            ranked = sweep(key, pull, nbytes, bandwidth, tiles, top, use, time_us=graph_us,
                            legend=f"{name}: (tokens a program, BLOCK_H at 2 bytes, num_warps)")
         print(f"  best {nbytes / ranked[0][0] / 1e3:.0f} GB/s; in use {chosen}: "
               + ", ".join(f"{us:.1f} us, {nbytes / us / 1e3:.0f} GB/s" for us, cfg in ranked if cfg == chosen))
         spread_r = _config.row_blocks(key, W * T, H, max_programs=budget, spread=True).BLOCK_R
         if spread_r != chosen[0]:  # pull_rows spreads a small pull over more programs
-            us = median_us(pull)
+            us = graph_us(pull)
             print(f"  in use as launched at T = {T} (spread to {spread_r} tokens a program): {us:.1f} us, "
                   f"{nbytes / us / 1e3:.0f} GB/s")
     if budget is not None:  # the reference of bandwidth per SM: a plain gather of the rows here, bf16
         from benchmarks.scatter_kernel import gather_rows
 
         gathered = x.new_empty(C, H)
-        us = median_us(lambda: gather_rows(x, stage_row, gathered, budget))
+        us = graph_us(lambda: gather_rows(x, stage_row, gathered, budget))  # timed as the pull
         assert torch.equal(gathered, x[stage_row])
         print(f"  plain gather of the C rows (bf16) on {budget} programs: {us:.1f} us, "
               f"{2 * C * H * 2 / us / 1e3:.0f} GB/s")
