@@ -15,7 +15,8 @@ the one used).
 
 Each case is a kernel as a dispatch or combine with peers launches it at H = 7168, K = 8, W = 2
 (bf16 rows, fp8 wire rows of H + 4 H / 128 bytes), its tile from ``_config.row_blocks`` (the GPU
-tile, and with ``num_sms`` the budget tile), integer arguments specialised as such a launch
+tile, with ``num_sms`` the budget tile, and for the token pull the spread tile it launches with
+at T = 128, ``SPREAD_ITEMS`` tokens of all senders), integer arguments specialised as such a launch
 specialises them (divisible by 16) and barriers fused where the path with peers fuses them.
 ``Resources.problems`` holds a tile to what it is for: a GPU tile is one of many programs on an SM, so two of
 its programs must fit an SM's 65536 registers; a budget tile is the SM's one program (32 warps:
@@ -37,6 +38,9 @@ import tempfile
 REGISTERS_PER_SM = 65536
 """Registers of one SM on sm_90 (H100, H200)."""
 H, K, W = 7168, 8, 2
+SPREAD_ITEMS = W * 128
+"""Every sender's tokens a receiver's pull scans at T = 128 (the decode shape): few enough that
+``row_blocks(spread=True)`` spreads the token pull's tiles (one token a program)."""
 WIRE = H + 4 * H // 128
 """Bytes of an fp8 wire row at H (values, then the fp32 scale of each 128-column block)."""
 _NOT_SPECIALISED = {"rank", "tag_base", "barrier_rank", "timeout_ms", "barrier_op", "world_size", "ret_index",
@@ -108,7 +112,7 @@ def _cases() -> list[Case]:
 @dataclasses.dataclass(frozen=True)
 class Resources:
     case: str
-    budget: bool  # the budget tile (one program an SM) or the GPU tile
+    kind: str  # "GPU", "budget" (one program an SM) or "spread" (the GPU tile spread: ``SPREAD_ITEMS``)
     tile: tuple  # (rows, columns, warps)
     registers: int  # a thread's
     local: int  # bytes of local memory a thread (spills)
@@ -119,13 +123,13 @@ class Resources:
         """What this tile should not have: spills; a GPU tile two of whose programs do not fit an SM."""
         out = [f"{self.local} bytes of local memory a thread (spills)"] if self.local else []
         threads = 32 * self.tile[2]
-        if not self.budget and 2 * threads * self.registers > REGISTERS_PER_SM:
+        if self.kind != "budget" and 2 * threads * self.registers > REGISTERS_PER_SM:
             out.append(f"{self.registers} registers a thread: fewer than two programs of {threads} threads an SM")
         return out
 
 
-def measure(case: Case, budget: bool) -> Resources:
-    """Compile ``case`` at its GPU tile (or, ``budget``, at its budget tile) for sm_90 and read its resources."""
+def measure(case: Case, kind: str = "GPU") -> Resources:
+    """Compile ``case`` at its ``kind`` of tile (:class:`Resources`) for sm_90 and read its resources."""
     import importlib
 
     import triton
@@ -137,14 +141,15 @@ def measure(case: Case, budget: bool) -> Resources:
     from alltoall_ops.kernels.row_put import row_piece
 
     kernel = getattr(importlib.import_module(f"alltoall_ops.kernels.{case.module}"), case.kernel)
-    max_programs = 16 if budget else None
+    max_programs = 16 if kind == "budget" else None
     if case.tile[0] == "quantize":
         _, rows, warps = quantize.tiles(4096, 7168, max_programs, post=case.tile == ("quantize", "post"))
         tile = dict(BLOCK_R=rows)
         shape = (rows, 128, warps)
     else:
         key, X, element_size = case.tile
-        blocks = _config.row_blocks(key, 65536, X, element_size, max_programs)
+        blocks = _config.row_blocks(key, SPREAD_ITEMS if kind == "spread" else 65536, X, element_size, max_programs,
+                                    spread=kind == "spread")
         tile = dict(zip(case.tile_names, (blocks.BLOCK_R, blocks.BLOCK_H)))
         if case.kernel == "_pull_rows_kernel":  # the columns of one load, as pull_rows sets them
             tile["BLOCK_C"] = row_piece(blocks, element_size)
@@ -173,21 +178,24 @@ def measure(case: Case, budget: bool) -> Resources:
         sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     fields = dict(re.findall(r"(REG|LOCAL|SHARED):(\d+)", usage))
     instructions = len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+\S", sass, re.M))  # "/*0040*/  LDG.E.128 ..." lines
-    return Resources(case.name, budget, shape, int(fields["REG"]), int(fields["LOCAL"]), int(fields["SHARED"]),
+    return Resources(case.name, kind, shape, int(fields["REG"]), int(fields["LOCAL"]), int(fields["SHARED"]),
                      instructions)
 
 
 def measure_all(only: str = "") -> list[Resources]:
-    """Every case (whose name contains ``only``) at its GPU tile and, where it has one, its budget tile."""
+    """Every case (whose name contains ``only``) at its GPU tile and, where it has them, its budget
+    tile and (the token pull) its spread tile."""
     from alltoall_ops.kernels import _config
 
     out = []
     for case in _cases():
         if only not in case.name:
             continue
-        out.append(measure(case, budget=False))
+        out.append(measure(case))
         if case.tile[0] == "quantize" or case.tile[0] in _config.BUDGET_BLOCKS:
-            out.append(measure(case, budget=True))
+            out.append(measure(case, "budget"))
+        if case.tile[0].startswith("pull_tokens"):
+            out.append(measure(case, "spread"))
     return out
 
 
@@ -203,7 +211,7 @@ def main(argv: list[str]) -> int:
           f"{'SASS':>5s}  problems")
     for r in rows:
         tile = f"{r.tile[0]} x {r.tile[1]}, {r.tile[2]}"
-        print(f"{r.case:40s} {'budget' if r.budget else 'GPU':7s} {tile:20s} {r.registers:5d} {r.local:6d} "
+        print(f"{r.case:40s} {r.kind:7s} {tile:20s} {r.registers:5d} {r.local:6d} "
               f"{r.shared:7d} {r.instructions:5d}  {'; '.join(r.problems()) or '-'}")
     return 1 if any(r.problems() for r in rows) else 0
 
