@@ -71,12 +71,10 @@ def _use_blocks(name: str, cfg: tuple) -> None:
 
 
 def sweep(name: str, fn, nbytes: int, bandwidth: float, configs, top: int, use=_use_blocks,
-          legend: str = "(BLOCK_R, BLOCK_H at 2 bytes, num_warps)", time_us=None) -> list[tuple[float, tuple]]:
-    """Time ``fn`` (``time_us(fn)``, by default :data:`median_us`) with each of ``configs`` in use
-    (``use(name, cfg)``; by default the kernel's ``_config.GPU_BLOCKS`` entry), print the fastest
-    against the copy floor of ``nbytes``, keep the best in use, and return every (us, cfg),
-    fastest first."""
-    time_us = time_us or median_us
+          legend: str = "(BLOCK_R, BLOCK_H at 2 bytes, num_warps)", time_us=median_us) -> list[tuple[float, tuple]]:
+    """Time ``fn`` (``time_us(fn)``) with each of ``configs`` in use (``use(name, cfg)``; by
+    default the kernel's ``_config.GPU_BLOCKS`` entry), print the fastest against the copy floor
+    of ``nbytes``, keep the best in use, and return every (us, cfg), fastest first."""
     floor = nbytes / bandwidth * 1e6
     results = []
     for cfg in configs:
