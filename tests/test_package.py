@@ -4,8 +4,10 @@ op's checks (in fresh processes), and the one-rank process group of ``testing``.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import logging
+import operator
 import subprocess
 import sys
 import textwrap
@@ -66,6 +68,58 @@ def test_an_explicit_triton_interpret_is_left_alone():
     assert "TRITON_INTERPRET 0" in out.stdout
     assert "local backend ok True" in out.stdout
     assert "SymmBuffers on the CPU run the kernels in Triton's interpreter" in out.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs the kernels only without CUDA")
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8])
+def test_the_interpreter_reduces_xor_in_numpy_as_in_python(monkeypatch, dtype):
+    # loader.load() gives Triton's interpreter numpy's xor reduction (tl.sort's swaps): a kernel's
+    # xor over each axis and over all, and its sort, are the same integers with the
+    # interpreter's own element-by-element path and against Python's xor and sort.
+    interpreter = pytest.importorskip("triton.runtime.interpreter")
+    from alltoall_ops.kernels import loader
+
+    loader.load()
+    python_reduce = getattr(interpreter.ReduceOps.apply_impl, "python_reduce", None)
+    if python_reduce is None:
+        pytest.skip("this Triton's interpreter has other internals: its own xor reduction runs")
+    kernel = _xor_and_sort_kernel()
+    info = torch.iinfo(dtype)
+    x = torch.randint(info.min, info.max, (4, 64), dtype=torch.int64).to(dtype)
+    expected = (
+        [functools.reduce(operator.xor, column) for column in x.T.tolist()],
+        [functools.reduce(operator.xor, row) for row in x.tolist()],
+        [functools.reduce(operator.xor, x.flatten().tolist())],
+        sorted(x.flatten().tolist()),
+    )
+
+    def run():
+        outs = (torch.empty(64, dtype=dtype), torch.empty(4, dtype=dtype), torch.empty(1, dtype=dtype),
+                torch.empty(256, dtype=dtype))
+        kernel[(1,)](x, *outs, R=4, C=64)
+        return [out.tolist() for out in outs]
+
+    assert run() == list(expected)
+    monkeypatch.setattr(interpreter.ReduceOps, "apply_impl", python_reduce)
+    assert run() == list(expected)
+
+
+@functools.cache
+def _xor_and_sort_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(x_ptr, by_column_ptr, by_row_ptr, all_ptr, sorted_ptr, R: tl.constexpr, C: tl.constexpr):
+        o_r, o_c = tl.arange(0, R), tl.arange(0, C)
+        b_x = tl.load(x_ptr + o_r[:, None] * C + o_c[None, :])
+        tl.store(by_column_ptr + o_c, tl.xor_sum(b_x, axis=0))
+        tl.store(by_row_ptr + o_r, tl.xor_sum(b_x, axis=1))
+        b_flat = tl.reshape(b_x, [R * C])
+        tl.store(all_ptr + tl.arange(0, 1), tl.xor_sum(b_flat, axis=0) + tl.zeros([1], dtype=b_flat.dtype))
+        tl.store(sorted_ptr + tl.arange(0, R * C), tl.sort(b_flat))
+
+    return kernel
 
 
 def test_the_import_is_light():
