@@ -1,6 +1,7 @@
 """Package-level behaviour: the version, what goes to the ``alltoall_ops`` logger, the Triton
-interpreter switch on a machine without CUDA, a light import, dynamo imported before a checked
-op's checks (in fresh processes), and the one-rank process group of ``testing``."""
+interpreter switch on a machine without CUDA and its xor reduction, a light import, dynamo
+imported before a checked op's checks (in fresh processes), and the one-rank process group of
+``testing``."""
 
 from __future__ import annotations
 
