@@ -16,7 +16,7 @@ import json
 import os
 import subprocess
 import sys
-from functools import partial
+from functools import cache, partial
 from unittest import mock
 
 import pytest
@@ -355,8 +355,38 @@ def _without_interpreter(script: str, arg, timeout: int = 300) -> str:
     return out.stdout
 
 
+_EACH_CASE = """
+import json, sys, traceback
+
+
+def each_case(run):  # prints run(*case) for each case in argv[1] (JSON), or the traceback where it raised
+    results = []
+    for case in json.loads(sys.argv[1]):
+        try:
+            results.append({"result": run(*case)})
+        except Exception:
+            results.append({"error": traceback.format_exc()})
+    print(json.dumps(results))
+"""
+"""Scripts given many cases end with ``each_case(run)``: one Python (one import of torch and
+Triton, about 2 s) for all the cases of a parametrized test, each case failing on its own."""
+
+
+def _each_without_interpreter(script: str, cases: dict) -> dict:
+    """{key: what ``script``'s run gives for case} for ``cases`` {key: its arguments}, in one
+    Python without Triton's interpreter (``_without_interpreter``)."""
+    results = json.loads(_without_interpreter(_EACH_CASE + script, list(cases.values()), timeout=900).splitlines()[-1])
+    return dict(zip(cases, results))
+
+
+def _case_result(results: dict, key):
+    """The result of case ``key`` of ``_each_without_interpreter``; its traceback fails the test."""
+    if "error" in results[key]:
+        pytest.fail(results[key]["error"][-3000:])
+    return results[key]["result"]
+
+
 _WRITTEN_BY_THE_KERNEL = """
-import json, sys
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from torch._higher_order_ops import triton_kernel_wrap
@@ -367,17 +397,22 @@ class CudaTarget:
 
 triton.runtime.driver.set_active(CudaTarget())
 import importlib  # the kernel's module, not through loader.load(): compiled, not interpreted
-module, name, shapes, scalars, dtypes = json.loads(sys.argv[1])
-kwargs = {arg: torch.zeros(shape, dtype=getattr(torch, dtypes.get(arg, "int64"))) for arg, shape in shapes.items()}
-kwargs.update({k: getattr(triton.language, v[3:]) if str(v).startswith("tl.") else v
-               for k, v in scalars.items()})
-kernel = getattr(importlib.import_module(module), name)
-if hasattr(triton_kernel_wrap, "identify_accessed_tensors"):  # torch >= 2.13
-    accessed = triton_kernel_wrap.identify_accessed_tensors(kernel, kwargs, {})
-    written = [dep.name for dep in accessed.read_writes.writes]
-else:
-    written = triton_kernel_wrap.identify_mutated_tensors(kernel, kwargs, {})
-print(" ".join(sorted(arg for arg in written if arg in shapes)))
+
+
+def written(module, name, shapes, scalars, dtypes):
+    kwargs = {arg: torch.zeros(shape, dtype=getattr(torch, dtypes.get(arg, "int64"))) for arg, shape in shapes.items()}
+    kwargs.update({k: getattr(triton.language, v[3:]) if str(v).startswith("tl.") else v
+                   for k, v in scalars.items()})
+    kernel = getattr(importlib.import_module(module), name)
+    if hasattr(triton_kernel_wrap, "identify_accessed_tensors"):  # torch >= 2.13
+        accessed = triton_kernel_wrap.identify_accessed_tensors(kernel, kwargs, {})
+        written = [dep.name for dep in accessed.read_writes.writes]
+    else:
+        written = triton_kernel_wrap.identify_mutated_tensors(kernel, kwargs, {})
+    return sorted(arg for arg in written if arg in shapes)
+
+
+each_case(written)
 """
 
 E_, N_ = 16, 64
@@ -486,17 +521,24 @@ KERNELS = {  # kernel: (tensor arguments' shapes, other arguments, the tensors i
 }
 
 
+@cache
+def _each_kernel(script: str) -> dict:
+    """``script``'s result for each kernel of ``KERNELS``, its run given (module, name, shapes,
+    scalars, dtypes)."""
+    cases = {}
+    for kernel, (shapes, scalars, _) in KERNELS.items():
+        module, name = kernel.split("[")[0].split(".")
+        cases[kernel] = [f"alltoall_ops.kernels.{module}", name, shapes, scalars, _DTYPES.get(kernel, {})]
+    return _each_without_interpreter(script, cases)
+
+
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_compiled_code_sees_only_the_outputs_written(kernel):
     # Inductor asks which arguments a user kernel writes (from its Triton IR); where its analysis
     # fails it takes every argument for written, and compiled code then copies topk_idx before
     # the launch and back into the caller's tensor after it (seen on the H200 with a scan over a
     # tuple). The analysis needs no GPU: a CUDA target stands in for the driver.
-    shapes, scalars, written = KERNELS[kernel]
-    module, name = kernel.split("[")[0].split(".")
-    out = _without_interpreter(_WRITTEN_BY_THE_KERNEL,
-                               [f"alltoall_ops.kernels.{module}", name, shapes, scalars, _DTYPES.get(kernel, {})])
-    assert out.split() == written
+    assert _case_result(_each_kernel(_WRITTEN_BY_THE_KERNEL), kernel) == KERNELS[kernel][2]
 
 
 _SM90_PTX = """
@@ -520,12 +562,17 @@ the CPU; ``constants``, constexprs passed as JSON."""
 
 _WITH_CONSTANT_SCALARS = _SM90_PTX + """
 import importlib
-module, name, shapes, scalars, dtypes = json.loads(sys.argv[1])
-kernel = getattr(importlib.import_module(module), name)
-scalars = constants(scalars)
-pointer = {"int64": "*i64", "uint8": "*u8", "bfloat16": "*bf16"}
-signature = {arg: "constexpr" if arg in scalars else pointer[dtypes.get(arg, "int64")] for arg in kernel.arg_names}
-sm90_ptx(kernel, signature, scalars, debug=True, sanitize_overflow=False)
+
+
+def compiles(module, name, shapes, scalars, dtypes):
+    kernel = getattr(importlib.import_module(module), name)
+    scalars = constants(scalars)
+    pointer = {"int64": "*i64", "uint8": "*u8", "bfloat16": "*bf16"}
+    signature = {arg: "constexpr" if arg in scalars else pointer[dtypes.get(arg, "int64")] for arg in kernel.arg_names}
+    return bool(sm90_ptx(kernel, signature, scalars, debug=True, sanitize_overflow=False))
+
+
+each_case(compiles)
 """
 
 
@@ -535,27 +582,29 @@ def test_kernels_compile_with_every_scalar_a_constant(kernel):
     # the kernel's body): a method of a Triton scalar on one (``timeout_ms.to(...)``) failed it on
     # the H200, and inductor then took every argument for written (a leaf that requires grad
     # written in place: the compile failed). PTX for sm_90, built on the CPU.
-    shapes, scalars, _ = KERNELS[kernel]
-    module, name = kernel.split("[")[0].split(".")
-    _without_interpreter(_WITH_CONSTANT_SCALARS,
-                         [f"alltoall_ops.kernels.{module}", name, shapes, scalars, _DTYPES.get(kernel, {})])
+    assert _case_result(_each_kernel(_WITH_CONSTANT_SCALARS), kernel) is True
 
 
 _BARRIER_PTX = _SM90_PTX + """
 from alltoall_ops.kernels import barrier, row_put, seq_exchange, topk_reduce
 
-kernel, W, constexprs = json.loads(sys.argv[1])
-pointers = ("x0", "x1", "x2")  # the Ulysses post's tensors
-kernel = {"barrier": barrier._barrier_kernel, "put_meta": row_put._put_meta_kernel,
-          "put_meta[the plan first]": row_put._put_meta_kernel,
-          "put_rows": row_put._put_rows_kernel, "post_slots": row_put._post_slots_kernel,
-          "pull_rows": row_put._pull_rows_kernel, "topk_reduce": topk_reduce._topk_reduce_kernel,
-          "seq_post": seq_exchange._post_kernel}[kernel]
-constexprs = {**constants(constexprs), "WORLD_SIZE": W}
-signature = {name: "constexpr" if name in constexprs else "*i64" if name.endswith("_ptr") or name in pointers
-             else "i32" for name in kernel.arg_names}
-ptx = sm90_ptx(kernel, signature, constexprs, debug=True, sanitize_overflow=False, num_warps=4)
-print(ptx.count("%globaltimer"), ptx.count("call.uni __assertfail") + ptx.count("call __assertfail"))
+
+
+def clock_reads_and_asserts(kernel, W, constexprs):
+    pointers = ("x0", "x1", "x2")  # the Ulysses post's tensors
+    kernel = {"barrier": barrier._barrier_kernel, "put_meta": row_put._put_meta_kernel,
+              "put_meta[the plan first]": row_put._put_meta_kernel,
+              "put_rows": row_put._put_rows_kernel, "post_slots": row_put._post_slots_kernel,
+              "pull_rows": row_put._pull_rows_kernel, "topk_reduce": topk_reduce._topk_reduce_kernel,
+              "seq_post": seq_exchange._post_kernel}[kernel]
+    constexprs = {**constants(constexprs), "WORLD_SIZE": W}
+    signature = {name: "constexpr" if name in constexprs else "*i64" if name.endswith("_ptr") or name in pointers
+                 else "i32" for name in kernel.arg_names}
+    ptx = sm90_ptx(kernel, signature, constexprs, debug=True, sanitize_overflow=False, num_warps=4)
+    return [ptx.count("%globaltimer"), ptx.count("call.uni __assertfail") + ptx.count("call __assertfail")]
+
+
+each_case(clock_reads_and_asserts)
 """
 
 _FUSED = {  # kernel: (its constexprs with the barrier, barriers in it)
@@ -590,17 +639,27 @@ def test_barrier_deadline_is_an_int32_of_milliseconds():
     assert _device_timeout_ms(MAX_TIMEOUT_S) == MAX_DEVICE_TIMEOUT_MS
 
 
+_FUSED_WORLD_SIZES = (2, 4)
+
+
+@cache
+def _clock_reads_and_asserts() -> dict:
+    """{(kernel, W): [timer reads, asserts] in its PTX} for each kernel of ``_FUSED``."""
+    return _each_without_interpreter(_BARRIER_PTX, {(kernel, W): [kernel, W, constexprs] for kernel, (constexprs, _)
+                                                    in _FUSED.items() for W in _FUSED_WORLD_SIZES})
+
+
 @pytest.mark.parametrize("kernel", sorted(_FUSED))
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", _FUSED_WORLD_SIZES)
 def test_barrier_reads_the_clock_in_every_wait_loop(kernel, world_size):
     # The deadline's clock is pure asm (so that inductor's analysis above passes), which the
     # compiler may hoist out of a loop unless its operand changes there: chained on the previous
     # reading, it is read once at the start of a barrier and once in each of its 2 * W wait loops
     # (one timer read in all would be a barrier that never times out), in the barrier kernel and
     # in the kernels that fuse barriers. PTX for sm_90, built on the CPU.
-    constexprs, barriers = _FUSED[kernel]
-    out = _without_interpreter(_BARRIER_PTX, [kernel, world_size, constexprs])
-    timer_reads, asserts = map(int, out.split())
+    barriers = _FUSED[kernel][1]
+    out = _case_result(_clock_reads_and_asserts(), (kernel, world_size))
+    timer_reads, asserts = out
     assert timer_reads == barriers * (1 + 2 * world_size), out
     assert asserts >= barriers * (1 + 2 * world_size), "the deadline's assert in every wait loop, and the stamps'"
 
