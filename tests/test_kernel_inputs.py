@@ -372,10 +372,11 @@ def each_case(run):  # prints run(*case) for each case in argv[1] (JSON), or the
 Triton, about 2 s) for all the cases of a parametrized test, each case failing on its own."""
 
 
-def _each_without_interpreter(script: str, cases: dict) -> dict:
+def _each_without_interpreter(script: str, cases: dict, timeout: int = 900) -> dict:
     """{key: what ``script``'s run gives for case} for ``cases`` {key: its arguments}, in one
     Python without Triton's interpreter (``_without_interpreter``)."""
-    results = json.loads(_without_interpreter(_EACH_CASE + script, list(cases.values()), timeout=900).splitlines()[-1])
+    out = _without_interpreter(_EACH_CASE + script, list(cases.values()), timeout=timeout)
+    results = json.loads(out.splitlines()[-1])
     return dict(zip(cases, results))
 
 
@@ -668,8 +669,9 @@ _PTX_OPS = _SM90_PTX + """
 import collections, re
 from alltoall_ops.kernels import quantize, row_put, topk_reduce
 
-out = []
-for kernel, constexprs, pointers, *warps in json.loads(sys.argv[1]):  # pointers: {name: type} where not *i64
+
+
+def op_counts(kernel, constexprs, pointers, *warps):  # pointers: {name: type} where not *i64
     kernel = {"pull_rows": row_put._pull_rows_kernel, "put_rows": row_put._put_rows_kernel,
               "post_slots": row_put._post_slots_kernel, "quantize_rows": quantize._quantize_rows_kernel,
               "topk_reduce": topk_reduce._topk_reduce_kernel}[kernel]
@@ -681,12 +683,20 @@ for kernel, constexprs, pointers, *warps in json.loads(sys.argv[1]):  # pointers
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in names
              if n not in ("ret_index", "tags_index")}
     ptx = sm90_ptx(kernel, signature, constexprs, attrs, num_warps=warps[0] if warps else 8)
-    out.append(collections.Counter(re.findall(
-        r"(?:ld|st)\\.global[\\w.]*|cvt\\.rn\\.[\\w.]+|(?:ld|st)\\.shared|shfl\\.sync|bar\\.sync", ptx)))
-print(json.dumps(out))
+    return collections.Counter(re.findall(
+        r"(?:ld|st)\\.global[\\w.]*|cvt\\.rn\\.[\\w.]+|(?:ld|st)\\.shared|shfl\\.sync|bar\\.sync", ptx))
+
+
+each_case(op_counts)
 """
 """Each case's PTX op counts: global loads and stores by width, float conversions, shared-memory
 loads and stores, warp shuffles and barriers."""
+
+
+def _ptx_ops(cases: list) -> list:
+    """``_PTX_OPS``' op counts of each case [kernel, constexprs, pointers(, num_warps)], in order."""
+    results = _each_without_interpreter(_PTX_OPS, dict(enumerate(cases)), timeout=600)
+    return [_case_result(results, i) for i in results]
 
 
 def test_rows_reached_by_address_move_as_vectors():
@@ -708,7 +718,7 @@ def test_rows_reached_by_address_move_as_vectors():
              # tail_ptr: unused without HAS_TAIL, typed as out_ptr; the pull from the senders' tags
              ["pull_rows", dict(pull, ROW_MAP=False, STAGED=True), dict(out_ptr=bf16, tail_ptr=bf16)],
              ["pull_rows", dict(pull, ROW_MAP=False, STAGED=False), dict(rows_ptr=bf16, out_ptr=bf16, tail_ptr=bf16)]]
-    accesses = json.loads(_without_interpreter(_PTX_OPS, cases, timeout=600))
+    accesses = _ptx_ops(cases)
     by_address, by_tensor = accesses[::2], accesses[1::2]
     for kernel, address, tensor in zip(("topk_reduce", "pull_rows"), by_address, by_tensor):
         wide = {a: n for a, n in tensor.items() if ".v4." in a}
@@ -734,7 +744,7 @@ def test_movers_reach_their_peers_without_reducing_across_threads():
                BLOCK_R=put_r, BLOCK_H=put_h, BARRIER=False, WORLD_SIZE=8)
     cases = [["pull_rows", pull, dict(out_ptr="*bf16", tail_ptr="*bf16"), pull_warps],
              ["put_rows", put, dict(src_ptr="*bf16", out_ptr="*bf16", scale_ptr="*fp32"), put_warps]]
-    pull_ops, put_ops = json.loads(_without_interpreter(_PTX_OPS, cases, timeout=600))
+    pull_ops, put_ops = _ptx_ops(cases)
     for ops in (pull_ops, put_ops):
         assert ops.get("ld.global.v4.b32"), ops  # the rows move (as vectors)
         assert not {op: n for op, n in ops.items() if op.startswith("shfl") or ".shared" in op}, ops
@@ -795,7 +805,7 @@ def test_a_pull_thread_loads_one_tokens_tags_however_many_tokens_a_program_takes
     cases = [["pull_rows", dict(pull, BLOCK_R=rows, BLOCK_C=row_piece(RowBlocks(rows, 2048, 32), 2), BLOCK_T=1),
               dict(out_ptr="*bf16", tail_ptr="*bf16"), 32] for rows in (16, 32)]
     loads = [sum(n for op, n in ops.items() if op.startswith("ld.global") and op.endswith("b64") and ".v" not in op)
-             for ops in json.loads(_without_interpreter(_PTX_OPS, cases, timeout=600))]
+             for ops in _ptx_ops(cases)]
     assert loads[0] == loads[1], loads
 
 
@@ -814,7 +824,7 @@ def test_the_quantizing_post_stores_its_rows_as_the_quantize_does():
                 BLOCK_R=block_r, BLOCK_H=128, BLOCK_S=64, BARRIER=False, WORLD_SIZE=2)
     cases = [["quantize_rows", quantize, dict(x_ptr="*bf16", values_ptr="*u8", scales_ptr="*fp32"), warps],
              ["post_slots", post, dict(src_ptr="*bf16"), warps]]
-    quantize_ops, post_ops = json.loads(_without_interpreter(_PTX_OPS, cases, timeout=600))
+    quantize_ops, post_ops = _ptx_ops(cases)
 
     def rows(ops):  # the tile's accesses (the post's tags and token are 8-byte)
         return {op: n for op, n in ops.items() if op.startswith(("ld.global", "st.global")) and not op.endswith("b64")}
@@ -835,7 +845,7 @@ def test_the_dequantizing_pull_loads_each_block_scale_once_and_converts_in_hardw
     pull = dict(tile, K=8, ROW_MAP=False, STAGED=True, HAS_SCALE=False, ACC_DTYPE="tl.float32",
                 HAS_TAIL=True, BLOCK_C=tile["BLOCK_H"], BLOCK_T=1, BARRIER=False, WORLD_SIZE=2, DEQUANTIZE=True)
     pointers = dict(out_ptr="*bf16", tail_ptr="*u8", rows_ptr="*u8")
-    (accesses,) = json.loads(_without_interpreter(_PTX_OPS, [["pull_rows", pull, pointers]], timeout=600))
+    (accesses,) = _ptx_ops([["pull_rows", pull, pointers]])
     scale_loads = accesses.get("ld.global.b32", 0)
     block_scales = tile["BLOCK_R"] * tile["BLOCK_H"] // 128
     assert 0 < scale_loads <= -(-block_scales // threads) * 4, accesses  # a few per thread, not one per column

@@ -87,12 +87,12 @@ def test_the_interpreter_reduces_xor_in_numpy_as_in_python(monkeypatch, dtype):
     kernel = _xor_and_sort_kernel()
     info = torch.iinfo(dtype)
     x = torch.randint(info.min, info.max, (4, 64), dtype=torch.int64).to(dtype)
-    expected = (
+    expected = [
         [functools.reduce(operator.xor, column) for column in x.T.tolist()],
         [functools.reduce(operator.xor, row) for row in x.tolist()],
         [functools.reduce(operator.xor, x.flatten().tolist())],
         sorted(x.flatten().tolist()),
-    )
+    ]
 
     def run():
         outs = (torch.empty(64, dtype=dtype), torch.empty(4, dtype=dtype), torch.empty(1, dtype=dtype),
@@ -100,9 +100,9 @@ def test_the_interpreter_reduces_xor_in_numpy_as_in_python(monkeypatch, dtype):
         kernel[(1,)](x, *outs, R=4, C=64)
         return [out.tolist() for out in outs]
 
-    assert run() == list(expected)
+    assert run() == expected
     monkeypatch.setattr(interpreter.ReduceOps, "apply_impl", python_reduce)
-    assert run() == list(expected)
+    assert run() == expected
 
 
 @functools.cache
