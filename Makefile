@@ -51,7 +51,9 @@ kernel-resources: install $(DEVICE_TRITON_DIST)
 	PYTHONPATH=$(DEVICE_TRITON_DIR) $(PY) -m tools.kernel_resources $(KERNELS)
 
 # On the GPU host (system python3 with torch preinstalled, no venv, no network): every test marked
-# gpu, then the SM-budget benchmark. Under 8 minutes on one H200 (docs/gpu.md).
+# gpu (8 workers where pytest-xdist is installed: about 2 minutes warm, 3-5 on a fresh machine), then
+# the SM-budget benchmark, whose table replaces results/overlap_gpu.md (docs/gpu.md).
+GPU_TEST_WORKERS = $(shell python3 -c "import xdist" 2>/dev/null && echo "-n 8")
 gpu-check:
-	python3 -m pytest -q -m gpu tests/test_*_gpu.py
-	python3 -m benchmarks.overlap --out results/gpu --budgets 16 24 32 all
+	python3 -m pytest -q -m gpu -rf $(GPU_TEST_WORKERS) tests/test_*_gpu.py
+	python3 -m benchmarks.overlap --out results --budgets 16 24 32 all
