@@ -26,6 +26,14 @@ from typing import Callable, Optional, Sequence, TypeVar, Union
 import torch
 import torch.distributed as dist
 
+# NB: imported before any process group exists. Its collectives default to ``group=group.WORLD``,
+# evaluated at its first import, which torch._dynamo's import makes (:func:`import_dynamo`, at a
+# rank's first collective, after init_process_group): ten defaults then held the default group,
+# so destroy_process_group left it alive, gloo's threads running, until interpreter exit, where
+# its teardown aborted now and then ("terminate called without an active exception"). Imported
+# here, before the user's init_process_group, its defaults are None.
+import torch.distributed.nn.functional  # noqa: F401  (isort: skip)
+
 from .errors import CollectiveError, CollectiveTimeout, GroupMismatchError, PeerInputError, RoutingError
 from ._compat import custom_op, is_compiling
 from .groups import LOCAL, process_group

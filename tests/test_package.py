@@ -167,6 +167,29 @@ def test_a_checked_op_imports_dynamo_before_its_checks():
     assert "raised bad argument" in out.stdout, out.stdout
 
 
+def test_destroy_process_group_frees_the_default_group_after_an_op():
+    """torch.distributed.nn.functional's collectives default to ``group=group.WORLD``, evaluated
+    at its first import, which an op's first collective made (through torch._dynamo's import),
+    after init_process_group: ten defaults then held the group past destroy_process_group, and
+    gloo's teardown at interpreter exit aborted now and then ("terminate called without an active
+    exception", a CI run of the test above). ``alltoall_ops.comm`` imports it first."""
+    out = _run("""
+        import gc, sys, torch
+        import torch.distributed as dist
+        from alltoall_ops import comm
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        pg = dist.group.WORLD
+        comm.agree("dispatch", pg.group_name, [0] * len(comm.FIELDS["dispatch"]))
+        print("dynamo", "torch._dynamo" in sys.modules)
+        dist.destroy_process_group()
+        gc.collect()
+        print("held elsewhere", sys.getrefcount(pg) - 2)
+    """)
+    assert out.returncode == 0, out.stderr
+    assert "dynamo True" in out.stdout, out.stdout
+    assert "held elsewhere 0" in out.stdout, out.stdout
+
+
 def test_one_rank_group_is_made_for_the_block_or_left_alone():
     # testing.one_rank_group: the default process group one-GPU tools and benchmarks take (gloo on
     # the CPU), gone after the block; inside one, an existing group is used as it is.
