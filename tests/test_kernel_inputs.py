@@ -356,7 +356,11 @@ def _without_interpreter(script: str, arg, timeout: int = 300) -> str:
 
 
 _EACH_CASE = """
-import json, sys, traceback
+import json, sys, traceback, triton
+
+
+def constants(values):  # JSON's "tl.float32" -> triton.language.float32
+    return {k: getattr(triton.language, v[3:]) if str(v).startswith("tl.") else v for k, v in values.items()}
 
 
 def each_case(run):  # prints run(*case) for each case in argv[1] (JSON), or the traceback where it raised
@@ -369,7 +373,8 @@ def each_case(run):  # prints run(*case) for each case in argv[1] (JSON), or the
     print(json.dumps(results))
 """
 """Scripts given many cases end with ``each_case(run)``: one Python (one import of torch and
-Triton, about 2 s) for all the cases of a parametrized test, each case failing on its own."""
+Triton, about 2 s) for all the cases of a parametrized test, each case failing on its own;
+``constants``, a case's constexprs as JSON gives them."""
 
 
 def _each_without_interpreter(script: str, cases: dict, timeout: int = 900) -> dict:
@@ -402,8 +407,7 @@ import importlib  # the kernel's module, not through loader.load(): compiled, no
 
 def written(module, name, shapes, scalars, dtypes):
     kwargs = {arg: torch.zeros(shape, dtype=getattr(torch, dtypes.get(arg, "int64"))) for arg, shape in shapes.items()}
-    kwargs.update({k: getattr(triton.language, v[3:]) if str(v).startswith("tl.") else v
-                   for k, v in scalars.items()})
+    kwargs.update(constants(scalars))
     kernel = getattr(importlib.import_module(module), name)
     if hasattr(triton_kernel_wrap, "identify_accessed_tensors"):  # torch >= 2.13
         accessed = triton_kernel_wrap.identify_accessed_tensors(kernel, kwargs, {})
@@ -543,13 +547,8 @@ def test_compiled_code_sees_only_the_outputs_written(kernel):
 
 
 _SM90_PTX = """
-import json, sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-
-
-def constants(values):  # JSON's "tl.float32" -> triton.language.float32
-    return {k: getattr(triton.language, v[3:]) if str(v).startswith("tl.") else v for k, v in values.items()}
 
 
 def sm90_ptx(kernel, signature, constexprs, attrs=None, **options):
@@ -559,7 +558,7 @@ def sm90_ptx(kernel, signature, constexprs, attrs=None, **options):
                           target=target, options=options.__dict__).asm["ptx"]
 """
 """The scripts below start with it: ``sm90_ptx``, a kernel's PTX for an H100 / H200, built on
-the CPU; ``constants``, constexprs passed as JSON."""
+the CPU."""
 
 _WITH_CONSTANT_SCALARS = _SM90_PTX + """
 import importlib
@@ -668,7 +667,6 @@ def test_barrier_reads_the_clock_in_every_wait_loop(kernel, world_size):
 _PTX_OPS = _SM90_PTX + """
 import collections, re
 from alltoall_ops.kernels import quantize, row_put, topk_reduce
-
 
 
 def op_counts(kernel, constexprs, pointers, *warps):  # pointers: {name: type} where not *i64
